@@ -1,0 +1,120 @@
+"""GGUF block formats against the `gguf` package's own quantize/dequantize, bit for bit."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf import quants as gq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vkgraph import quant
+
+ALL = sorted(quant.FORMATS)
+# gguf implements quantization only for these; Q4_K and Q6_K it can only dequantize
+GGUF_QUANTIZES = ["BF16", "F16", "Q4_0", "Q8_0"]
+# relative RMS round-trip error on normal data, a little above what each format achieves
+ROUNDTRIP_TOL = {"F16": 1e-3, "BF16": 5e-3, "Q8_0": 1e-2, "Q4_0": 0.15, "Q4_K": 0.12, "Q6_K": 0.04}
+
+
+def _ggml(name: str) -> GGMLQuantizationType:
+    return getattr(GGMLQuantizationType, name)
+
+
+def _cols(fmt: quant.QuantFormat, draw_blocks: int) -> int:
+    return fmt.block_size * draw_blocks if fmt.block_size > 1 else draw_blocks
+
+
+@st.composite
+def matrices(draw, fmt_name):
+    fmt = quant.FORMATS[fmt_name]
+    rows = draw(st.integers(1, 5))
+    cols = _cols(fmt, draw(st.integers(1, 4 if fmt.block_size == 256 else 40)))
+    seed = draw(st.integers(0, 2**32 - 1))
+    scale = draw(st.sampled_from([1e-3, 1.0, 300.0]))
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+    # blocks of zeros and blocks with a single outlier are the edge cases of every scale search
+    if draw(st.booleans()):
+        x[:, : min(cols, fmt.block_size)] = 0
+    if draw(st.booleans()):
+        x[0, draw(st.integers(0, cols - 1))] = scale * 40
+    return x
+
+
+@pytest.mark.parametrize("name", GGUF_QUANTIZES)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_quantize_matches_gguf(name, data):
+    x = data.draw(matrices(name))
+    ours = quant.quantize(x, name)
+    ref = gq.quantize(x, _ggml(name)).view(np.uint8).reshape(ours.data.shape)
+    np.testing.assert_array_equal(ours.data, ref)
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_dequantize_matches_gguf_on_random_bits(name, data):
+    fmt = quant.FORMATS[name]
+    rows = data.draw(st.integers(1, 4))
+    cols = _cols(fmt, data.draw(st.integers(1, 3 if fmt.block_size == 256 else 24)))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    raw = rng.integers(0, 256, (rows, fmt.row_bytes(cols)), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ours = quant.QuantizedTensor(raw, fmt, (rows, cols)).dequantize()
+        ref = gq.dequantize(raw, _ggml(name)).reshape(rows, cols)
+    np.testing.assert_array_equal(ours.view(np.uint32), np.asarray(ref, np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ALL)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_roundtrip_error(name, data):
+    x = data.draw(matrices(name))
+    qt = quant.quantize(x, name)
+    assert qt.data.shape == (x.shape[0], qt.format.row_bytes(x.shape[1]))
+    y = qt.dequantize()
+    assert np.isfinite(y).all()
+    norm = np.linalg.norm(x)
+    if norm > 0:
+        assert np.linalg.norm(y - x) / norm <= ROUNDTRIP_TOL[name]
+    if name != "Q4_K":  # Q4_K has an offset (min) per sub-block, so zero need not decode to zero
+        assert np.all(y[x == 0] == 0)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_k_quants_requantize_stable(name):
+    """Quantizing what a block decodes to must give back values no worse than the first pass."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 1024)).astype(np.float32)
+    y = quant.quantize(x, name).dequantize()
+    z = quant.quantize(y, name).dequantize()
+    assert np.linalg.norm(z - y) <= 0.5 * np.linalg.norm(y - x)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_kernel_layout_roundtrip(name):
+    fmt = quant.FORMATS[name]
+    cols = fmt.block_size * 3 if fmt.block_size > 1 else 13
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, (5, fmt.row_bytes(cols)), dtype=np.uint8)
+    qt = quant.QuantizedTensor(raw, fmt, (5, cols))
+    body, scales = quant.kernel_layout(qt)
+    assert body.shape[1] % 16 == 0, "every row of the kernel layout starts on a 16-byte boundary"
+    back = quant.from_kernel_layout(body, scales, fmt, qt.shape)
+    np.testing.assert_array_equal(back.data, raw)
+
+
+def test_from_raw_and_errors():
+    x = np.ones((2, 64), np.float32)
+    qt = quant.quantize(x, "q8_0")
+    again = quant.QuantizedTensor.from_raw(qt.data.tobytes(), "Q8_0", (2, 64))
+    np.testing.assert_array_equal(again.data, qt.data)
+    with pytest.raises(ValueError, match="block size"):
+        quant.quantize(np.ones((2, 48), np.float32), "Q4_0")
+    with pytest.raises(ValueError, match="unknown weight format"):
+        quant.quantize(x, "Q5_9")
+    with pytest.raises(ValueError, match="2-D"):
+        quant.quantize(np.ones(64, np.float32), "Q8_0")
+    with pytest.raises(ValueError, match="expected"):
+        quant.QuantizedTensor.from_raw(qt.data.tobytes()[:-1], "Q8_0", (2, 64))

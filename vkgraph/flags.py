@@ -1,0 +1,79 @@
+"""Every environment variable vkgraph reads, in one registry.
+
+`python -m vkgraph.flags` lists them. Reading a flag goes through `flag(name)` so that the registry stays the
+single source of truth; an unknown ``VKGRAPH_*`` variable in the environment gives a warning once.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    type: type
+    default: Any
+    meaning: str
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "vkgraph")
+
+
+FLAGS: dict[str, Flag] = {
+    f.name: f
+    for f in [
+        Flag("VKGRAPH_DEVICE", str, "", "physical device to use: an index, or a substring of its name"),
+        Flag("VKGRAPH_POOL_BUDGET_MB", int, 1024, "idle bytes the buffer pool may keep, in MiB"),
+        Flag("VKGRAPH_POOL_BUCKET_CAP", int, 16, "idle buffers the pool keeps per size class"),
+        Flag("VKGRAPH_CACHE_DIR", str, _default_cache_dir(), "folder of the SPIR-V and pipeline caches"),
+        Flag("VKGRAPH_DISK_CACHE", int, 1, "0 disables the on-disk SPIR-V and pipeline caches"),
+        Flag("VKGRAPH_COMPILER", str, "auto", "GLSL compiler: auto, glslang (in process) or glslc"),
+        Flag("VKGRAPH_PROFILE", int, 0, "1 records GPU timestamps per dispatch; table at exit, Chrome trace"),
+        Flag("VKGRAPH_PROFILE_FILE", str, "vkgraph.trace.json", "where VKGRAPH_PROFILE writes the Chrome trace"),
+        Flag("VKGRAPH_TIMEOUT_S", float, 60.0, "seconds to wait on a fence before raising a timeout"),
+        Flag("VKGRAPH_DEBUG", int, 0, "1 prints the schedule, 3 also prints generated GLSL"),
+        Flag("VKGRAPH_VALIDATION", int, 0, "1 enables the Khronos validation layer; messages raise errors"),
+        Flag("VKGRAPH_MAX_RECORDED", int, 256, "dispatches recorded before a command buffer is submitted"),
+    ]
+}
+
+
+def flag(name: str) -> Any:
+    """The value of a registered flag, read from the environment now, converted to its type."""
+    spec = FLAGS[name]
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return spec.default
+    try:
+        return spec.type(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r}: expected {spec.type.__name__} ({spec.meaning})") from e
+
+
+def warn_unknown(environ: dict[str, str] | None = None) -> list[str]:
+    """Warn about VKGRAPH_* variables that no flag declares; returns their names."""
+    env = os.environ if environ is None else environ
+    unknown = sorted(k for k in env if k.startswith("VKGRAPH_") and k not in FLAGS)
+    for name in unknown:
+        warnings.warn(f"unknown environment variable {name}; `python -m vkgraph.flags` lists the known ones",
+                      stacklevel=2)
+    return unknown
+
+
+def table() -> str:
+    rows = [("name", "type", "default", "now", "meaning")]
+    for f in FLAGS.values():
+        rows.append((f.name, f.type.__name__, str(f.default), str(flag(f.name)), f.meaning))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows)
+
+
+if __name__ == "__main__":
+    print(table())

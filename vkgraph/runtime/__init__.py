@@ -1,0 +1,21 @@
+"""The Vulkan runtime: device, buffer pool, compiler, pipelines, dispatch queue. Knows nothing of tensors."""
+
+from .device import Device, DeviceInfo, get_device, reset_device
+from .errors import (
+    CompileError,
+    DeviceError,
+    DeviceLost,
+    DeviceTimeout,
+    KernelInterfaceError,
+    OutOfDeviceMemory,
+    UnsupportedFeature,
+    VkgraphError,
+)
+from .memory import Buffer, BufferView, size_class
+from .pipeline import Kernel
+
+__all__ = [
+    "Buffer", "BufferView", "CompileError", "Device", "DeviceError", "DeviceInfo", "DeviceLost", "DeviceTimeout",
+    "Kernel", "KernelInterfaceError", "OutOfDeviceMemory", "UnsupportedFeature", "VkgraphError", "get_device",
+    "reset_device", "size_class",
+]

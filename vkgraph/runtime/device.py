@@ -1,0 +1,406 @@
+"""Instance, physical-device choice, features and limits, logical device; the Device facade.
+
+The Device ties the runtime together: its pool, compiler, pipelines and queue. Layers above call
+`get_device()` and use `alloc / upload / download / kernel / dispatch / flush / synchronize`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..flags import flag, warn_unknown
+from .compiler import Compiler
+from .errors import DeviceError, UnsupportedFeature
+from .vk import NULL, Keep, check, ffi, lib, vk
+
+_TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
+_TYPE_PREFERENCE = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}
+_SUBGROUP_OPS = {
+    vk.VK_SUBGROUP_FEATURE_BASIC_BIT: "basic", vk.VK_SUBGROUP_FEATURE_VOTE_BIT: "vote",
+    vk.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT: "arithmetic", vk.VK_SUBGROUP_FEATURE_BALLOT_BIT: "ballot",
+    vk.VK_SUBGROUP_FEATURE_SHUFFLE_BIT: "shuffle", vk.VK_SUBGROUP_FEATURE_SHUFFLE_RELATIVE_BIT: "shuffle_relative",
+    vk.VK_SUBGROUP_FEATURE_CLUSTERED_BIT: "clustered", vk.VK_SUBGROUP_FEATURE_QUAD_BIT: "quad",
+}
+VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
+
+
+@dataclass
+class DeviceInfo:
+    """Features and limits of the chosen physical device, as the layers above need them."""
+
+    name: str
+    vendor_id: int
+    device_id: int
+    device_type: str
+    api_version: tuple[int, int, int]
+    driver_version: int
+    pipeline_cache_uuid: str
+    subgroup_size: int
+    subgroup_ops: frozenset[str]
+    subgroup_size_control: bool
+    min_subgroup_size: int
+    max_subgroup_size: int
+    float16: bool
+    float64: bool
+    int8: bool
+    int16: bool
+    int64: bool
+    storage_8bit: bool
+    storage_16bit: bool
+    subgroup_extended_types: bool
+    integer_dot_product: bool
+    integer_dot_product_accelerated: bool
+    max_workgroup_invocations: int
+    max_workgroup_size: tuple[int, int, int]
+    max_workgroup_count: tuple[int, int, int]
+    max_shared_memory: int
+    max_storage_buffer_range: int
+    max_allocation_size: int
+    max_buffer_size: int
+    max_push_constants_size: int
+    min_storage_offset_alignment: int
+    timestamp_period: float
+    timestamps: bool
+    unified_memory: bool
+    heaps: list[tuple[int, bool]] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[str, str]]:
+        out = []
+        for k, v in self.__dict__.items():
+            if isinstance(v, frozenset):
+                v = ", ".join(sorted(v))
+            elif k == "heaps":
+                v = "; ".join(f"{s / 2**30:.1f} GiB{' device-local' if d else ''}" for s, d in v)
+            elif isinstance(v, int) and not isinstance(v, bool) and v >= 1 << 20:
+                v = f"{v} ({v / 2**20:.0f} MiB)"
+            out.append((k, str(v)))
+        return out
+
+
+class Device:
+    """A Vulkan device and everything vkgraph keeps per device."""
+
+    def __init__(self, selector: str | None = None) -> None:
+        from .memory import MemoryManager
+        from .pipeline import PipelineManager
+        from .queue import Queue
+
+        warn_unknown()
+        self._lock = threading.RLock()
+        self.closed = False
+        self.validation_messages: list[str] = []
+        self._create_instance()
+        try:
+            self.physical, self.info = self._choose_physical(selector if selector is not None else flag("VKGRAPH_DEVICE"))
+            self._create_device()
+            self.compiler = Compiler()
+            self.memory = MemoryManager(self)
+            self.pipelines = PipelineManager(self)
+            self.queue = Queue(self)
+        except BaseException:
+            self._destroy_partial()
+            raise
+
+    # ---- instance and physical device ------------------------------------------------------------------------
+    def _create_instance(self) -> None:
+        k = Keep()
+        layers = self._wanted_layers()
+        exts = ["VK_EXT_debug_utils"] if layers else []
+        app = k.struct("VkApplicationInfo", pApplicationName=k.cstr("vkgraph"), applicationVersion=1,
+                       pEngineName=k.cstr("vkgraph"), engineVersion=1, apiVersion=vk.VK_MAKE_VERSION(1, 3, 0))
+        ci = k.struct("VkInstanceCreateInfo", pApplicationInfo=app, enabledLayerCount=len(layers),
+                      ppEnabledLayerNames=k.cstr_array(layers), enabledExtensionCount=len(exts),
+                      ppEnabledExtensionNames=k.cstr_array(exts))
+        out = ffi.new("VkInstance*")
+        res = lib.vkCreateInstance(ci, NULL, out)
+        if res == vk.VK_ERROR_INCOMPATIBLE_DRIVER:
+            raise DeviceError("no Vulkan driver found (install mesa-vulkan-drivers for the CPU driver lavapipe)", res)
+        check(res, "vkCreateInstance")
+        self.instance = out[0]
+        self.messenger = None
+        if layers:
+            self._install_messenger()
+
+    def _wanted_layers(self) -> list[str]:
+        # The loader enables VK_INSTANCE_LAYERS by itself; we only add the debug messenger then.
+        env_layers = os.environ.get("VK_INSTANCE_LAYERS", "")
+        want = flag("VKGRAPH_VALIDATION") or VALIDATION_LAYER in env_layers
+        if not want:
+            return []
+        count = ffi.new("uint32_t*")
+        lib.vkEnumerateInstanceLayerProperties(count, NULL)
+        props = ffi.new("VkLayerProperties[]", count[0])
+        lib.vkEnumerateInstanceLayerProperties(count, props)
+        names = {ffi.string(props[i].layerName).decode() for i in range(count[0])}
+        if VALIDATION_LAYER not in names:
+            raise DeviceError(f"validation asked for but {VALIDATION_LAYER} is not installed "
+                              "(Debian: vulkan-validationlayers)")
+        return [] if VALIDATION_LAYER in env_layers else [VALIDATION_LAYER]
+
+    def _install_messenger(self) -> None:
+        messages = self.validation_messages
+
+        def callback(severity, types, data, user):  # noqa: ARG001 (the signature is Vulkan's)
+            text = ffi.string(data.pMessage).decode(errors="replace")
+            messages.append(text)
+            return 0
+
+        create = vk.vkGetInstanceProcAddr(self.instance, "vkCreateDebugUtilsMessengerEXT")
+        sev = vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_WARNING_BIT_EXT | vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT
+        typ = (vk.VK_DEBUG_UTILS_MESSAGE_TYPE_VALIDATION_BIT_EXT
+               | vk.VK_DEBUG_UTILS_MESSAGE_TYPE_PERFORMANCE_BIT_EXT)
+        info = vk.VkDebugUtilsMessengerCreateInfoEXT(messageSeverity=sev, messageType=typ, pfnUserCallback=callback)
+        self._callback = callback
+        self._messenger_info = info
+        self.messenger = create(self.instance, info, None)
+
+    def _choose_physical(self, selector: str) -> tuple[Any, DeviceInfo]:
+        count = ffi.new("uint32_t*")
+        check(lib.vkEnumeratePhysicalDevices(self.instance, count, NULL), "vkEnumeratePhysicalDevices")
+        if count[0] == 0:
+            raise DeviceError("Vulkan found no physical device (install mesa-vulkan-drivers for lavapipe)")
+        handles = ffi.new("VkPhysicalDevice[]", count[0])
+        check(lib.vkEnumeratePhysicalDevices(self.instance, count, handles), "vkEnumeratePhysicalDevices")
+        found = [(handles[i], _query_info(handles[i])) for i in range(count[0])]
+        if selector != "":
+            if selector.isdigit():
+                idx = int(selector)
+                if idx >= len(found):
+                    raise DeviceError(f"VKGRAPH_DEVICE={selector}: only {len(found)} devices: "
+                                      + ", ".join(f"{i}: {f[1].name}" for i, f in enumerate(found)))
+                return found[idx]
+            match = [f for f in found if selector.lower() in f[1].name.lower()]
+            if not match:
+                raise DeviceError(f"VKGRAPH_DEVICE={selector!r} matches none of: "
+                                  + ", ".join(f[1].name for f in found))
+            return match[0]
+        return min(found, key=lambda f: _TYPE_PREFERENCE.get(_type_code(f[1].device_type), 9))
+
+    # ---- logical device -------------------------------------------------------------------------------------
+    def _create_device(self) -> None:
+        k = Keep()
+        count = ffi.new("uint32_t*")
+        lib.vkGetPhysicalDeviceQueueFamilyProperties(self.physical, count, NULL)
+        fams = ffi.new("VkQueueFamilyProperties[]", count[0])
+        lib.vkGetPhysicalDeviceQueueFamilyProperties(self.physical, count, fams)
+        compute = [i for i in range(count[0]) if fams[i].queueFlags & vk.VK_QUEUE_COMPUTE_BIT]
+        if not compute:
+            raise DeviceError(f"{self.info.name} has no compute queue")
+        # The first compute family is the universal one on every driver we know; it has timestamps.
+        self.queue_family = compute[0]
+        self.info.timestamps = fams[self.queue_family].timestampValidBits > 0
+        prio = k.new("float[1]", [1.0])
+        qci = k.struct("VkDeviceQueueCreateInfo", queueFamilyIndex=self.queue_family, queueCount=1,
+                       pQueuePriorities=prio)
+        f11, f12, f13, f2 = _feature_chain(k)
+        lib.vkGetPhysicalDeviceFeatures2(self.physical, f2)
+        # Enable only what vkgraph uses, and only where present.
+        e11, e12, e13, e2 = _feature_chain(k)
+        for name in ("shaderInt64", "shaderInt16", "shaderFloat64"):
+            setattr(e2.features, name, getattr(f2.features, name))
+        for name in ("storageBuffer16BitAccess", "uniformAndStorageBuffer16BitAccess", "storagePushConstant16"):
+            setattr(e11, name, getattr(f11, name))
+        for name in ("shaderFloat16", "shaderInt8", "storageBuffer8BitAccess", "uniformAndStorageBuffer8BitAccess",
+                     "storagePushConstant8", "shaderSubgroupExtendedTypes", "hostQueryReset", "vulkanMemoryModel",
+                     "vulkanMemoryModelDeviceScope", "shaderBufferInt64Atomics", "scalarBlockLayout"):
+            setattr(e12, name, getattr(f12, name))
+        if self.info.api_version >= (1, 3, 0):
+            for name in ("subgroupSizeControl", "computeFullSubgroups", "shaderIntegerDotProduct", "maintenance4",
+                         "synchronization2"):
+                setattr(e13, name, getattr(f13, name))
+        else:
+            e12.pNext = NULL
+        ci = k.struct("VkDeviceCreateInfo", pNext=e2, queueCreateInfoCount=1, pQueueCreateInfos=qci)
+        out = ffi.new("VkDevice*")
+        check(lib.vkCreateDevice(self.physical, ci, NULL, out), "vkCreateDevice")
+        self.device = out[0]
+        q = ffi.new("VkQueue*")
+        lib.vkGetDeviceQueue(self.device, self.queue_family, 0, q)
+        self.vk_queue = q[0]
+
+    # ---- the facade the layers above use ---------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> Any:
+        """A pooled device buffer of `nbytes` (its size; its capacity may be larger)."""
+        return self.memory.pool.alloc(nbytes)
+
+    def upload(self, buf: Any, array: np.ndarray | bytes | memoryview, offset: int = 0) -> None:
+        """Copy host bytes into `buf` at byte `offset`, ordered after work already recorded."""
+        self.memory.upload(buf, array, offset)
+
+    def download(self, buf: Any, dtype: Any = np.uint8, shape: tuple[int, ...] | int | None = None,
+                 offset: int = 0) -> np.ndarray:
+        """A new numpy array holding `buf`'s bytes from `offset`, once every recorded writer has finished."""
+        return self.memory.download(buf, dtype, shape, offset)
+
+    def kernel(self, source: str, *, spec: dict[str, Any] | None = None, defines: dict[str, Any] | None = None,
+               name: str | None = None, include_dirs: list[str | Path] | None = None,
+               subgroup_size: int | None = None) -> Any:
+        """A compiled, cached compute pipeline for GLSL `source` (see docs/runtime.md)."""
+        return self.pipelines.kernel(source, spec=spec, defines=defines, name=name, include_dirs=include_dirs,
+                                     subgroup_size=subgroup_size)
+
+    def dispatch(self, kernel: Any, buffers: list[Any], groups: tuple[int, ...] | int,
+                 push: dict[str, Any] | tuple | list | None = None) -> None:
+        """Record one dispatch; barriers follow from which bindings the kernel writes."""
+        self.queue.dispatch(kernel, buffers, groups, push)
+
+    def flush(self) -> None:
+        """Submit the recorded work without waiting."""
+        self.queue.flush()
+
+    def synchronize(self) -> None:
+        """Submit the recorded work and wait for all submitted work."""
+        self.queue.synchronize()
+
+    def require(self, feature: str, what: str) -> None:
+        """Raise UnsupportedFeature unless `info.<feature>` is true."""
+        if not getattr(self.info, feature):
+            raise UnsupportedFeature(f"{what} needs {feature}, which {self.info.name} does not support")
+
+    # ---- teardown ---------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for the GPU, then destroy every Vulkan object this device made."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                lib.vkDeviceWaitIdle(self.device)
+            finally:
+                self.queue.destroy()
+                self.pipelines.destroy()
+                self.memory.destroy()
+                lib.vkDestroyDevice(self.device, NULL)
+                self._destroy_instance()
+
+    def _destroy_partial(self) -> None:
+        if getattr(self, "device", None) is not None:
+            lib.vkDestroyDevice(self.device, NULL)
+        self._destroy_instance()
+
+    def _destroy_instance(self) -> None:
+        if self.messenger is not None:
+            destroy = vk.vkGetInstanceProcAddr(self.instance, "vkDestroyDebugUtilsMessengerEXT")
+            destroy(self.instance, self.messenger, None)
+            self.messenger = None
+        lib.vkDestroyInstance(self.instance, NULL)
+
+
+def _type_code(name: str) -> int:
+    return {v: k for k, v in _TYPE_NAMES.items()}[name]
+
+
+def _feature_chain(k: Keep) -> tuple[Any, Any, Any, Any]:
+    f13 = k.struct("VkPhysicalDeviceVulkan13Features")
+    f12 = k.struct("VkPhysicalDeviceVulkan12Features", pNext=f13)
+    f11 = k.struct("VkPhysicalDeviceVulkan11Features", pNext=f12)
+    f2 = k.struct("VkPhysicalDeviceFeatures2", pNext=f11)
+    return f11, f12, f13, f2
+
+
+def _query_info(physical: Any) -> DeviceInfo:
+    k = Keep()
+    base = k.new("VkPhysicalDeviceProperties*")
+    lib.vkGetPhysicalDeviceProperties(physical, base)
+    api = base.apiVersion
+    api_version = (vk.VK_VERSION_MAJOR(api), vk.VK_VERSION_MINOR(api), vk.VK_VERSION_PATCH(api))
+    if api_version < (1, 2, 0):
+        raise DeviceError(f"{ffi.string(base.deviceName).decode()}: Vulkan {api_version} found, 1.2 or newer needed")
+    has13 = api_version >= (1, 3, 0)
+    p13 = k.struct("VkPhysicalDeviceVulkan13Properties")
+    dot = k.struct("VkPhysicalDeviceShaderIntegerDotProductProperties", pNext=p13 if has13 else NULL)
+    p11 = k.struct("VkPhysicalDeviceVulkan11Properties", pNext=dot if has13 else NULL)
+    m4 = k.struct("VkPhysicalDeviceMaintenance4Properties", pNext=p11)
+    p2 = k.struct("VkPhysicalDeviceProperties2", pNext=m4 if has13 else p11)
+    lib.vkGetPhysicalDeviceProperties2(physical, p2)
+    f11, f12, f13, f2 = _feature_chain(k)
+    if not has13:
+        f12.pNext = NULL
+    lib.vkGetPhysicalDeviceFeatures2(physical, f2)
+    mem = k.new("VkPhysicalDeviceMemoryProperties*")
+    lib.vkGetPhysicalDeviceMemoryProperties(physical, mem)
+    lim = p2.properties.limits
+    heaps = [(mem.memoryHeaps[i].size, bool(mem.memoryHeaps[i].flags & vk.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT))
+             for i in range(mem.memoryHeapCount)]
+    host_visible = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+    device_local_types = [mem.memoryTypes[i].propertyFlags for i in range(mem.memoryTypeCount)
+                          if mem.memoryTypes[i].propertyFlags & vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT]
+    unified = bool(device_local_types) and all((f & host_visible) == host_visible for f in device_local_types)
+    ops = frozenset(n for bit, n in _SUBGROUP_OPS.items() if p11.subgroupSupportedOperations & bit)
+    dot_accel = has13 and bool(dot.integerDotProduct4x8BitPackedSignedAccelerated)
+    return DeviceInfo(
+        name=ffi.string(base.deviceName).decode(),
+        vendor_id=base.vendorID, device_id=base.deviceID,
+        device_type=_TYPE_NAMES.get(base.deviceType, "other"),
+        api_version=api_version, driver_version=base.driverVersion,
+        pipeline_cache_uuid=bytes(ffi.buffer(base.pipelineCacheUUID, 16)).hex(),
+        subgroup_size=p11.subgroupSize, subgroup_ops=ops,
+        subgroup_size_control=has13 and bool(f13.subgroupSizeControl),
+        min_subgroup_size=p13.minSubgroupSize if has13 else p11.subgroupSize,
+        max_subgroup_size=p13.maxSubgroupSize if has13 else p11.subgroupSize,
+        float16=bool(f12.shaderFloat16), float64=bool(f2.features.shaderFloat64), int8=bool(f12.shaderInt8),
+        int16=bool(f2.features.shaderInt16), int64=bool(f2.features.shaderInt64),
+        storage_8bit=bool(f12.storageBuffer8BitAccess), storage_16bit=bool(f11.storageBuffer16BitAccess),
+        subgroup_extended_types=bool(f12.shaderSubgroupExtendedTypes),
+        integer_dot_product=has13 and bool(f13.shaderIntegerDotProduct),
+        integer_dot_product_accelerated=dot_accel,
+        max_workgroup_invocations=lim.maxComputeWorkGroupInvocations,
+        max_workgroup_size=tuple(lim.maxComputeWorkGroupSize),
+        max_workgroup_count=tuple(lim.maxComputeWorkGroupCount),
+        max_shared_memory=lim.maxComputeSharedMemorySize,
+        max_storage_buffer_range=lim.maxStorageBufferRange,
+        max_allocation_size=p11.maxMemoryAllocationSize,
+        max_buffer_size=m4.maxBufferSize if has13 else p11.maxMemoryAllocationSize,
+        max_push_constants_size=lim.maxPushConstantsSize,
+        min_storage_offset_alignment=lim.minStorageBufferOffsetAlignment,
+        timestamp_period=lim.timestampPeriod, timestamps=bool(lim.timestampComputeAndGraphics),
+        unified_memory=unified, heaps=heaps,
+    )
+
+
+_DEVICE: Device | None = None
+_DEVICE_LOCK = threading.Lock()
+_LIVE: weakref.WeakSet[Device] = weakref.WeakSet()
+
+
+def get_device() -> Device:
+    """The process-wide default Device, created on first use."""
+    global _DEVICE
+    dev = _DEVICE
+    if dev is not None and not dev.closed:
+        return dev
+    with _DEVICE_LOCK:
+        if _DEVICE is None or _DEVICE.closed:
+            _DEVICE = Device()
+            _LIVE.add(_DEVICE)
+        return _DEVICE
+
+
+def reset_device() -> Device:
+    """Close the default device (if any) and create a fresh one, e.g. after DeviceLost."""
+    global _DEVICE
+    with _DEVICE_LOCK:
+        old, _DEVICE = _DEVICE, None
+    if old is not None:
+        try:
+            old.close()
+        except DeviceError:
+            pass  # a lost device may fail its teardown; the new one does not depend on it
+    return get_device()
+
+
+@atexit.register
+def _close_all() -> None:
+    for dev in list(_LIVE):
+        try:
+            dev.close()
+        except Exception:  # noqa: BLE001 (interpreter exit: never raise here)
+            pass

@@ -1,0 +1,393 @@
+"""Device buffers, the buffer pool, and host transfers (direct where memory is host-visible, else staged).
+
+A Buffer is what a caller holds: a size (what was asked; bounds every access) over an Allocation (a VkBuffer
+and its memory, with a capacity). Releasing a Buffer returns its Allocation to the pool, bucketed by size
+class; idle allocations over the budget or the per-bucket cap are freed once the GPU is done with them.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..flags import flag
+from .errors import DeviceError, OutOfDeviceMemory
+from .vk import NULL, Keep, check, ffi, handle_int, lib, vk
+
+if TYPE_CHECKING:
+    from .device import Device
+
+_USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
+          | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+_HOST = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+_DEVICE_LOCAL = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
+_CACHED = vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT
+STAGING_CHUNK = 64 << 20
+
+
+def size_class(nbytes: int) -> int:
+    """Capacity for a request: up to 64 KiB round up to 256 B, above that to the next power of two."""
+    if nbytes <= 0:
+        return 256
+    if nbytes <= 64 << 10:
+        return (nbytes + 255) // 256 * 256
+    return 1 << (nbytes - 1).bit_length()
+
+
+class Allocation:
+    """One VkBuffer bound to its own VkDeviceMemory; mapped when host-visible."""
+
+    __slots__ = ("buffer", "memory", "capacity", "kind", "host", "handle", "last_use", "freed", "__weakref__")
+
+    def __init__(self, buffer: Any, memory: Any, capacity: int, kind: str, host: np.ndarray | None) -> None:
+        self.buffer = buffer
+        self.memory = memory
+        self.capacity = capacity
+        self.kind = kind
+        self.host = host  # uint8 view over the mapping, or None
+        self.handle = handle_int(buffer)
+        self.last_use = 0  # sequence number of the last submission that used it
+        self.freed = False
+
+
+class Buffer:
+    """A device buffer of `size` bytes. Release it (or drop it) to return its memory to the pool."""
+
+    __slots__ = ("alloc", "size", "pool", "_finalizer", "__weakref__")
+
+    def __init__(self, alloc: Allocation, size: int, pool: BufferPool) -> None:
+        self.alloc = alloc
+        self.size = size
+        self.pool = pool
+        self._finalizer = weakref.finalize(self, pool._put, alloc)
+
+    @property
+    def capacity(self) -> int:
+        return self.alloc.capacity
+
+    @property
+    def offset(self) -> int:
+        return 0
+
+    def view(self, offset: int, nbytes: int) -> BufferView:
+        """Bytes [offset, offset + nbytes) of this buffer, to bind or transfer."""
+        return BufferView(self, offset, nbytes)
+
+    def release(self) -> None:
+        """Return the memory to the pool now. The GPU may still be using it: the queue orders reuse after it."""
+        self._finalizer()
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def __repr__(self) -> str:
+        return f"Buffer(size={self.size}, capacity={self.capacity}{', released' if self.released else ''})"
+
+
+class BufferView:
+    """A byte range of a Buffer (keeps the Buffer alive)."""
+
+    __slots__ = ("base", "offset", "size")
+
+    def __init__(self, base: Buffer, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > base.size:
+            raise ValueError(f"view [{offset}, {offset + nbytes}) is outside a buffer of {base.size} bytes")
+        self.base = base
+        self.offset = offset
+        self.size = nbytes
+
+    @property
+    def alloc(self) -> Allocation:
+        return self.base.alloc
+
+    def view(self, offset: int, nbytes: int) -> BufferView:
+        return BufferView(self.base, self.offset + offset, nbytes)
+
+
+@dataclass
+class PoolStats:
+    live_bytes: int = 0
+    idle_bytes: int = 0
+    live_buffers: int = 0
+    idle_buffers: int = 0
+    hits: int = 0
+    misses: int = 0
+    freed: int = 0
+    budget_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class BufferPool:
+    """Size-classed reuse of allocations of one memory kind, with a per-bucket cap and an idle-byte budget."""
+
+    def __init__(self, memory: MemoryManager, kind: str) -> None:
+        self.memory = memory
+        self.kind = kind
+        self.idle: dict[int, list[Allocation]] = defaultdict(list)
+        self.stats = PoolStats(budget_bytes=flag("VKGRAPH_POOL_BUDGET_MB") << 20)
+        self.bucket_cap = flag("VKGRAPH_POOL_BUCKET_CAP")
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def alloc(self, nbytes: int) -> Buffer:
+        if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+            raise ValueError(f"buffer size must be a non-negative int, got {nbytes!r}")
+        nbytes = int(nbytes)
+        info = self.memory.device.info
+        if nbytes > info.max_buffer_size:
+            raise OutOfDeviceMemory(f"{nbytes} bytes asked for one buffer; the device's maxBufferSize is "
+                                    f"{info.max_buffer_size}", nbytes, self.stats.as_dict())
+        cap = size_class(nbytes)
+        if cap > info.max_allocation_size or cap > info.max_buffer_size:
+            cap = max(nbytes, 256)
+        with self.lock:
+            bucket = self.idle.get(cap)
+            if bucket:
+                alloc = bucket.pop()
+                self.stats.hits += 1
+                self.stats.idle_bytes -= cap
+                self.stats.idle_buffers -= 1
+            else:
+                alloc = None
+                self.stats.misses += 1
+        if alloc is None:
+            alloc = self._allocate(cap, nbytes)
+        with self.lock:
+            self.stats.live_bytes += cap
+            self.stats.live_buffers += 1
+        return Buffer(alloc, nbytes, self)
+
+    def _allocate(self, cap: int, nbytes: int) -> Allocation:
+        try:
+            return self.memory.allocate(cap, self.kind)
+        except OutOfDeviceMemory:
+            self.trim(0)
+            self.memory.collect()
+            try:
+                return self.memory.allocate(cap, self.kind)
+            except OutOfDeviceMemory as e:
+                raise OutOfDeviceMemory(
+                    f"out of {self.kind} memory allocating {nbytes} bytes (capacity {cap}) after releasing idle "
+                    f"buffers; pool: {self.stats.as_dict()}", nbytes, self.stats.as_dict()) from e
+
+    def _put(self, alloc: Allocation) -> None:
+        with self.lock:
+            self.stats.live_bytes -= alloc.capacity
+            self.stats.live_buffers -= 1
+            bucket = self.idle[alloc.capacity]
+            keep = (not self.closed and len(bucket) < self.bucket_cap
+                    and self.stats.idle_bytes + alloc.capacity <= self.stats.budget_bytes)
+            if keep:
+                bucket.append(alloc)
+                self.stats.idle_bytes += alloc.capacity
+                self.stats.idle_buffers += 1
+                return
+            self.stats.freed += 1
+        self.memory.free_later(alloc)
+
+    def trim(self, keep_bytes: int) -> None:
+        """Free idle allocations, largest first, until at most `keep_bytes` stay idle."""
+        victims = []
+        with self.lock:
+            for cap in sorted(self.idle, reverse=True):
+                bucket = self.idle[cap]
+                while bucket and self.stats.idle_bytes > keep_bytes:
+                    victims.append(bucket.pop())
+                    self.stats.idle_bytes -= cap
+                    self.stats.idle_buffers -= 1
+                    self.stats.freed += 1
+        for a in victims:
+            self.memory.free_later(a)
+
+
+class MemoryManager:
+    """Memory types, raw allocation, deferred frees, the device and staging pools, and host transfers."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        k = Keep()
+        props = k.new("VkPhysicalDeviceMemoryProperties*")
+        lib.vkGetPhysicalDeviceMemoryProperties(device.physical, props)
+        self.types = [(props.memoryTypes[i].propertyFlags, props.memoryTypes[i].heapIndex)
+                      for i in range(props.memoryTypeCount)]
+        self.heap_sizes = [props.memoryHeaps[i].size for i in range(props.memoryHeapCount)]
+        self.unified = device.info.unified_memory
+        self.pending_free: list[Allocation] = []
+        self.lock = threading.Lock()
+        self.pool = BufferPool(self, "device")
+        self.staging = BufferPool(self, "upload")
+        self.readback = BufferPool(self, "download")
+        self.allocated_bytes = 0
+        self.allocation_count = 0
+        self.live: dict[int, Allocation] = {}
+        self.destroyed = False
+
+    # ---- allocation ---------------------------------------------------------------------------------------
+    def _memory_type(self, type_bits: int, kind: str) -> int:
+        if kind == "device":
+            prefs = [_DEVICE_LOCAL | _HOST, _DEVICE_LOCAL] if self.unified else [_DEVICE_LOCAL, 0]
+            avoid = 0 if self.unified else vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT
+        elif kind == "download":
+            prefs, avoid = [_HOST | _CACHED, _HOST], 0
+        else:
+            prefs, avoid = [_HOST], _DEVICE_LOCAL
+        for want in prefs:
+            for strict in (True, False):
+                for i, (flags, _) in enumerate(self.types):
+                    if (type_bits >> i) & 1 and (flags & want) == want and (not strict or not flags & avoid):
+                        return i
+        raise DeviceError(f"no memory type for {kind} buffers (type bits {type_bits:#x})")
+
+    def allocate(self, capacity: int, kind: str) -> Allocation:
+        dev = self.device.device
+        k = Keep()
+        ci = k.struct("VkBufferCreateInfo", size=capacity, usage=_USAGE, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE)
+        out = ffi.new("VkBuffer*")
+        check(lib.vkCreateBuffer(dev, ci, NULL, out), f"vkCreateBuffer({capacity} bytes)")
+        buffer = out[0]
+        req = k.new("VkMemoryRequirements*")
+        lib.vkGetBufferMemoryRequirements(dev, buffer, req)
+        type_index = self._memory_type(req.memoryTypeBits, kind)
+        heap = self.types[type_index][1]
+        if req.size > self.heap_sizes[heap]:
+            lib.vkDestroyBuffer(dev, buffer, NULL)
+            raise OutOfDeviceMemory(f"{capacity} bytes asked for; the memory heap holds {self.heap_sizes[heap]}",
+                                    capacity)
+        ai = k.struct("VkMemoryAllocateInfo", allocationSize=req.size, memoryTypeIndex=type_index)
+        mem = ffi.new("VkDeviceMemory*")
+        res = lib.vkAllocateMemory(dev, ai, NULL, mem)
+        if res < 0:
+            lib.vkDestroyBuffer(dev, buffer, NULL)
+            if res in (vk.VK_ERROR_OUT_OF_DEVICE_MEMORY, vk.VK_ERROR_OUT_OF_HOST_MEMORY):
+                raise OutOfDeviceMemory(f"vkAllocateMemory({req.size} bytes) failed", capacity)
+            check(res, "vkAllocateMemory")
+        try:
+            check(lib.vkBindBufferMemory(dev, buffer, mem[0], 0), "vkBindBufferMemory")
+            host = None
+            if (self.types[type_index][0] & _HOST) == _HOST:
+                ptr = ffi.new("void**")
+                check(lib.vkMapMemory(dev, mem[0], 0, capacity, 0, ptr), "vkMapMemory")
+                host = np.frombuffer(ffi.buffer(ptr[0], capacity), dtype=np.uint8)
+        except BaseException:
+            lib.vkFreeMemory(dev, mem[0], NULL)
+            lib.vkDestroyBuffer(dev, buffer, NULL)
+            raise
+        alloc = Allocation(buffer, mem[0], capacity, kind, host)
+        with self.lock:
+            self.allocated_bytes += capacity
+            self.allocation_count += 1
+            self.live[alloc.handle] = alloc
+        return alloc
+
+    def free_later(self, alloc: Allocation) -> None:
+        """Destroy once the GPU has finished every submission that used it."""
+        if self.destroyed:
+            return
+        with self.lock:
+            self.pending_free.append(alloc)
+        self.collect()
+
+    def collect(self) -> None:
+        """Destroy pending allocations whose last use has completed."""
+        queue = getattr(self.device, "queue", None)
+        done = queue.completed if queue is not None else float("inf")
+        with self.lock:
+            ready = [a for a in self.pending_free if a.last_use <= done]
+            self.pending_free = [a for a in self.pending_free if a.last_use > done]
+        for a in ready:
+            self._destroy(a)
+
+    def _destroy(self, alloc: Allocation) -> None:
+        with self.lock:
+            if alloc.freed:
+                return
+            alloc.freed = True
+            self.live.pop(alloc.handle, None)
+        queue = getattr(self.device, "queue", None)
+        if queue is not None:
+            queue.forget_buffer(alloc.handle)
+        dev = self.device.device
+        if alloc.host is not None:
+            alloc.host = None
+            lib.vkUnmapMemory(dev, alloc.memory)
+        lib.vkDestroyBuffer(dev, alloc.buffer, NULL)
+        lib.vkFreeMemory(dev, alloc.memory, NULL)
+        with self.lock:
+            self.allocated_bytes -= alloc.capacity
+            self.allocation_count -= 1
+
+    # ---- transfers ------------------------------------------------------------------------------------------
+    def upload(self, buf: Buffer | BufferView, data: Any, offset: int = 0) -> None:
+        src = _as_bytes(data)
+        nbytes = src.size
+        if offset < 0 or offset + nbytes > buf.size:
+            raise ValueError(f"upload of {nbytes} bytes at offset {offset} overflows a buffer of {buf.size} bytes")
+        if nbytes == 0:
+            return
+        alloc, base = buf.alloc, buf.offset + offset
+        queue = self.device.queue
+        if alloc.host is not None:
+            queue.wait_idle_for(alloc)  # the GPU may still read the old contents
+            alloc.host[base:base + nbytes] = src
+            return
+        for start in range(0, nbytes, STAGING_CHUNK):
+            n = min(STAGING_CHUNK, nbytes - start)
+            stage = self.staging.alloc(n)
+            stage.alloc.host[:n] = src[start:start + n]
+            queue.copy(stage, 0, buf, offset + start, n)
+            queue.hold(stage)
+            if n == STAGING_CHUNK:
+                queue.flush()
+
+    def download(self, buf: Buffer | BufferView, dtype: Any, shape: Any, offset: int = 0) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        if shape is None:
+            shape = ((buf.size - offset) // dtype.itemsize,)
+        elif isinstance(shape, (int, np.integer)):
+            shape = (int(shape),)
+        count = int(np.prod(shape, dtype=np.int64))
+        nbytes = count * dtype.itemsize
+        if offset < 0 or offset + nbytes > buf.size:
+            raise ValueError(f"download of {nbytes} bytes at offset {offset} overflows a buffer of {buf.size} bytes")
+        out = np.empty(nbytes, dtype=np.uint8)
+        if nbytes:
+            alloc, base = buf.alloc, buf.offset + offset
+            queue = self.device.queue
+            if alloc.host is not None:
+                queue.wait_writes_for(alloc)
+                out[:] = alloc.host[base:base + nbytes]
+            else:
+                for start in range(0, nbytes, STAGING_CHUNK):
+                    n = min(STAGING_CHUNK, nbytes - start)
+                    stage = self.readback.alloc(n)
+                    queue.copy(buf, offset + start, stage, 0, n)
+                    queue.synchronize()
+                    out[start:start + n] = stage.alloc.host[:n]
+                    stage.release()
+        return out.view(dtype).reshape(shape)
+
+    def destroy(self) -> None:
+        for pool in (self.pool, self.staging, self.readback):
+            pool.closed = True
+            pool.trim(0)
+        with self.lock:
+            everything = list(self.live.values())
+            self.pending_free = []
+        for a in everything:
+            self._destroy(a)
+        self.destroyed = True
+
+
+def _as_bytes(data: Any) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        arr = np.ascontiguousarray(data)
+        return arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)

@@ -1,0 +1,282 @@
+"""Compute pipelines: compiled, keyed by (SPIR-V hash, specialization constants), with a disk pipeline cache.
+
+A Kernel carries everything the queue needs on the hot path, prepared once: the pipeline and layout handles,
+which bindings it writes, and the push-constant packer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..flags import flag
+from .errors import KernelInterfaceError, UnsupportedFeature
+from .interface import SCALAR_TYPES, KernelInterface, expand_includes, parse_interface
+from .vk import NULL, Keep, check, ffi, lib, vk
+
+if TYPE_CHECKING:
+    from .device import Device
+
+KERNELS_DIR = Path(__file__).resolve().parent.parent.parent / "kernels"
+
+
+def kernel_include_dirs() -> list[Path]:
+    """Where `#include` looks: the source tree's kernels/ folder, else the installed package data."""
+    if KERNELS_DIR.is_dir():
+        return [KERNELS_DIR]
+    from importlib.resources import files
+
+    return [Path(str(files("vkgraph.kernels_data")))]
+
+
+class Kernel:
+    """A compute pipeline ready to dispatch."""
+
+    def __init__(self, name: str, iface: KernelInterface, spec: dict[str, Any], local_size: tuple[int, int, int],
+                 pipeline: Any, layout: Any, set_layout: Any, key: tuple) -> None:
+        self.name = name
+        self.interface = iface
+        self.spec = spec
+        self.local_size = local_size
+        self.pipeline = pipeline
+        self.layout = layout
+        self.set_layout = set_layout
+        self.key = key
+        self.num_bindings = len(iface.bindings)
+        self.writes = tuple(b.written for b in iface.bindings)
+        self.push_names = tuple(f.name for f in iface.push_fields)
+        self.push_size = iface.push_size
+        self._push = iface.push_struct()
+        self._push_types = tuple(f.type for f in iface.push_fields)
+
+    def pack_push(self, push: Any) -> bytes:
+        """Pack push constants given as a dict by name or a sequence in declaration order."""
+        if not self.push_names:
+            if push:
+                raise KernelInterfaceError(f"kernel {self.name} declares no push constants, got {push!r}")
+            return b""
+        if isinstance(push, dict):
+            missing = [n for n in self.push_names if n not in push]
+            extra = [n for n in push if n not in self.push_names]
+            if missing or extra:
+                raise KernelInterfaceError(f"kernel {self.name} push constants {list(self.push_names)}: "
+                                           f"missing {missing}, unknown {extra}")
+            values = [push[n] for n in self.push_names]
+        else:
+            values = list(push or ())
+            if len(values) != len(self.push_names):
+                raise KernelInterfaceError(f"kernel {self.name} takes {len(self.push_names)} push constants "
+                                           f"{list(self.push_names)}, got {len(values)}")
+        try:
+            return self._push.pack(*values)
+        except struct.error as e:
+            raise KernelInterfaceError(f"kernel {self.name}: push constants {dict(zip(self.push_names, values))} "
+                                       f"do not fit types {self._push_types}: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name}, local_size={self.local_size}, bindings={self.num_bindings})"
+
+
+class PipelineManager:
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.kernels: dict[tuple, Kernel] = {}
+        self.source_cache: dict[tuple, tuple[str, KernelInterface, bytes]] = {}
+        self.layouts: dict[tuple, tuple[Any, Any]] = {}
+        self.modules: dict[str, Any] = {}
+        self.lock = threading.RLock()
+        info = device.info
+        self.cache_path = (Path(flag("VKGRAPH_CACHE_DIR")) / "pipelines"
+                           / f"{info.vendor_id:04x}-{info.device_id:04x}-{info.driver_version:x}-"
+                             f"{info.pipeline_cache_uuid}.bin")
+        self.pipeline_cache = self._create_pipeline_cache()
+
+    def _create_pipeline_cache(self) -> Any:
+        k = Keep()
+        data = b""
+        if flag("VKGRAPH_DISK_CACHE"):
+            try:
+                data = self.cache_path.read_bytes()
+            except OSError:
+                data = b""
+        blob = k.new("char[]", data) if data else NULL
+        ci = k.struct("VkPipelineCacheCreateInfo", initialDataSize=len(data), pInitialData=blob)
+        out = ffi.new("VkPipelineCache*")
+        if lib.vkCreatePipelineCache(self.device.device, ci, NULL, out) < 0:
+            # a stale or corrupt cache file is rejected by the driver: start empty
+            ci.initialDataSize, ci.pInitialData = 0, NULL
+            check(lib.vkCreatePipelineCache(self.device.device, ci, NULL, out), "vkCreatePipelineCache")
+        return out[0]
+
+    def kernel(self, source: str, *, spec: dict[str, Any] | None, defines: dict[str, Any] | None, name: str | None,
+               include_dirs: list[Any] | None, subgroup_size: int | None) -> Kernel:
+        spec = dict(spec or {})
+        src_key = (source, tuple(sorted((defines or {}).items())), tuple(map(str, include_dirs or ())))
+        with self.lock:
+            prepared = self.source_cache.get(src_key)
+        if prepared is None:
+            from .compiler import with_defines
+
+            dirs = [Path(d) for d in (include_dirs or [])] + kernel_include_dirs()
+            expanded = expand_includes(source, dirs)
+            iface = parse_interface(with_defines(expanded, defines))
+            spirv = self.device.compiler.compile(expanded, defines, target=_target(self.device))
+            prepared = (hashlib.sha256(spirv).hexdigest(), iface, spirv)
+            with self.lock:
+                self.source_cache[src_key] = prepared
+        spirv_hash, iface, spirv = prepared
+        unknown = [n for n in spec if n not in iface.spec_constants]
+        if unknown:
+            raise KernelInterfaceError(f"specialization constants {unknown} not declared; the kernel declares "
+                                       f"{sorted(iface.spec_constants)}")
+        key = (spirv_hash, tuple(sorted(spec.items())), subgroup_size)
+        with self.lock:
+            k = self.kernels.get(key)
+            if k is None:
+                k = self._build(name or _guess_name(source), iface, spirv, spirv_hash, spec, subgroup_size, key)
+                self.kernels[key] = k
+        return k
+
+    def _build(self, name: str, iface: KernelInterface, spirv: bytes, spirv_hash: str, spec: dict[str, Any],
+               subgroup_size: int | None, key: tuple) -> Kernel:
+        info = self.device.info
+        if iface.push_size > info.max_push_constants_size:
+            raise KernelInterfaceError(f"kernel {name}: push constants take {iface.push_size} bytes; the device "
+                                       f"allows {info.max_push_constants_size}")
+        local = []
+        for v in iface.local_size:
+            if isinstance(v, str):
+                c = iface.spec_constants[v]
+                v = int(spec.get(v, _parse_default(c.default, c.type)))
+            local.append(int(v))
+        invocations = local[0] * local[1] * local[2]
+        if invocations > info.max_workgroup_invocations or any(
+                a > b for a, b in zip(local, info.max_workgroup_size, strict=True)):
+            raise KernelInterfaceError(f"kernel {name}: local size {tuple(local)} exceeds the device's limits "
+                                       f"({info.max_workgroup_size}, {info.max_workgroup_invocations} invocations)")
+        dev = self.device.device
+        k = Keep()
+        set_layout, layout = self._layout(len(iface.bindings), iface.push_size)
+        module = self.modules.get(spirv_hash)
+        if module is None:
+            words = k.new("uint32_t[]", len(spirv) // 4)
+            ffi.memmove(words, spirv, len(spirv))
+            mci = k.struct("VkShaderModuleCreateInfo", codeSize=len(spirv), pCode=words)
+            out = ffi.new("VkShaderModule*")
+            check(lib.vkCreateShaderModule(dev, mci, NULL, out), f"vkCreateShaderModule({name})")
+            module = self.modules[spirv_hash] = out[0]
+        spec_info = NULL
+        if spec:
+            entries = k.new("VkSpecializationMapEntry[]", len(spec))
+            data = b""
+            for i, (sname, value) in enumerate(sorted(spec.items())):
+                c = iface.spec_constants[sname]
+                code = SCALAR_TYPES[c.type][0]
+                entries[i].constantID, entries[i].offset, entries[i].size = c.id, len(data), 4
+                data += struct.pack("<" + code, bool(value) if c.type == "bool" else value)
+            blob = k.new("char[]", data)
+            spec_info = k.struct("VkSpecializationInfo", mapEntryCount=len(spec), pMapEntries=entries,
+                                 dataSize=len(data), pData=blob)
+        stage_next = NULL
+        stage_flags = 0
+        if subgroup_size is not None:
+            if not info.subgroup_size_control or not info.min_subgroup_size <= subgroup_size <= info.max_subgroup_size:
+                raise UnsupportedFeature(f"kernel {name}: subgroup size {subgroup_size} cannot be required on "
+                                         f"{info.name} (range {info.min_subgroup_size}-{info.max_subgroup_size})")
+            stage_next = k.struct("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo",
+                                  requiredSubgroupSize=subgroup_size)
+        stage = k.struct("VkPipelineShaderStageCreateInfo", pNext=stage_next, flags=stage_flags,
+                         stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=module, pName=k.cstr("main"),
+                         pSpecializationInfo=spec_info)
+        pci = k.new("VkComputePipelineCreateInfo[1]")
+        pci[0].sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
+        pci[0].stage = stage[0]
+        pci[0].layout = layout
+        out = ffi.new("VkPipeline*")
+        check(lib.vkCreateComputePipelines(dev, self.pipeline_cache, 1, pci, NULL, out),
+              f"vkCreateComputePipelines({name})")
+        return Kernel(name, iface, spec, (local[0], local[1], local[2]), out[0], layout, set_layout, key)
+
+    def _layout(self, num_bindings: int, push_size: int) -> tuple[Any, Any]:
+        key = (num_bindings, push_size)
+        got = self.layouts.get(key)
+        if got is not None:
+            return got
+        dev = self.device.device
+        k = Keep()
+        binds = k.new("VkDescriptorSetLayoutBinding[]", max(num_bindings, 1))
+        for i in range(num_bindings):
+            binds[i].binding, binds[i].descriptorType = i, vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+            binds[i].descriptorCount, binds[i].stageFlags = 1, vk.VK_SHADER_STAGE_COMPUTE_BIT
+        lci = k.struct("VkDescriptorSetLayoutCreateInfo", bindingCount=num_bindings,
+                       pBindings=binds if num_bindings else NULL)
+        sl = ffi.new("VkDescriptorSetLayout*")
+        check(lib.vkCreateDescriptorSetLayout(dev, lci, NULL, sl), "vkCreateDescriptorSetLayout")
+        rng = k.new("VkPushConstantRange*")
+        rng.stageFlags, rng.offset, rng.size = vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, push_size
+        sets = k.new("VkDescriptorSetLayout[1]", [sl[0]])
+        pl = k.struct("VkPipelineLayoutCreateInfo", setLayoutCount=1, pSetLayouts=sets,
+                      pushConstantRangeCount=1 if push_size else 0, pPushConstantRanges=rng if push_size else NULL)
+        out = ffi.new("VkPipelineLayout*")
+        check(lib.vkCreatePipelineLayout(dev, pl, NULL, out), "vkCreatePipelineLayout")
+        self.layouts[key] = (sl[0], out[0])
+        return self.layouts[key]
+
+    def save_cache(self) -> None:
+        if not flag("VKGRAPH_DISK_CACHE"):
+            return
+        size = ffi.new("size_t*")
+        if lib.vkGetPipelineCacheData(self.device.device, self.pipeline_cache, size, NULL) < 0 or size[0] == 0:
+            return
+        data = ffi.new("char[]", size[0])
+        if lib.vkGetPipelineCacheData(self.device.device, self.pipeline_cache, size, data) < 0:
+            return
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.cache_path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(ffi.buffer(data, size[0]))
+            os.replace(tmp, self.cache_path)
+        except OSError:
+            pass  # the cache only saves time
+
+    def destroy(self) -> None:
+        dev = self.device.device
+        self.save_cache()
+        for k in self.kernels.values():
+            lib.vkDestroyPipeline(dev, k.pipeline, NULL)
+        for m in self.modules.values():
+            lib.vkDestroyShaderModule(dev, m, NULL)
+        for sl, pl in self.layouts.values():
+            lib.vkDestroyPipelineLayout(dev, pl, NULL)
+            lib.vkDestroyDescriptorSetLayout(dev, sl, NULL)
+        lib.vkDestroyPipelineCache(dev, self.pipeline_cache, NULL)
+        self.kernels.clear()
+        self.modules.clear()
+        self.layouts.clear()
+
+
+def _target(device: Device) -> str:
+    return "vulkan1.3" if device.info.api_version >= (1, 3, 0) else "vulkan1.2"
+
+
+def _parse_default(text: str, typ: str) -> Any:
+    text = text.strip().rstrip("uUfF")
+    if typ == "float":
+        return float(text)
+    if typ == "bool":
+        return text == "true"
+    return int(text, 0)
+
+
+def _guess_name(source: str) -> str:
+    for line in source.splitlines():
+        s = line.strip()
+        if s.startswith("// kernel:"):
+            return s.split(":", 1)[1].strip()
+    return "kernel-" + hashlib.sha256(source.encode()).hexdigest()[:8]

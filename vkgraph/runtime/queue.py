@@ -1,0 +1,388 @@
+"""The dispatch queue: records dispatches and copies into command buffers with the barriers their buffers'
+read/write sets require, submits with fences, and recycles command buffers and descriptor sets.
+
+Hazards are tracked per VkBuffer since the last barrier: reading something written, or writing something read
+or written, needs a barrier first; anything else shares the barrier interval. One global memory barrier covers
+every buffer, so a chain of independent dispatches runs without any. Submissions on one queue execute in
+order, and a barrier's first scope covers earlier submissions too, so the sets carry over between submits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Any
+
+from ..flags import flag
+from .errors import DeviceError, KernelInterfaceError
+from .memory import Allocation, Buffer, BufferView
+from .profile import Profiler
+from .vk import NULL, Keep, check, check_wait, ffi, lib, vk
+
+if TYPE_CHECKING:
+    from .device import Device
+    from .pipeline import Kernel
+
+_COMPUTE = vk.VK_PIPELINE_BIND_POINT_COMPUTE
+_STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+_WRITE = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
+_ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT
+           | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+_MAX_IN_FLIGHT = 8
+_DESCRIPTOR_CACHE = 8192
+_SETS_PER_POOL = 1024
+
+
+class Submission:
+    """A command buffer with its fence, and what must stay alive until the GPU is done with it."""
+
+    def __init__(self, queue: Queue) -> None:
+        dev = queue.device.device
+        k = Keep()
+        ai = k.struct("VkCommandBufferAllocateInfo", commandPool=queue.command_pool,
+                      level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1)
+        cmd = ffi.new("VkCommandBuffer[1]")
+        check(lib.vkAllocateCommandBuffers(dev, ai, cmd), "vkAllocateCommandBuffers")
+        self.cmd_array = cmd
+        self.cmd = cmd[0]
+        fci = k.struct("VkFenceCreateInfo")
+        fence = ffi.new("VkFence[1]")
+        check(lib.vkCreateFence(dev, fci, NULL, fence), "vkCreateFence")
+        self.fence_array = fence
+        self.fence = fence[0]
+        self.submit_info = ffi.new("VkSubmitInfo*", {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+                                                     "commandBufferCount": 1, "pCommandBuffers": cmd})
+        self.begin_info = ffi.new("VkCommandBufferBeginInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
+            "flags": vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT})
+        self.seq = 0
+        self.held: list[Any] = []
+        self.dispatches = 0
+        self.profile: list[tuple[str, int]] = []  # (name, first query index)
+
+
+class Queue:
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.lock = threading.RLock()
+        k = Keep()
+        pci = k.struct("VkCommandPoolCreateInfo", flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
+                       queueFamilyIndex=device.queue_family)
+        out = ffi.new("VkCommandPool*")
+        check(lib.vkCreateCommandPool(device.device, pci, NULL, out), "vkCreateCommandPool")
+        self.command_pool = out[0]
+        self.free: list[Submission] = []
+        self.all_submissions: list[Submission] = []
+        self.in_flight: deque[Submission] = deque()
+        self.recording: Submission | None = None
+        self.next_seq = 1
+        self.completed = 0
+        self.written: set[int] = set()
+        self.read: set[int] = set()
+        self.bound_pipeline: Any = None
+        self.max_recorded = flag("VKGRAPH_MAX_RECORDED")
+        self.timeout_s = flag("VKGRAPH_TIMEOUT_S")
+        self.timeout_ns = int(self.timeout_s * 1e9)
+        self.barrier = ffi.new("VkMemoryBarrier*", {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                                                    "srcAccessMask": _WRITE, "dstAccessMask": _ACCESS})
+        self.host_barrier = ffi.new("VkMemoryBarrier*", {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                                                         "srcAccessMask": _WRITE,
+                                                         "dstAccessMask": vk.VK_ACCESS_HOST_READ_BIT})
+        self.descriptor_sets: OrderedDict[tuple, list] = OrderedDict()
+        self.sets_by_buffer: dict[int, set[tuple]] = {}
+        self.descriptor_pools: list[Any] = []
+        self.profiler = Profiler(device) if flag("VKGRAPH_PROFILE") else None
+        self.stats = {"dispatches": 0, "submits": 0, "barriers": 0, "copies": 0}
+
+    # ---- recording ------------------------------------------------------------------------------------------
+    def _begin(self) -> Submission:
+        rec = self.recording
+        if rec is not None:
+            return rec
+        self._retire(block=len(self.in_flight) >= _MAX_IN_FLIGHT)
+        sub = self.free.pop() if self.free else self._new_submission()
+        check(lib.vkBeginCommandBuffer(sub.cmd, sub.begin_info), "vkBeginCommandBuffer")
+        sub.seq = self.next_seq
+        self.next_seq += 1
+        sub.dispatches = 0
+        self.bound_pipeline = None
+        if self.profiler is not None:
+            self.profiler.begin(sub)
+        self.recording = sub
+        return sub
+
+    def _new_submission(self) -> Submission:
+        sub = Submission(self)
+        self.all_submissions.append(sub)
+        return sub
+
+    def dispatch(self, kernel: Kernel, buffers: list[Any], groups: Any, push: Any = None) -> None:
+        if self.device.closed:
+            raise DeviceError("the device is closed")
+        if len(buffers) != kernel.num_bindings:
+            raise KernelInterfaceError(f"kernel {kernel.name} declares {kernel.num_bindings} buffers, got "
+                                       f"{len(buffers)}")
+        gx, gy, gz = _groups(groups)
+        limits = self.device.info.max_workgroup_count
+        if gx > limits[0] or gy > limits[1] or gz > limits[2]:
+            raise KernelInterfaceError(f"kernel {kernel.name}: {gx, gy, gz} workgroups exceed the device's "
+                                       f"limit {limits}")
+        data = kernel.pack_push(push) if (push or kernel.push_names) else b""
+        if gx == 0 or gy == 0 or gz == 0:
+            return
+        allocs = [_alloc_of(b, kernel.name) for b in buffers]
+        with self.lock:
+            rec = self._begin()
+            ds = self._descriptor_set(kernel, buffers, allocs, rec.seq)
+            self._hazards(allocs, kernel.writes, rec)
+            cmd = rec.cmd
+            if self.bound_pipeline is not kernel.pipeline:
+                lib.vkCmdBindPipeline(cmd, _COMPUTE, kernel.pipeline)
+                self.bound_pipeline = kernel.pipeline
+            lib.vkCmdBindDescriptorSets(cmd, _COMPUTE, kernel.layout, 0, 1, ds, 0, NULL)
+            if data:
+                lib.vkCmdPushConstants(cmd, kernel.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(data), data)
+            if self.profiler is not None:
+                self.profiler.before(rec, kernel.name)
+            lib.vkCmdDispatch(cmd, gx, gy, gz)
+            if self.profiler is not None:
+                self.profiler.after(rec)
+            rec.dispatches += 1
+            self.stats["dispatches"] += 1
+            if rec.dispatches >= self.max_recorded or (self.profiler is not None and self.profiler.full(rec)):
+                self.flush()
+
+    def _hazards(self, allocs: list[Allocation], writes: tuple[bool, ...], rec: Submission) -> None:
+        written, read = self.written, self.read
+        need = False
+        for a, w in zip(allocs, writes):
+            h = a.handle
+            if h in written or (w and h in read):
+                need = True
+                break
+        if need:
+            lib.vkCmdPipelineBarrier(rec.cmd, _STAGES, _STAGES, 0, 1, self.barrier, 0, NULL, 0, NULL)
+            written.clear()
+            read.clear()
+            self.stats["barriers"] += 1
+        seq = rec.seq
+        for a, w in zip(allocs, writes):
+            (written if w else read).add(a.handle)
+            a.last_use = seq
+
+    def _descriptor_set(self, kernel: Kernel, buffers: list[Any], allocs: list[Allocation], seq: int) -> Any:
+        key = (kernel.set_layout, tuple((a.handle, b.offset, b.size) for a, b in zip(allocs, buffers)))
+        entry = self.descriptor_sets.get(key)
+        if entry is None:
+            entry = self._new_descriptor_set(kernel, buffers, allocs, key)
+        else:
+            self.descriptor_sets.move_to_end(key)
+        entry[2] = seq
+        return entry[0]
+
+    def _new_descriptor_set(self, kernel: Kernel, buffers: list[Any], allocs: list[Allocation], key: tuple) -> list:
+        info = self.device.info
+        k = Keep()
+        n = len(buffers)
+        infos = k.new("VkDescriptorBufferInfo[]", max(n, 1))
+        for i, (a, b) in enumerate(zip(allocs, buffers)):
+            if b.offset % info.min_storage_offset_alignment:
+                raise KernelInterfaceError(f"kernel {kernel.name} binding {i}: offset {b.offset} is not a multiple "
+                                           f"of minStorageBufferOffsetAlignment ({info.min_storage_offset_alignment})")
+            rng = min(max(b.size, 4), a.capacity - b.offset)
+            if rng > info.max_storage_buffer_range:
+                raise KernelInterfaceError(
+                    f"kernel {kernel.name} binding {i}: {b.size} bytes bound, over the device's "
+                    f"maxStorageBufferRange ({info.max_storage_buffer_range}); bind it in views")
+            infos[i].buffer, infos[i].offset, infos[i].range = a.buffer, b.offset, rng
+        pool, ds = self._allocate_set(kernel.set_layout)
+        if n:
+            writes = k.new("VkWriteDescriptorSet[]", n)
+            for i in range(n):
+                w = writes[i]
+                w.sType = vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET
+                w.dstSet, w.dstBinding, w.descriptorCount = ds[0], i, 1
+                w.descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+                w.pBufferInfo = infos + i
+            lib.vkUpdateDescriptorSets(self.device.device, n, writes, 0, NULL)
+        entry = [ds, pool, 0]
+        self.descriptor_sets[key] = entry
+        for a in allocs:
+            self.sets_by_buffer.setdefault(a.handle, set()).add(key)
+        if len(self.descriptor_sets) > _DESCRIPTOR_CACHE:
+            self._evict_sets()
+        return entry
+
+    def _allocate_set(self, set_layout: Any) -> tuple[Any, Any]:
+        k = Keep()
+        layouts = k.new("VkDescriptorSetLayout[1]", [set_layout])
+        ds = ffi.new("VkDescriptorSet[1]")
+        for pool in reversed(self.descriptor_pools[-1:]):
+            ai = k.struct("VkDescriptorSetAllocateInfo", descriptorPool=pool, descriptorSetCount=1,
+                          pSetLayouts=layouts)
+            if lib.vkAllocateDescriptorSets(self.device.device, ai, ds) == vk.VK_SUCCESS:
+                return pool, ds
+        pool = self._new_descriptor_pool()
+        ai = k.struct("VkDescriptorSetAllocateInfo", descriptorPool=pool, descriptorSetCount=1, pSetLayouts=layouts)
+        check(lib.vkAllocateDescriptorSets(self.device.device, ai, ds), "vkAllocateDescriptorSets")
+        return pool, ds
+
+    def _new_descriptor_pool(self) -> Any:
+        k = Keep()
+        size = k.new("VkDescriptorPoolSize*")
+        size.type, size.descriptorCount = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, _SETS_PER_POOL * 8
+        ci = k.struct("VkDescriptorPoolCreateInfo", flags=vk.VK_DESCRIPTOR_POOL_CREATE_FREE_DESCRIPTOR_SET_BIT,
+                      maxSets=_SETS_PER_POOL, poolSizeCount=1, pPoolSizes=size)
+        out = ffi.new("VkDescriptorPool*")
+        check(lib.vkCreateDescriptorPool(self.device.device, ci, NULL, out), "vkCreateDescriptorPool")
+        self.descriptor_pools.append(out[0])
+        return out[0]
+
+    def _evict_sets(self) -> None:
+        over = len(self.descriptor_sets) - _DESCRIPTOR_CACHE // 2
+        victims = []
+        for key, entry in self.descriptor_sets.items():
+            if over <= 0:
+                break
+            if entry[2] <= self.completed:
+                victims.append(key)
+                over -= 1
+        for key in victims:
+            self._free_set(key)
+
+    def _free_set(self, key: tuple) -> None:
+        entry = self.descriptor_sets.pop(key, None)
+        if entry is None:
+            return
+        for h, _, _ in key[1]:
+            keys = self.sets_by_buffer.get(h)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self.sets_by_buffer[h]
+        lib.vkFreeDescriptorSets(self.device.device, entry[1], 1, entry[0])
+
+    def forget_buffer(self, handle: int) -> None:
+        """A VkBuffer is being destroyed (after its last use completed): drop descriptor sets naming it."""
+        with self.lock:
+            for key in list(self.sets_by_buffer.get(handle, ())):
+                self._free_set(key)
+            self.written.discard(handle)
+            self.read.discard(handle)
+
+    def copy(self, src: Any, src_offset: int, dst: Any, dst_offset: int, nbytes: int) -> None:
+        """Record a buffer-to-buffer copy, ordered by the same hazard rules as dispatches."""
+        sa, da = src.alloc, dst.alloc
+        with self.lock:
+            rec = self._begin()
+            self._hazards([sa, da], (False, True), rec)
+            region = ffi.new("VkBufferCopy*", {"srcOffset": src.offset + src_offset,
+                                               "dstOffset": dst.offset + dst_offset, "size": nbytes})
+            lib.vkCmdCopyBuffer(rec.cmd, sa.buffer, da.buffer, 1, region)
+            self.stats["copies"] += 1
+
+    def hold(self, obj: Any) -> None:
+        """Keep `obj` alive until the recorded work completes (Buffers are released then)."""
+        with self.lock:
+            self._begin().held.append(obj)
+
+    # ---- submission and waiting --------------------------------------------------------------------------------
+    def flush(self) -> None:
+        with self.lock:
+            rec = self.recording
+            if rec is None:
+                return
+            self.recording = None
+            lib.vkCmdPipelineBarrier(rec.cmd, _STAGES, vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1, self.host_barrier,
+                                     0, NULL, 0, NULL)
+            check(lib.vkEndCommandBuffer(rec.cmd), "vkEndCommandBuffer")
+            try:
+                check(lib.vkQueueSubmit(self.device.vk_queue, 1, rec.submit_info, rec.fence), "vkQueueSubmit")
+            except DeviceError:
+                self._recycle(rec)
+                raise
+            self.in_flight.append(rec)
+            self.stats["submits"] += 1
+
+    def synchronize(self) -> None:
+        with self.lock:
+            self.flush()
+            self.wait(self.next_seq - 1)
+
+    def wait(self, seq: int) -> None:
+        """Block until submission `seq` (and all before it) completed."""
+        with self.lock:
+            if self.recording is not None and self.recording.seq <= seq:
+                self.flush()
+            while self.in_flight and self.in_flight[0].seq <= seq:
+                sub = self.in_flight[0]
+                res = lib.vkWaitForFences(self.device.device, 1, sub.fence_array, vk.VK_TRUE, self.timeout_ns)
+                check_wait(res, f"waiting for submission {sub.seq}", self.timeout_s)
+                self._complete(self.in_flight.popleft())
+            self.device.memory.collect()
+
+    def wait_idle_for(self, alloc: Allocation) -> None:
+        if alloc.last_use > self.completed:
+            self.wait(alloc.last_use)
+
+    wait_writes_for = wait_idle_for
+
+    def _retire(self, block: bool) -> None:
+        """Complete finished submissions; with `block`, wait for the oldest first."""
+        if block and self.in_flight:
+            self.wait(self.in_flight[0].seq)
+        while self.in_flight and lib.vkGetFenceStatus(self.device.device, self.in_flight[0].fence) == vk.VK_SUCCESS:
+            self._complete(self.in_flight.popleft())
+
+    def _complete(self, sub: Submission) -> None:
+        self.completed = max(self.completed, sub.seq)
+        if self.profiler is not None:
+            self.profiler.collect(sub)
+        self._recycle(sub)
+
+    def _recycle(self, sub: Submission) -> None:
+        check(lib.vkResetFences(self.device.device, 1, sub.fence_array), "vkResetFences")
+        check(lib.vkResetCommandBuffer(sub.cmd, 0), "vkResetCommandBuffer")
+        held, sub.held = sub.held, []
+        for obj in held:
+            if isinstance(obj, Buffer):
+                obj.release()
+        self.free.append(sub)
+
+    def object_counts(self) -> dict[str, int]:
+        """Live Vulkan objects the queue owns (for leak checks)."""
+        return {"command_buffers": len(self.all_submissions), "descriptor_sets": len(self.descriptor_sets),
+                "descriptor_pools": len(self.descriptor_pools), "in_flight": len(self.in_flight)}
+
+    def destroy(self) -> None:
+        dev = self.device.device
+        if self.profiler is not None:
+            self.profiler.report()
+            self.profiler.destroy()
+        for pool in self.descriptor_pools:
+            lib.vkDestroyDescriptorPool(dev, pool, NULL)
+        for sub in self.all_submissions:
+            lib.vkDestroyFence(dev, sub.fence, NULL)
+        lib.vkDestroyCommandPool(dev, self.command_pool, NULL)
+        self.descriptor_sets.clear()
+        self.sets_by_buffer.clear()
+        self.in_flight.clear()
+        self.recording = None
+
+
+def _groups(groups: Any) -> tuple[int, int, int]:
+    if isinstance(groups, int):
+        return groups, 1, 1
+    g = tuple(int(x) for x in groups)
+    if not 1 <= len(g) <= 3 or any(x < 0 for x in g):
+        raise KernelInterfaceError(f"workgroup counts must be 1 to 3 non-negative ints, got {groups!r}")
+    return (g + (1, 1))[:3]
+
+
+def _alloc_of(b: Any, name: str) -> Allocation:
+    if isinstance(b, (Buffer, BufferView)):
+        alloc = b.alloc
+        if alloc.freed or (isinstance(b, Buffer) and b.released):
+            raise KernelInterfaceError(f"kernel {name}: a buffer was released before dispatch")
+        return alloc
+    raise KernelInterfaceError(f"kernel {name}: expected Buffer or BufferView, got {type(b).__name__}")
