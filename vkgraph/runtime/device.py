@@ -112,8 +112,8 @@ class Device:
     # ---- instance and physical device ------------------------------------------------------------------------
     def _create_instance(self) -> None:
         k = Keep()
-        layers = self._wanted_layers()
-        exts = ["VK_EXT_debug_utils"] if layers else []
+        validate, layers = self._validation()
+        exts = ["VK_EXT_debug_utils"] if validate else []
         app = k.struct("VkApplicationInfo", pApplicationName=k.cstr("vkgraph"), applicationVersion=1,
                        pEngineName=k.cstr("vkgraph"), engineVersion=1, apiVersion=vk.VK_MAKE_VERSION(1, 3, 0))
         ci = k.struct("VkInstanceCreateInfo", pApplicationInfo=app, enabledLayerCount=len(layers),
@@ -126,15 +126,16 @@ class Device:
         check(res, "vkCreateInstance")
         self.instance = out[0]
         self.messenger = None
-        if layers:
+        if validate:
             self._install_messenger()
 
-    def _wanted_layers(self) -> list[str]:
-        # The loader enables VK_INSTANCE_LAYERS by itself; we only add the debug messenger then.
+    def _validation(self) -> tuple[bool, list[str]]:
+        """Whether validation is on, and the layers we must enable ourselves (the loader enables those in
+        VK_INSTANCE_LAYERS); with validation on, a debug messenger collects every message."""
         env_layers = os.environ.get("VK_INSTANCE_LAYERS", "")
         want = flag("VKGRAPH_VALIDATION") or VALIDATION_LAYER in env_layers
         if not want:
-            return []
+            return False, []
         count = ffi.new("uint32_t*")
         lib.vkEnumerateInstanceLayerProperties(count, NULL)
         props = ffi.new("VkLayerProperties[]", count[0])
@@ -143,7 +144,7 @@ class Device:
         if VALIDATION_LAYER not in names:
             raise DeviceError(f"validation asked for but {VALIDATION_LAYER} is not installed "
                               "(Debian: vulkan-validationlayers)")
-        return [] if VALIDATION_LAYER in env_layers else [VALIDATION_LAYER]
+        return True, [] if VALIDATION_LAYER in env_layers else [VALIDATION_LAYER]
 
     def _install_messenger(self) -> None:
         messages = self.validation_messages

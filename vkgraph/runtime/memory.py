@@ -55,6 +55,19 @@ class Allocation:
         self.freed = False
 
 
+class _Released:
+    """Stands in for the allocation of a released Buffer, so any later use is caught cheaply."""
+
+    freed = True
+    capacity = 0
+    host = None
+    handle = 0
+    last_use = 0
+
+
+RELEASED = _Released()
+
+
 class Buffer:
     """A device buffer of `size` bytes. Release it (or drop it) to return its memory to the pool."""
 
@@ -70,9 +83,7 @@ class Buffer:
     def capacity(self) -> int:
         return self.alloc.capacity
 
-    @property
-    def offset(self) -> int:
-        return 0
+    offset = 0  # a whole Buffer starts at byte 0; BufferView carries its own
 
     def view(self, offset: int, nbytes: int) -> BufferView:
         """Bytes [offset, offset + nbytes) of this buffer, to bind or transfer."""
@@ -81,6 +92,7 @@ class Buffer:
     def release(self) -> None:
         """Return the memory to the pool now. The GPU may still be using it: the queue orders reuse after it."""
         self._finalizer()
+        self.alloc = RELEASED
 
     @property
     def released(self) -> bool:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..flags import flag
 from .errors import DeviceError, KernelInterfaceError
-from .memory import Allocation, Buffer, BufferView
+from .memory import Allocation, Buffer
 from .profile import Profiler
 from .vk import NULL, Keep, check, check_wait, ffi, lib, vk
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .pipeline import Kernel
 
 _COMPUTE = vk.VK_PIPELINE_BIND_POINT_COMPUTE
+_STAGE_COMPUTE = vk.VK_SHADER_STAGE_COMPUTE_BIT
 _STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
 _WRITE = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
 _ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT
@@ -92,7 +93,9 @@ class Queue:
         self.sets_by_buffer: dict[int, set[tuple]] = {}
         self.descriptor_pools: list[Any] = []
         self.profiler = Profiler(device) if flag("VKGRAPH_PROFILE") else None
-        self.stats = {"dispatches": 0, "submits": 0, "barriers": 0, "copies": 0}
+        self.stats = {"submits": 0, "barriers": 0, "copies": 0}
+        self.dispatch_count = 0
+        self.max_groups = device.info.max_workgroup_count
 
     # ---- recording ------------------------------------------------------------------------------------------
     def _begin(self) -> Submission:
@@ -117,22 +120,32 @@ class Queue:
         return sub
 
     def dispatch(self, kernel: Kernel, buffers: list[Any], groups: Any, push: Any = None) -> None:
-        if self.device.closed:
-            raise DeviceError("the device is closed")
         if len(buffers) != kernel.num_bindings:
             raise KernelInterfaceError(f"kernel {kernel.name} declares {kernel.num_bindings} buffers, got "
                                        f"{len(buffers)}")
-        gx, gy, gz = _groups(groups)
-        limits = self.device.info.max_workgroup_count
-        if gx > limits[0] or gy > limits[1] or gz > limits[2]:
-            raise KernelInterfaceError(f"kernel {kernel.name}: {gx, gy, gz} workgroups exceed the device's "
+        if type(groups) is tuple and len(groups) == 3:
+            gx, gy, gz = groups
+        else:
+            gx, gy, gz = _groups(groups)
+        limits = self.max_groups
+        if gx > limits[0] or gy > limits[1] or gz > limits[2] or gx < 0 or gy < 0 or gz < 0:
+            raise KernelInterfaceError(f"kernel {kernel.name}: {gx, gy, gz} workgroups are outside the device's "
                                        f"limit {limits}")
         data = kernel.pack_push(push) if (push or kernel.push_names) else b""
+        try:
+            allocs = [b.alloc for b in buffers]
+        except AttributeError:
+            raise KernelInterfaceError(f"kernel {kernel.name}: buffers must be Buffer or BufferView, got "
+                                       f"{[type(b).__name__ for b in buffers]}") from None
+        for a in allocs:
+            if a.freed:
+                raise KernelInterfaceError(f"kernel {kernel.name}: a buffer was released before dispatch")
         if gx == 0 or gy == 0 or gz == 0:
             return
-        allocs = [_alloc_of(b, kernel.name) for b in buffers]
         with self.lock:
-            rec = self._begin()
+            if self.device.closed:
+                raise DeviceError("the device is closed")
+            rec = self.recording or self._begin()
             ds = self._descriptor_set(kernel, buffers, allocs, rec.seq)
             self._hazards(allocs, kernel.writes, rec)
             cmd = rec.cmd
@@ -141,14 +154,14 @@ class Queue:
                 self.bound_pipeline = kernel.pipeline
             lib.vkCmdBindDescriptorSets(cmd, _COMPUTE, kernel.layout, 0, 1, ds, 0, NULL)
             if data:
-                lib.vkCmdPushConstants(cmd, kernel.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(data), data)
+                lib.vkCmdPushConstants(cmd, kernel.layout, _STAGE_COMPUTE, 0, len(data), data)
             if self.profiler is not None:
                 self.profiler.before(rec, kernel.name)
             lib.vkCmdDispatch(cmd, gx, gy, gz)
             if self.profiler is not None:
                 self.profiler.after(rec)
             rec.dispatches += 1
-            self.stats["dispatches"] += 1
+            self.dispatch_count += 1
             if rec.dispatches >= self.max_recorded or (self.profiler is not None and self.profiler.full(rec)):
                 self.flush()
 
@@ -171,7 +184,7 @@ class Queue:
             a.last_use = seq
 
     def _descriptor_set(self, kernel: Kernel, buffers: list[Any], allocs: list[Allocation], seq: int) -> Any:
-        key = (kernel.set_layout, tuple((a.handle, b.offset, b.size) for a, b in zip(allocs, buffers)))
+        key = (kernel.set_layout, tuple([(a.handle, b.offset, b.size) for a, b in zip(allocs, buffers)]))
         entry = self.descriptor_sets.get(key)
         if entry is None:
             entry = self._new_descriptor_set(kernel, buffers, allocs, key)
@@ -377,12 +390,3 @@ def _groups(groups: Any) -> tuple[int, int, int]:
     if not 1 <= len(g) <= 3 or any(x < 0 for x in g):
         raise KernelInterfaceError(f"workgroup counts must be 1 to 3 non-negative ints, got {groups!r}")
     return (g + (1, 1))[:3]
-
-
-def _alloc_of(b: Any, name: str) -> Allocation:
-    if isinstance(b, (Buffer, BufferView)):
-        alloc = b.alloc
-        if alloc.freed or (isinstance(b, Buffer) and b.released):
-            raise KernelInterfaceError(f"kernel {name}: a buffer was released before dispatch")
-        return alloc
-    raise KernelInterfaceError(f"kernel {name}: expected Buffer or BufferView, got {type(b).__name__}")

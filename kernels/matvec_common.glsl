@@ -1,0 +1,128 @@
+// The body shared by every matvec template: y[b, row] = sum_k W[row, k] * x[b, k] (+ bias[row]) (+ res[b, row]).
+//
+// A workgroup owns ROWS consecutive rows; its WG invocations stride over the row's "units" (one 16-byte load
+// of weight data plus its scales), so neighbouring invocations read neighbouring 16-byte words and every
+// weight byte is read once. Each unit decodes to RUNS runs of RUN contiguous elements, each contributing
+// a * dot(q, x) + b * sum(x): the format supplies q (levels), a (scale) and b (offset, e.g. -8*d for Q4_0).
+// The per-invocation sums are reduced with subgroupAdd (USE_SUBGROUP) or a shared-memory tree.
+//
+// The format file defines: RUN, RUNS, UNIT_ELEMS, HAS_OFFSET, and
+//   void decode_unit(uint row, uint u, out vec4 q[RUNS * RUN / 4], out float a[RUNS], out float b[RUNS],
+//                    out uint xoff[RUNS])
+// Activations: float32, or float16 with -DA_F16. Output, bias and residual are float32.
+#extension GL_KHR_shader_subgroup_arithmetic : enable
+#include "common.glsl"
+
+layout(local_size_x_id = 0) in;
+layout(constant_id = 0) const uint WG = 128;          // invocations per workgroup (a power of two)
+layout(constant_id = 1) const uint ROWS = 2;          // rows per workgroup
+layout(constant_id = 2) const uint NB = 1;            // activation rows (1..8)
+layout(constant_id = 3) const bool USE_SUBGROUP = false;  // subgroupAdd is available ("arithmetic")
+layout(constant_id = 4) const bool HAS_BIAS = false;
+layout(constant_id = 5) const bool HAS_RESIDUAL = false;
+layout(constant_id = 6) const uint SUBGROUP = 32;     // the device's subgroup size, for the shared scratch
+
+#ifdef A_F16
+#define XVEC uvec2
+#else
+#define XVEC vec4
+#endif
+
+layout(set = 0, binding = 0) readonly buffer Weights { uvec4 w[]; };
+layout(set = 0, binding = 1) readonly buffer Scales { uint s[]; };
+layout(set = 0, binding = 2) readonly buffer X { XVEC x[]; };
+layout(set = 0, binding = 3) buffer Y { float y[]; };
+layout(set = 0, binding = 4) readonly buffer Bias { float bias[]; };
+layout(set = 0, binding = 5) readonly buffer Residual { float res[]; };
+
+layout(push_constant) uniform Push {
+    uint n_rows;      // N
+    uint k;           // K (elements per row)
+    uint w_stride;    // uvec4 words per row in `w`
+    uint s_stride;    // scale entries (float16) per row in `s`
+    uint groups_x;    // workgroups along x (rows are spread over x and y: x is capped at 65535)
+} pc;
+
+vec4 load_x4(uint b, uint e) {   // four activations of row b from element e (e % 4 == 0)
+#ifdef A_F16
+    return unpack_half4(x[(b * pc.k + e) >> 2]);
+#else
+    return x[(b * pc.k + e) >> 2];
+#endif
+}
+
+float scale_at(uint row, uint i) {  // float16 scale i of `row` in the scales array
+    uint idx = row * pc.s_stride + i;
+    return half_at_u32(s[idx >> 1], idx);
+}
+
+void decode_unit(uint row, uint u, out vec4 q[RUNS * RUN / 4], out float a[RUNS], out float b[RUNS],
+                 out uint xoff[RUNS]);
+
+void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r * NB + b
+    const uint b = i % NB, row = row0 + i / NB;
+    if (row >= pc.n_rows) return;
+    if (HAS_BIAS) v += bias[row];
+    if (HAS_RESIDUAL) v += res[b * pc.n_rows + row];
+    y[b * pc.n_rows + row] = v;
+}
+
+shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * NB];
+
+void main() {
+    const uint tid = gl_LocalInvocationID.x;
+    const uint row0 = (gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x) * ROWS;
+    const uint units = pc.k / UNIT_ELEMS;
+
+    float acc[ROWS * NB];
+    [[unroll]] for (uint i = 0; i < ROWS * NB; i++) acc[i] = 0.0;
+
+    for (uint u = tid; u < units; u += WG) {
+        [[unroll]] for (uint r = 0; r < ROWS; r++) {
+            const uint row = min(row0 + r, pc.n_rows - 1);  // clamped: out-of-range rows compute, never store
+            vec4 q[RUNS * RUN / 4];
+            float a[RUNS], bo[RUNS];
+            uint xo[RUNS];
+            decode_unit(row, u, q, a, bo, xo);
+            [[unroll]] for (uint b = 0; b < NB; b++) {
+                float sum = 0.0;
+                [[unroll]] for (uint j = 0; j < RUNS; j++) {
+                    vec4 d4 = vec4(0.0), x4 = vec4(0.0);
+                    [[unroll]] for (uint i = 0; i < RUN / 4; i++) {
+                        vec4 xv = load_x4(b, xo[j] + 4 * i);
+                        d4 += q[j * (RUN / 4) + i] * xv;
+                        if (HAS_OFFSET) x4 += xv;
+                    }
+                    sum += a[j] * hsum(d4);
+                    if (HAS_OFFSET) sum += bo[j] * hsum(x4);
+                }
+                acc[r * NB + b] += sum;
+            }
+        }
+    }
+
+    // workgroup reduction of the ROWS * NB partial sums
+    if (USE_SUBGROUP) {
+        const uint nsg = (WG + SUBGROUP - 1) / SUBGROUP;
+        [[unroll]] for (uint i = 0; i < ROWS * NB; i++) {
+            float v = subgroupAdd(acc[i]);
+            if (gl_SubgroupInvocationID == 0) red[i * nsg + gl_SubgroupID] = v;
+        }
+        barrier();
+        for (uint i = tid; i < ROWS * NB; i += WG) {
+            float v = 0.0;
+            for (uint g = 0; g < gl_NumSubgroups; g++) v += red[i * nsg + g];
+            store(row0, i, v);
+        }
+    } else {
+        [[unroll]] for (uint i = 0; i < ROWS * NB; i++) red[i * WG + tid] = acc[i];
+        barrier();
+        for (uint stride = WG / 2; stride > 0; stride >>= 1) {
+            if (tid < stride) {
+                [[unroll]] for (uint i = 0; i < ROWS * NB; i++) red[i * WG + tid] += red[i * WG + tid + stride];
+            }
+            barrier();
+        }
+        for (uint i = tid; i < ROWS * NB; i += WG) store(row0, i, red[i * WG]);
+    }
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up vkgraph on a Debian 12 machine as root: system packages that are missing, then a virtual
+# environment in .venv with vkgraph installed (editable) with its test extras. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+need=()
+for p in mesa-vulkan-drivers libvulkan1 glslc vulkan-validationlayers; do
+  dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+done
+command -v python3 >/dev/null 2>&1 || need+=(python3)
+if ! python3 -c "import venv, ensurepip" >/dev/null 2>&1; then need+=(python3-venv python3-pip); fi
+if ((${#need[@]})); then
+  echo "installing: ${need[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'

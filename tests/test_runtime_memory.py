@@ -1,0 +1,117 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vkgraph.runtime import OutOfDeviceMemory, size_class
+from vkgraph.runtime.memory import BufferPool
+
+
+@pytest.mark.parametrize("n,cap", [(0, 256), (1, 256), (256, 256), (257, 512), (65536, 65536),
+                                   (65537, 131072), (3 << 20, 4 << 20), (1 << 30, 1 << 30)])
+def test_size_classes(n, cap):
+    assert size_class(n) == cap
+
+
+@given(st.integers(1, 1 << 34))
+def test_size_class_properties(n):
+    c = size_class(n)
+    assert c >= n
+    if n <= 65536:
+        assert c % 256 == 0 and c - n < 256
+    else:
+        assert c & (c - 1) == 0 and c < 2 * n
+
+
+def test_pool_reuses_buckets(dev):
+    pool = dev.memory.pool
+    a = dev.alloc(100_000)
+    handle = a.alloc.handle
+    a.release()
+    hits = pool.stats.hits
+    b = dev.alloc(120_000)  # same 128 KiB class
+    assert b.alloc.handle == handle and pool.stats.hits == hits + 1
+    assert b.size == 120_000 and b.capacity == 131072
+    b.release()
+
+
+def test_pool_cap_and_budget(dev):
+    pool = BufferPool(dev.memory, "device")
+    pool.bucket_cap = 2
+    pool.stats.budget_bytes = 3 * 4096
+    bufs = [pool.alloc(4096) for _ in range(5)]
+    assert pool.stats.live_buffers == 5 and pool.stats.live_bytes == 5 * 4096
+    for b in bufs:
+        b.release()
+    # the bucket keeps at most 2, and idle bytes never exceed the budget
+    assert pool.stats.idle_buffers == 2 and pool.stats.idle_bytes == 2 * 4096
+    assert pool.stats.freed == 3 and pool.stats.live_bytes == 0
+    big = pool.alloc(8192)
+    big.release()
+    assert pool.stats.idle_bytes <= pool.stats.budget_bytes
+    pool.trim(0)
+    assert pool.stats.idle_bytes == 0 and pool.stats.idle_buffers == 0
+
+
+def test_released_buffer_is_returned_on_gc(dev):
+    pool = dev.memory.pool
+    live = pool.stats.live_buffers
+    b = dev.alloc(1000)
+    assert pool.stats.live_buffers == live + 1
+    del b
+    assert pool.stats.live_buffers == live
+
+
+DTYPES = [np.float32, np.float16, np.float64, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,
+          np.int64, np.uint64, np.bool_]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 255, 257, 4099, 65537])
+def test_round_trip_dtypes(dev, dtype, n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 100).astype(dtype)
+    b = dev.alloc(x.nbytes)
+    dev.upload(b, x)
+    y = dev.download(b, dtype, x.shape)
+    assert y.dtype == x.dtype and np.array_equal(x, y)
+
+
+def test_round_trip_offsets_and_bytes(dev):
+    b = dev.alloc(1)
+    dev.upload(b, b"\x7f")
+    assert dev.download(b, np.uint8, 1)[0] == 0x7F
+    c = dev.alloc(1000)
+    dev.upload(c, np.arange(100, dtype=np.uint8), offset=900)
+    assert np.array_equal(dev.download(c, np.uint8, 100, offset=900), np.arange(100, dtype=np.uint8))
+    with pytest.raises(ValueError, match="overflows"):
+        dev.upload(c, np.zeros(200, np.uint8), offset=900)
+    with pytest.raises(ValueError, match="overflows"):
+        dev.download(c, np.float32, 251)
+
+
+def test_round_trip_over_storage_range(dev):
+    n = dev.info.max_storage_buffer_range + (1 << 20) + 3  # more than 128 MiB on lavapipe
+    x = np.random.default_rng(1).integers(0, 255, n, dtype=np.uint8)
+    b = dev.alloc(n)
+    dev.upload(b, x)
+    y = dev.download(b, np.uint8, n)
+    assert np.array_equal(x, y)
+    b.release()
+
+
+def test_out_of_memory_then_usable(dev):
+    heap = max(s for s, _ in dev.info.heaps)
+    with pytest.raises(OutOfDeviceMemory) as e:
+        dev.alloc(heap + 1 if heap + 1 <= dev.info.max_buffer_size else dev.info.max_buffer_size + 1)
+    assert e.value.nbytes > 0
+    b = dev.alloc(64)
+    dev.upload(b, np.arange(16, dtype=np.float32))
+    assert dev.download(b, np.float32, 16)[5] == 5
+
+
+def test_bad_sizes(dev):
+    with pytest.raises(ValueError):
+        dev.alloc(-1)
+    with pytest.raises(ValueError):
+        dev.alloc(1.5)

@@ -1,0 +1,312 @@
+"""The op graph: hash-consed nodes with constant folding.
+
+A `Node` is (op, dtype, sources, argument, shape). `node(...)` interns them: building the same
+subgraph twice returns the same object, so common subexpressions are shared for free and nodes can key
+caches. Identity rules and constant folding run as nodes are built, so the scheduler and codegen never
+see ``x * 1`` or ``2 + 3``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+import numpy as np
+
+from .dtype import DType, dtypes
+from .view import Shape, ShapeTracker
+
+
+class Op(Enum):
+    # leaves
+    BUFFER = auto()  # arg: (BufferRef, version) — realized data, contiguous in `shape`
+    CONST = auto()  # arg: the value, broadcast over `shape`
+    RAND = auto()  # arg: (seed, counter) — uniform float32 in [0, 1), counter-based
+    # movement: arg is a ShapeTracker over the source's shape
+    VIEW = auto()
+    # unary
+    NEG = auto(); NOT = auto(); EXP = auto(); EXP2 = auto(); LOG = auto(); LOG2 = auto()  # noqa: E702
+    SIN = auto(); COS = auto(); TANH = auto(); SQRT = auto(); RSQRT = auto(); RECIP = auto()  # noqa: E702
+    ABS = auto(); SIGN = auto(); FLOOR = auto(); CEIL = auto(); ROUND = auto(); TRUNC = auto()  # noqa: E702
+    ERF = auto(); ISNAN = auto()  # noqa: E702
+    CAST = auto()  # to `dtype`
+    BITCAST = auto()  # reinterpret bits as `dtype` (same item size)
+    # binary
+    ADD = auto(); SUB = auto(); MUL = auto(); DIV = auto(); IDIV = auto(); MOD = auto()  # noqa: E702
+    MAX = auto(); MIN = auto(); POW = auto()  # noqa: E702
+    CMPLT = auto(); CMPLE = auto(); CMPEQ = auto(); CMPNE = auto()  # noqa: E702
+    AND = auto(); OR = auto(); XOR = auto(); SHL = auto(); SHR = auto()  # noqa: E702
+    # ternary
+    WHERE = auto()
+    # with a shape of their own
+    REDUCE = auto()  # arg: (ReduceOp, axes); keeps reduced axes as size 1
+    MATMUL = auto()  # sources (a, b): (..., M, K) @ (..., K, N), equal batch shapes
+    GATHER = auto()  # sources (x, idx), arg: axis — x.take(idx, axis)
+    CUSTOM = auto()  # arg: CustomOp — a hand-written kernel (see docs/tensor.md)
+
+
+class ReduceOp(Enum):
+    SUM = auto()
+    PROD = auto()
+    MAX = auto()
+    MIN = auto()
+    ARGMAX = auto()
+    ARGMIN = auto()
+
+
+UNARY = {Op.NEG, Op.NOT, Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.TANH, Op.SQRT, Op.RSQRT, Op.RECIP,
+         Op.ABS, Op.SIGN, Op.FLOOR, Op.CEIL, Op.ROUND, Op.TRUNC, Op.ERF, Op.ISNAN, Op.CAST, Op.BITCAST}
+BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.IDIV, Op.MOD, Op.MAX, Op.MIN, Op.POW, Op.CMPLT, Op.CMPLE, Op.CMPEQ,
+          Op.CMPNE, Op.AND, Op.OR, Op.XOR, Op.SHL, Op.SHR}
+COMPARE = {Op.CMPLT, Op.CMPLE, Op.CMPEQ, Op.CMPNE, Op.ISNAN}
+ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
+LEAVES = {Op.BUFFER, Op.CONST, Op.RAND}
+
+
+@dataclass(frozen=True, eq=False)
+class CustomOp:
+    """A hand-written kernel as a graph op.
+
+    ``fn(dev, out, inputs)`` is called at execution with the runtime device, the output `Buffer` (contiguous,
+    ``shape`` and ``dtype`` of the node) and one contiguous `Buffer` per source, in order; it records its
+    dispatches with ``dev.dispatch`` and must not wait. ``key`` identifies the computation (name and
+    parameters) so that equal custom ops are shared by the graph.
+    """
+
+    fn: Callable[[Any, Any, list[Any]], None]
+    key: tuple = field(default=())
+    name: str = "custom"
+
+    def __hash__(self) -> int:
+        return hash((self.fn, self.key))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CustomOp) and self.fn is other.fn and self.key == other.key
+
+
+class Node:
+    """One op of the graph. Build with `node()` (or the helpers below), never directly."""
+
+    __slots__ = ("op", "dtype", "srcs", "arg", "shape", "__weakref__")
+
+    def __init__(self, op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape):
+        self.op, self.dtype, self.srcs, self.arg, self.shape = op, dtype, srcs, arg, shape
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __repr__(self) -> str:
+        arg = "" if self.op in (Op.BUFFER,) else f", {self.arg!r}"
+        return f"<{self.op.name} {self.dtype.name}{list(self.shape)}{arg}>"
+
+    def toposort(self, stop: Callable[[Node], bool] = lambda n: False) -> list[Node]:
+        """Nodes under (and including) this one, sources first; does not descend below `stop` nodes."""
+        seen: set[int] = set()
+        order: list[Node] = []
+        stack: list[tuple[Node, bool]] = [(self, False)]
+        while stack:
+            n, done = stack.pop()
+            if done:
+                order.append(n)
+                continue
+            if id(n) in seen:
+                continue
+            seen.add(id(n))
+            stack.append((n, True))
+            if not stop(n):
+                stack.extend((s, False) for s in reversed(n.srcs) if id(s) not in seen)
+        return order
+
+
+_interned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _argkey(arg: Any) -> Any:
+    # floats key by their bits so 0.0 and -0.0 stay apart and nan equals nan
+    if isinstance(arg, float):
+        return ("f", struct.pack("<d", arg))
+    if isinstance(arg, tuple):
+        return tuple(_argkey(a) for a in arg)
+    return arg
+
+
+def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape) -> Node:
+    key = (op, dtype, tuple(id(s) for s in srcs), _argkey(arg), shape)
+    n = _interned.get(key)
+    if n is None or n.srcs != srcs:
+        n = Node(op, dtype, srcs, arg, shape)
+        _interned[key] = n
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# builders
+
+
+def const(value: Any, dtype: DType, shape: Shape = ()) -> Node:
+    return _make(Op.CONST, dtype, (), _normalize(value, dtype), tuple(shape))
+
+
+def buffer(ref: Any, version: int, dtype: DType, shape: Shape) -> Node:
+    return _make(Op.BUFFER, dtype, (), (ref, version), tuple(shape))
+
+
+def rand(seed: int, counter: int, shape: Shape) -> Node:
+    return _make(Op.RAND, dtypes.float32, (), (seed, counter), tuple(shape))
+
+
+def view(src: Node, st: ShapeTracker) -> Node:
+    """src seen through st; a view of a view folds into one tracker; a plain view of a constant is a constant."""
+    if st.shape == src.shape and st.is_contiguous:
+        return src
+    if src.op is Op.CONST and all(v.mask is None for v in st.views):
+        return const(src.arg, src.dtype, st.shape)
+    return _make(Op.VIEW, src.dtype, (src,), st, st.shape)
+
+
+def movement(src: Node, fn: Callable[[ShapeTracker], ShapeTracker]) -> Node:
+    """Apply a movement (a function on trackers) to src, extending the view src already is."""
+    if src.op is Op.VIEW:
+        return view(src.srcs[0], fn(src.arg))
+    return view(src, fn(ShapeTracker.contiguous(src.shape)))
+
+
+def reduce(src: Node, rop: ReduceOp, axes: tuple[int, ...], dtype: DType | None = None) -> Node:
+    axes = tuple(sorted(set(axes)))
+    shape = tuple(1 if i in axes else s for i, s in enumerate(src.shape))
+    return _make(Op.REDUCE, dtype or src.dtype, (src,), (rop, axes), shape)
+
+
+def matmul(a: Node, b: Node, dtype: DType) -> Node:
+    return _make(Op.MATMUL, dtype, (a, b), None, a.shape[:-1] + b.shape[-1:])
+
+
+def gather(x: Node, idx: Node, axis: int) -> Node:
+    shape = x.shape[:axis] + idx.shape + x.shape[axis + 1:]
+    return _make(Op.GATHER, x.dtype, (x, idx), axis, shape)
+
+
+def custom(op: CustomOp, srcs: tuple[Node, ...], dtype: DType, shape: Shape) -> Node:
+    return _make(Op.CUSTOM, dtype, tuple(srcs), op, tuple(shape))
+
+
+def alu(op: Op, dtype: DType, *srcs: Node) -> Node:
+    """An elementwise node, folded when its sources are constants or the op is an identity."""
+    shape = srcs[0].shape
+    if any(s.shape != shape for s in srcs):
+        raise ValueError(f"{op.name}: sources of shapes {[s.shape for s in srcs]} (broadcast them first)")
+    folded = _fold(op, dtype, srcs)
+    if folded is not None:
+        return folded
+    return _make(op, dtype, tuple(srcs), None, shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# constant folding: numpy evaluates the op on the constants in the op's own dtype
+
+
+def _normalize(value: Any, dtype: DType) -> Any:
+    if dtype.kind == "b":
+        return bool(value)
+    if dtype.is_int:
+        return int(np.array(value).astype(dtype.np))
+    return float(np.float32(value)) if dtype is dtypes.float32 else float(np.array(value, np.float32).astype(
+        dtype.np).astype(np.float32))
+
+
+def _is_const(n: Node, value: Any) -> bool:
+    return n.op is Op.CONST and n.arg == value and not (isinstance(n.arg, float) and math.isnan(n.arg))
+
+
+def _fold(op: Op, dtype: DType, srcs: tuple[Node, ...]) -> Node | None:
+    if all(s.op is Op.CONST for s in srcs) and op is not Op.BITCAST:
+        with np.errstate(all="ignore"):
+            value = NUMPY_OPS[op](*[np.array(s.arg, s.dtype.np if not s.dtype.is_float else np.float32)
+                                    for s in srcs], dtype)
+        return const(value.item() if hasattr(value, "item") else value, dtype, srcs[0].shape)
+    if op is Op.WHERE and srcs[0].op is Op.CONST:
+        return srcs[1] if srcs[0].arg else srcs[2]
+    if op is Op.CAST and srcs[0].dtype is dtype:
+        return srcs[0]
+    if len(srcs) == 2:
+        a, b = srcs
+        same = a.dtype is dtype
+        if op in (Op.ADD, Op.SUB) and _is_const(b, 0) and same:
+            return a
+        if op is Op.ADD and _is_const(a, 0) and b.dtype is dtype:
+            return b
+        if op in (Op.MUL, Op.DIV, Op.IDIV) and _is_const(b, 1) and same and dtype.kind != "b":
+            return a
+        if op is Op.MUL and _is_const(a, 1) and b.dtype is dtype and dtype.kind != "b":
+            return b
+        if op is Op.MUL and dtype.is_int and (_is_const(a, 0) or _is_const(b, 0)):
+            return const(0, dtype, a.shape)
+    return None
+
+
+def _floor_div(a, b):
+    if np.issubdtype(a.dtype, np.floating):
+        return np.floor(a / b)
+    return np.where(b == 0, 0, np.floor_divide(a, np.where(b == 0, 1, b)))
+
+
+def _mod(a, b):
+    if np.issubdtype(a.dtype, np.floating):
+        return np.mod(a, b)
+    return np.where(b == 0, 0, np.mod(a, np.where(b == 0, 1, b)))
+
+
+def _erf(x):
+    return np.vectorize(math.erf, otypes=[np.float64])(x)
+
+
+def _cast(x, dtype: DType):
+    if dtype.kind == "b":
+        return x != 0
+    return x.astype(dtype.np)
+
+
+NUMPY_OPS: dict[Op, Callable[..., Any]] = {
+    Op.NEG: lambda x, d: _cast(-x, d), Op.NOT: lambda x, d: ~x if x.dtype != np.bool_ else np.logical_not(x),
+    Op.EXP: lambda x, d: np.exp(x), Op.EXP2: lambda x, d: np.exp2(x), Op.LOG: lambda x, d: np.log(x),
+    Op.LOG2: lambda x, d: np.log2(x), Op.SIN: lambda x, d: np.sin(x), Op.COS: lambda x, d: np.cos(x),
+    Op.TANH: lambda x, d: np.tanh(x), Op.SQRT: lambda x, d: np.sqrt(x), Op.RSQRT: lambda x, d: 1 / np.sqrt(x),
+    Op.RECIP: lambda x, d: 1 / x, Op.ABS: lambda x, d: np.abs(x), Op.SIGN: lambda x, d: np.sign(x),
+    Op.FLOOR: lambda x, d: np.floor(x), Op.CEIL: lambda x, d: np.ceil(x), Op.ROUND: lambda x, d: np.round(x),
+    Op.TRUNC: lambda x, d: np.trunc(x), Op.ERF: lambda x, d: _erf(x), Op.ISNAN: lambda x, d: np.isnan(x),
+    Op.CAST: lambda x, d: _cast(x, d),
+    Op.ADD: lambda a, b, d: _cast(a + b if a.dtype != np.bool_ else a | b, d),
+    Op.SUB: lambda a, b, d: _cast(a - b, d), Op.MUL: lambda a, b, d: _cast(a * b if a.dtype != np.bool_ else a & b, d),
+    Op.DIV: lambda a, b, d: a / b, Op.IDIV: lambda a, b, d: _cast(_floor_div(a, b), d),
+    Op.MOD: lambda a, b, d: _cast(_mod(a, b), d), Op.MAX: lambda a, b, d: np.maximum(a, b),
+    Op.MIN: lambda a, b, d: np.minimum(a, b), Op.POW: lambda a, b, d: _cast(np.power(a, b), d),
+    Op.CMPLT: lambda a, b, d: a < b, Op.CMPLE: lambda a, b, d: a <= b, Op.CMPEQ: lambda a, b, d: a == b,
+    Op.CMPNE: lambda a, b, d: a != b, Op.AND: lambda a, b, d: a & b, Op.OR: lambda a, b, d: a | b,
+    Op.XOR: lambda a, b, d: a ^ b, Op.SHL: lambda a, b, d: _cast(a << b, d), Op.SHR: lambda a, b, d: a >> b,
+    Op.WHERE: lambda c, a, b, d: np.where(c, a, b),
+}
+
+
+def substitute(root: Node, mapping: dict[Node, Node]) -> Node:
+    """root rebuilt with nodes in `mapping` replaced (through the builders, so folding applies again)."""
+    out: dict[int, Node] = {}
+    for n in root.toposort(stop=lambda n: n in mapping):
+        if n in mapping:
+            out[id(n)] = mapping[n]
+            continue
+        srcs = tuple(out[id(s)] for s in n.srcs)
+        if srcs == n.srcs:
+            out[id(n)] = n
+        elif n.op is Op.VIEW:
+            out[id(n)] = view(srcs[0], n.arg)
+        elif n.op in ELEMENTWISE:
+            out[id(n)] = alu(n.op, n.dtype, *srcs)
+        else:
+            out[id(n)] = _make(n.op, n.dtype, srcs, n.arg, n.shape)
+    return out[id(root)]

@@ -1,0 +1,36 @@
+"""Checks and launch arithmetic shared by the template ops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..runtime import Device
+
+
+def check_buffer(name: str, buf: Any, nbytes: int) -> None:
+    """Raise ValueError unless `buf` is a Buffer/BufferView of at least `nbytes` bytes."""
+    size = getattr(buf, "size", None)
+    if size is None or not hasattr(buf, "alloc"):
+        raise TypeError(f"{name}: expected a runtime Buffer or BufferView, got {type(buf).__name__}")
+    if size < nbytes:
+        raise ValueError(f"{name}: buffer of {size} bytes is smaller than the {nbytes} bytes required")
+
+
+def check_binding_range(dev: Device, name: str, nbytes: int) -> None:
+    """Raise ValueError if a binding of `nbytes` exceeds what the device can bind as one storage buffer."""
+    limit = dev.info.max_storage_buffer_range
+    if nbytes > limit:
+        raise ValueError(f"{name}: {nbytes} bytes exceed the device's maxStorageBufferRange of {limit}")
+
+
+def grid_2d(dev: Device, groups: int) -> tuple[int, int, int]:
+    """Spread `groups` workgroups over x and y within the device's per-axis limit (x * y >= groups)."""
+    max_x = dev.info.max_workgroup_count[0]
+    if groups <= max_x:
+        return (max(groups, 1), 1, 1)
+    gy = -(-groups // max_x)
+    return (-(-groups // gy), gy, 1)
+
+
+def pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)

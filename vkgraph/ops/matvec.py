@@ -1,0 +1,116 @@
+"""Matrix-vector and small-batch products over GGUF weights: y[b] = W x[b] (+ bias) (+ residual).
+
+`upload_weights` moves a QuantizedTensor to the device in the templates' layout (see vkgraph.quant);
+`matvec` dispatches the format's template with launch parameters chosen from the device's features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import kernels
+from ..quant import QuantFormat, QuantizedTensor, kernel_layout
+from ..runtime import Device
+from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
+
+TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_K": "matvec_q4_k", "Q6_K": "matvec_q6_k",
+            "F16": "matvec_f16", "BF16": "matvec_f16"}
+# elements one invocation handles per 16-byte load: must match UNIT_ELEMS in each template
+UNIT_ELEMS = {"Q8_0": 16, "Q4_0": 32, "Q4_K": 32, "Q6_K": 64, "F16": 8, "BF16": 8}
+ACT_DTYPES = {"f32": np.float32, "f16": np.float16}
+MAX_BATCH = 8
+
+
+@dataclass
+class DeviceWeights:
+    """A weight matrix on the device in the matvec layout: `body` (16-byte words per row) and f16 `scales`."""
+
+    format: QuantFormat
+    shape: tuple[int, int]
+    body: Any
+    scales: Any | None
+    w_stride: int  # uvec4 words per row of body
+    s_stride: int  # float16 scales per row
+
+    @property
+    def nbytes(self) -> int:
+        return self.body.size + (self.scales.size if self.scales is not None else 0)
+
+
+@dataclass(frozen=True)
+class MatvecConfig:
+    wg: int
+    rows: int
+    use_subgroup: bool
+
+
+def upload_weights(dev: Device, qt: QuantizedTensor) -> DeviceWeights:
+    """Copy `qt` to the device in the matvec templates' layout."""
+    rows, cols = qt.shape
+    if qt.format.name in ("F16", "BF16") and cols % 8:
+        raise ValueError(f"{qt.format.name} matvec needs K % 8 == 0 (16-byte rows), got K={cols}")
+    body, scales = kernel_layout(qt)
+    check_binding_range(dev, f"{qt.format.name} weights {qt.shape}", body.nbytes)
+    bbuf = dev.alloc(body.nbytes)
+    dev.upload(bbuf, body)
+    sbuf = None
+    if scales is not None:
+        flat = scales.reshape(-1)
+        flat = np.pad(flat, (0, -flat.size % 4))  # the template reads the float16 scales as whole uints
+        sbuf = dev.alloc(flat.nbytes)
+        dev.upload(sbuf, flat)
+    return DeviceWeights(qt.format, (rows, cols), bbuf, sbuf, body.shape[1] // 16,
+                         0 if scales is None else scales.shape[1] // 2)
+
+
+def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> MatvecConfig:
+    """Launch parameters from the device: enough invocations to cover a row's units, rows to fill the GPU."""
+    info = dev.info
+    units = k // UNIT_ELEMS[fmt.name]
+    sg = info.subgroup_size
+    wg = min(128, max(sg, 32, pow2_floor(units)), pow2_floor(info.max_workgroup_invocations))
+    rows = 2 if batch <= 4 else 1
+    use_subgroup = "arithmetic" in info.subgroup_ops and wg % sg == 0
+    return MatvecConfig(wg, rows, use_subgroup)
+
+
+def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_dtype: str = "f32",
+           out: Any | None = None, bias: Any | None = None, residual: Any | None = None,
+           config: MatvecConfig | None = None) -> Any:
+    """y[b, n] = sum_k W[n, k] x[b, k] (+ bias[n]) (+ residual[b, n]) for b < batch; returns y (float32 [batch, N]).
+
+    x holds `batch` rows of K activations (float32, or float16 with act_dtype="f16"); bias is float32 [N],
+    residual float32 [batch, N] (it may be `out` itself). Records the dispatch; does not wait.
+    """
+    n, k = weights.shape
+    if act_dtype not in ACT_DTYPES:
+        raise ValueError(f"act_dtype must be one of {sorted(ACT_DTYPES)}, got {act_dtype!r}")
+    if not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch} (use a dequantize + matmul for more rows)")
+    check_buffer("x", x, batch * k * np.dtype(ACT_DTYPES[act_dtype]).itemsize)
+    if out is None:
+        out = dev.alloc(batch * n * 4)
+    check_buffer("out", out, batch * n * 4)
+    if bias is not None:
+        check_buffer("bias", bias, n * 4)
+    if residual is not None:
+        check_buffer("residual", residual, batch * n * 4)
+    cfg = config or choose_config(dev, weights.format, n, k, batch)
+    defines = {}
+    if act_dtype == "f16":
+        defines["A_F16"] = 1
+    if weights.format.name == "BF16":
+        defines["W_BF16"] = 1
+    spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
+            "HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
+            "SUBGROUP": dev.info.min_subgroup_size}
+    kern = kernels.compile(dev, TEMPLATE[weights.format.name], spec=spec, defines=defines)
+    groups = grid_2d(dev, -(-n // cfg.rows))
+    w = weights.body
+    kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, bias or w, residual or w], groups,
+                     push={"n_rows": n, "k": k, "w_stride": weights.w_stride, "s_stride": weights.s_stride,
+                           "groups_x": groups[0]})
+    return out
