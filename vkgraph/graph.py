@@ -89,6 +89,25 @@ class CustomOp:
         return isinstance(other, CustomOp) and self.fn is other.fn and self.key == other.key
 
 
+class BufferRef:
+    """Storage of a realized node: dtype and element count; `buf` is the runtime Buffer once allocated.
+
+    `version` counts in-place writes (setitem), so a lazy graph built before a write can be told apart.
+    """
+
+    __slots__ = ("dtype", "numel", "buf", "version", "__weakref__")
+
+    def __init__(self, dtype: DType, numel: int, buf: Any = None):
+        self.dtype, self.numel, self.buf, self.version = dtype, numel, buf, 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"<buffer {self.dtype.name}[{self.numel}] at {id(self):#x}>"
+
+
 class Node:
     """One op of the graph. Build with `node()` (or the helpers below), never directly."""
 

@@ -46,12 +46,14 @@ class Kernel:
         self.pipeline = pipeline
         self.layout = layout
         self.set_layout = set_layout
+        self.layout_id = int(ffi.cast("uintptr_t", set_layout))
         self.key = key
         self.num_bindings = len(iface.bindings)
         self.writes = tuple(b.written for b in iface.bindings)
         self.push_names = tuple(f.name for f in iface.push_fields)
         self.push_size = iface.push_size
         self._push = iface.push_struct()
+        self.push_pack = self._push.pack
         self._push_types = tuple(f.type for f in iface.push_fields)
 
     def pack_push(self, push: Any) -> bytes:

@@ -9,8 +9,9 @@ order, and a barrier's first scope covers earlier submissions too, so the sets c
 
 from __future__ import annotations
 
+import struct
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..flags import flag
@@ -89,7 +90,7 @@ class Queue:
         self.host_barrier = ffi.new("VkMemoryBarrier*", {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
                                                          "srcAccessMask": _WRITE,
                                                          "dstAccessMask": vk.VK_ACCESS_HOST_READ_BIT})
-        self.descriptor_sets: OrderedDict[tuple, list] = OrderedDict()
+        self.descriptor_sets: dict[tuple, list] = {}  # key -> [set array, pool, last use]
         self.sets_by_buffer: dict[int, set[tuple]] = {}
         self.descriptor_pools: list[Any] = []
         self.profiler = Profiler(device) if flag("VKGRAPH_PROFILE") else None
@@ -120,6 +121,7 @@ class Queue:
         return sub
 
     def dispatch(self, kernel: Kernel, buffers: list[Any], groups: Any, push: Any = None) -> None:
+        # The hot path: one pass over the bindings, cached descriptor sets, raw cffi calls.
         if len(buffers) != kernel.num_bindings:
             raise KernelInterfaceError(f"kernel {kernel.name} declares {kernel.num_bindings} buffers, got "
                                        f"{len(buffers)}")
@@ -131,28 +133,55 @@ class Queue:
         if gx > limits[0] or gy > limits[1] or gz > limits[2] or gx < 0 or gy < 0 or gz < 0:
             raise KernelInterfaceError(f"kernel {kernel.name}: {gx, gy, gz} workgroups are outside the device's "
                                        f"limit {limits}")
-        data = kernel.pack_push(push) if (push or kernel.push_names) else b""
-        try:
-            allocs = [b.alloc for b in buffers]
-        except AttributeError:
-            raise KernelInterfaceError(f"kernel {kernel.name}: buffers must be Buffer or BufferView, got "
-                                       f"{[type(b).__name__ for b in buffers]}") from None
-        for a in allocs:
-            if a.freed:
-                raise KernelInterfaceError(f"kernel {kernel.name}: a buffer was released before dispatch")
+        if type(push) is tuple:
+            try:
+                data = kernel.push_pack(*push)
+            except struct.error:
+                data = kernel.pack_push(push)  # raises with a message naming the fields
+        else:
+            data = kernel.pack_push(push) if (push or kernel.push_names) else b""
         if gx == 0 or gy == 0 or gz == 0:
             return
         with self.lock:
             if self.device.closed:
                 raise DeviceError("the device is closed")
             rec = self.recording or self._begin()
-            ds = self._descriptor_set(kernel, buffers, allocs, rec.seq)
-            self._hazards(allocs, kernel.writes, rec)
+            written, read = self.written, self.read
+            allocs = []
+            parts = []
+            hazard = False
+            try:
+                for b, w in zip(buffers, kernel.writes):
+                    a = b.alloc
+                    h = a.handle
+                    if a.freed:
+                        raise KernelInterfaceError(f"kernel {kernel.name}: a buffer was released before dispatch")
+                    allocs.append(a)
+                    parts.append((h, b.offset, b.size))
+                    if h in written or (w and h in read):
+                        hazard = True
+            except AttributeError:
+                raise KernelInterfaceError(f"kernel {kernel.name}: buffers must be Buffer or BufferView, got "
+                                           f"{[type(b).__name__ for b in buffers]}") from None
+            seq = rec.seq
+            key = (kernel.layout_id, tuple(parts))
+            entry = self.descriptor_sets.get(key)
+            if entry is None:
+                entry = self._new_descriptor_set(kernel, buffers, allocs, key)
+            entry[2] = seq
             cmd = rec.cmd
+            if hazard:
+                lib.vkCmdPipelineBarrier(cmd, _STAGES, _STAGES, 0, 1, self.barrier, 0, NULL, 0, NULL)
+                written.clear()
+                read.clear()
+                self.stats["barriers"] += 1
+            for a, w in zip(allocs, kernel.writes):
+                (written if w else read).add(a.handle)
+                a.last_use = seq
             if self.bound_pipeline is not kernel.pipeline:
                 lib.vkCmdBindPipeline(cmd, _COMPUTE, kernel.pipeline)
                 self.bound_pipeline = kernel.pipeline
-            lib.vkCmdBindDescriptorSets(cmd, _COMPUTE, kernel.layout, 0, 1, ds, 0, NULL)
+            lib.vkCmdBindDescriptorSets(cmd, _COMPUTE, kernel.layout, 0, 1, entry[0], 0, NULL)
             if data:
                 lib.vkCmdPushConstants(cmd, kernel.layout, _STAGE_COMPUTE, 0, len(data), data)
             if self.profiler is not None:
@@ -166,32 +195,16 @@ class Queue:
                 self.flush()
 
     def _hazards(self, allocs: list[Allocation], writes: tuple[bool, ...], rec: Submission) -> None:
+        """Barrier tracking for recorded copies (dispatch inlines the same rules)."""
         written, read = self.written, self.read
-        need = False
-        for a, w in zip(allocs, writes):
-            h = a.handle
-            if h in written or (w and h in read):
-                need = True
-                break
-        if need:
+        if any(a.handle in written or (w and a.handle in read) for a, w in zip(allocs, writes)):
             lib.vkCmdPipelineBarrier(rec.cmd, _STAGES, _STAGES, 0, 1, self.barrier, 0, NULL, 0, NULL)
             written.clear()
             read.clear()
             self.stats["barriers"] += 1
-        seq = rec.seq
         for a, w in zip(allocs, writes):
             (written if w else read).add(a.handle)
-            a.last_use = seq
-
-    def _descriptor_set(self, kernel: Kernel, buffers: list[Any], allocs: list[Allocation], seq: int) -> Any:
-        key = (kernel.set_layout, tuple([(a.handle, b.offset, b.size) for a, b in zip(allocs, buffers)]))
-        entry = self.descriptor_sets.get(key)
-        if entry is None:
-            entry = self._new_descriptor_set(kernel, buffers, allocs, key)
-        else:
-            self.descriptor_sets.move_to_end(key)
-        entry[2] = seq
-        return entry[0]
+            a.last_use = rec.seq
 
     def _new_descriptor_set(self, kernel: Kernel, buffers: list[Any], allocs: list[Allocation], key: tuple) -> list:
         info = self.device.info
@@ -252,15 +265,11 @@ class Queue:
         return out[0]
 
     def _evict_sets(self) -> None:
+        # least recently used first, among those the GPU is done with
         over = len(self.descriptor_sets) - _DESCRIPTOR_CACHE // 2
-        victims = []
-        for key, entry in self.descriptor_sets.items():
-            if over <= 0:
-                break
-            if entry[2] <= self.completed:
-                victims.append(key)
-                over -= 1
-        for key in victims:
+        idle = sorted((key for key, e in self.descriptor_sets.items() if e[2] <= self.completed),
+                      key=lambda key: self.descriptor_sets[key][2])
+        for key in idle[:max(over, 0)]:
             self._free_set(key)
 
     def _free_set(self, key: tuple) -> None:

@@ -1,0 +1,180 @@
+"""Paged attention templates (KV write, decode with and without split-K, reduce, prefill) against numpy."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_kernels_common import check, device, snapshot, upload
+
+from vkgraph.ops import paged_attention as pa
+
+HEADS = [64, 80, 96, 128, 256]
+NP_KV = {"f16": np.float16, "f32": np.float32}
+
+
+def _softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """q [H, D] against k, v [T, H, D] (already expanded to the query heads), float64."""
+    if k.shape[0] == 0:
+        return np.zeros_like(q)
+    s = np.einsum("hd,thd->ht", q, k) * scale
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return np.einsum("ht,thd->hd", p / p.sum(axis=1, keepdims=True), v)
+
+
+def _random_cache(rng, num_blocks, hkv, bs, d, dtype):
+    shape = (num_blocks, hkv, bs, d)
+    return (rng.standard_normal(shape).astype(NP_KV[dtype]), rng.standard_normal(shape).astype(NP_KV[dtype]))
+
+
+def _block_tables(rng, lens, bs, num_blocks, shared_prefix):
+    """Each sequence gets distinct shuffled blocks; with shared_prefix every sequence's first block is block 0."""
+    max_blocks = max(-(-max(lens) // bs), 1)
+    perm = rng.permutation(np.arange(1 if shared_prefix else 0, num_blocks))
+    tables = np.zeros((len(lens), max_blocks), np.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        nb = -(-n // bs)
+        start = 1 if shared_prefix else 0
+        if shared_prefix:
+            tables[b, 0] = 0
+        tables[b, start:nb] = perm[used:used + nb - start]
+        used += max(nb - start, 0)
+    return tables
+
+
+def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, shared_prefix=False):
+    dev = device()
+    need = sum(-(-n // bs) for n in lens) + 1
+    kc, vc = _random_cache(rng, need, hkv, bs, d, dtype)
+    tables = _block_tables(rng, lens, bs, need, shared_prefix)
+    q = rng.standard_normal((len(lens), hkv * group, d)).astype(np.float32)
+    cache = pa.PagedKVCache.create(dev, need, hkv, d, bs, dtype)
+    dev.upload(cache.key, kc)
+    dev.upload(cache.value, vc)
+    since = snapshot()
+    out = pa.paged_decode(dev, cache, upload(dev, q), upload(dev, tables), upload(dev, np.array(lens, np.int32)),
+                          num_seqs=len(lens), num_heads=hkv * group, max_blocks_per_seq=tables.shape[1],
+                          max_context_len=max(lens), window=window, part_tokens=part_tokens)
+    got = dev.download(out, np.float32, q.shape)
+    ref = np.zeros(q.shape)
+    for b, n in enumerate(lens):
+        pos = np.arange(max(0, n - window) if window else 0, n)
+        blk, off = tables[b, pos // bs], pos % bs
+        k = np.repeat(kc[blk, :, off].astype(np.float64), group, axis=1)  # [T, Hq, D]
+        v = np.repeat(vc[blk, :, off].astype(np.float64), group, axis=1)
+        ref[b] = _softmax_attend(q[b].astype(np.float64), k, v, 1 / math.sqrt(d))
+    check(got, ref, since)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), d=st.sampled_from(HEADS), dtype=st.sampled_from(["f16", "f32"]),
+       hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), bs=st.sampled_from([16, 8, 32]),
+       seed=st.integers(0, 2**31))
+def test_paged_decode_fuzz(data, d, dtype, hkv, group, bs, seed):
+    lens = data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=4))
+    window = data.draw(st.sampled_from([0, 0, 1, 40]))
+    part = data.draw(st.sampled_from([None, 0, 32, 64]))
+    _decode_case(np.random.default_rng(seed), lens, hkv, group, d, bs, dtype, window, part,
+                 shared_prefix=data.draw(st.booleans()))
+
+
+@pytest.mark.parametrize("part", [None, 0])
+def test_paged_decode_long_context(part):
+    """A context beyond 4096 tokens beside a one-token one; split-K chosen automatically or turned off."""
+    _decode_case(np.random.default_rng(7), [4133, 1], 1, 4, 64, 16, "f16", 0, part)
+
+
+def test_paged_decode_auto_split_is_used():
+    dev = device()
+    assert pa.choose_partition(dev, 1, 8, 4096, 32) > 0
+    assert pa.choose_partition(dev, 64, 8, 4096, 32) == 0
+
+
+@pytest.mark.slow
+@settings(max_examples=100, deadline=None)
+@given(lens=st.lists(st.integers(1, 5000), min_size=1, max_size=3), d=st.sampled_from(HEADS),
+       seed=st.integers(0, 2**31))
+def test_paged_decode_fuzz_long(lens, d, seed):
+    _decode_case(np.random.default_rng(seed), lens, 2, 4, d, 16, "f16", 0, None)
+
+
+@settings(max_examples=15, deadline=None)
+@given(num_tokens=st.integers(1, 40), hkv=st.integers(1, 3), d=st.sampled_from(HEADS),
+       dtype=st.sampled_from(["f16", "f32"]), bs=st.sampled_from([16, 4]), seed=st.integers(0, 2**31))
+def test_kv_write(num_tokens, hkv, d, dtype, bs, seed):
+    dev = device()
+    rng = np.random.default_rng(seed)
+    num_blocks = -(-num_tokens // bs) + 2
+    cache = pa.PagedKVCache.create(dev, num_blocks, hkv, d, bs, dtype)
+    init_k, init_v = _random_cache(rng, num_blocks, hkv, bs, d, dtype)
+    dev.upload(cache.key, init_k)
+    dev.upload(cache.value, init_v)
+    slots = rng.permutation(num_blocks * bs)[:num_tokens].astype(np.int32)
+    slots[rng.random(num_tokens) < 0.2] = -1  # padding tokens are skipped
+    key = rng.standard_normal((num_tokens, hkv, d)).astype(np.float32)
+    value = rng.standard_normal((num_tokens, hkv, d)).astype(np.float32)
+    since = snapshot()
+    pa.write_kv(dev, cache, upload(dev, key), upload(dev, value), upload(dev, slots), num_tokens)
+    ref_k, ref_v = init_k.copy(), init_v.copy()
+    ok = slots >= 0
+    ref_k[slots[ok] // bs, :, slots[ok] % bs] = key[ok]
+    ref_v[slots[ok] // bs, :, slots[ok] % bs] = value[ok]
+    got_k = dev.download(cache.key, NP_KV[dtype], ref_k.shape)
+    got_v = dev.download(cache.value, NP_KV[dtype], ref_v.shape)
+    # float16 conversion: the round-to-nearest result, allowing one unit in the last place
+    check(np.concatenate([got_k, got_v]), np.concatenate([ref_k, ref_v]), since, tol=1e-3 if dtype == "f16" else 0)
+
+
+def _prefill_case(rng, lens, hkv, group, d, dtype, window):
+    dev = device()
+    t = sum(lens)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q = rng.standard_normal((t, hkv * group, d)).astype(np.float32)
+    k = rng.standard_normal((t, hkv, d)).astype(NP_KV[dtype])
+    v = rng.standard_normal((t, hkv, d)).astype(NP_KV[dtype])
+    since = snapshot()
+    out = pa.prefill_attention(dev, upload(dev, q), upload(dev, k), upload(dev, v), upload(dev, cu),
+                               num_seqs=len(lens), num_tokens=t, num_heads=hkv * group, num_kv_heads=hkv,
+                               head_size=d, max_seq_len=max(lens), kv_dtype=dtype, window=window)
+    got = dev.download(out, np.float32, q.shape)
+    ref = np.zeros(q.shape)
+    for b in range(len(lens)):
+        for i in range(lens[b]):
+            lo = max(0, i - window + 1) if window else 0
+            kk = np.repeat(k[cu[b] + lo:cu[b] + i + 1].astype(np.float64), group, axis=1)
+            vv = np.repeat(v[cu[b] + lo:cu[b] + i + 1].astype(np.float64), group, axis=1)
+            ref[cu[b] + i] = _softmax_attend(q[cu[b] + i].astype(np.float64), kk, vv, 1 / math.sqrt(d))
+    check(got, ref, since)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=3), hkv=st.integers(1, 2),
+       group=st.sampled_from([1, 4]), d=st.sampled_from(HEADS), dtype=st.sampled_from(["f16", "f32"]),
+       window=st.sampled_from([0, 0, 5]), seed=st.integers(0, 2**31))
+def test_prefill_fuzz(lens, hkv, group, d, dtype, window, seed):
+    _prefill_case(np.random.default_rng(seed), lens, hkv, group, d, dtype, window)
+
+
+def test_attention_bad_input():
+    dev = device()
+    with pytest.raises(ValueError, match="head_size"):
+        pa.PagedKVCache.create(dev, 4, 1, 60)
+    with pytest.raises(ValueError, match="KV dtype"):
+        pa.PagedKVCache.create(dev, 4, 1, 64, dtype="bf16")
+    cache = pa.PagedKVCache.create(dev, 4, 2, 64)
+    q = upload(dev, np.zeros((1, 4, 64), np.float32))
+    ints = upload(dev, np.zeros(8, np.int32))
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        pa.paged_decode(dev, cache, q, ints, ints, num_seqs=1, num_heads=3, max_blocks_per_seq=1,
+                        max_context_len=1)
+    with pytest.raises(ValueError, match="exceeds"):
+        pa.paged_decode(dev, cache, q, ints, ints, num_seqs=1, num_heads=4, max_blocks_per_seq=1,
+                        max_context_len=17)
+    with pytest.raises(ValueError, match="smaller than"):
+        pa.paged_decode(dev, cache, q, ints, ints, num_seqs=2, num_heads=4, max_blocks_per_seq=1,
+                        max_context_len=16)
+    with pytest.raises(ValueError, match="part_tokens"):
+        pa.paged_decode(dev, cache, q, ints, ints, num_seqs=1, num_heads=4, max_blocks_per_seq=1,
+                        max_context_len=16, part_tokens=10)

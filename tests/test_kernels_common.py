@@ -1,0 +1,57 @@
+"""Shared by the template tests: the numpy comparison, and the record of which templates it has checked.
+
+`check` compares a result with a float64 numpy reference by normalised error (||got - ref|| / ||ref||) and
+marks every template dispatched since `snapshot()` as checked; test_kernels_zz_coverage.py then asserts
+that every template in kernels/ was registered, dispatched and checked.
+"""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from vkgraph import kernels
+
+CHECKED: set[str] = set()
+TOL = 5e-4
+
+
+def device():
+    from vkgraph.runtime import get_device
+
+    return get_device()
+
+
+def snapshot() -> Counter:
+    return Counter(kernels.DISPATCHES)
+
+
+def normalised_error(got: np.ndarray, ref: np.ndarray) -> float:
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    if not np.isfinite(got).all():
+        return float("inf")  # NaN never passes
+    scale = np.linalg.norm(ref)
+    return float(np.linalg.norm(got - ref) / (scale if scale > 0 else 1.0))
+
+
+def check(got: np.ndarray, ref: np.ndarray, since: Counter, tol: float = TOL) -> None:
+    used = set(kernels.DISPATCHES - since)
+    assert used, "nothing was dispatched"
+    err = normalised_error(got, ref)
+    assert err <= tol, f"normalised error {err:.3g} > {tol} (templates {sorted(used)})"
+    CHECKED.update(used)
+
+
+def upload(dev, array: np.ndarray):
+    buf = dev.alloc(max(array.nbytes, 4))
+    dev.upload(buf, np.ascontiguousarray(array))
+    return buf
+
+
+def test_normalised_error_rejects_nan_and_scales():
+    ref = np.ones(4)
+    assert normalised_error(ref, ref) == 0
+    assert normalised_error(np.array([1, 1, 1, np.nan]), ref) == float("inf")
+    assert normalised_error(ref * 1.001, ref) == pytest.approx(1e-3)

@@ -1,0 +1,284 @@
+"""GLSL spelling of dtypes, literals, loads, stores, casts and elementwise ops.
+
+Values are computed in 32-bit types (``float``, ``int``, ``uint``), ``int64_t`` or ``bool``; narrow integers are
+wrapped back to their width after each op that can overflow, so results match numpy bit for bit. Helper
+functions (floor division, pow, erf, bfloat16 rounding, the random number hash) are emitted only when a kernel
+uses them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..dtype import DType, dtypes
+from ..graph import Op
+
+HELPERS: dict[str, str] = {
+    "bf16": """uint f2bf(float f) {
+  uint u = floatBitsToUint(f);
+  if (isnan(f)) return 0x7fc0u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+}
+float bf2f(uint b) { return uintBitsToFloat(b << 16); }""",
+    "f16round": "float f16r(float x) { return unpackHalf2x16(packHalf2x16(vec2(x, 0.0))).x; }",
+    "fpow": """float fpow(float a, float b) {
+  if (b == 0.0) return 1.0;
+  if (isnan(a) || isnan(b)) return uintBitsToFloat(0x7fc00000u);
+  if (a == 0.0) return b < 0.0 ? uintBitsToFloat(0x7f800000u) : 0.0;
+  if (a < 0.0) {
+    if (b != floor(b)) return uintBitsToFloat(0x7fc00000u);
+    float r = exp2(b * log2(-a));
+    return mod(b, 2.0) == 1.0 ? -r : r;
+  }
+  return exp2(b * log2(a));
+}""",
+    "erf": """float erf_(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7
+  float t = 1.0 / (1.0 + 0.3275911 * abs(x));
+  float p = ((((1.061405429 * t - 1.453152027) * t + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t;
+  return sign(x) * (1.0 - p * exp(-x * x));
+}""",
+    "rng": """uint pcg(uint v) {
+  uint s = v * 747796405u + 2891336453u;
+  uint w = ((s >> ((s >> 28u) + 4u)) ^ s) * 277803737u;
+  return (w >> 22u) ^ w;
+}
+float rng(uint seed, uint ctr) {
+  uint h = pcg(pcg(ctr + pcg(seed)) ^ seed);
+  return float(h >> 8) * (1.0 / 16777216.0);
+}""",
+}
+
+# integer floor division, modulo and power per GLSL type (T), instantiated on use
+_INT_HELPERS = {
+    "idiv": """T idiv_T(T a, T b) {
+  if (b == Z) return Z;
+  T q = abs(a) / abs(b);
+  if ((a < Z) != (b < Z)) q = -q - ((abs(a) % abs(b)) != Z ? O : Z);
+  return q;
+}""",
+    "imod": """T imod_T(T a, T b) {
+  if (b == Z) return Z;
+  return a - b * idiv_T(a, b);
+}""",
+    "udiv": "T idiv_T(T a, T b) { return b == Z ? Z : a / b; }",
+    "umod": "T imod_T(T a, T b) { return b == Z ? Z : a % b; }",
+    "ipow": """T ipow_T(T a, T b) {
+  T r = O;
+  if (b < Z) return Z;
+  while (b > Z) { if ((b & O) != Z) r *= a; a *= a; b >>= O; }
+  return r;
+}""",
+}
+
+
+def int_helper(kind: str, glsl_type: str) -> tuple[str, str]:
+    """(name, source) of an integer helper for one GLSL type."""
+    zero, one = {"int": ("0", "1"), "uint": ("0u", "1u"), "int64_t": ("0l", "1l")}[glsl_type]
+    src = _INT_HELPERS[kind].replace("_T", "_" + glsl_type).replace("T ", glsl_type + " ")
+    src = src.replace("Z", zero).replace("O", one)
+    return f"{kind}_{glsl_type}", src
+
+
+def literal(value: object, dtype: DType) -> str:
+    if dtype.kind == "b":
+        return "true" if value else "false"
+    if dtype.is_float:
+        v = float(value)
+        if math.isnan(v):
+            return "uintBitsToFloat(0x7fc00000u)"
+        if math.isinf(v):
+            return "uintBitsToFloat(0x7f800000u)" if v > 0 else "uintBitsToFloat(0xff800000u)"
+        s = repr(float(np.float32(v)))
+        return s if v >= 0 else f"({s})"
+    v = int(value)
+    if dtype is dtypes.int64:
+        return f"{v}l" if v >= 0 else f"({v}l)"
+    if dtype.kind == "u":
+        return f"{v}u"
+    if v == -(2**31):
+        return "(-2147483647-1)"
+    return str(v) if v >= 0 else f"({v})"
+
+
+def zero(dtype: DType) -> str:
+    return literal(0, dtype)
+
+
+def load(dtype: DType, ref: str) -> str:
+    """A buffer element as a computed value."""
+    if dtype is dtypes.bfloat16:
+        return f"bf2f(uint({ref}))"
+    if dtype is dtypes.bool:
+        return f"(uint({ref}) != 0u)"
+    if dtype.itemsize < 4:
+        return f"{dtype.glsl}({ref})"
+    return ref
+
+
+def store(dtype: DType, value: str) -> str:
+    """A computed value as a buffer element."""
+    if dtype is dtypes.bfloat16:
+        return f"uint16_t(f2bf({value}))"
+    if dtype is dtypes.bool:
+        return f"uint8_t({value} ? 1u : 0u)"
+    if dtype.itemsize < 4:
+        return f"{dtype.store}({value})"
+    return value
+
+
+def helpers_for_load_store(dtype: DType) -> set[str]:
+    return {"bf16"} if dtype is dtypes.bfloat16 else set()
+
+
+def wrap(dtype: DType, x: str) -> str:
+    """Wrap an int/uint computed value to a narrow integer's width."""
+    if dtype.is_int and dtype.itemsize < 4:
+        if dtype.kind == "i":
+            return f"bitfieldExtract({x}, 0, {dtype.bits})"
+        return f"({x} & {hex((1 << dtype.bits) - 1)}u)"
+    return x
+
+
+def cast(x: str, src: DType, dst: DType, need: set[str]) -> str:
+    if src is dst:
+        return x
+    if dst.kind == "b":
+        return f"({x} != {zero(src)})" if src.kind != "b" else x
+    if src.kind == "b":
+        return f"({x} ? {literal(1, dst)} : {zero(dst)})"
+    if dst is dtypes.float16:
+        need.add("f16round")
+        return f"f16r(float({x}))"
+    if dst is dtypes.bfloat16:
+        need.add("bf16")
+        return f"bf2f(f2bf(float({x})))"
+    if dst.is_float:
+        return f"float({x})"
+    if src.is_float and dst.kind == "u" and dst.itemsize < 8:
+        x = f"int({x})"  # float -> uint of a negative value wraps as numpy does through int
+    return wrap(dst, f"{dst.glsl}({x})")
+
+
+def _to_bits(x: str, d: DType, need: set[str]) -> str:
+    if d is dtypes.float32:
+        return f"floatBitsToUint({x})"
+    if d is dtypes.float16:
+        return f"packHalf2x16(vec2({x}, 0.0))"
+    if d is dtypes.bfloat16:
+        need.add("bf16")
+        return f"f2bf({x})"
+    if d.kind == "b":
+        return f"uint({x})"
+    return f"(uint({x}) & {hex((1 << d.bits) - 1)}u)" if d.itemsize < 4 else f"uint({x})"
+
+
+def _from_bits(u: str, d: DType, need: set[str]) -> str:
+    if d is dtypes.float32:
+        return f"uintBitsToFloat({u})"
+    if d is dtypes.float16:
+        return f"unpackHalf2x16({u}).x"
+    if d is dtypes.bfloat16:
+        need.add("bf16")
+        return f"bf2f({u})"
+    if d.kind == "b":
+        return f"({u} != 0u)"
+    if d.kind == "i":
+        return f"bitfieldExtract(int({u}), 0, {d.bits})" if d.itemsize < 4 else f"int({u})"
+    return u
+
+
+def bitcast(x: str, src: DType, dst: DType, need: set[str]) -> str:
+    if src is dst:
+        return x
+    return _from_bits(_to_bits(x, src, need), dst, need)
+
+
+_FLOAT_UNARY = {Op.EXP: "exp", Op.EXP2: "exp2", Op.LOG: "log", Op.LOG2: "log2", Op.SIN: "sin", Op.COS: "cos",
+                Op.SQRT: "sqrt", Op.RSQRT: "inversesqrt", Op.FLOOR: "floor", Op.CEIL: "ceil",
+                Op.ROUND: "roundEven", Op.TRUNC: "trunc"}
+_INFIX = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.CMPLT: "<", Op.CMPLE: "<=", Op.CMPEQ: "==", Op.CMPNE: "!=",
+          Op.SHL: "<<", Op.SHR: ">>"}
+_BITWISE = {Op.AND: ("&", "&&"), Op.OR: ("|", "||"), Op.XOR: ("^", "^^")}
+
+
+def alu(op: Op, dtype: DType, srcs: list[DType], args: list[str], need: set[str]) -> str:
+    """The GLSL expression of an elementwise op. dtype is the result's, srcs the sources' dtypes."""
+    a = args[0]
+    s = srcs[0]
+    if op is Op.CAST:
+        return cast(a, s, dtype, need)
+    if op is Op.BITCAST:
+        return bitcast(a, s, dtype, need)
+    if op in _FLOAT_UNARY:
+        return f"{_FLOAT_UNARY[op]}({a})" if s.is_float else a
+    if op is Op.TANH:
+        return f"tanh(clamp({a}, -15.0, 15.0))"
+    if op is Op.ERF:
+        need.add("erf")
+        return f"erf_({a})"
+    if op is Op.ISNAN:
+        return f"isnan({a})" if s.is_float else "false"
+    if op is Op.RECIP:
+        return f"(1.0 / {a})"
+    if op is Op.NEG:
+        return wrap(dtype, f"(-{a})" if s.kind != "u" else f"({zero(s)} - {a})")
+    if op is Op.NOT:
+        return f"(!{a})" if s.kind == "b" else wrap(dtype, f"(~{a})")
+    if op is Op.ABS:
+        return a if s.kind in "ub" else wrap(dtype, f"abs({a})")
+    if op is Op.SIGN:
+        if s.kind in "ub":
+            return f"({a} > {zero(s)} ? {literal(1, s)} : {zero(s)})" if s.kind == "u" else a
+        return f"sign({a})"
+    if op is Op.WHERE:
+        return f"({a} ? {args[1]} : {args[2]})"
+    b = args[1]
+    if s.kind == "b" and op in (Op.CMPLT, Op.CMPLE):
+        a, b = f"int({a})", f"int({b})"
+    if s.kind == "b" and op in (Op.ADD, Op.MUL, Op.MAX, Op.MIN):
+        return f"({a} || {b})" if op in (Op.ADD, Op.MAX) else f"({a} && {b})"
+    if op in _BITWISE:
+        return f"({a} {_BITWISE[op][1 if s.kind == 'b' else 0]} {b})"
+    if op in _INFIX:
+        e = f"({a} {_INFIX[op]} {b})"
+        return wrap(dtype, e) if op in (Op.ADD, Op.SUB, Op.MUL, Op.SHL) else e
+    if op in (Op.MAX, Op.MIN):
+        return f"{op.name.lower()}({a}, {b})"
+    if op is Op.DIV:
+        return f"({a} / {b})"
+    if op in (Op.IDIV, Op.MOD):
+        if s.is_float:
+            return f"floor({a} / {b})" if op is Op.IDIV else f"({a} - {b} * floor({a} / {b}))"
+        kinds = ("idiv", "imod") if s.kind == "i" else ("udiv", "umod")
+        name, _ = int_helper(kinds[0], s.glsl)
+        need.add(f"int:{kinds[0]}:{s.glsl}")
+        if op is Op.MOD:
+            name, _ = int_helper(kinds[1], s.glsl)
+            need.add(f"int:{kinds[1]}:{s.glsl}")
+        return wrap(dtype, f"{name}({a}, {b})")
+    if op is Op.POW:
+        if s.is_float:
+            need.add("fpow")
+            return f"fpow({a}, {b})"
+        name, _ = int_helper("ipow", s.glsl)
+        need.add(f"int:ipow:{s.glsl}")
+        return wrap(dtype, f"{name}({a}, {b})")
+    raise NotImplementedError(f"no GLSL for {op} on {s}")
+
+
+def helper_source(need: set[str]) -> str:
+    out = []
+    for key in sorted(need):
+        if key.startswith("int:"):
+            _, kind, t = key.split(":")
+            if kind in ("imod", "umod"):  # imod calls idiv
+                div = "idiv" if kind == "imod" else "udiv"
+                if f"int:{div}:{t}" not in need:
+                    out.append(int_helper(div, t)[1])
+            out.append(int_helper(kind, t)[1])
+        else:
+            out.append(HELPERS[key])
+    # integer division must precede modulo; sorted() puts "idiv" before "imod" and "udiv" before "umod"
+    return "\n".join(out)

@@ -1,0 +1,209 @@
+"""Render a kernel's node graph as GLSL statements, one value per (node, coordinates).
+
+`Renderer.value(node, coords)` returns the GLSL name of the node's value at the given symbolic coordinates,
+emitting the statements that compute it. Views turn coordinates into buffer indices (and validity, for pads)
+through `symbolic`; equal (node, coordinates) pairs are computed once per scope. Buffers become bindings in
+order of first use, and the first view's offset of each load becomes a push constant, so slicing at a new
+position reuses the compiled kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ..dtype import DType, dtypes
+from ..graph import ELEMENTWISE, Node, Op
+from ..view import ShapeTracker
+from . import glsl
+from .symbolic import Expr, Num, Var, in_range, num, ravel, unravel
+
+Coords = tuple[Expr, ...]
+MAX_PUSH_OFFSETS = 12  # further offsets are baked in; push constant space is small (128 bytes on many GPUs)
+
+
+class Renderer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.depth = 1
+        self.bindings: list[tuple[object, DType]] = []  # (BufferRef, dtype) in binding order
+        self._binding: dict[int, int] = {}
+        self.written: set[int] = set()
+        self.push: list[tuple[str, str, int]] = []  # (name, GLSL type, value)
+        self.need: set[str] = set()
+        self.subst: dict[Node, str] = {}
+        self._scopes: list[dict] = [{}]
+        self._n = 0
+
+    # ---- emission -------------------------------------------------------------------------------------------
+    def emit(self, line: str) -> None:
+        self.lines.append("  " * self.depth + line)
+
+    def tmp(self, prefix: str = "v") -> str:
+        self._n += 1
+        return f"{prefix}{self._n}"
+
+    def define(self, gtype: str, expr: str, prefix: str = "v") -> str:
+        name = self.tmp(prefix)
+        self.emit(f"{gtype} {name} = {expr};")
+        return name
+
+    @contextmanager
+    def block(self, header: str) -> Iterator[None]:
+        """A `{ ... }` block whose computed values are forgotten when it closes."""
+        self.emit(header + " {")
+        self.depth += 1
+        self._scopes.append({})
+        try:
+            yield
+        finally:
+            self._scopes.pop()
+            self.depth -= 1
+            self.emit("}")
+
+    # ---- buffers and push constants -------------------------------------------------------------------------
+    def binding(self, ref: object, dtype: DType, write: bool = False) -> int:
+        i = self._binding.get(id(ref))
+        if i is None:
+            i = self._binding[id(ref)] = len(self.bindings)
+            self.bindings.append((ref, dtype))
+            self.need |= glsl.helpers_for_load_store(dtype)
+        if write:
+            self.written.add(i)
+        return i
+
+    def push_const(self, gtype: str, value: int, prefix: str = "p") -> str:
+        name = f"{prefix}{len(self.push)}"
+        self.push.append((name, gtype, int(value)))
+        return f"pc.{name}"
+
+    def offset(self, value: int) -> Expr:
+        if value == 0:
+            return Num(0)
+        if sum(1 for p in self.push if p[0].startswith("o")) >= MAX_PUSH_OFFSETS:
+            return num(value)
+        return Var(self.push_const("int", value, "o"), value, value)
+
+    # ---- indexing -------------------------------------------------------------------------------------------
+    def st_index(self, st: ShapeTracker, coords: Coords) -> tuple[Expr, list[str]]:
+        """Flat index into the tracker's source and the validity conditions, without the first view's offset."""
+        valid: list[str] = []
+        idx: Expr = Num(0)
+        views = st.views
+        for k in range(len(views) - 1, -1, -1):
+            v = views[k]
+            if v.mask is not None:
+                for c, (lo, hi) in zip(coords, v.mask, strict=True):
+                    valid += in_range(c, lo, hi)
+            idx = Num(v.offset if k else 0)
+            for c, s in zip(coords, v.strides, strict=True):
+                if s:
+                    idx = idx + c * s
+            if k:
+                coords = unravel(_clamp(idx, views[k - 1].numel), views[k - 1].shape)
+        return idx, valid
+
+    def load(self, ref: object, dtype: DType, idx: Expr, valid: list[str]) -> str:
+        b = self.binding(ref, dtype)
+        if "false" in valid:
+            return glsl.zero(dtype)
+        e = glsl.load(dtype, f"b{b}.data[{idx.render()}]")
+        if valid:
+            e = f"(({' && '.join(valid)}) ? {e} : {glsl.zero(dtype)})"
+        return self.define(dtype.glsl, e)
+
+    def store(self, ref: object, dtype: DType, st: ShapeTracker, coords: Coords, value: str) -> None:
+        """Write value at coords of st's shape, through st into the buffer (setitem stores through a view)."""
+        b = self.binding(ref, dtype, write=True)
+        idx, valid = self.st_index(st, coords)
+        idx = idx + self.offset(st.views[0].offset)
+        line = f"b{b}.data[{idx.render()}] = {glsl.store(dtype, value)};"
+        self.emit(f"if ({' && '.join(valid)}) {line}" if valid else line)
+
+    # ---- values ---------------------------------------------------------------------------------------------
+    def value(self, n: Node, coords: Coords) -> str:
+        if n in self.subst:
+            return self.subst[n]
+        if n.op is Op.CONST:
+            return glsl.literal(n.arg, n.dtype)
+        key = (n, tuple(c.render() for c in coords))
+        for scope in reversed(self._scopes):
+            if key in scope:
+                return scope[key]
+        out = self._compute(n, coords)
+        self._scopes[-1][key] = out
+        return out
+
+    def _compute(self, n: Node, coords: Coords) -> str:
+        if n.op is Op.BUFFER:
+            return self.load(n.arg[0], n.dtype, ravel(coords, n.shape), [])
+        if n.op is Op.VIEW:
+            return self._view(n, coords)
+        if n.op is Op.RAND:
+            self.need.add("rng")
+            seed = self.push_const("uint", n.arg[0] & 0xFFFFFFFF, "r")
+            ctr = self.push_const("uint", n.arg[1] & 0xFFFFFFFF, "r")
+            return self.define("float", f"rng({seed}, {ctr} + uint({ravel(coords, n.shape).render()}))")
+        if n.op in ELEMENTWISE:
+            args = [self.value(s, coords) for s in n.srcs]
+            srcs = [s.dtype for s in n.srcs]
+            if n.op is Op.WHERE:
+                srcs = [n.srcs[1].dtype]
+            return self.define(n.dtype.glsl, glsl.alu(n.op, n.dtype, srcs, args, self.need))
+        if n.op is Op.GATHER:
+            return self._gather(n, coords)
+        raise NotImplementedError(f"{n.op.name} cannot be rendered inside this kernel")
+
+    def _view(self, n: Node, coords: Coords) -> str:
+        src, st = n.srcs[0], n.arg
+        idx, valid = self.st_index(st, coords)
+        if src.op is Op.BUFFER:
+            return self.load(src.arg[0], src.dtype, idx + self.offset(st.views[0].offset), valid)
+        if "false" in valid:
+            return glsl.zero(n.dtype)
+        idx = idx + num(st.views[0].offset)
+        inner = self.value(src, unravel(_clamp(idx, src.numel) if valid else idx, src.shape))
+        if not valid:
+            return inner
+        return self.define(n.dtype.glsl, f"(({' && '.join(valid)}) ? {inner} : {glsl.zero(n.dtype)})")
+
+    def _gather(self, n: Node, coords: Coords) -> str:
+        x, idx = n.srcs
+        axis, k = n.arg, len(idx.shape)
+        iv = self.value(idx, coords[axis:axis + k])
+        dim = x.shape[axis]
+        i = self.define("int", f"int({iv})", "g")
+        g = self.define("int", f"clamp({i} < 0 ? {i} + {dim} : {i}, 0, {max(dim - 1, 0)})", "g")
+        return self.value(x, coords[:axis] + (Var(g, 0, max(dim - 1, 0)),) + coords[axis + k:])
+
+
+def _clamp(idx: Expr, numel: int) -> Expr:
+    """idx when its bounds already fit [0, numel), else an opaque clamped copy (masked lanes compute garbage)."""
+    if idx.lo >= 0 and idx.hi < numel:
+        return idx
+    return Var(f"clamp({idx.render()}, 0, {max(numel - 1, 0)})", 0, max(numel - 1, 0))
+
+
+def header(r: Renderer, local_size: tuple[int, int, int], shared: list[str]) -> str:
+    """Version, extensions, bindings, push constants, shared memory and helpers for a rendered body."""
+    types = {d for _, d in r.bindings}
+    ext = []
+    if any(d.itemsize == 1 for d in types):
+        ext.append("GL_EXT_shader_8bit_storage")
+    if any(d.itemsize == 2 for d in types):
+        ext.append("GL_EXT_shader_16bit_storage")
+    if dtypes.int64 in types or any("int64_t" in line for line in r.lines):
+        ext.append("GL_EXT_shader_explicit_arithmetic_types_int64")
+    out = ["#version 450"] + [f"#extension {e} : require" for e in ext]
+    out.append("layout(local_size_x = {}, local_size_y = {}, local_size_z = {}) in;".format(*local_size))
+    for i, (_, d) in enumerate(r.bindings):
+        access = "" if i in r.written else "readonly "
+        out.append(f"layout(set = 0, binding = {i}) {access}buffer B{i} {{ {d.store} data[]; }} b{i};")
+    if r.push:
+        fields = " ".join(f"{t} {name};" for name, t, _ in r.push)
+        out.append(f"layout(push_constant) uniform PC {{ {fields} }} pc;")
+    out += shared
+    helpers = glsl.helper_source(r.need)
+    if helpers:
+        out.append(helpers)
+    return "\n".join(out)

@@ -1,0 +1,181 @@
+"""Paged attention: a KV cache of fixed-size blocks, the KV-write scatter, decode (with split-K) and prefill.
+
+Cache layout, keys and values alike: [num_blocks, num_kv_heads, block_size, head_size], float16 or float32.
+A sequence's tokens live in the blocks its block-table row lists, in any order; blocks may be shared.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .. import kernels
+from ..runtime import Device
+from .common import check_binding_range, check_buffer, grid_2d
+
+KV_DTYPES = {"f16": 2, "f32": 4}
+ATTN_WG = 128
+TILES = (32, 16, 8)
+
+
+@dataclass
+class PagedKVCache:
+    num_blocks: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str
+    key: Any
+    value: Any
+
+    @classmethod
+    def create(cls, dev: Device, num_blocks: int, num_kv_heads: int, head_size: int, block_size: int = 16,
+               dtype: str = "f16") -> PagedKVCache:
+        _check_head(head_size, dtype)
+        if num_blocks < 1 or num_kv_heads < 1 or block_size < 1:
+            raise ValueError("num_blocks, num_kv_heads and block_size must be positive")
+        nbytes = num_blocks * num_kv_heads * block_size * head_size * KV_DTYPES[dtype]
+        check_binding_range(dev, "KV cache", nbytes)
+        return cls(num_blocks, num_kv_heads, head_size, block_size, dtype, dev.alloc(nbytes), dev.alloc(nbytes))
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def _check_head(head_size: int, dtype: str) -> None:
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {dtype!r}")
+    if head_size % 8 or head_size <= 0:
+        raise ValueError(f"head_size must be a positive multiple of 8 (64, 80, 96, 128, 256 ...), got {head_size}")
+
+
+def _defines(head_size: int, dtype: str, **extra: int) -> dict[str, int]:
+    d = {"HEAD_SIZE": head_size, **extra}
+    if dtype == "f16":
+        d["KV_F16"] = 1
+    return d
+
+
+def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str) -> int:
+    return rows * head_size * 4 + 2 * tile * head_size * KV_DTYPES[dtype] + rows * tile * 4 + 3 * rows * 4
+
+
+def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str) -> int:
+    for tile in TILES:
+        if _shared_bytes(rows, tile, head_size, dtype) <= dev.info.max_shared_memory:
+            return tile
+    raise ValueError(f"{rows} query rows of head size {head_size} do not fit the device's shared memory")
+
+
+def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mapping: Any, num_tokens: int) -> None:
+    """Scatter key/value ([num_tokens, num_kv_heads, head_size] float32) into the cache at slot_mapping (int32;
+    slot = block * block_size + offset, negative = skip)."""
+    per_token = cache.num_kv_heads * cache.head_size * 4
+    check_buffer("key", key, num_tokens * per_token)
+    check_buffer("value", value, num_tokens * per_token)
+    check_buffer("slot_mapping", slot_mapping, num_tokens * 4)
+    wg = 256
+    words = num_tokens * cache.num_kv_heads * cache.head_size // (2 if cache.dtype == "f16" else 1)
+    kern = kernels.compile(dev, "kv_write", spec={"WG": wg}, defines=_defines(cache.head_size, cache.dtype))
+    groups = grid_2d(dev, -(-words // wg))
+    kernels.dispatch(dev, kern, [key, value, slot_mapping, cache.key, cache.value], groups,
+                     push={"num_tokens": num_tokens, "num_kv_heads": cache.num_kv_heads,
+                           "head_size": cache.head_size, "block_size": cache.block_size, "groups_x": groups[0]})
+
+
+def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_len: int, tile: int) -> int:
+    """Tokens per split-K partition, or 0 for none: split when too few (sequence, KV head) pairs fill the GPU."""
+    pairs = num_seqs * num_kv_heads
+    target = 256  # workgroups that keep a large GPU's memory system busy
+    if pairs >= target // 2:
+        return 0
+    part = max(128, -(-max_context_len * pairs // target))
+    part = -(-part // tile) * tile
+    return 0 if part >= max_context_len else part
+
+
+def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, context_lens: Any, *,
+                 num_seqs: int, num_heads: int, max_blocks_per_seq: int, max_context_len: int,
+                 scale: float | None = None, window: int = 0, part_tokens: int | None = None,
+                 out: Any | None = None) -> Any:
+    """Attention of one query token per sequence over its cached context; returns out [num_seqs, num_heads, D].
+
+    q: float32 [num_seqs, num_heads, D]; block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens:
+    int32 [num_seqs], each at most max_context_len. part_tokens: None chooses split-K automatically, 0 turns
+    it off, else the tokens per partition (a multiple of the tile). window > 0: only the last `window`
+    positions are visible.
+    """
+    d, hkv = cache.head_size, cache.num_kv_heads
+    if num_heads % hkv:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({hkv})")
+    if max_context_len > max_blocks_per_seq * cache.block_size:
+        raise ValueError(f"max_context_len {max_context_len} exceeds {max_blocks_per_seq} blocks of "
+                         f"{cache.block_size} tokens")
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    group = num_heads // hkv
+    check_buffer("q", q, num_seqs * num_heads * d * 4)
+    check_buffer("block_tables", block_tables, num_seqs * max_blocks_per_seq * 4)
+    check_buffer("context_lens", context_lens, num_seqs * 4)
+    out = out if out is not None else dev.alloc(num_seqs * num_heads * d * 4)
+    check_buffer("out", out, num_seqs * num_heads * d * 4)
+    tile = _choose_tile(dev, group, d, cache.dtype)
+    if part_tokens is None:
+        part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, tile)
+    if part_tokens < 0 or part_tokens % tile:
+        raise ValueError(f"part_tokens must be 0 or a positive multiple of the tile ({tile}), got {part_tokens}")
+    parts = max(1, -(-max_context_len // part_tokens)) if part_tokens else 1
+    if part_tokens:
+        part_o = dev.alloc(num_seqs * num_heads * parts * d * 4)
+        part_ml = dev.alloc(num_seqs * num_heads * parts * 8)
+    else:
+        part_o = part_ml = out  # bound but never written
+    kern = kernels.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
+                           defines=_defines(d, cache.dtype, GROUP=group, TILE=tile))
+    push = {"num_kv_heads": hkv, "block_size": cache.block_size, "max_blocks": max_blocks_per_seq,
+            "scale": 1.0 / math.sqrt(d) if scale is None else scale, "window": window,
+            "part_tokens": part_tokens, "max_parts": parts}
+    kernels.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml],
+                     (parts, hkv, num_seqs), push=push)
+    if part_tokens:
+        red = kernels.compile(dev, "paged_reduce", spec={"WG": min(ATTN_WG, d)})
+        kernels.dispatch(dev, red, [part_o, part_ml, context_lens, out], (num_heads, num_seqs, 1),
+                         push={"num_heads": num_heads, "head_size": d, "part_tokens": part_tokens,
+                               "max_parts": parts})
+    return out
+
+
+def prefill_attention(dev: Device, q: Any, k: Any, v: Any, cu_seqlens: Any, *, num_seqs: int, num_tokens: int,
+                      num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int, kv_dtype: str = "f32",
+                      scale: float | None = None, window: int = 0, out: Any | None = None) -> Any:
+    """Causal attention over packed prompts; returns out [num_tokens, num_heads, head_size] float32.
+
+    q: float32 [num_tokens, num_heads, D]; k, v: [num_tokens, num_kv_heads, D] in kv_dtype; cu_seqlens: int32
+    [num_seqs + 1], sequence b being tokens cu_seqlens[b] .. cu_seqlens[b+1], none longer than max_seq_len.
+    """
+    _check_head(head_size, kv_dtype)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    group = num_heads // num_kv_heads
+    check_buffer("q", q, num_tokens * num_heads * head_size * 4)
+    check_buffer("k", k, num_tokens * num_kv_heads * head_size * KV_DTYPES[kv_dtype])
+    check_buffer("v", v, num_tokens * num_kv_heads * head_size * KV_DTYPES[kv_dtype])
+    check_buffer("cu_seqlens", cu_seqlens, (num_seqs + 1) * 4)
+    out = out if out is not None else dev.alloc(num_tokens * num_heads * head_size * 4)
+    check_buffer("out", out, num_tokens * num_heads * head_size * 4)
+    qt = 16
+    # query tokens per workgroup: as many as registers (8 vec4 accumulators) and shared memory allow
+    while qt > 1 and (qt * group * head_size // 4 > 8 * ATTN_WG
+                      or _shared_bytes(qt * group, TILES[-1], head_size, kv_dtype) > dev.info.max_shared_memory):
+        qt //= 2
+    tile = _choose_tile(dev, qt * group, head_size, kv_dtype)
+    kern = kernels.compile(dev, "prefill_attention", spec={"WG": ATTN_WG},
+                           defines=_defines(head_size, kv_dtype, GROUP=group, QT=qt, TILE=tile))
+    kernels.dispatch(dev, kern, [q, k, v, cu_seqlens, out], (-(-max_seq_len // qt), num_kv_heads, num_seqs),
+                     push={"num_kv_heads": num_kv_heads,
+                           "scale": 1.0 / math.sqrt(head_size) if scale is None else scale, "window": window})
+    return out

@@ -1,0 +1,299 @@
+"""Cut the graph into kernels: each kernel is a fusion group between forced boundaries.
+
+Nodes that must be stored (outputs, custom ops and their inputs) are realized; everything between them is
+recomputed inside the kernel that needs it, with a few rules for the heavy ops:
+
+- A reduction joins the kernel of its consumer when the consumer either reads it at the reduction's own
+  output coordinates (through elementwise ops and plain reshapes: ``x.sum(1) * 2``) or broadcasts it back
+  over the reduced axes (``x - x.max(1, keepdim=True)``), in which case the kernel runs each reduced row in
+  one place and walks the row again after the reduction. All reductions of one kernel share the shape and
+  axes of their input, so softmax and layer_norm are single kernels.
+- A matmul joins its consumer when the consumer is elementwise on the matmul's output (bias, activation).
+- Anything else (a reduction seen through a permute, a reduce of a reduce, one reduction feeding two
+  kernels) makes the heavy node a boundary of its own.
+
+The result is an ordered list of kernels (and custom calls), each naming its output buffer, with the
+intermediate buffers to release after the last kernel that reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .graph import BufferRef, Node, Op, buffer, substitute
+from .view import ShapeTracker, View, prod, strides_for
+
+
+@dataclass
+class Kernel:
+    root: Node  # the value to store; realized inputs appear as BUFFER nodes
+    out: BufferRef
+    st: ShapeTracker  # where each element of root goes in `out` (a view for setitem)
+
+
+@dataclass
+class CustomCall:
+    node: Node
+    out: BufferRef
+    inputs: list[BufferRef]
+
+
+@dataclass
+class Schedule:
+    items: list[Kernel | CustomCall] = field(default_factory=list)
+    frees: list[list[BufferRef]] = field(default_factory=list)  # per item: buffers whose last reader it is
+    outputs: list[BufferRef] = field(default_factory=list)  # one per target
+
+    def describe(self) -> str:
+        lines = []
+        for i, item in enumerate(self.items):
+            if isinstance(item, CustomCall):
+                lines.append(f"{i:3d} custom {item.node.arg.name} -> {item.out} from {item.inputs}")
+                continue
+            leaves = [n.arg[0] for n in item.root.toposort() if n.op is Op.BUFFER]
+            heavy = [n.op.name.lower() for n in item.root.toposort() if n.op in (Op.REDUCE, Op.MATMUL)]
+            lines.append(f"{i:3d} kernel {list(item.root.shape)} {item.root.dtype.name} "
+                         f"{'+'.join(heavy) or 'elementwise'} -> {item.out} reads {len(set(map(id, leaves)))}"
+                         + (f" frees {len(self.frees[i])}" if self.frees[i] else ""))
+        return "\n".join(lines)
+
+
+def is_input(n: Node, realized: Mapping[Node, BufferRef]) -> bool:
+    return n.op is Op.BUFFER or n in realized
+
+
+def _row_expand(st: ShapeTracker, full: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """st broadcasts a reduce output (size 1 on the reduced axes) back over the full shape."""
+    if len(st.views) != 1:
+        return False
+    v = st.views[0]
+    return v.shape == full and v.offset == 0 and v.mask is None and v.strides == strides
+
+
+def _walk_reduce(r: Node, full: tuple[int, ...], axes: tuple[int, ...], boundary) -> tuple[set[Node], list[Node]]:
+    """Violations and fused reductions if r's kernel iterates over `full` reducing `axes`."""
+    out_shape = tuple(1 if i in axes else s for i, s in enumerate(full))
+    rows = prod(out_shape)
+    expand = View.make(full, strides_for(out_shape)).strides
+    if r.numel == rows:
+        ctx0 = "row"
+    elif r.shape == full:
+        ctx0 = "elem"
+    else:
+        ctx0 = "free"
+    viol: set[Node] = set()
+    fused: list[Node] = []
+    seen: set[tuple[int, str]] = set()
+    stack = [(r, ctx0)]
+    while stack:
+        n, ctx = stack.pop()
+        if (id(n), ctx) in seen or boundary(n):
+            continue
+        seen.add((id(n), ctx))
+        if n.op in (Op.REDUCE, Op.MATMUL):
+            if ctx == "row" and n.op is Op.REDUCE and n.srcs[0].shape == full and n.arg[1] == axes:
+                if n not in fused:
+                    fused.append(n)
+                stack.append((n.srcs[0], "elem"))
+            else:
+                viol.add(n)
+        elif n.op is Op.VIEW:
+            src = n.srcs[0]
+            if ctx == "row" and n.arg.is_contiguous:
+                stack.append((src, "row"))
+            elif ctx == "elem" and src.numel == rows and _row_expand(n.arg, full, expand):
+                stack.append((src, "row"))
+            else:
+                stack.append((src, "free"))
+        elif n.op is Op.GATHER:
+            stack.extend((s, "free") for s in n.srcs)
+        else:
+            stack.extend((s, ctx) for s in n.srcs)
+    return viol, fused
+
+
+def _walk_matmul(r: Node, boundary) -> tuple[set[Node], list[Node]]:
+    """Violations and the fused matmul if r's kernel is a matmul with an elementwise epilogue."""
+    mm = None
+    frontier = [r]
+    while frontier and mm is None:
+        n = frontier.pop(0)
+        if boundary(n):
+            continue
+        if n.op is Op.MATMUL:
+            mm = n
+        elif n.op not in (Op.VIEW, Op.GATHER, Op.REDUCE):
+            frontier.extend(n.srcs)
+    viol: set[Node] = set()
+    seen: set[tuple[int, str]] = set()
+    stack = [(r, "epi")]
+    while stack:
+        n, ctx = stack.pop()
+        if (id(n), ctx) in seen or boundary(n):
+            continue
+        seen.add((id(n), ctx))
+        if n is mm and ctx == "epi":
+            stack.extend((s, "free") for s in n.srcs)
+        elif n.op in (Op.REDUCE, Op.MATMUL):
+            viol.add(n)
+        elif n.op in (Op.VIEW, Op.GATHER) or ctx == "free":
+            stack.extend((s, "free") for s in n.srcs)
+        else:
+            stack.extend((s, "epi") for s in n.srcs)
+    return viol, ([mm] if mm is not None and mm not in viol else [])
+
+
+def _analyze(r: Node, realize: set[Node], realized: Mapping[Node, BufferRef]) -> tuple[set[Node], list[Node]]:
+    def boundary(n: Node) -> bool:
+        return n is not r and (is_input(n, realized) or n in realize)
+
+    inner = r.toposort(stop=boundary)
+    heavy = [n for n in reversed(inner) if not boundary(n) and n.op in (Op.REDUCE, Op.MATMUL)]
+    if not heavy:
+        return set(), []
+    if any(n.op is Op.MATMUL for n in heavy):
+        return _walk_matmul(r, boundary)
+    best: tuple[set[Node], list[Node]] | None = None
+    for cand in heavy:
+        result = _walk_reduce(r, cand.srcs[0].shape, cand.arg[1], boundary)
+        if not result[0]:
+            return result
+        if best is None:
+            best = result
+    assert best is not None
+    return best
+
+
+def _choose_boundaries(order: list[Node], realize: set[Node], realized: Mapping[Node, BufferRef]) -> None:
+    """Grow `realize` until every kernel is a valid fusion group and no heavy node is computed twice."""
+    while True:
+        users: dict[Node, list[Node]] = {}
+        grown = False
+        for r in order:
+            if r not in realize:
+                continue
+            viol, fused = _analyze(r, realize, realized)
+            if viol:
+                realize |= viol
+                grown = True
+                break
+            for f in fused:
+                users.setdefault(f, []).append(r)
+        if grown:
+            continue
+        shared = {f for f, rs in users.items() if len(rs) > 1}
+        if not shared:
+            return
+        realize |= shared
+
+
+def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
+                    dests: list[tuple[BufferRef, ShapeTracker] | None] | None = None) -> Schedule:
+    """Kernels computing `targets`; a target with a dest (buffer, view) is stored through that view instead."""
+    dests = dests or [None] * len(targets)
+
+    def stop(n: Node) -> bool:
+        return is_input(n, realized)
+
+    order: list[Node] = []
+    seen: set[int] = set()
+    for t in targets:
+        for n in t.toposort(stop):
+            if id(n) not in seen:
+                seen.add(id(n))
+                order.append(n)
+    for n in order:
+        if n.op is Op.BUFFER and n.arg[1] != n.arg[0].version:
+            raise RuntimeError("this lazy tensor reads a buffer that was written in place (setitem) after it was "
+                               "built; realize() it before assigning into its inputs")
+
+    realize: set[Node] = {t for t in targets if not is_input(t, realized)}
+    for n in order:
+        if n.op is Op.CUSTOM:
+            realize.add(n)
+            realize.update(s for s in n.srcs if not is_input(s, realized))
+    _choose_boundaries(order, realize, realized)
+
+    refs: dict[Node, BufferRef] = {}
+    mapping: dict[Node, Node] = {}
+
+    def ref_of(n: Node) -> BufferRef:
+        if n.op is Op.BUFFER:
+            return n.arg[0]
+        return realized[n] if n in realized else refs[n]
+
+    for n in order:
+        if n in realized:
+            ref = realized[n]
+            mapping[n] = buffer(ref, ref.version, n.dtype, n.shape)
+
+    sched = Schedule()
+    reads: list[list[BufferRef]] = []
+
+    def add_kernel(root: Node, out: BufferRef, st: ShapeTracker) -> None:
+        leaves = [m.arg[0] for m in root.toposort() if m.op is Op.BUFFER]
+        sched.items.append(Kernel(root, out, st))
+        reads.append(leaves)
+
+    dest_of = {id(t): d for t, d in zip(targets, dests, strict=True) if d is not None}
+    stored: set[int] = set()
+    temps: list[BufferRef] = []
+
+    def reads_ref(root: Node, ref: BufferRef) -> bool:
+        return any(m.op is Op.BUFFER and m.arg[0] is ref for m in root.toposort())
+
+    for n in order:
+        if n not in realize:
+            continue
+        src = n.srcs[0] if n.srcs else None
+        if id(n) in dest_of:
+            ref, st = dest_of[id(n)]
+            root = substitute(n, {k: v for k, v in mapping.items() if k is not n})
+            if not reads_ref(root, ref):  # store straight through the destination view
+                if n.numel:
+                    add_kernel(root, ref, st)
+                stored.add(id(n))
+                continue
+        if n.op is Op.VIEW and src is not None and is_input(src, realized) and n.arg.is_contiguous:
+            refs[n] = ref_of(src)  # a plain reshape of a realized buffer needs no copy
+        elif n.op is Op.CUSTOM:
+            refs[n] = BufferRef(n.dtype, n.numel)
+            ins = [ref_of(s) for s in n.srcs]
+            sched.items.append(CustomCall(n, refs[n], ins))
+            reads.append(ins)
+        else:
+            refs[n] = BufferRef(n.dtype, n.numel)
+            if n.numel:
+                add_kernel(substitute(n, {k: v for k, v in mapping.items() if k is not n}), refs[n],
+                           ShapeTracker.contiguous(n.shape))
+        mapping[n] = buffer(refs[n], refs[n].version, n.dtype, n.shape)
+
+    for t in targets:
+        d = dest_of.get(id(t))
+        if d is None:
+            sched.outputs.append(ref_of(t))
+            continue
+        ref, st = d
+        sched.outputs.append(ref)
+        if id(t) in stored or not t.numel:
+            continue
+        root = mapping.get(t, t)
+        if reads_ref(root, ref):  # x[a] = f(x[b]): go through a copy so no element is read after it is written
+            tmp = BufferRef(t.dtype, t.numel)
+            temps.append(tmp)
+            add_kernel(root, tmp, ShapeTracker.contiguous(t.shape))
+            root = buffer(tmp, 0, t.dtype, t.shape)
+        add_kernel(root, ref, st)
+
+    out_ids = {id(r) for r in sched.outputs}
+    last: dict[int, tuple[int, BufferRef]] = {}
+    for i, leaves in enumerate(reads):
+        for ref in leaves:
+            last[id(ref)] = (i, ref)
+    sched.frees = [[] for _ in sched.items]
+    inter = {id(refs[n]) for n in refs if not is_input(n, realized)} | {id(t) for t in temps}
+    for i, ref in last.values():
+        if id(ref) in inter - out_ids:
+            sched.frees[i].append(ref)
+    return sched
