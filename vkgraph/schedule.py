@@ -259,11 +259,13 @@ def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
             refs[n] = ref_of(src)  # a plain reshape of a realized buffer needs no copy
         elif n.op is Op.CUSTOM:
             refs[n] = BufferRef(n.dtype, n.numel)
+            temps.append(refs[n])
             ins = [ref_of(s) for s in n.srcs]
             sched.items.append(CustomCall(n, refs[n], ins))
             reads.append(ins)
         else:
             refs[n] = BufferRef(n.dtype, n.numel)
+            temps.append(refs[n])
             if n.numel:
                 add_kernel(substitute(n, {k: v for k, v in mapping.items() if k is not n}), refs[n],
                            ShapeTracker.contiguous(n.shape))
@@ -292,8 +294,8 @@ def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
         for ref in leaves:
             last[id(ref)] = (i, ref)
     sched.frees = [[] for _ in sched.items]
-    inter = {id(refs[n]) for n in refs if not is_input(n, realized)} | {id(t) for t in temps}
+    inter = {id(t) for t in temps} - out_ids
     for i, ref in last.values():
-        if id(ref) in inter - out_ids:
+        if id(ref) in inter:
             sched.frees[i].append(ref)
     return sched

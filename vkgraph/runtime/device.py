@@ -99,7 +99,8 @@ class Device:
         self.validation_messages: list[str] = []
         self._create_instance()
         try:
-            self.physical, self.info = self._choose_physical(selector if selector is not None else flag("VKGRAPH_DEVICE"))
+            chosen = selector if selector is not None else flag("VKGRAPH_DEVICE")
+            self.physical, self.info = self._choose_physical(chosen)
             self._create_device()
             self.compiler = Compiler()
             self.memory = MemoryManager(self)

@@ -122,6 +122,17 @@ class BufferView:
         return BufferView(self.base, self.offset + offset, nbytes)
 
 
+class BoundRange:
+    """A byte range of an allocation as a capture logged it (the Buffer may be released since)."""
+
+    __slots__ = ("alloc", "offset", "size")
+
+    def __init__(self, alloc: Allocation, offset: int, size: int) -> None:
+        self.alloc = alloc
+        self.offset = offset
+        self.size = size
+
+
 @dataclass
 class PoolStats:
     live_bytes: int = 0
@@ -148,6 +159,8 @@ class BufferPool:
         self.bucket_cap = flag("VKGRAPH_POOL_BUCKET_CAP")
         self.lock = threading.Lock()
         self.closed = False
+        self.keep_all = 0  # while > 0 (a capture is open) released allocations are kept, never freed
+        self.adopted_bytes = 0
 
     def alloc(self, nbytes: int) -> Buffer:
         if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
@@ -195,8 +208,8 @@ class BufferPool:
             self.stats.live_bytes -= alloc.capacity
             self.stats.live_buffers -= 1
             bucket = self.idle[alloc.capacity]
-            keep = (not self.closed and len(bucket) < self.bucket_cap
-                    and self.stats.idle_bytes + alloc.capacity <= self.stats.budget_bytes)
+            keep = not self.closed and (self.keep_all > 0 or (
+                len(bucket) < self.bucket_cap and self.stats.idle_bytes + alloc.capacity <= self.stats.budget_bytes))
             if keep:
                 bucket.append(alloc)
                 self.stats.idle_bytes += alloc.capacity
@@ -204,6 +217,29 @@ class BufferPool:
                 return
             self.stats.freed += 1
         self.memory.free_later(alloc)
+
+    def adopt(self, allocs: list[Allocation]) -> list[Allocation]:
+        """Take the idle ones among `allocs` out of the pool for a command graph's exclusive use."""
+        taken = []
+        with self.lock:
+            for a in allocs:
+                bucket = self.idle.get(a.capacity)
+                if bucket and a in bucket:
+                    bucket.remove(a)
+                    self.stats.idle_bytes -= a.capacity
+                    self.stats.idle_buffers -= 1
+                    self.adopted_bytes += a.capacity
+                    taken.append(a)
+        return taken
+
+    def release_adopted(self, allocs: list[Allocation]) -> None:
+        """Give a destroyed command graph's allocations back, as idle (or freed over the budget)."""
+        for a in allocs:
+            with self.lock:
+                self.adopted_bytes -= a.capacity
+                self.stats.live_bytes += a.capacity  # _put counts it as leaving live use
+                self.stats.live_buffers += 1
+            self._put(a)
 
     def trim(self, keep_bytes: int) -> None:
         """Free idle allocations, largest first, until at most `keep_bytes` stay idle."""

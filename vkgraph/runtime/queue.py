@@ -15,8 +15,9 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..flags import flag
-from .errors import DeviceError, KernelInterfaceError
-from .memory import Allocation, Buffer
+from .capture import CaptureLog, CommandGraph
+from .errors import DeviceError, KernelInterfaceError, VkgraphError
+from .memory import Allocation, BoundRange, Buffer
 from .profile import Profiler
 from .vk import NULL, Keep, check, check_wait, ffi, lib, vk
 
@@ -58,6 +59,7 @@ class Submission:
             "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
             "flags": vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT})
         self.seq = 0
+        self.persistent = False  # a command graph's buffer: submitted again, never recycled
         self.held: list[Any] = []
         self.dispatches = 0
         self.profile: list[tuple[str, int]] = []  # (name, first query index)
@@ -97,6 +99,7 @@ class Queue:
         self.stats = {"submits": 0, "barriers": 0, "copies": 0}
         self.dispatch_count = 0
         self.max_groups = device.info.max_workgroup_count
+        self.capture: CaptureLog | None = None
 
     # ---- recording ------------------------------------------------------------------------------------------
     def _begin(self) -> Submission:
@@ -189,6 +192,9 @@ class Queue:
             lib.vkCmdDispatch(cmd, gx, gy, gz)
             if self.profiler is not None:
                 self.profiler.after(rec)
+            if self.capture is not None:
+                self.capture.entries.append(("dispatch", kernel, tuple(
+                    BoundRange(a, b.offset, b.size) for a, b in zip(allocs, buffers)), (gx, gy, gz), push))
             rec.dispatches += 1
             self.dispatch_count += 1
             if rec.dispatches >= self.max_recorded or (self.profiler is not None and self.profiler.full(rec)):
@@ -302,6 +308,33 @@ class Queue:
                                                "dstOffset": dst.offset + dst_offset, "size": nbytes})
             lib.vkCmdCopyBuffer(rec.cmd, sa.buffer, da.buffer, 1, region)
             self.stats["copies"] += 1
+            if self.capture is not None:
+                self.capture.entries.append(("copy", BoundRange(sa, src.offset, src.size), src_offset,
+                                             BoundRange(da, dst.offset, dst.size), dst_offset, nbytes))
+
+    # ---- capture ------------------------------------------------------------------------------------------
+    def begin_capture(self) -> None:
+        """Log every dispatch and copy from now on (they still run) for a CommandGraph."""
+        with self.lock:
+            if self.capture is not None:
+                raise VkgraphError("a capture is already open on this queue")
+            self.capture = CaptureLog()
+            self.device.memory.pool.keep_all += 1
+
+    def end_capture(self) -> CommandGraph:
+        """Close the capture and build the replayable graph of what it logged."""
+        with self.lock:
+            log = self.abort_capture()
+            return CommandGraph(self, log)
+
+    def abort_capture(self) -> CaptureLog:
+        """Close the capture without building a graph (e.g. after an exception); returns the log."""
+        with self.lock:
+            log, self.capture = self.capture, None
+            if log is None:
+                raise VkgraphError("no capture is open")
+            self.device.memory.pool.keep_all -= 1
+            return log
 
     def hold(self, obj: Any) -> None:
         """Keep `obj` alive until the recorded work completes (Buffers are released then)."""
@@ -364,6 +397,8 @@ class Queue:
 
     def _recycle(self, sub: Submission) -> None:
         check(lib.vkResetFences(self.device.device, 1, sub.fence_array), "vkResetFences")
+        if sub.persistent:
+            return
         check(lib.vkResetCommandBuffer(sub.cmd, 0), "vkResetCommandBuffer")
         held, sub.held = sub.held, []
         for obj in held:

@@ -1,0 +1,372 @@
+"""Kernels to GLSL programs: how an iteration space maps onto workgroups, and the kernel bodies.
+
+Three shapes of kernel:
+
+- elementwise: one invocation per output element (several for large outputs), dispatch folded into y/z
+  when the group count passes the device's limit;
+- reduce: each output row (the reduced axes of one output position) is handled by one workgroup, whose
+  invocations stride over the row and combine through shared memory, or by one invocation when rows are
+  short and many. The reductions of a kernel run one after another over the same row, then the epilogue
+  writes either one value per row or walks the row again. A row too long for one workgroup, with few
+  rows, is split into two programs: partial results per chunk, then a reduction of the partials;
+- matmul: 64x64 output tiles per workgroup, 16-deep slices of both inputs staged through shared memory,
+  4x4 results per invocation, accumulation in float32 (or the integer type), then the elementwise epilogue.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..dtype import DType, dtypes, max_value, min_value
+from ..graph import BufferRef, Node, Op, ReduceOp, buffer, movement, reduce, substitute
+from ..graph import alu as alu_node
+from ..schedule import Kernel
+from ..view import ShapeTracker, prod
+from . import glsl
+from .render import Renderer, header
+from .symbolic import Expr, Var, unravel
+
+GROUP_ID = "int(gl_WorkGroupID.x + gl_NumWorkGroups.x * (gl_WorkGroupID.y + gl_NumWorkGroups.y * gl_WorkGroupID.z))"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The device limits codegen respects (read from the runtime's DeviceInfo)."""
+
+    max_invocations: int = 256
+    max_group_count: tuple[int, int, int] = (65535, 65535, 65535)
+    max_shared: int = 16384
+
+    @staticmethod
+    def from_info(info: object) -> Limits:
+        return Limits(int(info.max_workgroup_invocations), tuple(int(x) for x in info.max_workgroup_count),
+                      int(info.max_shared_memory))
+
+
+@dataclass
+class Program:
+    name: str
+    src: str
+    bindings: list[BufferRef]
+    groups: tuple[int, int, int]
+    push: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Lowered:
+    programs: list[Program]
+    scratch: list[BufferRef]  # buffers the programs share, to allocate before and release after
+
+
+def fold_groups(total: int, lim: Limits) -> tuple[int, int, int]:
+    """Spread a 1-D group count over x, y and z within the device's per-dimension limits."""
+    mx, my, mz = lim.max_group_count
+    if total <= mx:
+        return (max(total, 1), 1, 1)
+    gy = math.ceil(total / mx)
+    if gy <= my:
+        return (mx, gy, 1)
+    gz = math.ceil(gy / my)
+    if gz > mz:
+        raise ValueError(f"{total} workgroups exceed the device's dispatch limits {lim.max_group_count}")
+    return (mx, my, gz)
+
+
+def _finish(r: Renderer, name: str, local: int, groups: int, lim: Limits, shared: list[str] = ()) -> Program:
+    body = "\n".join(r.lines)
+    src = header(r, (local, 1, 1), list(shared)) + "\nvoid main() {\n" + body + "\n}\n"
+    return Program(name, src, [ref for ref, _ in r.bindings], fold_groups(groups, lim),
+                   {n: v for n, _, v in r.push})
+
+
+def _wg(lim: Limits, want: int = 256) -> int:
+    wg = 1
+    while wg * 2 <= min(want, lim.max_invocations):
+        wg *= 2
+    return wg
+
+
+# ---- elementwise ------------------------------------------------------------------------------------------------
+
+
+def _elementwise(k: Kernel, lim: Limits) -> Lowered:
+    r = Renderer()
+    n = k.root.numel
+    wg = _wg(lim)
+    ept = 4 if n >= wg * 4 * 256 else 1
+    groups = math.ceil(n / (wg * ept))
+    r.emit(f"int grp = {GROUP_ID};")
+    r.emit(f"if (grp >= {groups}) return;")
+    r.emit("int lid = int(gl_LocalInvocationID.x);")
+    loop = f"for (int e = 0; e < {ept}; e++)" if ept > 1 else "if (true)"
+    with r.block(loop):
+        base = f"(grp * {ept} + e) * {wg} + lid" if ept > 1 else f"grp * {wg} + lid"
+        r.emit(f"int gid = {base};")
+        with r.block(f"if (gid < {n})" if n % (wg * ept) else "if (true)"):
+            coords = unravel(Var("gid", 0, n - 1), k.root.shape)
+            r.store(k.out, k.out.dtype, k.st, coords, r.value(k.root, coords))
+    return Lowered([_finish(r, f"E_{n}", wg, groups, lim)], [])
+
+
+# ---- reductions -------------------------------------------------------------------------------------------------
+
+_IDENTITY = {ReduceOp.SUM: lambda d: 0, ReduceOp.PROD: lambda d: 1, ReduceOp.MAX: min_value,
+             ReduceOp.MIN: max_value, ReduceOp.ARGMAX: min_value, ReduceOp.ARGMIN: max_value}
+_ARG = (ReduceOp.ARGMAX, ReduceOp.ARGMIN)
+
+
+def _combine(rop: ReduceOp, d: DType, acc: str, v: str) -> str:
+    if rop is ReduceOp.SUM:
+        return f"{acc} = {acc} || {v};" if d.kind == "b" else f"{acc} += {v};"
+    if rop is ReduceOp.PROD:
+        return f"{acc} = {acc} && {v};" if d.kind == "b" else f"{acc} *= {v};"
+    if d.kind == "b":
+        return f"{acc} = {acc} {'||' if rop is ReduceOp.MAX else '&&'} {v};"
+    return f"{acc} = {rop.name.lower()}({acc}, {v});"
+
+
+def _better(rop: ReduceOp, d: DType, v: str, acc: str) -> str:
+    """v should replace acc in argmax/argmin (NaN counts as the largest, as numpy does)."""
+    cmp = ">" if rop is ReduceOp.ARGMAX else "<"
+    if d.kind == "b":
+        v, acc = f"int({v})", f"int({acc})"
+    if d.is_float and rop is ReduceOp.ARGMAX:
+        return f"({v} {cmp} {acc} || (isnan({v}) && !isnan({acc})))"
+    return f"({v} {cmp} {acc})"
+
+
+class _Reduction:
+    """Emits one reduction over a row: per-invocation accumulate, then a shared-memory tree when grouped."""
+
+    def __init__(self, r: Renderer, node: Node, wg: int, shared: list[str]):
+        self.r, self.node, self.wg, self.shared = r, node, wg, shared
+        self.rop: ReduceOp = node.arg[0]
+        self.d: DType = node.srcs[0].dtype
+        self.t = "uint" if self.d.kind == "b" and wg > 1 else self.d.glsl  # shared memory holds no bools
+        self.acc = r.define(self.d.glsl, glsl.literal(_IDENTITY[self.rop](self.d), self.d), "acc")
+        self.idx = r.define("int", "0", "ai") if self.rop in _ARG else None
+
+    def add(self, v: str, r_index: str) -> None:
+        if self.idx is None:
+            self.r.emit(_combine(self.rop, self.d, self.acc, v))
+        else:
+            with self.r.block(f"if ({_better(self.rop, self.d, v, self.acc)})"):
+                self.r.emit(f"{self.acc} = {v}; {self.idx} = {r_index};")
+
+    def finish(self) -> str:
+        r, wg = self.r, self.wg
+        if wg > 1:
+            n = len(self.shared)
+            sv = f"sv{n}"
+            self.shared.append(f"shared {self.t} {sv}[{wg}];")
+            si = None
+            if self.idx is not None:
+                si = f"si{n}"
+                self.shared.append(f"shared int {si}[{wg}];")
+            to_t = f"{self.t}({self.acc})" if self.t != self.d.glsl else self.acc
+            r.emit(f"{sv}[lid] = {to_t};" + (f" {si}[lid] = {self.idx};" if si else ""))
+            r.emit("barrier();")
+            with r.block(f"for (int s = {wg // 2}; s > 0; s >>= 1)"):
+                with r.block("if (lid < s)"):
+                    a, b = self._from_t(f"{sv}[lid]"), self._from_t(f"{sv}[lid + s]")
+                    if si is None:
+                        tmp = r.define(self.d.glsl, a, "t")
+                        r.emit(_combine(self.rop, self.d, tmp, b))
+                        r.emit(f"{sv}[lid] = {self._to_t(tmp)};")
+                    else:
+                        better = _better(self.rop, self.d, b, a)
+                        tie = f"({b} == {a} && {si}[lid + s] < {si}[lid])"
+                        with r.block(f"if ({better} || {tie})"):
+                            r.emit(f"{sv}[lid] = {sv}[lid + s]; {si}[lid] = {si}[lid + s];")
+                r.emit("barrier();")
+            res = r.define(self.d.glsl, self._from_t(f"{sv}[0]"), "red")
+            res_i = r.define("int", f"{si}[0]", "redi") if si else None
+            r.emit("barrier();")
+        else:
+            res, res_i = self.acc, self.idx
+        if res_i is not None:
+            return r.define(self.node.dtype.glsl, glsl.cast(res_i, dtypes.int32, self.node.dtype, r.need), "red")
+        if self.node.dtype is not self.d:
+            return r.define(self.node.dtype.glsl, glsl.cast(res, self.d, self.node.dtype, r.need), "red")
+        return res
+
+    def _to_t(self, x: str) -> str:
+        return f"{self.t}({x})" if self.t != self.d.glsl else x
+
+    def _from_t(self, x: str) -> str:
+        return f"({x} != 0u)" if self.t != self.d.glsl else x
+
+
+def _full_coords(o: tuple[Expr, ...], rc: tuple[Expr, ...], axes: tuple[int, ...]) -> tuple[Expr, ...]:
+    it = iter(rc)
+    return tuple(next(it) if i in axes else c for i, c in enumerate(o))
+
+
+def _reduce(k: Kernel, lim: Limits, allow_split: bool = True) -> Lowered:
+    root = k.root
+    reds = [n for n in root.toposort() if n.op is Op.REDUCE]
+    full, axes = reds[0].srcs[0].shape, reds[0].arg[1]
+    out_shape = reds[0].shape
+    rows = prod(out_shape)
+    rshape = tuple(full[a] for a in axes)
+    rlen = prod(rshape)
+    row_root = root.numel == rows
+    if allow_split and row_root and len(reds) == 1 and reds[0].arg[0] not in _ARG and rlen >= 32768 and rows < 64:
+        return _split(k, reds[0], lim)
+    grouped = rlen >= 128 or rows < 256
+    wg = _wg(lim) if grouped else 1
+    local = wg if grouped else _wg(lim, 64)
+    groups = rows if grouped else math.ceil(rows / local)
+    r = Renderer()
+    shared: list[str] = []
+    r.emit(f"int grp = {GROUP_ID};")
+    r.emit(f"if (grp >= {groups}) return;")
+    r.emit("int lid = int(gl_LocalInvocationID.x);")
+    r.emit("int o = grp;" if grouped else f"int o = grp * {local} + lid;")
+    ovar = Var("o", 0, rows - 1)
+    oc = unravel(ovar, out_shape)
+    rc = unravel(Var("r", 0, rlen - 1), rshape)
+    start, step = ("lid", wg) if grouped else ("0", 1)
+    with r.block("if (true)" if grouped or rows % local == 0 else f"if (o < {rows})"):
+        for red in reds:
+            acc = _Reduction(r, red, wg, shared)
+            with r.block(f"for (int r = {start}; r < {rlen}; r += {step})"):
+                acc.add(r.value(red.srcs[0], _full_coords(oc, rc, axes)), "r")
+            r.subst[red] = acc.finish()
+        if row_root:
+            with r.block("if (lid == 0)" if grouped else "if (true)"):
+                coords = unravel(ovar, root.shape)
+                r.store(k.out, k.out.dtype, k.st, coords, r.value(root, coords))
+        else:
+            with r.block(f"for (int r = {start}; r < {rlen}; r += {step})"):
+                coords = _full_coords(oc, rc, axes)
+                r.store(k.out, k.out.dtype, k.st, coords, r.value(root, coords))
+    name = f"R{len(reds)}_{rows}_{rlen}"
+    return Lowered([_finish(r, name, local, groups, lim, shared)], [])
+
+
+def _acc_dtype(d: DType) -> DType:
+    return dtypes.float32 if d.is_float else d
+
+
+def _split(k: Kernel, red: Node, lim: Limits) -> Lowered:
+    """Partial reductions over chunks of each row into scratch, then a reduce kernel over the partials."""
+    full, axes = red.srcs[0].shape, red.arg[1]
+    out_shape = red.shape
+    rows = prod(out_shape)
+    rshape = tuple(full[a] for a in axes)
+    rlen = prod(rshape)
+    parts = min(1024, math.ceil(rlen / 4096))
+    chunk = math.ceil(rlen / parts)
+    wg = _wg(lim)
+    acc_d = _acc_dtype(red.srcs[0].dtype)
+    scratch = BufferRef(acc_d, rows * parts)
+    r = Renderer()
+    shared: list[str] = []
+    r.emit(f"int grp = {GROUP_ID};")
+    r.emit(f"if (grp >= {rows * parts}) return;")
+    r.emit("int lid = int(gl_LocalInvocationID.x);")
+    r.emit(f"int o = grp / {parts};")
+    r.emit(f"int part = grp % {parts};")
+    oc = unravel(Var("o", 0, rows - 1), out_shape)
+    rc = unravel(Var("r", 0, rlen - 1), rshape)
+    src = red.srcs[0]
+    if acc_d is not src.dtype:
+        src = alu_node(Op.CAST, acc_d, src)
+    partial = reduce(src, red.arg[0], axes)
+    acc = _Reduction(r, partial, wg, shared)
+    end = f"min({rlen}, (part + 1) * {chunk})"
+    with r.block(f"for (int r = part * {chunk} + lid; r < {end}; r += {wg})"):
+        acc.add(r.value(src, _full_coords(oc, rc, axes)), "r")
+    res = acc.finish()
+    with r.block("if (lid == 0)"):
+        r.store(scratch, acc_d, ShapeTracker.contiguous((rows * parts,)), (Var("grp", 0, rows * parts - 1),), res)
+    first = _finish(r, f"P_{rows}_{rlen}_{parts}", wg, rows * parts, lim, shared)
+    pnode = buffer(scratch, 0, acc_d, out_shape + (parts,))
+    combine = {ReduceOp.SUM: ReduceOp.SUM, ReduceOp.PROD: ReduceOp.PROD, ReduceOp.MAX: ReduceOp.MAX,
+               ReduceOp.MIN: ReduceOp.MIN}[red.arg[0]]
+    total = movement(reduce(pnode, combine, (len(out_shape),)), lambda st: st.reshape(out_shape))
+    if total.dtype is not red.dtype:
+        total = alu_node(Op.CAST, red.dtype, total)
+    second = _reduce(Kernel(substitute(k.root, {red: total}), k.out, k.st), lim, allow_split=False)
+    return Lowered([first] + second.programs, [scratch] + second.scratch)
+
+
+# ---- matmul -----------------------------------------------------------------------------------------------------
+
+BM = BN = 64
+BK = 16
+TPT = 4  # results per invocation along m and along n
+
+
+def _matmul(k: Kernel, mm: Node, lim: Limits) -> Lowered:
+    a, b = mm.srcs
+    batch = mm.shape[:-2]
+    m_, n_, k_ = a.shape[-2], b.shape[-1], a.shape[-1]
+    nb = prod(batch)
+    tiles_m, tiles_n = math.ceil(m_ / BM), math.ceil(n_ / BN)
+    groups = nb * tiles_m * tiles_n
+    wg = (BM // TPT) * (BN // TPT)
+    t = mm.dtype.glsl
+    acc_d = _acc_dtype(mm.dtype)
+    shared = [f"shared {acc_d.glsl} As[{BK}][{BM}];", f"shared {acc_d.glsl} Bs[{BK}][{BN}];"]
+    r = Renderer()
+    zero = glsl.zero(acc_d)
+    r.emit(f"int grp = {GROUP_ID};")
+    r.emit(f"if (grp >= {groups}) return;")
+    r.emit("int lid = int(gl_LocalInvocationID.x);")
+    r.emit(f"int tn = grp % {tiles_n};")
+    r.emit(f"int tm = (grp / {tiles_n}) % {tiles_m};")
+    r.emit(f"int bt = grp / {tiles_n * tiles_m};")
+    r.emit(f"int tx = lid % {BN // TPT};")
+    r.emit(f"int ty = lid / {BN // TPT};")
+    r.emit(f"{acc_d.glsl} acc[{TPT * TPT}];")
+    r.emit(f"for (int i = 0; i < {TPT * TPT}; i++) acc[i] = {zero};")
+    bc = unravel(Var("bt", 0, nb - 1), batch)
+
+    def tile_load(src: Node, rows_name: str, cols_name: str, rexpr: str, cexpr: str, rlim: int, clim: int,
+                  dst: str, total: int) -> None:
+        with r.block(f"for (int e = lid; e < {total}; e += {wg})"):
+            r.emit(f"int {rows_name} = {rexpr};")
+            r.emit(f"int {cols_name} = {cexpr};")
+            v = r.define(acc_d.glsl, zero, "x")
+            with r.block(f"if ({rows_name} < {rlim} && {cols_name} < {clim})"):
+                coords = bc + (Var(rows_name, 0, rlim - 1), Var(cols_name, 0, clim - 1))
+                val = r.value(src, coords)
+                r.emit(f"{v} = {glsl.cast(val, src.dtype, acc_d, r.need)};")
+            r.emit(dst.format(v=v))
+
+    with r.block(f"for (int k0 = 0; k0 < {k_}; k0 += {BK})"):
+        tile_load(a, "am", "ak", f"tm * {BM} + e / {BK}", f"k0 + e % {BK}", m_, k_,
+                  f"As[e % {BK}][e / {BK}] = {{v}};", BM * BK)
+        tile_load(b, "bk", "bn", f"k0 + e / {BN}", f"tn * {BN} + e % {BN}", k_, n_,
+                  f"Bs[e / {BN}][e % {BN}] = {{v}};", BK * BN)
+        r.emit("barrier();")
+        with r.block(f"for (int kk = 0; kk < {BK}; kk++)"):
+            r.emit(f"{acc_d.glsl} av[{TPT}]; {acc_d.glsl} bv[{TPT}];")
+            r.emit(f"for (int i = 0; i < {TPT}; i++) av[i] = As[kk][ty + {BM // TPT} * i];")
+            r.emit(f"for (int j = 0; j < {TPT}; j++) bv[j] = Bs[kk][tx + {BN // TPT} * j];")
+            r.emit(f"for (int i = 0; i < {TPT}; i++) for (int j = 0; j < {TPT}; j++) "
+                   f"acc[i * {TPT} + j] += av[i] * bv[j];")
+        r.emit("barrier();")
+    with r.block(f"for (int i = 0; i < {TPT}; i++)"):
+        with r.block(f"for (int j = 0; j < {TPT}; j++)"):
+            r.emit(f"int m = tm * {BM} + ty + {BM // TPT} * i;")
+            r.emit(f"int n = tn * {BN} + tx + {BN // TPT} * j;")
+            with r.block(f"if (m < {m_} && n < {n_})"):
+                r.subst[mm] = r.define(t, glsl.cast(f"acc[i * {TPT} + j]", acc_d, mm.dtype, r.need), "mm")
+                coords = bc + (Var("m", 0, m_ - 1), Var("n", 0, n_ - 1))
+                r.store(k.out, k.out.dtype, k.st, coords, r.value(k.root, coords))
+    return Lowered([_finish(r, f"M_{nb}_{m_}_{n_}_{k_}", wg, groups, lim, shared)], [])
+
+
+def lower(k: Kernel, lim: Limits) -> Lowered:
+    """GLSL programs (one, or two for a split reduction) that compute kernel k."""
+    nodes = k.root.toposort()
+    mms = [n for n in nodes if n.op is Op.MATMUL]
+    if mms:
+        return _matmul(k, mms[0], lim)
+    if any(n.op is Op.REDUCE for n in nodes):
+        return _reduce(k, lim)
+    return _elementwise(k, lim)

@@ -1,0 +1,216 @@
+"""Capture a sequence of dispatches once; replay it later with one submit.
+
+While a capture is open the queue runs every dispatch as usual and also logs it. Closing the capture records
+the log into a command buffer that is kept, not recycled. A replay submits that command buffer again; only
+when a `Variable` used in push constants changed value is it recorded again first (a loop of raw calls, no
+lookups). The graph owns every allocation it touches that no live Buffer holds (the intermediates it released
+back to the pool during capture), so nothing outside can reuse that memory while the graph lives; those
+intermediates already shared memory inside the graph wherever their lifetimes did not overlap, because the
+pool handed a released allocation to the next request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import DeviceError, VkgraphError
+from .vk import NULL, check, ffi, lib, vk
+
+if TYPE_CHECKING:
+    from .memory import Allocation
+    from .queue import Queue
+
+_COMPUTE = vk.VK_PIPELINE_BIND_POINT_COMPUTE
+_STAGE_COMPUTE = vk.VK_SHADER_STAGE_COMPUTE_BIT
+_STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+
+
+class Variable:
+    """A named integer that changes between replays (a position, a context length). Pass it as a push
+    constant value; `graph.replay()` uses its value at that moment."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value: int = 0) -> None:
+        self.name = name
+        self.value = int(value)
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __int__(self) -> int:
+        return self.value
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __repr__(self) -> str:
+        return f"Variable({self.name}={self.value})"
+
+
+class CaptureLog:
+    """What the queue logs while a capture is open."""
+
+    def __init__(self) -> None:
+        # ("dispatch", kernel, buffers, groups, push) or ("copy", src, src_offset, dst, dst_offset, nbytes)
+        self.entries: list[tuple] = []
+
+
+class CommandGraph:
+    """A replayable command buffer. Build it with `queue.begin_capture()` / `queue.end_capture()`."""
+
+    def __init__(self, queue: Queue, log: CaptureLog) -> None:
+        from .queue import Submission
+
+        self.queue = queue
+        self.entries = log.entries
+        self.kernels = sum(1 for e in self.entries if e[0] == "dispatch")
+        self.sub = Submission(queue)
+        self.sub.persistent = True
+        self.sub.begin_info.flags = 0  # submitted many times
+        self.allocs: list[Allocation] = []
+        seen: set[int] = set()
+        written: set[int] = set()
+        self.variables: list[Variable] = []
+        self._prepared: list[tuple] = []
+        for e in self.entries:
+            bufs = e[2] if e[0] == "dispatch" else (e[1], e[3])
+            writes = e[1].writes if e[0] == "dispatch" else (False, True)
+            for b, w in zip(bufs, writes):
+                a = b.alloc
+                if a.handle not in seen:
+                    seen.add(a.handle)
+                    self.allocs.append(a)
+                if w:
+                    written.add(a.handle)
+            if e[0] == "dispatch":
+                self.variables += [v for v in _push_values(e[4]) if isinstance(v, Variable)
+                                   and v not in self.variables]
+        self.written = written
+        self.owned = queue.device.memory.pool.adopt(self.allocs)
+        self._prepare()
+        self.recorded_values: tuple | None = None
+        self.destroyed = False
+
+    def _prepare(self) -> None:
+        """Everything each entry needs for recording, resolved once: descriptor sets, packers, barriers."""
+        q = self.queue
+        written: set[int] = set()
+        read: set[int] = set()
+        for e in self.entries:
+            if e[0] == "dispatch":
+                _, kernel, bufs, groups, push = e
+                allocs = [b.alloc for b in bufs]
+                writes = kernel.writes
+            else:
+                _, src, so, dst, do, n = e
+                allocs = [src.alloc, dst.alloc]
+                writes = (False, True)
+            hazard = any(a.handle in written or (w and a.handle in read) for a, w in zip(allocs, writes))
+            if hazard:
+                written.clear()
+                read.clear()
+            for a, w in zip(allocs, writes):
+                (written if w else read).add(a.handle)
+            if e[0] == "dispatch":
+                key = (kernel.layout_id, tuple((a.handle, b.offset, b.size) for a, b in zip(allocs, bufs)))
+                entry = q.descriptor_sets.get(key) or q._new_descriptor_set(kernel, list(bufs), allocs, key)
+                entry[2] = float("inf")  # pinned: never evicted while the graph lives
+                dynamic = any(isinstance(v, Variable) for v in _push_values(push))
+                self._prepared.append(("dispatch", hazard, kernel, entry, groups, push, dynamic,
+                                       kernel.pack_push(push) if kernel.push_names else b""))
+            else:
+                region = ffi.new("VkBufferCopy*", {"srcOffset": src.offset + so, "dstOffset": dst.offset + do,
+                                                   "size": n})
+                self._prepared.append(("copy", hazard, src.alloc.buffer, dst.alloc.buffer, region))
+
+    def _record(self) -> None:
+        q = self.queue
+        cmd = self.sub.cmd
+        check(lib.vkResetCommandBuffer(cmd, 0), "vkResetCommandBuffer")
+        check(lib.vkBeginCommandBuffer(cmd, self.sub.begin_info), "vkBeginCommandBuffer")
+        barrier = q.barrier
+        # everything submitted before the replay is complete-and-visible to its first command
+        lib.vkCmdPipelineBarrier(cmd, _STAGES, _STAGES, 0, 1, barrier, 0, NULL, 0, NULL)
+        bound = None
+        for p in self._prepared:
+            if p[1]:
+                lib.vkCmdPipelineBarrier(cmd, _STAGES, _STAGES, 0, 1, barrier, 0, NULL, 0, NULL)
+            if p[0] == "dispatch":
+                _, _, kernel, entry, (gx, gy, gz), push, dynamic, data = p
+                ds = entry[0]
+                if bound is not kernel.pipeline:
+                    lib.vkCmdBindPipeline(cmd, _COMPUTE, kernel.pipeline)
+                    bound = kernel.pipeline
+                lib.vkCmdBindDescriptorSets(cmd, _COMPUTE, kernel.layout, 0, 1, ds, 0, NULL)
+                if dynamic:
+                    data = kernel.pack_push(push)
+                if data:
+                    lib.vkCmdPushConstants(cmd, kernel.layout, _STAGE_COMPUTE, 0, len(data), data)
+                lib.vkCmdDispatch(cmd, gx, gy, gz)
+            else:
+                lib.vkCmdCopyBuffer(cmd, p[2], p[3], 1, p[4])
+        lib.vkCmdPipelineBarrier(cmd, _STAGES, vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1, q.host_barrier, 0, NULL, 0, NULL)
+        check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer")
+        self.recorded_values = tuple(v.value for v in self.variables)
+
+    def replay(self) -> int:
+        """Submit the graph once (after all work already recorded); returns its sequence number."""
+        if self.destroyed:
+            raise VkgraphError("this command graph was destroyed")
+        q = self.queue
+        with q.lock:
+            if q.device.closed:
+                raise DeviceError("the device is closed")
+            q.flush()
+            sub = self.sub
+            if sub in q.in_flight:
+                q.wait(sub.seq)
+            if self.recorded_values is None or self.recorded_values != tuple(v.value for v in self.variables):
+                self._record()
+            sub.seq = q.next_seq
+            q.next_seq += 1
+            check(lib.vkQueueSubmit(q.device.vk_queue, 1, sub.submit_info, sub.fence), "vkQueueSubmit")
+            q.in_flight.append(sub)
+            q.stats["submits"] += 1
+            seq = sub.seq
+            for a in self.allocs:
+                a.last_use = seq
+            q.written |= self.written  # later work must wait for the graph's writes
+            return seq
+
+    def destroy(self) -> None:
+        """Free the command buffer and give the graph's own allocations back to the pool."""
+        if self.destroyed:
+            return
+        self.destroyed = True
+        q = self.queue
+        if q.device.closed:
+            return
+        with q.lock:
+            if self.sub in q.in_flight:
+                q.wait(self.sub.seq)
+            for p in self._prepared:
+                if p[0] == "dispatch":
+                    p[3][2] = q.completed  # unpinned: evictable again
+            lib.vkFreeCommandBuffers(q.device.device, q.command_pool, 1, self.sub.cmd_array)
+            lib.vkDestroyFence(q.device.device, self.sub.fence, NULL)
+        q.device.memory.pool.release_adopted(self.owned)
+        self.owned = []
+        self._prepared = []
+        self.entries = []
+
+    def __del__(self) -> None:
+        try:
+            self.destroy()
+        except Exception:  # noqa: BLE001 (finalizers must not raise)
+            pass
+
+
+def _push_values(push: Any) -> list[Any]:
+    if push is None:
+        return []
+    if isinstance(push, dict):
+        return list(push.values())
+    return list(push)
+
