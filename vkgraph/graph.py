@@ -27,6 +27,7 @@ class Op(Enum):
     BUFFER = auto()  # arg: (BufferRef, version) — realized data, contiguous in `shape`
     CONST = auto()  # arg: the value, broadcast over `shape`
     RAND = auto()  # arg: (seed, counter) — uniform float32 in [0, 1), counter-based
+    IOTA = auto()  # int32 0, 1, ..., n-1 along its one axis
     # movement: arg is a ShapeTracker over the source's shape
     VIEW = auto()
     # unary
@@ -48,6 +49,7 @@ class Op(Enum):
     MATMUL = auto()  # sources (a, b): (..., M, K) @ (..., K, N), equal batch shapes
     GATHER = auto()  # sources (x, idx), arg: axis — x.take(idx, axis)
     CUSTOM = auto()  # arg: CustomOp — a hand-written kernel (see docs/tensor.md)
+    CONTIGUOUS = auto()  # its source, stored in a buffer of its own (a forced kernel boundary)
 
 
 class ReduceOp(Enum):
@@ -65,7 +67,7 @@ BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.IDIV, Op.MOD, Op.MAX, Op.MIN, Op.PO
           Op.CMPNE, Op.AND, Op.OR, Op.XOR, Op.SHL, Op.SHR}
 COMPARE = {Op.CMPLT, Op.CMPLE, Op.CMPEQ, Op.CMPNE, Op.ISNAN}
 ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
-LEAVES = {Op.BUFFER, Op.CONST, Op.RAND}
+LEAVES = {Op.BUFFER, Op.CONST, Op.RAND, Op.IOTA}
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,6 +180,14 @@ def buffer(ref: Any, version: int, dtype: DType, shape: Shape) -> Node:
 
 def rand(seed: int, counter: int, shape: Shape) -> Node:
     return _make(Op.RAND, dtypes.float32, (), (seed, counter), tuple(shape))
+
+
+def iota(n: int) -> Node:
+    return _make(Op.IOTA, dtypes.int32, (), None, (int(n),))
+
+
+def contiguous(src: Node) -> Node:
+    return src if src.op in (Op.BUFFER, Op.CONTIGUOUS) else _make(Op.CONTIGUOUS, src.dtype, (src,), None, src.shape)
 
 
 def view(src: Node, st: ShapeTracker) -> Node:

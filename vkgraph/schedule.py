@@ -210,6 +210,8 @@ def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
 
     realize: set[Node] = {t for t in targets if not is_input(t, realized)}
     for n in order:
+        if n.op is Op.CONTIGUOUS:
+            realize.add(n)
         if n.op is Op.CUSTOM:
             realize.add(n)
             realize.update(s for s in n.srcs if not is_input(s, realized))
@@ -249,7 +251,8 @@ def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
         src = n.srcs[0] if n.srcs else None
         if id(n) in dest_of:
             ref, st = dest_of[id(n)]
-            root = substitute(n, {k: v for k, v in mapping.items() if k is not n})
+            root = substitute(n.srcs[0] if n.op is Op.CONTIGUOUS else n,
+                              {k: v for k, v in mapping.items() if k is not n})
             if not reads_ref(root, ref):  # store straight through the destination view
                 if n.numel:
                     add_kernel(root, ref, st)
@@ -267,7 +270,8 @@ def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
             refs[n] = BufferRef(n.dtype, n.numel)
             temps.append(refs[n])
             if n.numel:
-                add_kernel(substitute(n, {k: v for k, v in mapping.items() if k is not n}), refs[n],
+                body = n.srcs[0] if n.op is Op.CONTIGUOUS else n
+                add_kernel(substitute(body, {k: v for k, v in mapping.items() if k is not n}), refs[n],
                            ShapeTracker.contiguous(n.shape))
         mapping[n] = buffer(refs[n], refs[n].version, n.dtype, n.shape)
 

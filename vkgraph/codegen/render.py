@@ -144,6 +144,8 @@ class Renderer:
             seed = self.push_const("uint", n.arg[0] & 0xFFFFFFFF, "r")
             ctr = self.push_const("uint", n.arg[1] & 0xFFFFFFFF, "r")
             return self.define("float", f"rng({seed}, {ctr} + uint({ravel(coords, n.shape).render()}))")
+        if n.op is Op.IOTA:
+            return coords[0].render()
         if n.op in ELEMENTWISE:
             args = [self.value(s, coords) for s in n.srcs]
             srcs = [s.dtype for s in n.srcs]

@@ -1,0 +1,198 @@
+"""Template throughput: matvec GB/s of weight bytes read, paged decode GB/s of KV bytes read, PyTorch beside.
+
+    python benchmarks/bench_kernels.py [--quick]
+
+GPU time comes from Vulkan timestamps (VKGRAPH_PROFILE=1, set here): the time between the ends of
+consecutive dispatches in one long serial chain, after warm-up, median of the repeats. Weights and caches are
+random bits (never zeros) and cycled through enough copies to exceed the GPU's L2 cache. PyTorch (when
+importable with CUDA) is timed with CUDA events the same way: torch.matmul in float16, and
+F.scaled_dot_product_attention over contiguous float16 KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+os.environ["VKGRAPH_PROFILE"] = "1"
+os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
+
+import numpy as np  # noqa: E402
+
+from vkgraph.ops import matvec as mv  # noqa: E402
+from vkgraph.ops import paged_attention as pa  # noqa: E402
+from vkgraph.quant import FORMATS  # noqa: E402
+from vkgraph.runtime import get_device  # noqa: E402
+
+MATVEC_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
+MATVEC_FORMATS = ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16"]
+DECODE_CASES = [(1, 4096), (32, 2048)]  # (sequences, context length)
+HQ, HKV, HEAD = 32, 8, 128
+COPY_BYTES = 512 << 20  # cycle through copies until this many bytes: several times a large L2
+
+
+def _copies(nbytes: int, cap: int = 16) -> int:
+    return max(1, min(cap, -(-COPY_BYTES // nbytes)))
+
+
+def _gpu_median_us(dev, name: str, run, reps: int, warmup: int = 5) -> float:
+    """Median spacing in microseconds between the ends of consecutive `name` dispatches."""
+    prof = dev.queue.profiler
+    for _ in range(warmup):
+        run()
+    dev.synchronize()
+    prof.events.clear()
+    for _ in range(reps):
+        run()
+    dev.synchronize()
+    ends = [t1 for n, _, t1 in prof.events if n == name]
+    prof.events.clear()
+    gaps = [(b - a) / 1e3 for a, b in zip(ends, ends[1:], strict=False) if b > a]
+    return statistics.median(gaps)
+
+
+def _random_weights(dev, rng, fmt: str, n: int, k: int) -> mv.DeviceWeights:
+    """Device weights in the matvec layout filled with random bits (the kernels' speed ignores the values)."""
+    f = FORMATS[fmt]
+    has_scales = fmt in ("Q8_0", "Q4_0", "Q6_K")
+    body_row = f.row_bytes(k) - (2 * k // f.block_size if has_scales else 0)
+    body = dev.alloc(n * body_row)
+    dev.upload(body, rng.integers(0, 256, n * body_row, dtype=np.uint8))
+    scales, s_stride = None, 0
+    if has_scales:
+        s_stride = k // f.block_size
+        s = rng.uniform(1e-3, 1e-2, n * s_stride + 1).astype(np.float16)
+        scales = dev.alloc(s.nbytes)
+        dev.upload(scales, s)
+    return mv.DeviceWeights(f, (n, k), body, scales, body_row // 16, s_stride)
+
+
+def bench_matvec(dev, rng, reps: int) -> None:
+    print(f"\nmatvec, batch 1, float32 activations: GB/s of weight bytes ({dev.info.name})")
+    print(f"{'shape':>14s} " + " ".join(f"{f:>8s}" for f in MATVEC_FORMATS) + f" {'torch f16':>10s}")
+    for n, k in MATVEC_SHAPES:
+        row = []
+        for fmt in MATVEC_FORMATS:
+            nbytes = n * FORMATS[fmt].row_bytes(k)
+            if nbytes > dev.info.max_storage_buffer_range:
+                row.append(f"{'-':>8s}")
+                continue
+            ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
+            x = dev.alloc(k * 4)
+            dev.upload(x, rng.standard_normal(k).astype(np.float32))
+            y = dev.alloc(n * 4)
+            it = iter(range(1 << 62))
+
+            def run(ws=ws, x=x, y=y, it=it):
+                mv.matvec(dev, ws[next(it) % len(ws)], x, 1, out=y)
+
+            us = _gpu_median_us(dev, mv.TEMPLATE[fmt], run, reps)
+            row.append(f"{nbytes / us / 1e3:8.0f}")
+            for w in ws:
+                w.body.release()
+                if w.scales is not None:
+                    w.scales.release()
+        print(f"{n:>6d}x{k:<7d} " + " ".join(row) + f" {_torch_matvec(n, k, reps):>10s}")
+
+
+def bench_decode(dev, rng, reps: int) -> None:
+    print(f"\npaged decode, {HQ} q heads, {HKV} kv heads, head {HEAD}, float16 KV: GB/s of KV bytes")
+    for b, ctx in DECODE_CASES:
+        nblk = b * ctx // 16
+        kv_bytes = 2 * b * ctx * HKV * HEAD * 2
+        caches = []
+        for _ in range(_copies(kv_bytes, cap=8)):
+            c = pa.PagedKVCache.create(dev, nblk, HKV, HEAD, 16, "f16")
+            for buf in (c.key, c.value):
+                dev.upload(buf, rng.standard_normal(buf.size // 2).astype(np.float16))
+            caches.append(c)
+        tables = rng.permutation(nblk).astype(np.int32).reshape(b, ctx // 16)
+        tb, lens, q = dev.alloc(tables.nbytes), dev.alloc(b * 4), dev.alloc(b * HQ * HEAD * 4)
+        dev.upload(tb, tables)
+        dev.upload(lens, np.full(b, ctx, np.int32))
+        dev.upload(q, rng.standard_normal(b * HQ * HEAD).astype(np.float32))
+        out = dev.alloc(b * HQ * HEAD * 4)
+        it = iter(range(1 << 62))
+
+        def run(caches=caches, tb=tb, lens=lens, q=q, out=out, it=it, b=b, ctx=ctx):
+            pa.paged_decode(dev, caches[next(it) % len(caches)], q, tb, lens, num_seqs=b, num_heads=HQ,
+                            max_blocks_per_seq=ctx // 16, max_context_len=ctx, out=out)
+
+        tile = pa._choose_tile(dev, HQ // HKV, HEAD, "f16")
+        split = pa.choose_partition(dev, b, HKV, ctx, tile)
+        us = _gpu_median_us(dev, "paged_reduce" if split else "paged_decode", run, reps)
+        print(f"  B={b:<3d} L={ctx:<5d} split={split or 'off':>4}  {kv_bytes / us / 1e3:7.0f} GB/s  "
+              f"({us:.1f} us)   torch sdpa: {_torch_sdpa(b, ctx, reps)}")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _torch_time_us(torch, fn, reps: int) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def _torch_matvec(n: int, k: int, reps: int) -> str:
+    torch = _torch()
+    if torch is None:
+        return "-"
+    nbytes = n * k * 2
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(_copies(nbytes))]
+    x = torch.randn(k, 1, device="cuda", dtype=torch.float16)
+    it = iter(range(1 << 62))
+    us = _torch_time_us(torch, lambda: torch.matmul(ws[next(it) % len(ws)], x), reps)
+    return f"{nbytes / us / 1e3:.0f}"
+
+
+def _torch_sdpa(b: int, ctx: int, reps: int) -> str:
+    torch = _torch()
+    if torch is None:
+        return "-"
+    import torch.nn.functional as F
+
+    kv_bytes = 2 * b * ctx * HKV * HEAD * 2
+    q = torch.randn(b, HQ, 1, HEAD, device="cuda", dtype=torch.float16)
+    kvs = [(torch.randn(b, HKV, ctx, HEAD, device="cuda", dtype=torch.float16),
+            torch.randn(b, HKV, ctx, HEAD, device="cuda", dtype=torch.float16)) for _ in range(_copies(kv_bytes, 8))]
+    it = iter(range(1 << 62))
+
+    def run():
+        k, v = kvs[next(it) % len(kvs)]
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    us = _torch_time_us(torch, run, reps)
+    return f"{kv_bytes / us / 1e3:.0f} GB/s ({us:.1f} us)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke test)")
+    args = ap.parse_args()
+    dev = get_device()
+    if dev.queue.profiler is None or not dev.info.timestamps:
+        raise SystemExit("this device gives no timestamps; the benchmark needs them")
+    reps = 10 if args.quick else 100
+    rng = np.random.default_rng(0)
+    bench_matvec(dev, rng, reps)
+    bench_decode(dev, rng, reps)
+
+
+if __name__ == "__main__":
+    main()
