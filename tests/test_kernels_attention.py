@@ -29,7 +29,7 @@ def _random_cache(rng, num_blocks, hkv, bs, d, dtype):
 
 
 def _block_tables(rng, lens, bs, num_blocks, shared_prefix):
-    """Each sequence gets distinct shuffled blocks; with shared_prefix every sequence's first block is block 0."""
+    """Distinct shuffled blocks per sequence; with shared_prefix every sequence's first block is block 0."""
     max_blocks = max(-(-max(lens) // bs), 1)
     perm = rng.permutation(np.arange(1 if shared_prefix else 0, num_blocks))
     tables = np.zeros((len(lens), max_blocks), np.int32)
@@ -54,7 +54,8 @@ def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, share
     dev.upload(cache.key, kc)
     dev.upload(cache.value, vc)
     since = snapshot()
-    out = pa.paged_decode(dev, cache, upload(dev, q), upload(dev, tables), upload(dev, np.array(lens, np.int32)),
+    lens_buf = upload(dev, np.array(lens, np.int32))
+    out = pa.paged_decode(dev, cache, upload(dev, q), upload(dev, tables), lens_buf,
                           num_seqs=len(lens), num_heads=hkv * group, max_blocks_per_seq=tables.shape[1],
                           max_context_len=max(lens), window=window, part_tokens=part_tokens)
     got = dev.download(out, np.float32, q.shape)
@@ -124,7 +125,8 @@ def test_kv_write(num_tokens, hkv, d, dtype, bs, seed):
     got_k = dev.download(cache.key, NP_KV[dtype], ref_k.shape)
     got_v = dev.download(cache.value, NP_KV[dtype], ref_v.shape)
     # float16 conversion: the round-to-nearest result, allowing one unit in the last place
-    check(np.concatenate([got_k, got_v]), np.concatenate([ref_k, ref_v]), since, tol=1e-3 if dtype == "f16" else 0)
+    tol = 1e-3 if dtype == "f16" else 0
+    check(np.concatenate([got_k, got_v]), np.concatenate([ref_k, ref_v]), since, tol=tol)
 
 
 def _prefill_case(rng, lens, hkv, group, d, dtype, window):

@@ -36,8 +36,8 @@ def _run(fmt, n, k, batch, act, bias, residual, config=None, seed=0):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 70), blocks=st.integers(1, 40), batch=st.integers(1, 8), act=st.sampled_from(["f32", "f16"]),
-       bias=st.booleans(), residual=st.booleans(), seed=st.integers(0, 1000))
+@given(n=st.integers(1, 70), blocks=st.integers(1, 40), batch=st.integers(1, 8),
+       act=st.sampled_from(["f32", "f16"]), bias=st.booleans(), residual=st.booleans(), seed=st.integers(0, 1000))
 def test_matvec_fuzz(fmt, n, blocks, batch, act, bias, residual, seed):
     if quant.FORMATS[fmt].block_size == 256:
         blocks = 1 + blocks % 5

@@ -24,7 +24,7 @@ def test_every_template_dispatched_and_checked(request):
     template_tests = {p.name for p in request.path.parent.glob("test_kernels_*.py")} - {request.path.name,
                                                                                         "test_kernels_common.py"}
     if not template_tests <= ran:
-        pytest.skip(f"needs the template tests in the same session: {sorted(template_tests - ran)} not selected")
+        pytest.skip(f"needs the template tests in this session; not selected: {sorted(template_tests - ran)}")
     names = set(kernels.templates())
     never_dispatched = sorted(n for n in names if kernels.DISPATCHES[n] == 0)
     never_checked = sorted(names - common.CHECKED)

@@ -67,3 +67,82 @@ def test_oom_leaves_pool_consistent(dev):
     assert pool.stats.live_bytes == stats["live_bytes"] and pool.stats.live_buffers == stats["live_buffers"]
     for b in keep:
         b.release()
+
+
+AXPB = """#version 450
+layout(local_size_x = 64) in;
+layout(set = 0, binding = 0) readonly buffer X { float x[]; };
+layout(set = 0, binding = 1) writeonly buffer Y { float y[]; };
+layout(push_constant) uniform Push { uint n; float a; } pc;
+void main() { uint i = gl_GlobalInvocationID.x; if (i < pc.n) y[i] = pc.a * x[i]; }
+"""
+
+
+@pytest.mark.parametrize("point", ["wait", "submit"])
+def test_device_lost_raises_and_a_new_device_works(point):
+    from vkgraph.runtime import Device, DeviceLost, faults
+
+    d = Device()
+    try:
+        k = d.kernel(AXPB)
+        a, b = d.alloc(256), d.alloc(256)
+        d.dispatch(k, [a, b], (1, 1, 1), (64, 2.0))
+        faults.inject(point)
+        with pytest.raises(DeviceLost, match="reset_device"):
+            d.synchronize()
+        assert d.lost
+        with pytest.raises(DeviceLost):
+            d.dispatch(k, [a, b], (1, 1, 1), (64, 2.0))
+        with pytest.raises(DeviceLost):
+            d.alloc(16)
+    finally:
+        faults.clear()
+        d.close()
+    fresh = Device()
+    try:
+        x = fresh.alloc(256)
+        y = fresh.alloc(256)
+        fresh.upload(x, np.arange(64, dtype=np.float32))
+        fresh.dispatch(fresh.kernel(AXPB), [x, y], (1, 1, 1), (64, 2.0))
+        assert fresh.download(y, np.float32, 64)[10] == 20.0
+    finally:
+        fresh.close()
+
+
+def test_injected_allocation_failure_retries_then_raises(dev):
+    from vkgraph.runtime import faults
+
+    pool = dev.memory.pool
+    b = dev.alloc(3 << 20)
+    b.release()  # one idle buffer the retry can free
+    faults.inject("allocate", faults.vk.VK_ERROR_OUT_OF_DEVICE_MEMORY, count=1)
+    c = dev.alloc(5 << 20)  # first try fails, the pool trims, the retry succeeds
+    assert pool.stats.idle_bytes == 0
+    c.release()
+    faults.inject("allocate", faults.vk.VK_ERROR_OUT_OF_DEVICE_MEMORY, count=2)
+    live = pool.stats.live_bytes
+    with pytest.raises(OutOfDeviceMemory, match="after releasing idle"):
+        dev.alloc(9 << 20)
+    assert pool.stats.live_bytes == live and not faults._armed
+    dev.alloc(9 << 20).release()
+
+
+def test_reset_device_in_process():
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np\n"
+        "from vkgraph.runtime import get_device, reset_device, DeviceLost, faults\n"
+        f"src = {AXPB!r}\n"
+        "d = get_device(); a = d.alloc(256); b = d.alloc(256)\n"
+        "d.dispatch(d.kernel(src), [a, b], (1, 1, 1), (64, 2.0))\n"
+        "faults.inject('wait')\n"
+        "try:\n    d.download(b, np.float32, 16)\nexcept DeviceLost:\n    pass\n"
+        "else:\n    raise SystemExit('no DeviceLost')\n"
+        "d2 = reset_device(); assert d2 is not d and get_device() is d2\n"
+        "c = d2.alloc(64); d2.upload(c, np.full(16, 3, np.float32)); print(d2.download(c, np.float32, 16).sum())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "48.0"

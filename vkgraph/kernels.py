@@ -1,4 +1,4 @@
-"""The registry of hand-tuned kernel templates: every `kernels/*.comp` file, described by its own declarations.
+"""The registry of hand-tuned kernel templates: each `kernels/*.comp` file, described by its own declarations.
 
 A template's name is its file stem; its interface (bindings, push constants, specialization constants,
 local size) is parsed from the source by the runtime's parser, so adding a file registers it. Ops compile and

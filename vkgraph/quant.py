@@ -27,7 +27,8 @@ class QuantFormat:
 
     def row_bytes(self, k: int) -> int:
         if k % self.block_size:
-            raise ValueError(f"{self.name}: row length {k} is not a multiple of the block size {self.block_size}")
+            raise ValueError(f"{self.name}: row length {k} is not a multiple of the block size "
+                             f"{self.block_size}")
         return k // self.block_size * self.type_size
 
 
@@ -69,10 +70,14 @@ class QuantizedTensor:
                              f"got {self.data.dtype} {self.data.shape}")
 
     @classmethod
-    def from_raw(cls, raw: np.ndarray | bytes, fmt: str | QuantFormat, shape: tuple[int, int]) -> QuantizedTensor:
+    def from_raw(cls, raw: np.ndarray | bytes, fmt: str | QuantFormat,
+                 shape: tuple[int, int]) -> QuantizedTensor:
         """Wrap blocks as read from a GGUF file (any dtype; only the bytes matter)."""
         f = get_format(fmt)
-        flat = np.frombuffer(raw, np.uint8) if isinstance(raw, bytes) else np.ascontiguousarray(raw).view(np.uint8)
+        if isinstance(raw, bytes):
+            flat = np.frombuffer(raw, np.uint8)
+        else:
+            flat = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
         rows, cols = int(shape[0]), int(shape[1])
         if flat.size != rows * f.row_bytes(cols):
             raise ValueError(f"{f.name} {shape}: expected {rows * f.row_bytes(cols)} bytes, got {flat.size}")
@@ -118,7 +123,8 @@ def _dequant_f16(b: np.ndarray) -> np.ndarray:
 def _quant_bf16(b: np.ndarray) -> np.ndarray:
     n = b.view(np.uint32).astype(np.uint64)
     nan = (n & 0x7FFFFFFF) > 0x7F800000
-    n = np.where(nan, (n & 0xFFFF0000) | (64 << 16), n + (0x7FFF + ((n >> 16) & 1)))  # quiet NaN; round to even
+    # NaN made quiet; everything else rounded to nearest even
+    n = np.where(nan, (n & 0xFFFF0000) | (64 << 16), n + (0x7FFF + ((n >> 16) & 1)))
     return (n >> 16).astype(np.uint16).view(np.uint8)
 
 
@@ -151,7 +157,7 @@ def _dequant_q8_0(b: np.ndarray) -> np.ndarray:
     return b[:, 2:].view(np.int8).astype(np.float32) * d
 
 
-# ---- Q4_0: f16 d, 16 bytes: element i in the low nibble of byte i, element i+16 in its high nibble ----------
+# ---- Q4_0: f16 d, 16 bytes: element i in the low nibble of byte i, element i+16 in its high nibble ---
 
 def _quant_q4_0(b: np.ndarray) -> np.ndarray:
     imax = np.abs(b).argmax(axis=1)[:, None]
@@ -185,7 +191,7 @@ def _q4_k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
                       nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """llama.cpp's make_qkx2_quants over rows of x: (scale, -min, levels) minimising weighted squared error."""
+    """llama.cpp's make_qkx2_quants over rows of x: (scale, -min, levels) minimising weighted error."""
     f32 = np.float32
     mn = np.minimum(x.min(axis=1), 0).astype(f32)
     mx = x.max(axis=1).astype(f32)
@@ -334,7 +340,7 @@ _DEQUANTIZE = {"F16": _dequant_f16, "BF16": _dequant_bf16, "Q8_0": _dequant_q8_0
                "Q4_K": _dequant_q4_k, "Q6_K": _dequant_q6_k}
 
 
-# ---- the matvec templates' layout ---------------------------------------------------------------------------
+# ---- the matvec templates' layout ------------------------------------------------------------------
 
 # (offset of the f16 scale d inside a block, or None when the block needs no split)
 _SCALE_OFFSET = {"Q8_0": 0, "Q4_0": 0, "Q6_K": 208, "Q4_K": None, "F16": None, "BF16": None}

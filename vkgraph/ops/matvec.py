@@ -80,16 +80,16 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> 
 def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_dtype: str = "f32",
            out: Any | None = None, bias: Any | None = None, residual: Any | None = None,
            config: MatvecConfig | None = None) -> Any:
-    """y[b, n] = sum_k W[n, k] x[b, k] (+ bias[n]) (+ residual[b, n]) for b < batch; returns y (float32 [batch, N]).
+    """y[b, n] = sum_k W[n, k] x[b, k] (+ bias[n]) (+ residual[b, n]) for b < batch; returns y [batch, N].
 
     x holds `batch` rows of K activations (float32, or float16 with act_dtype="f16"); bias is float32 [N],
-    residual float32 [batch, N] (it may be `out` itself). Records the dispatch; does not wait.
+    residual float32 [batch, N] (it may be `out` itself); y is float32. Records the dispatch; does not wait.
     """
     n, k = weights.shape
     if act_dtype not in ACT_DTYPES:
         raise ValueError(f"act_dtype must be one of {sorted(ACT_DTYPES)}, got {act_dtype!r}")
     if not 1 <= batch <= MAX_BATCH:
-        raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch} (use a dequantize + matmul for more rows)")
+        raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch} (more rows: dequantize and matmul)")
     check_buffer("x", x, batch * k * np.dtype(ACT_DTYPES[act_dtype]).itemsize)
     if out is None:
         out = dev.alloc(batch * n * 4)

@@ -37,7 +37,8 @@ class PagedKVCache:
             raise ValueError("num_blocks, num_kv_heads and block_size must be positive")
         nbytes = num_blocks * num_kv_heads * block_size * head_size * KV_DTYPES[dtype]
         check_binding_range(dev, "KV cache", nbytes)
-        return cls(num_blocks, num_kv_heads, head_size, block_size, dtype, dev.alloc(nbytes), dev.alloc(nbytes))
+        key, value = dev.alloc(nbytes), dev.alloc(nbytes)
+        return cls(num_blocks, num_kv_heads, head_size, block_size, dtype, key, value)
 
     @property
     def num_slots(self) -> int:
@@ -48,7 +49,7 @@ def _check_head(head_size: int, dtype: str) -> None:
     if dtype not in KV_DTYPES:
         raise ValueError(f"KV dtype must be one of {sorted(KV_DTYPES)}, got {dtype!r}")
     if head_size % 8 or head_size <= 0:
-        raise ValueError(f"head_size must be a positive multiple of 8 (64, 80, 96, 128, 256 ...), got {head_size}")
+        raise ValueError(f"head_size must be a positive multiple of 8 (64, 80, 96, 128, 256), got {head_size}")
 
 
 def _defines(head_size: int, dtype: str, **extra: int) -> dict[str, int]:
@@ -69,9 +70,10 @@ def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str) -> int:
     raise ValueError(f"{rows} query rows of head size {head_size} do not fit the device's shared memory")
 
 
-def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mapping: Any, num_tokens: int) -> None:
-    """Scatter key/value ([num_tokens, num_kv_heads, head_size] float32) into the cache at slot_mapping (int32;
-    slot = block * block_size + offset, negative = skip)."""
+def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mapping: Any,
+             num_tokens: int) -> None:
+    """Scatter key/value ([num_tokens, num_kv_heads, head_size] float32) into the cache at slot_mapping
+    (int32; slot = block * block_size + offset, negative = skip)."""
     per_token = cache.num_kv_heads * cache.head_size * 4
     check_buffer("key", key, num_tokens * per_token)
     check_buffer("value", value, num_tokens * per_token)
@@ -82,11 +84,12 @@ def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mappin
     groups = grid_2d(dev, -(-words // wg))
     kernels.dispatch(dev, kern, [key, value, slot_mapping, cache.key, cache.value], groups,
                      push={"num_tokens": num_tokens, "num_kv_heads": cache.num_kv_heads,
-                           "head_size": cache.head_size, "block_size": cache.block_size, "groups_x": groups[0]})
+                           "head_size": cache.head_size, "block_size": cache.block_size,
+                           "groups_x": groups[0]})
 
 
 def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_len: int, tile: int) -> int:
-    """Tokens per split-K partition, or 0 for none: split when too few (sequence, KV head) pairs fill the GPU."""
+    """Tokens per split-K partition, or 0 for none: split when few (sequence, KV head) pairs fill the GPU."""
     pairs = num_seqs * num_kv_heads
     target = 256  # workgroups that keep a large GPU's memory system busy
     if pairs >= target // 2:
@@ -100,7 +103,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
                  num_seqs: int, num_heads: int, max_blocks_per_seq: int, max_context_len: int,
                  scale: float | None = None, window: int = 0, part_tokens: int | None = None,
                  out: Any | None = None) -> Any:
-    """Attention of one query token per sequence over its cached context; returns out [num_seqs, num_heads, D].
+    """Attention of one query token per sequence over its cached context; returns out [B, num_heads, D].
 
     q: float32 [num_seqs, num_heads, D]; block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens:
     int32 [num_seqs], each at most max_context_len. part_tokens: None chooses split-K automatically, 0 turns
@@ -125,7 +128,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     if part_tokens is None:
         part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, tile)
     if part_tokens < 0 or part_tokens % tile:
-        raise ValueError(f"part_tokens must be 0 or a positive multiple of the tile ({tile}), got {part_tokens}")
+        raise ValueError(f"part_tokens must be 0 or a positive multiple of the tile {tile}, got {part_tokens}")
     parts = max(1, -(-max_context_len // part_tokens)) if part_tokens else 1
     if part_tokens:
         part_o = dev.alloc(num_seqs * num_heads * parts * d * 4)
@@ -147,9 +150,10 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     return out
 
 
-def prefill_attention(dev: Device, q: Any, k: Any, v: Any, cu_seqlens: Any, *, num_seqs: int, num_tokens: int,
-                      num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int, kv_dtype: str = "f32",
-                      scale: float | None = None, window: int = 0, out: Any | None = None) -> Any:
+def prefill_attention(dev: Device, q: Any, k: Any, v: Any, cu_seqlens: Any, *, num_seqs: int,
+                      num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int,
+                      kv_dtype: str = "f32", scale: float | None = None, window: int = 0,
+                      out: Any | None = None) -> Any:
     """Causal attention over packed prompts; returns out [num_tokens, num_heads, head_size] float32.
 
     q: float32 [num_tokens, num_heads, D]; k, v: [num_tokens, num_kv_heads, D] in kv_dtype; cu_seqlens: int32
@@ -169,8 +173,9 @@ def prefill_attention(dev: Device, q: Any, k: Any, v: Any, cu_seqlens: Any, *, n
     check_buffer("out", out, num_tokens * num_heads * head_size * 4)
     qt = 16
     # query tokens per workgroup: as many as registers (8 vec4 accumulators) and shared memory allow
+    limit = dev.info.max_shared_memory
     while qt > 1 and (qt * group * head_size // 4 > 8 * ATTN_WG
-                      or _shared_bytes(qt * group, TILES[-1], head_size, kv_dtype) > dev.info.max_shared_memory):
+                      or _shared_bytes(qt * group, TILES[-1], head_size, kv_dtype) > limit):
         qt //= 2
     tile = _choose_tile(dev, qt * group, head_size, kv_dtype)
     kern = kernels.compile(dev, "prefill_attention", spec={"WG": ATTN_WG},

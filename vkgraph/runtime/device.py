@@ -18,7 +18,7 @@ import numpy as np
 
 from ..flags import flag, warn_unknown
 from .compiler import Compiler
-from .errors import DeviceError, UnsupportedFeature
+from .errors import DeviceError, DeviceLost, UnsupportedFeature
 from .vk import NULL, Keep, check, ffi, lib, vk
 
 _TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
@@ -96,6 +96,7 @@ class Device:
         warn_unknown()
         self._lock = threading.RLock()
         self.closed = False
+        self.lost = False
         self.validation_messages: list[str] = []
         self._create_instance()
         try:
@@ -231,15 +232,21 @@ class Device:
     # ---- the facade the layers above use ---------------------------------------------------------------------
     def alloc(self, nbytes: int) -> Any:
         """A pooled device buffer of `nbytes` (its size; its capacity may be larger)."""
+        if self.lost or self.closed:
+            self.check_usable()
         return self.memory.pool.alloc(nbytes)
 
     def upload(self, buf: Any, array: np.ndarray | bytes | memoryview, offset: int = 0) -> None:
         """Copy host bytes into `buf` at byte `offset`, ordered after work already recorded."""
+        if self.lost or self.closed:
+            self.check_usable()
         self.memory.upload(buf, array, offset)
 
     def download(self, buf: Any, dtype: Any = np.uint8, shape: tuple[int, ...] | int | None = None,
                  offset: int = 0) -> np.ndarray:
         """A new numpy array holding `buf`'s bytes from `offset`, once every recorded writer has finished."""
+        if self.lost or self.closed:
+            self.check_usable()
         return self.memory.download(buf, dtype, shape, offset)
 
     def kernel(self, source: str, *, spec: dict[str, Any] | None = None, defines: dict[str, Any] | None = None,
@@ -262,6 +269,13 @@ class Device:
         """Submit the recorded work and wait for all submitted work."""
         self.queue.synchronize()
 
+    def check_usable(self) -> None:
+        """Raise if this device can no longer run work (closed, or lost)."""
+        if self.lost:
+            raise DeviceLost(f"{self.info.name} was lost; create a new runtime with vkgraph.runtime.reset_device()")
+        if self.closed:
+            raise DeviceError("the device is closed")
+
     def require(self, feature: str, what: str) -> None:
         """Raise UnsupportedFeature unless `info.<feature>` is true."""
         if not getattr(self.info, feature):
@@ -275,7 +289,7 @@ class Device:
                 return
             self.closed = True
             try:
-                lib.vkDeviceWaitIdle(self.device)
+                lib.vkDeviceWaitIdle(self.device)  # a lost device returns an error here; we tear down anyway
             finally:
                 self.queue.destroy()
                 self.pipelines.destroy()

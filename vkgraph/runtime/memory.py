@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..flags import flag
+from . import faults
 from .errors import DeviceError, OutOfDeviceMemory
 from .vk import NULL, Keep, check, ffi, handle_int, lib, vk
 
@@ -311,7 +312,7 @@ class MemoryManager:
                                     capacity)
         ai = k.struct("VkMemoryAllocateInfo", allocationSize=req.size, memoryTypeIndex=type_index)
         mem = ffi.new("VkDeviceMemory*")
-        res = lib.vkAllocateMemory(dev, ai, NULL, mem)
+        res = faults.take("allocate") or lib.vkAllocateMemory(dev, ai, NULL, mem)
         if res < 0:
             lib.vkDestroyBuffer(dev, buffer, NULL)
             if res in (vk.VK_ERROR_OUT_OF_DEVICE_MEMORY, vk.VK_ERROR_OUT_OF_HOST_MEMORY):

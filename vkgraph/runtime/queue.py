@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..flags import flag
 from .capture import CaptureLog, CommandGraph
-from .errors import DeviceError, KernelInterfaceError, VkgraphError
+from . import faults
+from .errors import DeviceError, DeviceLost, KernelInterfaceError, VkgraphError
 from .memory import Allocation, BoundRange, Buffer
 from .profile import Profiler
 from .vk import NULL, Keep, check, check_wait, ffi, lib, vk
@@ -146,8 +147,8 @@ class Queue:
         if gx == 0 or gy == 0 or gz == 0:
             return
         with self.lock:
-            if self.device.closed:
-                raise DeviceError("the device is closed")
+            if self.device.closed or self.device.lost:
+                self.device.check_usable()
             rec = self.recording or self._begin()
             written, read = self.written, self.read
             allocs = []
@@ -352,7 +353,11 @@ class Queue:
                                      0, NULL, 0, NULL)
             check(lib.vkEndCommandBuffer(rec.cmd), "vkEndCommandBuffer")
             try:
-                check(lib.vkQueueSubmit(self.device.vk_queue, 1, rec.submit_info, rec.fence), "vkQueueSubmit")
+                res = faults.take("submit") or lib.vkQueueSubmit(self.device.vk_queue, 1, rec.submit_info, rec.fence)
+                check(res, "vkQueueSubmit")
+            except DeviceLost:
+                self.device.lost = True
+                raise
             except DeviceError:
                 self._recycle(rec)
                 raise
@@ -371,8 +376,14 @@ class Queue:
                 self.flush()
             while self.in_flight and self.in_flight[0].seq <= seq:
                 sub = self.in_flight[0]
-                res = lib.vkWaitForFences(self.device.device, 1, sub.fence_array, vk.VK_TRUE, self.timeout_ns)
-                check_wait(res, f"waiting for submission {sub.seq}", self.timeout_s)
+                res = faults.take("wait")
+                if res is None:
+                    res = lib.vkWaitForFences(self.device.device, 1, sub.fence_array, vk.VK_TRUE, self.timeout_ns)
+                try:
+                    check_wait(res, f"waiting for submission {sub.seq}", self.timeout_s)
+                except DeviceLost:
+                    self.device.lost = True
+                    raise
                 self._complete(self.in_flight.popleft())
             self.device.memory.collect()
 
