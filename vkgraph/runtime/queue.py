@@ -15,8 +15,8 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..flags import flag
-from .capture import CaptureLog, CommandGraph
 from . import faults
+from .capture import CaptureLog, CommandGraph
 from .errors import DeviceError, DeviceLost, KernelInterfaceError, VkgraphError
 from .memory import Allocation, BoundRange, Buffer
 from .profile import Profiler
