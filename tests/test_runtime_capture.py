@@ -120,3 +120,24 @@ def test_no_leaks_over_10000_replays(dev):
     np.testing.assert_allclose(dev.download(out, np.float32, n), ref(np.zeros(n, np.float32), 9999 % 7),
                                rtol=1e-5)
     graph.destroy()
+
+
+def test_input_copies_and_replay_share_one_submit(dev):
+    n = 256
+    k = dev.kernel(AXPB)
+    x, out = dev.alloc(4 * n), dev.alloc(4 * n)
+    dev.queue.begin_capture()
+    _chain(dev, k, x, out, n, 0.0)
+    graph = dev.queue.end_capture()
+    dev.synchronize()
+    new_input = dev.alloc(4 * n)
+    xs = np.random.default_rng(3).standard_normal(n).astype(np.float32)
+    dev.upload(new_input, xs)
+    dev.synchronize()
+    before = dev.queue.stats["submits"]
+    dev.queue.copy(new_input, 0, x, 0, 4 * n)  # recorded, not submitted
+    graph.replay()
+    dev.synchronize()
+    assert dev.queue.stats["submits"] == before + 1
+    np.testing.assert_allclose(dev.download(out, np.float32, n), ref(xs, 0.0), rtol=1e-5, atol=1e-5)
+    graph.destroy()

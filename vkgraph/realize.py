@@ -167,6 +167,14 @@ def upload(array: np.ndarray, dtype: DType) -> BufferRef:
     return ref
 
 
+def allocate(dtype: DType, numel: int) -> BufferRef:
+    """A buffer of numel elements with whatever the pool's memory held."""
+    ref = BufferRef(dtype, numel)
+    if numel:
+        _ensure(get_device(), ref)
+    return ref
+
+
 def download(ref: BufferRef, shape: tuple[int, ...]) -> np.ndarray:
     if ref.numel == 0:
         return np.zeros(shape, ref.dtype.np)

@@ -141,6 +141,17 @@ def wrap(dtype: DType, x: str) -> str:
     return x
 
 
+def round_to(dtype: DType, x: str, need: set[str]) -> str:
+    """x rounded to what a 16-bit float can hold (identity for other dtypes)."""
+    if dtype is dtypes.float16:
+        need.add("f16round")
+        return f"f16r({x})"
+    if dtype is dtypes.bfloat16:
+        need.add("bf16")
+        return f"bf2f(f2bf({x}))"
+    return x
+
+
 def cast(x: str, src: DType, dst: DType, need: set[str]) -> str:
     if src is dst:
         return x

@@ -151,7 +151,10 @@ class Renderer:
             srcs = [s.dtype for s in n.srcs]
             if n.op is Op.WHERE:
                 srcs = [n.srcs[1].dtype]
-            return self.define(n.dtype.glsl, glsl.alu(n.op, n.dtype, srcs, args, self.need))
+            e = glsl.alu(n.op, n.dtype, srcs, args, self.need)
+            if n.op not in (Op.CAST, Op.BITCAST, Op.WHERE):
+                e = glsl.round_to(n.dtype, e, self.need)  # a float16 result holds a float16 value
+            return self.define(n.dtype.glsl, e)
         if n.op is Op.GATHER:
             return self._gather(n, coords)
         raise NotImplementedError(f"{n.op.name} cannot be rendered inside this kernel")

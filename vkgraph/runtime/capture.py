@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import faults
 from .errors import DeviceError, VkgraphError
 from .vk import NULL, check, ffi, lib, vk
 
@@ -91,6 +92,9 @@ class CommandGraph:
         self._prepare()
         self.recorded_values: tuple | None = None
         self.destroyed = False
+        self._pair = ffi.new("VkCommandBuffer[2]")
+        self._pair_info = ffi.new("VkSubmitInfo*", {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
+                                                    "commandBufferCount": 2, "pCommandBuffers": self._pair})
 
     def _prepare(self) -> None:
         """Everything each entry needs for recording, resolved once: descriptor sets, packers, barriers."""
@@ -155,22 +159,38 @@ class CommandGraph:
         self.recorded_values = tuple(v.value for v in self.variables)
 
     def replay(self) -> int:
-        """Submit the graph once (after all work already recorded); returns its sequence number."""
+        """Submit the graph once, after all work already recorded, in a single vkQueueSubmit together with
+        that work (e.g. the copies of new inputs); returns its sequence number."""
         if self.destroyed:
             raise VkgraphError("this command graph was destroyed")
         q = self.queue
         with q.lock:
-            if q.device.closed:
-                raise DeviceError("the device is closed")
-            q.flush()
+            if q.device.closed or q.device.lost:
+                q.device.check_usable()
             sub = self.sub
             if sub in q.in_flight:
                 q.wait(sub.seq)
             if self.recorded_values is None or self.recorded_values != tuple(v.value for v in self.variables):
                 self._record()
+            pending = q.take_recording()
             sub.seq = q.next_seq
             q.next_seq += 1
-            check(lib.vkQueueSubmit(q.device.vk_queue, 1, sub.submit_info, sub.fence), "vkQueueSubmit")
+            info = sub.submit_info
+            if pending is not None:
+                # the pending work's command buffer goes first in the same submit; our fence covers both
+                self._pair[0], self._pair[1] = pending.cmd, sub.cmd
+                info = self._pair_info
+                sub.chained.append(pending)
+            res = faults.take("submit") or lib.vkQueueSubmit(q.device.vk_queue, 1, info, sub.fence)
+            try:
+                check(res, "vkQueueSubmit")
+            except DeviceError:
+                if pending is not None:
+                    sub.chained.remove(pending)
+                    q._recycle(pending)
+                if res == vk.VK_ERROR_DEVICE_LOST:
+                    q.device.lost = True
+                raise
             q.in_flight.append(sub)
             q.stats["submits"] += 1
             seq = sub.seq

@@ -64,6 +64,7 @@ class Submission:
         self.held: list[Any] = []
         self.dispatches = 0
         self.profile: list[tuple[str, int]] = []  # (name, first query index)
+        self.chained: list[Submission] = []  # submitted in the same vkQueueSubmit, completed by our fence
 
 
 class Queue:
@@ -402,9 +403,21 @@ class Queue:
 
     def _complete(self, sub: Submission) -> None:
         self.completed = max(self.completed, sub.seq)
-        if self.profiler is not None:
-            self.profiler.collect(sub)
-        self._recycle(sub)
+        chained, sub.chained = sub.chained, []
+        for s in [*chained, sub]:
+            if self.profiler is not None:
+                self.profiler.collect(s)
+            self._recycle(s)
+
+    def take_recording(self) -> Submission | None:
+        """End the open recording without submitting it, for a caller that submits it with its own work."""
+        with self.lock:
+            rec = self.recording
+            if rec is None:
+                return None
+            self.recording = None
+            check(lib.vkEndCommandBuffer(rec.cmd), "vkEndCommandBuffer")
+            return rec
 
     def _recycle(self, sub: Submission) -> None:
         check(lib.vkResetFences(self.device.device, 1, sub.fence_array), "vkResetFences")

@@ -1,0 +1,85 @@
+"""The small templates of a decoder step: RMSNorm, softmax, argmax (greedy sampling), SwiGLU and RoPE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import kernels
+from ..runtime import Device
+from .common import check_buffer, grid_2d, pow2_floor
+
+ROW_WG = 128
+
+
+def _row_wg(dev: Device, n: int) -> int:
+    return max(1, min(ROW_WG, pow2_floor(n), pow2_floor(dev.info.max_workgroup_invocations)))
+
+
+def _check_rows(dev: Device, rows: int, n: int) -> None:
+    if rows < 1 or n < 1:
+        raise ValueError(f"rows and n must be positive, got {rows} x {n}")
+    if rows > dev.info.max_workgroup_count[0]:
+        raise ValueError(f"{rows} rows exceed the device's {dev.info.max_workgroup_count[0]} workgroups per axis")
+
+
+def rmsnorm(dev: Device, x: Any, weight: Any, rows: int, n: int, *, eps: float = 1e-6, out: Any | None = None) -> Any:
+    """y = x / sqrt(mean(x^2) + eps) * weight per row of x [rows, n]; weight [n]."""
+    _check_rows(dev, rows, n)
+    check_buffer("x", x, rows * n * 4)
+    check_buffer("weight", weight, n * 4)
+    out = out if out is not None else dev.alloc(rows * n * 4)
+    check_buffer("out", out, rows * n * 4)
+    kern = kernels.compile(dev, "rmsnorm", spec={"WG": _row_wg(dev, n)})
+    kernels.dispatch(dev, kern, [x, weight, out], (rows, 1, 1), push={"n": n, "eps": eps})
+    return out
+
+
+def softmax(dev: Device, x: Any, rows: int, n: int, *, scale: float = 1.0, out: Any | None = None) -> Any:
+    """softmax(x * scale) along each row of x [rows, n]."""
+    _check_rows(dev, rows, n)
+    check_buffer("x", x, rows * n * 4)
+    out = out if out is not None else dev.alloc(rows * n * 4)
+    check_buffer("out", out, rows * n * 4)
+    kern = kernels.compile(dev, "softmax", spec={"WG": _row_wg(dev, n)})
+    kernels.dispatch(dev, kern, [x, out], (rows, 1, 1), push={"n": n, "scale": scale})
+    return out
+
+
+def argmax(dev: Device, x: Any, rows: int, n: int, *, out: Any | None = None) -> Any:
+    """int32 index of the largest value of each row of x [rows, n] (first on ties; NaN never chosen)."""
+    _check_rows(dev, rows, n)
+    check_buffer("x", x, rows * n * 4)
+    out = out if out is not None else dev.alloc(rows * 4)
+    check_buffer("out", out, rows * 4)
+    kern = kernels.compile(dev, "argmax", spec={"WG": _row_wg(dev, n)})
+    kernels.dispatch(dev, kern, [x, out], (rows, 1, 1), push={"n": n})
+    return out
+
+
+def swiglu(dev: Device, gate: Any, up: Any, n: int, *, out: Any | None = None) -> Any:
+    """silu(gate) * up over n float32 values."""
+    for name, buf in (("gate", gate), ("up", up)):
+        check_buffer(name, buf, n * 4)
+    out = out if out is not None else dev.alloc(n * 4)
+    check_buffer("out", out, n * 4)
+    wg = 256
+    groups = grid_2d(dev, -(-n // wg))
+    kernels.dispatch(dev, kernels.compile(dev, "swiglu", spec={"WG": wg}), [gate, up, out], groups,
+                     push={"n": n, "groups_x": groups[0]})
+    return out
+
+
+def rope(dev: Device, x: Any, positions: Any, tokens: int, heads: int, head_size: int, *, base: float = 10000.0,
+         neox: bool = False) -> Any:
+    """Rotate x [tokens, heads, head_size] float32 in place by positions [tokens] (int32); returns x."""
+    if head_size % 2:
+        raise ValueError(f"head_size must be even, got {head_size}")
+    check_buffer("x", x, tokens * heads * head_size * 4)
+    check_buffer("positions", positions, tokens * 4)
+    wg = 256
+    groups = grid_2d(dev, -(-(tokens * heads * head_size // 2) // wg))
+    kern = kernels.compile(dev, "rope", spec={"WG": wg}, defines={"NEOX": 1} if neox else None)
+    kernels.dispatch(dev, kern, [x, positions], groups,
+                     push={"tokens": tokens, "heads": heads, "head_size": head_size, "base": base,
+                           "groups_x": groups[0]})
+    return x
