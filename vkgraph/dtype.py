@@ -8,7 +8,9 @@ Promotion (``result_type``) follows numpy where numpy has a type for the answer:
 
 - bool < integers < floats; within a kind the wider type wins.
 - signed with unsigned: the smallest signed type that holds both (uint8+int8 -> int16, uint32+int32 -> int64).
-- an integer with a float gives the float (there is no float64 here, so int32+float16 is float16, as in torch).
+- an integer with a float gives the float if it holds the integer exactly (int8 + float16 is float16),
+  else float32 (int16 + float16 is float32 as in numpy; int32 + float32 is float32 where numpy, having
+  float64, would widen).
 - float16 with bfloat16 gives float32.
 - Python scalars are weak: ``t + 1`` keeps t's dtype, ``int_tensor * 0.5`` gives float32, ``bool_tensor + 1``
   gives int32. Python floats default to float32, ints to int32.
@@ -133,7 +135,8 @@ def promote(a: DType, b: DType) -> DType:
             return dtypes.float32
         return a if a.itemsize >= b.itemsize else b
     if a.is_float or b.is_float:
-        return a if a.is_float else b
+        f, i = (a, b) if a.is_float else (b, a)
+        return f if f.itemsize > i.itemsize or f is dtypes.float32 else dtypes.float32
     if a.kind == "b" or b.kind == "b":
         return b if a.kind == "b" else a
     return _promote_ints(a, b)

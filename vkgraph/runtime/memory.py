@@ -72,12 +72,13 @@ RELEASED = _Released()
 class Buffer:
     """A device buffer of `size` bytes. Release it (or drop it) to return its memory to the pool."""
 
-    __slots__ = ("alloc", "size", "pool", "_finalizer", "__weakref__")
+    __slots__ = ("alloc", "size", "pool", "key", "_finalizer", "__weakref__")
 
     def __init__(self, alloc: Allocation, size: int, pool: BufferPool) -> None:
         self.alloc = alloc
         self.size = size
         self.pool = pool
+        self.key = (alloc.handle, 0, size)  # what a descriptor binds: (VkBuffer, offset, range)
         self._finalizer = weakref.finalize(self, pool._put, alloc)
 
     @property
@@ -106,7 +107,7 @@ class Buffer:
 class BufferView:
     """A byte range of a Buffer (keeps the Buffer alive)."""
 
-    __slots__ = ("base", "offset", "size")
+    __slots__ = ("base", "offset", "size", "key")
 
     def __init__(self, base: Buffer, offset: int, nbytes: int) -> None:
         if offset < 0 or nbytes < 0 or offset + nbytes > base.size:
@@ -114,6 +115,7 @@ class BufferView:
         self.base = base
         self.offset = offset
         self.size = nbytes
+        self.key = (base.alloc.handle, offset, nbytes)
 
     @property
     def alloc(self) -> Allocation:
@@ -126,12 +128,13 @@ class BufferView:
 class BoundRange:
     """A byte range of an allocation as a capture logged it (the Buffer may be released since)."""
 
-    __slots__ = ("alloc", "offset", "size")
+    __slots__ = ("alloc", "offset", "size", "key")
 
     def __init__(self, alloc: Allocation, offset: int, size: int) -> None:
         self.alloc = alloc
         self.offset = offset
         self.size = size
+        self.key = (alloc.handle, offset, size)
 
 
 @dataclass

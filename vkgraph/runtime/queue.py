@@ -153,23 +153,20 @@ class Queue:
             rec = self.recording or self._begin()
             written, read = self.written, self.read
             allocs = []
-            parts = []
             hazard = False
             try:
                 for b, w in zip(buffers, kernel.writes):
                     a = b.alloc
-                    h = a.handle
                     if a.freed:
                         raise KernelInterfaceError(f"kernel {kernel.name}: a buffer was released before dispatch")
                     allocs.append(a)
-                    parts.append((h, b.offset, b.size))
-                    if h in written or (w and h in read):
+                    if a.handle in written or (w and a.handle in read):
                         hazard = True
+                key = (kernel.layout_id, tuple([b.key for b in buffers]))
             except AttributeError:
                 raise KernelInterfaceError(f"kernel {kernel.name}: buffers must be Buffer or BufferView, got "
                                            f"{[type(b).__name__ for b in buffers]}") from None
             seq = rec.seq
-            key = (kernel.layout_id, tuple(parts))
             entry = self.descriptor_sets.get(key)
             if entry is None:
                 entry = self._new_descriptor_set(kernel, buffers, allocs, key)
