@@ -1,7 +1,9 @@
 """The Vulkan runtime: device, buffer pool, compiler, pipelines, dispatch queue. Knows nothing of tensors."""
 
+from .capture import CommandGraph, Variable
 from .device import Device, DeviceInfo, get_device, reset_device
 from .errors import (
+    CaptureError,
     CompileError,
     DeviceError,
     DeviceLost,
@@ -15,7 +17,7 @@ from .memory import Buffer, BufferView, size_class
 from .pipeline import Kernel
 
 __all__ = [
-    "Buffer", "BufferView", "CompileError", "Device", "DeviceError", "DeviceInfo", "DeviceLost", "DeviceTimeout",
-    "Kernel", "KernelInterfaceError", "OutOfDeviceMemory", "UnsupportedFeature", "VkgraphError", "get_device",
-    "reset_device", "size_class",
+    "Buffer", "BufferView", "CaptureError", "CommandGraph", "CompileError", "Device", "DeviceError", "DeviceInfo",
+    "DeviceLost", "DeviceTimeout", "Kernel", "KernelInterfaceError", "OutOfDeviceMemory", "UnsupportedFeature",
+    "Variable", "VkgraphError", "get_device", "reset_device", "size_class",
 ]

@@ -55,6 +55,8 @@ class CaptureLog:
     def __init__(self) -> None:
         # ("dispatch", kernel, buffers, groups, push) or ("copy", src, src_offset, dst, dst_offset, nbytes)
         self.entries: list[tuple] = []
+        # the Buffer objects used: a graph keeps the live ones from returning to the pool while it exists
+        self.keep: list[Any] = []
 
 
 class CommandGraph:
@@ -65,6 +67,7 @@ class CommandGraph:
 
         self.queue = queue
         self.entries = log.entries
+        self.keep = [b for b in log.keep if not getattr(b, "released", False)]
         self.kernels = sum(1 for e in self.entries if e[0] == "dispatch")
         self.sub = Submission(queue)
         self.sub.persistent = True
@@ -219,6 +222,7 @@ class CommandGraph:
         self.owned = []
         self._prepared = []
         self.entries = []
+        self.keep = []
 
     def __del__(self) -> None:
         try:

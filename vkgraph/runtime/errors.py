@@ -47,3 +47,7 @@ class CompileError(VkgraphError):
 
 class KernelInterfaceError(VkgraphError):
     """A kernel was dispatched with buffers, push constants or sizes that do not match its declaration."""
+
+
+class CaptureError(VkgraphError):
+    """Something was done inside a capture (or a jit-compiled function) that a replay cannot repeat."""

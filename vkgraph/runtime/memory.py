@@ -17,7 +17,7 @@ import numpy as np
 
 from ..flags import flag
 from . import faults
-from .errors import DeviceError, OutOfDeviceMemory
+from .errors import CaptureError, DeviceError, OutOfDeviceMemory
 from .vk import NULL, Keep, check, ffi, handle_int, lib, vk
 
 if TYPE_CHECKING:
@@ -394,7 +394,7 @@ class MemoryManager:
             n = min(STAGING_CHUNK, nbytes - start)
             stage = self.staging.alloc(n)
             stage.alloc.host[:n] = src[start:start + n]
-            queue.copy(stage, 0, buf, offset + start, n)
+            queue.copy(stage, 0, buf, offset + start, n, log=False)
             queue.hold(stage)
             if n == STAGING_CHUNK:
                 queue.flush()
@@ -413,6 +413,9 @@ class MemoryManager:
         if nbytes:
             alloc, base = buf.alloc, buf.offset + offset
             queue = self.device.queue
+            if queue.capture is not None:
+                raise CaptureError("reading a buffer back to the host inside a capture: a replay could not repeat "
+                                   "it (in a jit-compiled function, call .numpy()/.item() on its outputs instead)")
             if alloc.host is not None:
                 queue.wait_writes_for(alloc)
                 out[:] = alloc.host[base:base + nbytes]

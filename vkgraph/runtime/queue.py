@@ -192,6 +192,7 @@ class Queue:
             if self.profiler is not None:
                 self.profiler.after(rec)
             if self.capture is not None:
+                self.capture.keep += buffers
                 self.capture.entries.append(("dispatch", kernel, tuple(
                     BoundRange(a, b.offset, b.size) for a, b in zip(allocs, buffers)), (gx, gy, gz), push))
             rec.dispatches += 1
@@ -297,8 +298,9 @@ class Queue:
             self.written.discard(handle)
             self.read.discard(handle)
 
-    def copy(self, src: Any, src_offset: int, dst: Any, dst_offset: int, nbytes: int) -> None:
-        """Record a buffer-to-buffer copy, ordered by the same hazard rules as dispatches."""
+    def copy(self, src: Any, src_offset: int, dst: Any, dst_offset: int, nbytes: int, log: bool = True) -> None:
+        """Record a buffer-to-buffer copy, ordered by the same hazard rules as dispatches. With `log=False` an
+        open capture does not log it (host uploads run once at capture, as constants)."""
         sa, da = src.alloc, dst.alloc
         with self.lock:
             rec = self._begin()
@@ -307,7 +309,8 @@ class Queue:
                                                "dstOffset": dst.offset + dst_offset, "size": nbytes})
             lib.vkCmdCopyBuffer(rec.cmd, sa.buffer, da.buffer, 1, region)
             self.stats["copies"] += 1
-            if self.capture is not None:
+            if self.capture is not None and log:
+                self.capture.keep += [src, dst]
                 self.capture.entries.append(("copy", BoundRange(sa, src.offset, src.size), src_offset,
                                              BoundRange(da, dst.offset, dst.size), dst_offset, nbytes))
 
