@@ -23,6 +23,11 @@ def _no_validation_messages():
         pytest.fail("Vulkan validation messages:\n" + "\n".join(new[:10]))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `last` (checks over what the other tests recorded) run after all others."""
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
+
+
 @pytest.fixture
 def dev():
     return device_module.get_device()

@@ -164,7 +164,6 @@ def test_scalars_are_weak_and_reflected_ops():
     check(i * 3, np.arange(6, dtype=np.int8) * 3, 0, np.int8)
     check(i / 4, np.arange(6, dtype=np.float32) / 4, dtype=np.float32)
     check(2 ** Tensor(np.arange(5, dtype=np.int32)), 2 ** np.arange(5, dtype=np.int32), 0, np.int32)
-    check(Tensor(np.abs(randn(5)) + 0.5) ** 1.7, (np.abs(randn(5)) + 0.5) ** 1.7 * 0 + 0, 1e9)  # runs at all
     p = np.abs(randn(6)) + 0.5
     check(Tensor(p) ** 1.7, p ** np.float32(1.7))
     check(Tensor(-p) ** 3.0, (-p) ** np.float32(3))

@@ -78,7 +78,7 @@ def int_helper(kind: str, glsl_type: str) -> tuple[str, str]:
     zero, one = {"int": ("0", "1"), "uint": ("0u", "1u"), "int64_t": ("0l", "1l")}[glsl_type]
     src = _INT_HELPERS[kind].replace("_T", "_" + glsl_type).replace("T ", glsl_type + " ")
     src = src.replace("Z", zero).replace("O", one)
-    return f"{kind}_{glsl_type}", src
+    return f"{ {'udiv': 'idiv', 'umod': 'imod'}.get(kind, kind)}_{glsl_type}", src
 
 
 def literal(value: object, dtype: DType) -> str:
@@ -261,7 +261,9 @@ def alu(op: Op, dtype: DType, srcs: list[DType], args: list[str], need: set[str]
         return f"({a} / {b})"
     if op in (Op.IDIV, Op.MOD):
         if s.is_float:
-            return f"floor({a} / {b})" if op is Op.IDIV else f"({a} - {b} * floor({a} / {b}))"
+            if op is Op.IDIV:  # numpy: inf // x is nan
+                return f"(isinf({a}) ? uintBitsToFloat(0x7fc00000u) : floor({a} / {b}))"
+            return f"({a} - {b} * floor({a} / {b}))"
         kinds = ("idiv", "imod") if s.kind == "i" else ("udiv", "umod")
         name, _ = int_helper(kinds[0], s.glsl)
         need.add(f"int:{kinds[0]}:{s.glsl}")
