@@ -188,3 +188,11 @@ def test_profile_trace(tmp_path):
     assert "axpb" in r.stdout and "mean us" in r.stdout
     events = json.loads(trace.read_text())["traceEvents"]
     assert len(events) == 5 and all(e["name"] == "axpb" and e["dur"] >= 0 for e in events)
+
+
+def test_binding_count_limit(dev):
+    n = dev.info.max_storage_buffers + 1
+    decls = "\n".join(f"layout(set = 0, binding = {i}) buffer B{i} {{ float b{i}[]; }};" for i in range(n))
+    src = f"#version 450\nlayout(local_size_x = 1) in;\n{decls}\nvoid main() {{ b0[0] = 1.0; }}\n"
+    with pytest.raises(KernelInterfaceError, match="storage buffers"):
+        dev.kernel(src)

@@ -417,3 +417,18 @@ def test_item_tolist_len_repr():
     assert len(t) == 1 and "lazy" in repr(t + 1)
     with pytest.raises(ValueError, match="exactly one"):
         t.item()
+
+
+@pytest.mark.slow
+def test_tensors_over_128_mib():
+    n = 36 * 1024 * 1024 + 4  # float32: 144 MiB, over lavapipe's maxStorageBufferRange
+    x = rng.standard_normal(n, dtype=np.float32)
+    t = Tensor(x)
+    y = (t * 2 + 1).realize()
+    check(y[-7:], x[-7:] * 2 + 1)
+    check(y[: n // 2].reshape(-1, 2)[5:9], (x[: n // 2] * 2 + 1).reshape(-1, 2)[5:9])
+    check(t.sum(), x.astype(np.float64).sum().astype(np.float32), 1e-4)
+    check(t.max(), x.max(), 0)
+    y[n - 2:] = 0.5
+    got = y.numpy()
+    assert got[-1] == 0.5 and got[-3] == x[-3] * 2 + 1

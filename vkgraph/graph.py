@@ -148,17 +148,17 @@ class Node:
 _interned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _argkey(arg: Any) -> Any:
+def argkey(arg: Any) -> Any:
     # floats key by their bits so 0.0 and -0.0 stay apart and nan equals nan
     if isinstance(arg, float):
         return ("f", struct.pack("<d", arg))
     if isinstance(arg, tuple):
-        return tuple(_argkey(a) for a in arg)
+        return tuple(argkey(a) for a in arg)
     return arg
 
 
 def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape) -> Node:
-    key = (op, dtype, tuple(id(s) for s in srcs), _argkey(arg), shape)
+    key = (op, dtype, tuple(id(s) for s in srcs), argkey(arg), shape)
     n = _interned.get(key)
     if n is None or n.srcs != srcs:
         n = Node(op, dtype, srcs, arg, shape)

@@ -71,13 +71,12 @@ class Jit:
     def _capture(self, key: tuple, args: tuple, kwargs: dict, tensors: list[Tensor]) -> Any:
         global _CAPTURE_DEPTH
         realize_all(*tensors)
+        dev = get_device()
         # the graph reads private copies of the inputs, so a replay never writes a caller's tensor
-        slots = [t.contiguous().clone() if hasattr(t, "clone") else (t + 0) for t in tensors]
-        realize_all(*slots)
+        slots = [_private_copy(dev, t) for t in tensors]
         swap = {id(t): s for t, s in zip(tensors, slots)}
         args = tuple(swap.get(id(a), a) for a in args)
         kwargs = {k: swap.get(id(v), v) for k, v in kwargs.items()}
-        dev = get_device()
         dev.queue.begin_capture()
         _CAPTURE_DEPTH += 1
         try:
@@ -103,7 +102,7 @@ class Jit:
         for t, slot in zip(tensors, entry.slots):
             ref = t.node.arg[0]
             if ref is not slot and ref.nbytes:
-                dev.queue.copy(ref.buf, _offset(t), slot.buf, 0, slot.nbytes)
+                dev.queue.copy(ref.buf, 0, slot.buf, 0, slot.nbytes)
         entry.graph.replay()
         for ref in entry.out_refs:
             ref.version += 1  # lazy graphs built on the previous values must not reuse them
@@ -165,5 +164,13 @@ def _rebuild(out: Any) -> Any:
     return out
 
 
-def _offset(t: Tensor) -> int:
-    return 0
+def _private_copy(dev: Any, t: Tensor) -> Tensor:
+    """A new realized Tensor with t's values in a buffer of its own (a GPU copy, recorded, not waited on)."""
+    from . import graph as g
+    from .realize import allocate
+
+    src = t.node.arg[0]
+    ref = allocate(t.dtype, src.numel)
+    if src.nbytes:
+        dev.queue.copy(src.buf, 0, ref.buf, 0, src.nbytes)
+    return Tensor(g.buffer(ref, ref.version, t.dtype, t.shape))

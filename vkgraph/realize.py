@@ -16,27 +16,55 @@ import numpy as np
 from .codegen import Limits, lower
 from .dtype import DType, dtypes
 from .flags import flag
-from .graph import BufferRef, Node
+from .graph import BufferRef, Node, Op, argkey
 from .runtime import UnsupportedFeature, get_device
 from .schedule import CustomCall, Schedule, create_schedule
 from .view import ShapeTracker
 
 
 class _Realized:
-    """node -> (buffer, version it was computed at); entries whose buffer was since written in place are stale."""
+    """Which graph nodes already sit in a buffer, so a subgraph computed once is loaded, not recomputed.
+
+    Keyed by the node's structure with weak references to its sources (an equal node built later, over the
+    same live sources, finds the entry even after the original node object is gone) and holding the buffer
+    weakly (the entry lives as long as a realized tensor does). Entries whose buffer was since written in
+    place (setitem) are stale and ignored.
+    """
 
     def __init__(self) -> None:
-        self._map: weakref.WeakKeyDictionary[Node, tuple[BufferRef, int]] = weakref.WeakKeyDictionary()
+        self._map: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._version: dict[tuple, int] = {}
+
+    @staticmethod
+    def _key(n: Node) -> tuple:
+        return (n.op, n.dtype, argkey(n.arg), n.shape, tuple(weakref.ref(s) for s in n.srcs))
+
+    def get(self, n: Node) -> BufferRef | None:
+        if n.op is Op.BUFFER:
+            return None
+        key = self._key(n)
+        ref = self._map.get(key)
+        if ref is None or ref.version != self._version.get(key):
+            return None
+        return ref
 
     def __contains__(self, n: object) -> bool:
-        e = self._map.get(n)  # type: ignore[arg-type]
-        return e is not None and e[0].version == e[1]
+        return isinstance(n, Node) and self.get(n) is not None
 
     def __getitem__(self, n: Node) -> BufferRef:
-        return self._map[n][0]
+        ref = self.get(n)
+        if ref is None:
+            raise KeyError(n)
+        return ref
 
     def add(self, n: Node, ref: BufferRef) -> None:
-        self._map[n] = (ref, ref.version)
+        if n.op is Op.BUFFER:
+            return
+        key = self._key(n)
+        self._map[key] = ref
+        self._version[key] = ref.version
+        if len(self._version) > 2 * len(self._map) + 64:  # forget versions of entries that died
+            self._version = {k: v for k, v in self._version.items() if k in self._map}
 
 
 REALIZED = _Realized()
@@ -103,13 +131,6 @@ def _release(ref: BufferRef) -> None:
         ref.buf = None
 
 
-def _check_range(dev, ref: BufferRef) -> None:
-    limit = dev.info.max_storage_buffer_range
-    if ref.nbytes > limit:
-        raise UnsupportedFeature(f"a {ref.nbytes}-byte buffer exceeds maxStorageBufferRange ({limit} bytes) of "
-                                 f"{dev.info.name}; binding it in pieces is not supported yet")
-
-
 def run(sched: Schedule) -> None:
     dev = get_device()
     debug = flag("VKGRAPH_DEBUG")
@@ -129,10 +150,10 @@ def run(sched: Schedule) -> None:
                 kern = _compiled.get(prog.src)
                 if kern is None:
                     kern = _compiled[prog.src] = dev.kernel(prog.src, name=prog.name)
-                for ref in prog.bindings:
-                    _check_range(dev, ref)
+                for ref, _, _ in prog.bindings:
                     _ensure(dev, ref)
-                dev.dispatch(kern, [ref.buf for ref in prog.bindings], groups=prog.groups, push=prog.push or None)
+                bufs = [ref.buf if n is None else ref.buf.view(off, n) for ref, off, n in prog.bindings]
+                dev.dispatch(kern, bufs, groups=prog.groups, push=prog.push or None)
                 _count(prog.name)
             for ref in lowered.scratch:
                 _release(ref)

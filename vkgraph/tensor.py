@@ -800,7 +800,11 @@ class Tensor:
         ref = self.node.arg[0]
         st = region.node.arg if region.node.op is Op.VIEW else ShapeTracker.contiguous(region.shape)
         value = value.cast(self.dtype)
-        if broadcast_shape(value.shape, region.shape) != region.shape:
+        try:
+            fits = broadcast_shape(value.shape, region.shape) == region.shape
+        except ValueError:
+            fits = False
+        if not fits:
             raise ValueError(f"cannot assign a value of shape {value.shape} to a region of shape {region.shape}")
         assign(ref, st, value._expand_to(region.shape).node)
         self.node = g.buffer(ref, ref.version, self.dtype, self.shape)

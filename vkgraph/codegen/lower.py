@@ -37,18 +37,19 @@ class Limits:
     max_invocations: int = 256
     max_group_count: tuple[int, int, int] = (65535, 65535, 65535)
     max_shared: int = 16384
+    max_storage_range: int = 1 << 27
 
     @staticmethod
     def from_info(info: object) -> Limits:
         return Limits(int(info.max_workgroup_invocations), tuple(int(x) for x in info.max_workgroup_count),
-                      int(info.max_shared_memory))
+                      int(info.max_shared_memory), int(info.max_storage_buffer_range))
 
 
 @dataclass
 class Program:
     name: str
     src: str
-    bindings: list[BufferRef]
+    bindings: list[tuple[BufferRef, int, int | None]]  # per binding: buffer, byte offset, bytes (None: all)
     groups: tuple[int, int, int]
     push: dict[str, int] = field(default_factory=dict)
 
@@ -76,7 +77,7 @@ def fold_groups(total: int, lim: Limits) -> tuple[int, int, int]:
 def _finish(r: Renderer, name: str, local: int, groups: int, lim: Limits, shared: list[str] = ()) -> Program:
     body = "\n".join(r.lines)
     src = header(r, (local, 1, 1), list(shared)) + "\nvoid main() {\n" + body + "\n}\n"
-    return Program(name, src, [ref for ref, _ in r.bindings], fold_groups(groups, lim),
+    return Program(name, src, [(ref, off, n) for ref, _, off, n in r.pieces()], fold_groups(groups, lim),
                    {n: v for n, _, v in r.push})
 
 
@@ -91,7 +92,7 @@ def _wg(lim: Limits, want: int = 256) -> int:
 
 
 def _elementwise(k: Kernel, lim: Limits) -> Lowered:
-    r = Renderer()
+    r = Renderer(lim.max_storage_range)
     n = k.root.numel
     wg = _wg(lim)
     ept = 4 if n >= wg * 4 * 256 else 1
@@ -218,7 +219,7 @@ def _reduce(k: Kernel, lim: Limits, allow_split: bool = True) -> Lowered:
     wg = _wg(lim) if grouped else 1
     local = wg if grouped else _wg(lim, 64)
     groups = rows if grouped else math.ceil(rows / local)
-    r = Renderer()
+    r = Renderer(lim.max_storage_range)
     shared: list[str] = []
     r.emit(f"int grp = {GROUP_ID};")
     r.emit(f"if (grp >= {groups}) return;")
@@ -262,7 +263,7 @@ def _split(k: Kernel, red: Node, lim: Limits) -> Lowered:
     wg = _wg(lim)
     acc_d = _acc_dtype(red.srcs[0].dtype)
     scratch = BufferRef(acc_d, rows * parts)
-    r = Renderer()
+    r = Renderer(lim.max_storage_range)
     shared: list[str] = []
     r.emit(f"int grp = {GROUP_ID};")
     r.emit(f"if (grp >= {rows * parts}) return;")
@@ -311,7 +312,7 @@ def _matmul(k: Kernel, mm: Node, lim: Limits) -> Lowered:
     t = mm.dtype.glsl
     acc_d = _acc_dtype(mm.dtype)
     shared = [f"shared {acc_d.glsl} As[{BK}][{BM}];", f"shared {acc_d.glsl} Bs[{BK}][{BN}];"]
-    r = Renderer()
+    r = Renderer(lim.max_storage_range)
     zero = glsl.zero(acc_d)
     r.emit(f"int grp = {GROUP_ID};")
     r.emit(f"if (grp >= {groups}) return;")

@@ -23,10 +23,11 @@ MAX_PUSH_OFFSETS = 12  # further offsets are baked in; push constant space is sm
 
 
 class Renderer:
-    def __init__(self) -> None:
+    def __init__(self, max_range: int = 1 << 62) -> None:
         self.lines: list[str] = []
         self.depth = 1
-        self.bindings: list[tuple[object, DType]] = []  # (BufferRef, dtype) in binding order
+        self.max_range = max_range  # bytes one binding may cover; larger buffers are bound in pieces
+        self.bindings: list[tuple[object, DType]] = []  # (BufferRef, dtype) in order of first use
         self._binding: dict[int, int] = {}
         self.written: set[int] = set()
         self.push: list[tuple[str, str, int]] = []  # (name, GLSL type, value)
@@ -103,11 +104,44 @@ class Renderer:
                 coords = unravel(_clamp(idx, views[k - 1].numel), views[k - 1].shape)
         return idx, valid
 
+    def piece_elems(self, ref: object, dtype: DType) -> int | None:
+        """Elements per piece when ref is too large for one binding (a power of two), else None."""
+        if ref.nbytes <= self.max_range:
+            return None
+        return (1 << (self.max_range.bit_length() - 1)) // dtype.itemsize
+
+    def pieces(self) -> list[tuple[object, DType, int, int | None]]:
+        """(ref, dtype, byte offset, byte count or None for all) per GLSL binding, in binding order."""
+        out = []
+        for ref, d in self.bindings:
+            per = self.piece_elems(ref, d)
+            if per is None:
+                out.append((ref, d, 0, None))
+                continue
+            for start in range(0, ref.numel, per):
+                out.append((ref, d, start * d.itemsize, min(per, ref.numel - start) * d.itemsize))
+        return out
+
+    def _access(self, b: int, idx: str) -> list[tuple[str, str]]:
+        """(condition, element reference) pairs that reach element idx of buffer b."""
+        ref, d = self.bindings[b]
+        per = self.piece_elems(ref, d)
+        if per is None:
+            return [("", f"b{b}.data[{idx}]")]
+        n = -(-ref.numel // per)
+        shift = per.bit_length() - 1
+        p = self.define("int", f"({idx}) >> {shift}", "piece")
+        local = f"(({idx}) & {per - 1})"
+        return [(f"{p} == {k}" if k < n - 1 else "", f"b{b}_{k}.data[{local}]") for k in range(n)]
+
     def load(self, ref: object, dtype: DType, idx: Expr, valid: list[str]) -> str:
         b = self.binding(ref, dtype)
         if "false" in valid:
             return glsl.zero(dtype)
-        e = glsl.load(dtype, f"b{b}.data[{idx.render()}]")
+        parts = self._access(b, idx.render())
+        e = glsl.load(dtype, parts[-1][1])
+        for cond, where in reversed(parts[:-1]):
+            e = f"({cond} ? {glsl.load(dtype, where)} : {e})"
         if valid:
             e = f"(({' && '.join(valid)}) ? {e} : {glsl.zero(dtype)})"
         return self.define(dtype.glsl, e)
@@ -117,8 +151,11 @@ class Renderer:
         b = self.binding(ref, dtype, write=True)
         idx, valid = self.st_index(st, coords)
         idx = idx + self.offset(st.views[0].offset)
-        line = f"b{b}.data[{idx.render()}] = {glsl.store(dtype, value)};"
-        self.emit(f"if ({' && '.join(valid)}) {line}" if valid else line)
+        v = glsl.store(dtype, value)
+        parts = self._access(b, idx.render())
+        line = " else ".join((f"if ({c}) " if c else "") + f"{{ {w} = {v}; }}" for c, w in parts) \
+            if len(parts) > 1 else f"{parts[0][1]} = {v};"
+        self.emit(f"if ({' && '.join(valid)}) {{ {line} }}" if valid else line)
 
     # ---- values ---------------------------------------------------------------------------------------------
     def value(self, n: Node, coords: Coords) -> str:
@@ -201,9 +238,14 @@ def header(r: Renderer, local_size: tuple[int, int, int], shared: list[str]) -> 
         ext.append("GL_EXT_shader_explicit_arithmetic_types_int64")
     out = ["#version 450"] + [f"#extension {e} : require" for e in ext]
     out.append("layout(local_size_x = {}, local_size_y = {}, local_size_z = {}) in;".format(*local_size))
-    for i, (_, d) in enumerate(r.bindings):
+    slot = 0
+    for i, (ref, d) in enumerate(r.bindings):
         access = "" if i in r.written else "readonly "
-        out.append(f"layout(set = 0, binding = {i}) {access}buffer B{i} {{ {d.store} data[]; }} b{i};")
+        per = r.piece_elems(ref, d)
+        names = [f"b{i}"] if per is None else [f"b{i}_{k}" for k in range(-(-ref.numel // per))]
+        for name in names:
+            out.append(f"layout(set = 0, binding = {slot}) {access}buffer B{slot} {{ {d.store} data[]; }} {name};")
+            slot += 1
     if r.push:
         fields = " ".join(f"{t} {name};" for name, t, _ in r.push)
         out.append(f"layout(push_constant) uniform PC {{ {fields} }} pc;")

@@ -179,13 +179,13 @@ class ModelConfig:
         dim = int(get("embedding_length"))
         head_dim = int(get("attention.key_length", dim // n_heads))
         if int(get("rope.dimension_count", head_dim)) != head_dim:
-            raise UnsupportedModelError("partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
+            raise UnsupportedModelError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
         tokens = gguf_value(reader, "tokenizer.ggml.tokens")
         vocab = get("vocab_size", len(tokens) if tokens else int(tensors["token_embd.weight"].shape[1]))
         scaling = None
         kind = get("rope.scaling.type", "none")
         if kind == "linear":
-            scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
+            scaling = RopeScaling("linear", _f32(get("rope.scaling.factor")))
         elif kind != "none":
             raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
         freqs = tensors.get("rope_freqs.weight")
@@ -199,8 +199,8 @@ class ModelConfig:
             n_kv_heads=int(get("attention.head_count_kv", n_heads)),
             ffn_dim=int(get("expert_feed_forward_length", 0) or get("feed_forward_length")),
             head_dim=head_dim,
-            norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=_f32(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             rope_freq_factors=None if freqs is None else tuple(float(x) for x in np.asarray(freqs.data).ravel()),
             max_seq_len=int(get("context_length", 2048)),
@@ -221,6 +221,12 @@ def llama3_freq_factors(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
                                                                                    - s.low_freq_factor)
     mid = 1.0 / ((1 - smooth) / s.factor + smooth)
     return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, s.factor, mid))
+
+
+def _f32(v: float) -> float:
+    """GGUF stores these as float32: take the shortest decimal that rounds to it (1e-05, not 9.99999974e-06),
+    so a GGUF config equals the config.json it was converted from."""
+    return float(str(np.float32(v)))
 
 
 def _hf_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:

@@ -66,6 +66,7 @@ class DeviceInfo:
     max_allocation_size: int
     max_buffer_size: int
     max_push_constants_size: int
+    max_storage_buffers: int
     min_storage_offset_alignment: int
     timestamp_period: float
     timestamps: bool
@@ -376,6 +377,8 @@ def _query_info(physical: Any) -> DeviceInfo:
         max_allocation_size=p11.maxMemoryAllocationSize,
         max_buffer_size=m4.maxBufferSize if has13 else p11.maxMemoryAllocationSize,
         max_push_constants_size=lim.maxPushConstantsSize,
+        max_storage_buffers=min(lim.maxPerStageDescriptorStorageBuffers, lim.maxDescriptorSetStorageBuffers,
+                                lim.maxPerStageResources),
         min_storage_offset_alignment=lim.minStorageBufferOffsetAlignment,
         timestamp_period=lim.timestampPeriod, timestamps=bool(lim.timestampComputeAndGraphics),
         unified_memory=unified, heaps=heaps,

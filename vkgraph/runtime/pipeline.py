@@ -155,6 +155,9 @@ class PipelineManager:
         if iface.push_size > info.max_push_constants_size:
             raise KernelInterfaceError(f"kernel {name}: push constants take {iface.push_size} bytes; the device "
                                        f"allows {info.max_push_constants_size}")
+        if len(iface.bindings) > info.max_storage_buffers:
+            raise KernelInterfaceError(f"kernel {name}: {len(iface.bindings)} storage buffers; the device allows "
+                                       f"{info.max_storage_buffers} per kernel")
         local = []
         for v in iface.local_size:
             if isinstance(v, str):

@@ -1,0 +1,147 @@
+"""Fusion asserted by counting kernels, plus the scheduler's reuse, lifetimes and the renderer's stability."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import vkgraph.realize as realize_mod
+from vkgraph.codegen import Limits, lower
+from vkgraph.schedule import create_schedule
+from vkgraph.tensor import Tensor, realize_all
+
+rng = np.random.default_rng(1)
+
+
+def kernels(*tensors: Tensor) -> int:
+    with realize_mod.count_kernels() as c:
+        realize_all(*tensors)
+    return c.count
+
+
+def data(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def test_elementwise_chain_into_a_reduction_is_one_kernel():
+    a, b, c, d = (Tensor(data(64, 300)) for _ in range(4))
+    out = ((a * b + c).exp() * d).sum(axis=1)
+    assert kernels(out) == 1
+    an, bn, cn, dn = (t.numpy() for t in (a, b, c, d))
+    np.testing.assert_allclose(out.numpy(), (np.exp(an * bn + cn) * dn).sum(1), rtol=2e-5, atol=1e-4)
+
+
+def test_ten_elementwise_ops_are_one_kernel():
+    x = Tensor(data(1000))
+    y = x
+    for k in range(10):
+        y = (y * 0.9 + k).tanh() if k % 2 else y.abs() + 0.1
+    assert kernels(y) == 1
+
+
+@pytest.mark.parametrize("shape,axis", [((37, 500), -1), ((8, 3000), 1), ((600, 9), 0)])
+def test_softmax_and_layer_norm_are_single_kernels(shape, axis):
+    x = Tensor(data(*shape))
+    assert kernels(x.softmax(axis)) <= 2
+    assert kernels(x.layer_norm()) == 1
+
+
+def test_matmul_with_epilogue_is_one_kernel():
+    a, b, bias = Tensor(data(128, 96)), Tensor(data(96, 80)), Tensor(data(80))
+    assert kernels((a @ b + bias).relu()) == 1
+
+
+def test_reduce_broadcast_to_another_shape_is_a_boundary():
+    x, z = data(4, 8), data(5, 8)
+    out = Tensor(x).sum(0, keepdim=True).expand(5, 8) + Tensor(z)
+    assert kernels(out) == 2
+    np.testing.assert_allclose(out.numpy(), x.sum(0) + z, rtol=1e-5)
+    twice = Tensor(x).sum(1).sum(0)
+    assert kernels(twice) == 2
+    np.testing.assert_allclose(twice.numpy(), x.sum(), rtol=1e-5)
+    perm = Tensor(data(6, 7, 8)).sum(2).T + 1
+    assert kernels(perm) == 2
+
+
+def test_one_reduction_feeding_two_outputs_is_computed_once():
+    x = Tensor(data(16, 50))
+    s = x.sum(1)
+    assert kernels(s * 2, s + 1) == 3
+    assert kernels((x - x.max(1, keepdim=True)).exp(), (x + 1).max(1)) == 2
+
+
+def test_realized_tensors_are_reused_and_dead_nodes_dropped():
+    x = Tensor(data(300))
+    y = x.exp()
+    _unused = (x * 2).sin()
+    assert kernels(y) == 1
+    z = x.exp() + 1  # x.exp() is the same node, already in a buffer
+    sched = create_schedule([z.node], realize_mod.REALIZED)
+    assert len(sched.items) == 1
+    assert "exp" not in lower(sched.items[0], realize_mod.limits()).programs[0].src
+
+
+def test_common_subexpressions_are_shared():
+    a, b = Tensor(data(100)), Tensor(data(100))
+    out = (a + b) * (a + b)
+    assert (a + b).node is (a + b).node
+    sched = create_schedule([out.node], realize_mod.REALIZED)
+    src = lower(sched.items[0], realize_mod.limits()).programs[0].src
+    assert len(re.findall(r"= \(v\d+ \+ v\d+\)", src)) == 1
+
+
+def test_intermediates_are_released_after_their_last_reader():
+    x = Tensor(data(6, 7, 8))
+    out = x.sum(2).T.exp() * 2
+    sched = create_schedule([out.node], realize_mod.REALIZED)
+    assert len(sched.items) == 2 and len(sched.frees[1]) == 1 and not sched.frees[0]
+    realize_mod.run(sched)
+    assert sched.frees[1][0].buf is None
+
+
+def test_same_graph_renders_the_same_glsl_and_offsets_are_push_constants():
+    x = Tensor(data(10, 16)).realize()
+    srcs = set()
+    for start in (0, 1, 3):
+        sched = create_schedule([(x[start + 1:start + 3] * 2).node], realize_mod.REALIZED)
+        srcs.add(lower(sched.items[0], realize_mod.limits()).programs[0].src)
+    assert len(srcs) == 1
+
+
+def test_dispatch_counts_over_the_limit_fold_into_y_and_z(monkeypatch):
+    monkeypatch.setattr(realize_mod, "_limits", Limits(max_invocations=64, max_group_count=(3, 3, 65535),
+                                                       max_shared=16384))
+    x = data(64 * 20 + 5)
+    np.testing.assert_allclose((Tensor(x) * 3).numpy(), x * 3, rtol=1e-6)
+    m = data(50, 11)
+    np.testing.assert_allclose(Tensor(m).sum(1).numpy(), m.sum(1), rtol=1e-5)
+    a, b = data(130, 70), data(70, 200)
+    np.testing.assert_allclose((Tensor(a) @ Tensor(b)).numpy(), a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_debug_flag_prints_schedule_and_glsl(monkeypatch, capsys):
+    monkeypatch.setenv("VKGRAPH_DEBUG", "1")
+    (Tensor(data(9)) + 1).realize()
+    out = capsys.readouterr().out
+    assert "schedule: 1 item" in out and "#version" not in out
+    monkeypatch.setenv("VKGRAPH_DEBUG", "3")
+    (Tensor(data(9)) * 5).realize()
+    assert "#version 450" in capsys.readouterr().out
+
+
+def test_buffers_over_the_binding_range_are_bound_in_pieces(monkeypatch):
+    monkeypatch.setattr(realize_mod, "_limits", Limits(max_invocations=256, max_group_count=(65535,) * 3,
+                                                       max_shared=16384, max_storage_range=1024))
+    x, y = data(40, 33), data(33, 70)
+    np.testing.assert_allclose((Tensor(x) * 2 + 1).numpy(), x * 2 + 1, rtol=1e-6)
+    np.testing.assert_allclose(Tensor(x).sum(0).numpy(), x.sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(Tensor(x).T[3:7].numpy(), x.T[3:7])
+    np.testing.assert_allclose((Tensor(x) @ Tensor(y)).numpy(), x @ y, rtol=1e-4, atol=1e-4)
+    t = Tensor(x.copy())
+    t[30:, 1] = 5.0
+    want = x.copy()
+    want[30:, 1] = 5.0
+    np.testing.assert_allclose(t.numpy(), want)
+    np.testing.assert_allclose(Tensor(x.astype(np.float16))[[39, 0, 20]].numpy(), x.astype(np.float16)[[39, 0, 20]])

@@ -1,0 +1,139 @@
+"""Random expression graphs (elementwise, reductions, movement, casts) against numpy, by normalised error.
+
+The default run checks 500 graphs; `pytest -m slow tests/test_fuzz_graph.py` runs a longer search.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vkgraph.tensor import Tensor, realize_all
+
+UNARY = {
+    "sin": (lambda t: t.sin(), np.sin, 1.0), "tanh": (lambda t: t.tanh(), np.tanh, 1.0),
+    "abs": (lambda t: t.abs(), np.abs, 1.0), "neg": (lambda t: -t, np.negative, 1.0),
+    "sqrtabs": (lambda t: t.abs().sqrt(), lambda x: np.sqrt(np.abs(x)), 1.0),
+    "exptanh": (lambda t: t.tanh().exp(), lambda x: np.exp(np.tanh(x)), 3.0),
+    "relu": (lambda t: t.relu(), lambda x: np.maximum(x, 0), 1.0),
+    "sigmoid": (lambda t: t.sigmoid(), lambda x: 1 / (1 + np.exp(-x)), 1.0),
+    "half": (lambda t: t.half().float(), lambda x: x.astype(np.float16).astype(np.float64), 1.0),
+}
+BINARY = {
+    "add": (lambda a, b: a + b, np.add), "sub": (lambda a, b: a - b, np.subtract),
+    "mul": (lambda a, b: a * b, np.multiply), "max": (lambda a, b: a.maximum(b), np.maximum),
+    "where": (lambda a, b: (a > b).where(a, b * 2), lambda a, b: np.where(a > b, a, b * 2)),
+}
+REDUCE = {"sum": (np.sum, True), "max": (np.max, False), "min": (np.min, False), "mean": (np.mean, False)}
+
+
+class Item:
+    """A tensor, the same value in numpy (float64), and a bound on the magnitudes that went into it."""
+
+    def __init__(self, t: Tensor, x: np.ndarray, scale: float):
+        self.t, self.x, self.scale = t, x, scale
+
+
+@st.composite
+def graphs(draw, max_ops: int = 6):
+    nd = draw(st.integers(1, 3))
+    shape = tuple(draw(st.sampled_from([1, 2, 3, 5, 7, 130])) if i == nd - 1 else draw(st.integers(1, 6))
+                  for i in range(nd))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    pool = []
+    for _ in range(draw(st.integers(1, 3))):
+        x = rng.standard_normal(shape).astype(np.float32)
+        pool.append(Item(Tensor(x), x.astype(np.float64), float(np.abs(x).max(initial=1.0))))
+    for _ in range(draw(st.integers(1, max_ops))):
+        kind = draw(st.sampled_from(["unary", "binary", "binary", "reduce", "move", "move"]))
+        a = pool[draw(st.integers(0, len(pool) - 1))]
+        if kind == "unary":
+            name = draw(st.sampled_from(sorted(UNARY)))
+            f, g, s = UNARY[name]
+            pool.append(Item(f(a.t), g(a.x), a.scale * s + 1))
+        elif kind == "binary":
+            same = [p for p in pool if _broadcasts(p.x.shape, a.x.shape)]
+            b = same[draw(st.integers(0, len(same) - 1))]
+            name = draw(st.sampled_from(sorted(BINARY)))
+            f, g = BINARY[name]
+            scale = a.scale * b.scale + a.scale + b.scale if name == "mul" else 2 * (a.scale + b.scale)
+            pool.append(Item(f(a.t, b.t), g(a.x, b.x), scale))
+        elif kind == "reduce" and a.x.ndim:
+            name = draw(st.sampled_from(sorted(REDUCE)))
+            axis = draw(st.integers(0, a.x.ndim - 1))
+            keep = draw(st.booleans())
+            fn, grows = REDUCE[name]
+            t = getattr(a.t, name)(axis, keepdim=keep)
+            pool.append(Item(t, fn(a.x, axis=axis, keepdims=keep), a.scale * (a.x.shape[axis] if grows else 1)))
+        elif kind == "move" and a.x.ndim:
+            pool.append(_move(draw, a))
+    return pool[-1], pool[draw(st.integers(0, len(pool) - 1))]
+
+
+def _broadcasts(s1, s2) -> bool:
+    try:
+        np.broadcast_shapes(s1, s2)
+        return True
+    except ValueError:
+        return False
+
+
+def _move(draw, a: Item) -> Item:
+    x, t = a.x, a.t
+    kind = draw(st.sampled_from(["permute", "flip", "slice", "pad", "reshape", "expand"]))
+    if kind == "permute":
+        order = tuple(draw(st.permutations(range(x.ndim))))
+        return Item(t.permute(order), x.transpose(order), a.scale)
+    if kind == "flip":
+        ax = draw(st.integers(0, x.ndim - 1))
+        return Item(t.flip(ax), np.flip(x, ax), a.scale)
+    if kind == "slice":
+        ax = draw(st.integers(0, x.ndim - 1))
+        n = x.shape[ax]
+        start = draw(st.integers(0, max(n - 1, 0)))
+        step = draw(st.sampled_from([1, 1, 2, -1]))
+        idx = tuple(slice(start, None, step) if i == ax else slice(None) for i in range(x.ndim))
+        return Item(t[idx], x[idx], a.scale)
+    if kind == "pad":
+        ax = draw(st.integers(0, x.ndim - 1))
+        p = tuple((draw(st.integers(0, 2)), draw(st.integers(0, 2))) if i == ax else (0, 0) for i in range(x.ndim))
+        return Item(t.pad(p), np.pad(x, p), a.scale)
+    if kind == "reshape":
+        return Item(t.reshape(-1), x.reshape(-1), a.scale)
+    shape = tuple(draw(st.integers(1, 3)) if s == 1 else s for s in x.shape)
+    return Item(t.expand(shape), np.broadcast_to(x, shape), a.scale)
+
+
+def _check(item: Item) -> None:
+    got = item.t.numpy().astype(np.float64)
+    assert got.shape == item.x.shape
+    assert not np.isnan(got).any(), "NaN"
+    if got.size:
+        err = np.abs(got - item.x).max()
+        bound = 3e-6 * max(item.scale, np.abs(item.x).max(), 1.0)
+        if item.t.dtype.name == "float16":
+            bound *= 1000
+        assert err <= bound, f"error {err:.3g} > {bound:.3g}"
+
+
+def _run(pair) -> None:
+    last, other = pair
+    realize_all(last.t, other.t)  # two outputs of one graph in one schedule
+    _check(last)
+    _check(other)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(graphs())
+def test_random_graphs_match_numpy(pair):
+    _run(pair)
+
+
+@pytest.mark.slow
+@settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graphs(max_ops=12))
+def test_random_graphs_match_numpy_long(pair):
+    _run(pair)

@@ -1,0 +1,60 @@
+"""The graph: hash-consing, constant folding and identities (no GPU work)."""
+
+from __future__ import annotations
+
+import math
+
+from vkgraph import graph as g
+from vkgraph.dtype import dtypes
+from vkgraph.graph import Op, ReduceOp
+
+f32, i8 = dtypes.float32, dtypes.int8
+
+
+def test_equal_subgraphs_are_one_object():
+    a = g.iota(5)
+    x = g.alu(Op.CAST, f32, a)
+    assert g.alu(Op.ADD, f32, x, g.const(2.0, f32, (5,))) is g.alu(Op.ADD, f32, x, g.const(2.0, f32, (5,)))
+    assert g.reduce(x, ReduceOp.SUM, (0,)) is g.reduce(x, ReduceOp.SUM, (0,))
+    assert g.const(0.0, f32) is not g.const(-0.0, f32)
+    assert g.const(math.nan, f32) is g.const(math.nan, f32)
+
+
+def test_constant_folding_uses_the_dtype():
+    three = g.alu(Op.ADD, f32, g.const(1.0, f32), g.const(2.0, f32))
+    assert three.op is Op.CONST and three.arg == 3.0
+    wrapped = g.alu(Op.ADD, i8, g.const(100, i8), g.const(100, i8))
+    assert wrapped.arg == -56
+    assert g.alu(Op.IDIV, i8, g.const(-7, i8), g.const(2, i8)).arg == -4
+    assert g.alu(Op.CMPLT, dtypes.bool, g.const(1, i8), g.const(2, i8)).arg is True
+    assert g.alu(Op.CAST, dtypes.float16, g.const(1 / 3, f32)).arg == float(__import__("numpy").float16(1 / 3))
+
+
+def test_identities_fold_away():
+    x = g.alu(Op.CAST, f32, g.iota(4))
+    zero, one = g.const(0.0, f32, (4,)), g.const(1.0, f32, (4,))
+    assert g.alu(Op.ADD, f32, x, zero) is x
+    assert g.alu(Op.MUL, f32, one, x) is x
+    assert g.alu(Op.CAST, f32, x) is x
+    i = g.iota(4)
+    assert g.alu(Op.MUL, dtypes.int32, i, g.const(0, dtypes.int32, (4,))).op is Op.CONST
+    # x * 0 stays for floats: x may be inf or nan
+    assert g.alu(Op.MUL, f32, x, g.const(0.0, f32, (4,))).op is Op.MUL
+    assert g.alu(Op.WHERE, f32, g.const(True, dtypes.bool, (4,)), x, zero) is x
+
+
+def test_views_fold():
+    x = g.iota(6)
+    v = g.movement(g.movement(x, lambda st: st.reshape((2, 3))), lambda st: st.permute((1, 0)))
+    assert v.op is Op.VIEW and v.srcs[0] is x and len(v.arg.views) == 1
+    c = g.movement(g.const(2.0, f32, (3,)), lambda st: st.reshape((3, 1)).expand((3, 5)))
+    assert c.op is Op.CONST and c.shape == (3, 5)
+    padded = g.movement(g.const(2.0, f32, (3,)), lambda st: st.pad(((1, 1),)))
+    assert padded.op is Op.VIEW
+
+
+def test_substitute_rebuilds_through_the_builders():
+    x = g.alu(Op.CAST, f32, g.iota(3))
+    y = g.alu(Op.ADD, f32, x, g.const(1.0, f32, (3,)))
+    z = g.substitute(y, {x: g.const(2.0, f32, (3,))})
+    assert z.op is Op.CONST and z.arg == 3.0

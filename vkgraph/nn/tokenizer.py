@@ -1,0 +1,159 @@
+"""Text <-> token ids through Hugging Face `tokenizers`, from tokenizer.json or from a GGUF file's vocabulary.
+
+GGUF: byte-level BPE vocabularies (tokenizer.ggml.model "gpt2": Llama 3, Qwen2, GPT-2 style) are rebuilt as a
+`tokenizers` BPE model from the embedded tokens, merges and token types, with the pre-tokenizer regex that
+tokenizer.ggml.pre names (gpt-2, llama-bpe/llama3, qwen2; others fall back to GPT-2's, with a warning).
+SentencePiece vocabularies (model "llama": Llama 1/2, Mistral) are not supported from GGUF yet; use the model's
+tokenizer.json instead.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import UnsupportedModelError, gguf_value
+
+# pre-tokenizer regexes, as llama.cpp's llama-vocab.cpp and the models' tokenizer.json files define them
+_LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+             r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_REGEX = {"llama-bpe": _LLAMA3_RE, "llama3": _LLAMA3_RE, "smaug-bpe": _LLAMA3_RE, "qwen2": _QWEN2_RE}
+_GPT2_PRE = ("gpt-2", "gpt2", "default")
+_CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
+
+
+class Tokenizer:
+    """encode/decode plus the ids generation needs (BOS, end-of-sequence ids)."""
+
+    def __init__(self, tok: Any, *, bos_id: int | None, eos_ids: Sequence[int]) -> None:
+        if not eos_ids:
+            raise ValueError("a tokenizer for generation needs at least one end-of-sequence id")
+        self.tok = tok
+        self.bos_id = bos_id
+        self.eos_ids = tuple(eos_ids)
+
+    @property
+    def eos_id(self) -> int:
+        return self.eos_ids[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids; add_special_tokens adds what the tokenizer's template adds (usually BOS)."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """From a .gguf file, a tokenizer.json, or a model directory holding one."""
+        p = Path(path)
+        return cls.from_gguf(p) if p.suffix == ".gguf" else cls.from_file(p)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tokenizer:
+        """tokenizer.json; BOS/EOS ids from generation_config.json, config.json or tokenizer_config.json beside it."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        p = Path(path)
+        p = p / "tokenizer.json" if p.is_dir() else p
+        if not p.exists():
+            raise FileNotFoundError(f"no tokenizer.json at {p}")
+        tok = HFTokenizer.from_file(str(p))
+        bos, eos = _hf_special_ids(p.parent, tok)
+        return cls(tok, bos_id=bos, eos_ids=eos)
+
+    @classmethod
+    def from_gguf(cls, source: str | Path | Any) -> Tokenizer:
+        """From a GGUF path or an open `gguf.GGUFReader`."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+        from tokenizers import Tokenizer as HFTokenizer
+
+        from .weights import open_gguf
+
+        reader = open_gguf(source) if isinstance(source, str | Path) else source
+        kind = gguf_value(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
+                                        "'gpt2'); load the model's tokenizer.json instead")
+        tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
+        types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+        tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+        pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
+        if pre in _PRE_REGEX:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_PRE_REGEX[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        else:
+            if pre not in _GPT2_PRE:
+                warnings.warn(f"GGUF pre-tokenizer {pre!r} unknown; splitting words as GPT-2 does", stacklevel=2)
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+        tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        bos = gguf_value(reader, "tokenizer.ggml.bos_token_id")
+        eos = gguf_value(reader, "tokenizer.ggml.eos_token_id")
+        eot = gguf_value(reader, "tokenizer.ggml.eot_token_id")
+        if bos is not None and gguf_value(reader, "tokenizer.ggml.add_bos_token", False):
+            tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]}:0 $A:0",
+                                                               special_tokens=[(tokens[bos], bos)])
+        eos_ids = [i for i in (eos, eot) if i is not None]
+        return cls(tok, bos_id=bos, eos_ids=list(dict.fromkeys(eos_ids)))
+
+
+class IncrementalDecoder:
+    """Text for a growing list of ids, piece by piece, holding back an incomplete UTF-8 character.
+    Decodes only a short window per token (the scheme vLLM's detokenizer uses), not the whole sequence."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] decode to text already returned
+        self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(done):]
+        return ""
+
+
+def _hf_special_ids(d: Path, tok: Any) -> tuple[int | None, list[int]]:
+    bos: int | None = None
+    eos: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        f = d / name
+        if not f.exists():
+            continue
+        cfg = json.loads(f.read_text())
+        if bos is None and isinstance(cfg.get("bos_token_id"), int):
+            bos = cfg["bos_token_id"]
+        e = cfg.get("eos_token_id")
+        eos += [e] if isinstance(e, int) else list(e or [])
+    tc = d / "tokenizer_config.json"
+    if tc.exists():
+        cfg = json.loads(tc.read_text())
+
+        def token_id(v: Any) -> int | None:
+            return tok.token_to_id(v["content"] if isinstance(v, dict) else v) if v else None
+
+        bos = bos if bos is not None else token_id(cfg.get("bos_token"))
+        e = token_id(cfg.get("eos_token"))
+        eos += [e] if e is not None else []
+    return bos, list(dict.fromkeys(eos))

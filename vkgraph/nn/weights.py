@@ -1,0 +1,354 @@
+"""Load a Llama-family model's weights from safetensors (Hugging Face names) or GGUF (llama.cpp names).
+
+Files are memory-mapped: float tensors come back as read-only numpy views of the file (float32, float16 or
+ml_dtypes.bfloat16, as stored), GGUF's quantized tensors (Q8_0, Q4_0, Q4_K, Q6_K) as `vkgraph.quant.
+QuantizedTensor`s over the file's blocks. Nothing is read until used, except where a tensor must be rearranged
+(see RoPE below) or quantized on load.
+
+Orientation: every matrix is (out_features, in_features), as in Hugging Face and as GGUF's rows; y = x @ W.T.
+
+RoPE layout: the loaded q and k projections always expect Hugging Face's "rotate half" RoPE, where head
+dimension j is paired with j + head_dim/2. llama.cpp's converter permutes q and k rows of "llama" models so that
+pairs are adjacent (2j, 2j+1); the GGUF loader undoes that permutation (a row reorder, exact for quantized rows
+too), so the same model code serves both formats. Qwen2 GGUF files are stored unpermuted and left as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from vkgraph import quant
+from vkgraph.quant import QuantizedTensor
+
+from .config import ModelConfig, ModelFormatError, UnsupportedModelError
+
+Weight = np.ndarray | QuantizedTensor
+
+
+class MissingTensorError(ModelFormatError):
+    pass
+
+
+class ShapeMismatchError(ModelFormatError):
+    pass
+
+
+class UnsupportedTensorTypeError(UnsupportedModelError):
+    pass
+
+
+class TruncatedFileError(ModelFormatError):
+    pass
+
+
+@dataclass
+class ExpertWeights:
+    w_gate: Weight  # (ffn, dim)
+    w_up: Weight  # (ffn, dim)
+    w_down: Weight  # (dim, ffn)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray  # (dim,)
+    wq: Weight  # (n_heads * head_dim, dim)
+    wk: Weight  # (n_kv_heads * head_dim, dim)
+    wv: Weight  # (n_kv_heads * head_dim, dim)
+    wo: Weight  # (dim, n_heads * head_dim)
+    ffn_norm: np.ndarray  # (dim,)
+    bq: np.ndarray | None = None  # q/k/v biases (Qwen2)
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    w_gate: Weight | None = None  # dense SwiGLU MLP: (ffn, dim), (ffn, dim), (dim, ffn)
+    w_up: Weight | None = None
+    w_down: Weight | None = None
+    router: np.ndarray | None = None  # mixture of experts: (n_experts, dim) and one ExpertWeights per expert
+    experts: list[ExpertWeights] | None = None
+
+
+@dataclass
+class ModelWeights:
+    config: ModelConfig
+    embed: Weight  # (vocab, dim)
+    layers: list[LayerWeights]
+    norm: np.ndarray  # (dim,)
+    lm_head: Weight  # (vocab, dim); the embedding itself when tied (a quantized copy when quantized on load)
+
+
+# ---- what a model of a given config holds, by Hugging Face name ---------------------------------------------
+
+# MATRIX: projections, may be quantized on load. EMBED: the embedding, as stored. VECTOR: norms, biases and the
+# router, always float (dequantized if a file stores them quantized).
+MATRIX, EMBED, VECTOR = "matrix", "embed", "vector"
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Hugging Face name -> (shape, kind) of every tensor the config calls for."""
+    d, q, kv, f = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    out: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((cfg.vocab_size, d), EMBED)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = ((d,), VECTOR)
+        for name, shape in (("q_proj", (q, d)), ("k_proj", (kv, d)), ("v_proj", (kv, d)), ("o_proj", (d, q))):
+            out[p + f"self_attn.{name}.weight"] = (shape, MATRIX)
+        if cfg.attn_bias:
+            for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                out[p + f"self_attn.{name}.bias"] = ((n,), VECTOR)
+        out[p + "post_attention_layernorm.weight"] = ((d,), VECTOR)
+        if cfg.is_moe:
+            out[p + "block_sparse_moe.gate.weight"] = ((cfg.n_experts, d), VECTOR)
+            for e in range(cfg.n_experts):
+                for w, shape in (("w1", (f, d)), ("w3", (f, d)), ("w2", (d, f))):
+                    out[p + f"block_sparse_moe.experts.{e}.{w}.weight"] = (shape, MATRIX)
+        else:
+            for name, shape in (("gate_proj", (f, d)), ("up_proj", (f, d)), ("down_proj", (d, f))):
+                out[p + f"mlp.{name}.weight"] = (shape, MATRIX)
+    out["model.norm.weight"] = ((d,), VECTOR)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = ((cfg.vocab_size, d), MATRIX)
+    return out
+
+
+# ---- entry point --------------------------------------------------------------------------------------------
+
+def load_weights(path: str | Path, *, quantize: str | None = None, progress: bool = True) -> ModelWeights:
+    """Load a model: a .gguf file, or a directory (or one .safetensors file inside it) with config.json and
+    *.safetensors. `quantize` ("Q8_0", "Q4_0", ...) quantizes float projection matrices and lm_head on load;
+    the embedding, norms, biases and router stay float."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"no model at {p}")
+    if p.suffix == ".gguf":
+        src: _Source = _GGUFSource(p)
+    else:
+        d = p if p.is_dir() else p.parent
+        files = sorted(d.glob("*.safetensors")) if p.is_dir() else [p]
+        if not files:
+            raise ModelFormatError(f"no .safetensors files in {d}")
+        src = _SafetensorsSource(files, ModelConfig.from_hf(d))
+    return _assemble(src, quantize, progress, p.name)
+
+
+class _Source:
+    config: ModelConfig
+
+    def has(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def get(self, name: str) -> Weight:
+        raise NotImplementedError
+
+
+def _assemble(src: _Source, quantize: str | None, progress: bool, label: str) -> ModelWeights:
+    cfg = src.config
+    want = expected_tensors(cfg)
+    missing = [n for n in want if not src.has(n)]
+    if missing:
+        raise MissingTensorError(f"{label}: {len(missing)} tensors missing, e.g. {missing[:5]}")
+    fmt = None if quantize is None else quant.get_format(quantize)
+    got: dict[str, Weight] = {}
+    for name, (shape, kind) in tqdm(want.items(), desc=f"loading {label}", unit="tensor", disable=not progress):
+        w = src.get(name)
+        if tuple(w.shape) != shape:
+            raise ShapeMismatchError(f"{label}: {name} has shape {tuple(w.shape)}, the config implies {shape}")
+        if kind == VECTOR and isinstance(w, QuantizedTensor):
+            w = w.dequantize().reshape(shape)
+        if kind == MATRIX and fmt is not None and isinstance(w, np.ndarray):
+            w = quant.quantize(np.asarray(w, np.float32), fmt)
+        got[name] = w
+    embed = got["model.embed_tokens.weight"]
+    if cfg.tie_embeddings:
+        lm_head = quant.quantize(np.asarray(embed, np.float32), fmt) if fmt and isinstance(embed, np.ndarray) else embed
+    else:
+        lm_head = got["lm_head.weight"]
+    return ModelWeights(cfg, embed, [_layer(cfg, got, i) for i in range(cfg.n_layers)], got["model.norm.weight"],
+                        lm_head)
+
+
+def _layer(cfg: ModelConfig, got: dict[str, Weight], i: int) -> LayerWeights:
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    lw = LayerWeights(attn_norm=got[p + "input_layernorm.weight"], wq=got[a + "q_proj.weight"],
+                      wk=got[a + "k_proj.weight"], wv=got[a + "v_proj.weight"], wo=got[a + "o_proj.weight"],
+                      ffn_norm=got[p + "post_attention_layernorm.weight"])
+    if cfg.attn_bias:
+        lw.bq, lw.bk, lw.bv = (got[a + f"{n}_proj.bias"] for n in "qkv")
+    if cfg.is_moe:
+        m = p + "block_sparse_moe."
+        lw.router = got[m + "gate.weight"]
+        lw.experts = [ExpertWeights(got[m + f"experts.{e}.w1.weight"], got[m + f"experts.{e}.w3.weight"],
+                                    got[m + f"experts.{e}.w2.weight"]) for e in range(cfg.n_experts)]
+    else:
+        lw.w_gate, lw.w_up, lw.w_down = (got[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+    return lw
+
+
+# ---- safetensors ---------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+
+
+class _SafetensorsSource(_Source):
+    """Parses the (tiny) safetensors header itself and memory-maps the data, so tensors are zero-copy views
+    (the `safetensors` package's numpy API copies each tensor and has no bfloat16)."""
+
+    def __init__(self, files: list[Path], config: ModelConfig) -> None:
+        self.config = config
+        self.index: dict[str, tuple[np.memmap, dict[str, Any], Path]] = {}
+        for f in files:
+            mm, header = _open_safetensors(f)
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                if name in self.index:
+                    raise ModelFormatError(f"tensor {name} appears in both {self.index[name][2].name} and {f.name}")
+                self.index[name] = (mm, info, f)
+
+    def has(self, name: str) -> bool:
+        return name in self.index
+
+    def get(self, name: str) -> Weight:
+        mm, info, f = self.index[name]
+        dt = _ST_DTYPES.get(info["dtype"])
+        if dt is None:
+            raise UnsupportedTensorTypeError(f"{f.name}: {name} is {info['dtype']}; supported: {sorted(_ST_DTYPES)}")
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end - start != int(np.prod(shape)) * dt.itemsize:
+            raise ModelFormatError(f"{f.name}: {name} spans {end - start} bytes, not {shape} x {dt}")
+        return mm[start:end].view(dt).reshape(shape)
+
+
+def _open_safetensors(f: Path) -> tuple[np.memmap, dict[str, Any]]:
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise TruncatedFileError(f"{f}: truncated or not a safetensors file (header of {n} bytes, file {size})")
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError as e:
+            raise ModelFormatError(f"{f}: unreadable safetensors header ({e})") from None
+    data_len = size - 8 - n
+    need = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if need > data_len:
+        raise TruncatedFileError(f"{f}: truncated: tensors need {need} bytes of data, the file holds {data_len}")
+    return np.memmap(f, np.uint8, "r", offset=8 + n, shape=(data_len,)), header
+
+
+# ---- GGUF -----------------------------------------------------------------------------------------------------
+
+_GGUF_FLOAT = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+_GGUF_QUANT = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+_GGUF_EXPERTS = {"w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight", "w2": "ffn_down_exps.weight"}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT_RE = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
+
+
+def gguf_name(hf_name: str) -> tuple[str, int | None]:
+    """The GGUF tensor holding a Hugging Face tensor, and the expert index within it for stacked experts."""
+    if hf_name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[hf_name], None
+    m = _LAYER_RE.fullmatch(hf_name)
+    if m:
+        layer, rest = m.groups()
+        if rest in _GGUF_LAYER:
+            return f"blk.{layer}.{_GGUF_LAYER[rest]}", None
+        e = _EXPERT_RE.fullmatch(rest)
+        if e:
+            return f"blk.{layer}.{_GGUF_EXPERTS[e.group(2)]}", int(e.group(1))
+    raise KeyError(f"no GGUF name for {hf_name}")
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A `gguf.GGUFReader`, with truncation and corruption turned into clear errors."""
+    from gguf import GGUFReader
+
+    p = Path(path)
+    size = p.stat().st_size
+    try:
+        reader = GGUFReader(p)
+    except (ValueError, IndexError, OverflowError, UnicodeDecodeError) as e:
+        raise TruncatedFileError(f"{p}: not a readable GGUF file; truncated or corrupt? ({e})") from None
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise TruncatedFileError(f"{p}: truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, "
+                                     f"the file has {size}")
+    return reader
+
+
+class _GGUFSource(_Source):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reader = open_gguf(path)
+        self.config = ModelConfig.from_gguf(self.reader)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        # llama.cpp's converter interleaves q/k rows of "llama" models for its RoPE; undo it (module docstring)
+        self.unpermute = self.config.arch == "llama"
+
+    def has(self, name: str) -> bool:
+        return gguf_name(name)[0] in self.tensors
+
+    def get(self, name: str) -> Weight:
+        gname, expert = gguf_name(name)
+        t = self.tensors[gname]
+        kind = t.tensor_type.name
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dimensions innermost first
+        if kind in _GGUF_FLOAT:
+            arr = np.asarray(t.data).view(np.uint8).view(_GGUF_FLOAT[kind]).reshape(shape)
+            out: Weight = arr if expert is None else arr[expert]
+        elif kind in _GGUF_QUANT:
+            raw = np.asarray(t.data).view(np.uint8)
+            if expert is not None:
+                raw, shape = raw[expert], shape[1:]
+            if len(shape) == 2:
+                out = QuantizedTensor.from_raw(raw, kind, shape)
+            else:  # a quantized vector: return (and shape-check) what it encodes
+                out = QuantizedTensor.from_raw(raw, kind, (1, int(np.prod(shape)))).dequantize().reshape(shape)
+        else:
+            raise UnsupportedTensorTypeError(f"{self.path.name}: {gname} is {kind}; supported: "
+                                             f"{sorted(_GGUF_FLOAT) + list(_GGUF_QUANT)}")
+        if self.unpermute and gname.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
+            heads = self.config.n_heads if ".attn_q." in gname else self.config.n_kv_heads
+            out = unpermute_rope_rows(out, heads)
+        return out
+
+
+def unpermute_rope_rows(w: Weight, n_heads: int) -> Weight:
+    """Reorder rows of a q or k projection from llama.cpp's adjacent-pair RoPE layout to Hugging Face's
+    rotate-half layout (the inverse of convert_hf_to_gguf.py's `permute`)."""
+    data = w.data if isinstance(w, QuantizedTensor) else w
+    rows = data.shape[0]
+    out = np.ascontiguousarray(data.reshape(n_heads, rows // n_heads // 2, 2, *data.shape[1:]).swapaxes(1, 2)
+                               ).reshape(data.shape)
+    return QuantizedTensor(out, w.format, w.shape) if isinstance(w, QuantizedTensor) else out
+
+
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Hugging Face rotate-half rows -> llama.cpp's adjacent pairs (what convert_hf_to_gguf.py writes)."""
+    rows = w.shape[0]
+    return np.ascontiguousarray(w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2)
+                                ).reshape(w.shape)
