@@ -42,7 +42,6 @@ Hello world! Hello, tiny model. What is the capital of France? The capital of Fr
 Vulkan compute shaders read weights, write activations and never wait on the host.
 one two three four five six seven eight nine ten, 1 2 3 4 5 6 7 8 9 10.
 """
-GGUF_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K": 15, "Q6_K": 18, "BF16": 32}
 CHUNK_ELEMS = 1 << 22  # values generated per chunk: bounds memory for the 8B shape, fixed so values never change
 
 
@@ -154,7 +153,7 @@ def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str,
 
 def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, progress: bool = False) -> None:
     """Stream a GGUF file: all tensor infos first, then each tensor generated, quantized and written in turn."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
     from tqdm import tqdm
 
     if cfg.arch != "llama":
@@ -173,7 +172,7 @@ def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, prog
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(GGUF_FILE_TYPES[qtype])
+    w.add_file_type(LlamaFileType[{"F32": "ALL_F32", "Q4_K": "MOSTLY_Q4_K_M"}.get(qtype, f"MOSTLY_{qtype}")])
     if qtype not in ("F32", "F16", "BF16"):
         w.add_quantization_version(2)
     if cfg.is_moe:

@@ -30,10 +30,14 @@ REDUCE = {"sum": (np.sum, True), "max": (np.max, False), "min": (np.min, False),
 
 
 class Item:
-    """A tensor, the same value in numpy (float64), and a bound on the magnitudes that went into it."""
+    """A tensor, the same value in numpy (float64), a bound on the magnitudes that went into it, and how it
+    was built (shown when an example fails)."""
 
-    def __init__(self, t: Tensor, x: np.ndarray, scale: float):
-        self.t, self.x, self.scale = t, x, scale
+    def __init__(self, t: Tensor, x: np.ndarray, scale: float, desc: str):
+        self.t, self.x, self.scale, self.desc = t, x, scale, desc
+
+    def __repr__(self) -> str:
+        return f"{self.desc} {self.x.shape}"
 
 
 @st.composite
@@ -46,28 +50,29 @@ def graphs(draw, max_ops: int = 6):
     pool = []
     for _ in range(draw(st.integers(1, 3))):
         x = rng.standard_normal(shape).astype(np.float32)
-        pool.append(Item(Tensor(x), x.astype(np.float64), float(np.abs(x).max(initial=1.0))))
+        pool.append(Item(Tensor(x), x.astype(np.float64), float(np.abs(x).max(initial=1.0)), f"in{len(pool)}"))
     for _ in range(draw(st.integers(1, max_ops))):
         kind = draw(st.sampled_from(["unary", "binary", "binary", "reduce", "move", "move"]))
         a = pool[draw(st.integers(0, len(pool) - 1))]
         if kind == "unary":
             name = draw(st.sampled_from(sorted(UNARY)))
             f, g, s = UNARY[name]
-            pool.append(Item(f(a.t), g(a.x), a.scale * s + 1))
+            pool.append(Item(f(a.t), g(a.x), a.scale * s + 1, f"{name}({a.desc})"))
         elif kind == "binary":
             same = [p for p in pool if _broadcasts(p.x.shape, a.x.shape)]
             b = same[draw(st.integers(0, len(same) - 1))]
             name = draw(st.sampled_from(sorted(BINARY)))
             f, g = BINARY[name]
             scale = a.scale * b.scale + a.scale + b.scale if name == "mul" else 2 * (a.scale + b.scale)
-            pool.append(Item(f(a.t, b.t), g(a.x, b.x), scale))
+            pool.append(Item(f(a.t, b.t), g(a.x, b.x), scale, f"{name}({a.desc}, {b.desc})"))
         elif kind == "reduce" and a.x.ndim:
             name = draw(st.sampled_from(sorted(REDUCE)))
             axis = draw(st.integers(0, a.x.ndim - 1))
             keep = draw(st.booleans())
             fn, grows = REDUCE[name]
             t = getattr(a.t, name)(axis, keepdim=keep)
-            pool.append(Item(t, fn(a.x, axis=axis, keepdims=keep), a.scale * (a.x.shape[axis] if grows else 1)))
+            pool.append(Item(t, fn(a.x, axis=axis, keepdims=keep), a.scale * (a.x.shape[axis] if grows else 1),
+                             f"{name}({a.desc}, {axis}, {keep})"))
         elif kind == "move" and a.x.ndim:
             pool.append(_move(draw, a))
     return pool[-1], pool[draw(st.integers(0, len(pool) - 1))]
@@ -86,25 +91,25 @@ def _move(draw, a: Item) -> Item:
     kind = draw(st.sampled_from(["permute", "flip", "slice", "pad", "reshape", "expand"]))
     if kind == "permute":
         order = tuple(draw(st.permutations(range(x.ndim))))
-        return Item(t.permute(order), x.transpose(order), a.scale)
+        return Item(t.permute(order), x.transpose(order), a.scale, f"permute({a.desc}, {order})")
     if kind == "flip":
         ax = draw(st.integers(0, x.ndim - 1))
-        return Item(t.flip(ax), np.flip(x, ax), a.scale)
+        return Item(t.flip(ax), np.flip(x, ax), a.scale, f"flip({a.desc}, {ax})")
     if kind == "slice":
         ax = draw(st.integers(0, x.ndim - 1))
         n = x.shape[ax]
         start = draw(st.integers(0, max(n - 1, 0)))
         step = draw(st.sampled_from([1, 1, 2, -1]))
         idx = tuple(slice(start, None, step) if i == ax else slice(None) for i in range(x.ndim))
-        return Item(t[idx], x[idx], a.scale)
+        return Item(t[idx], x[idx], a.scale, f"{a.desc}[{idx}]")
     if kind == "pad":
         ax = draw(st.integers(0, x.ndim - 1))
         p = tuple((draw(st.integers(0, 2)), draw(st.integers(0, 2))) if i == ax else (0, 0) for i in range(x.ndim))
-        return Item(t.pad(p), np.pad(x, p), a.scale)
+        return Item(t.pad(p), np.pad(x, p), a.scale, f"pad({a.desc}, {p})")
     if kind == "reshape":
-        return Item(t.reshape(-1), x.reshape(-1), a.scale)
+        return Item(t.reshape(-1), x.reshape(-1), a.scale, f"flat({a.desc})")
     shape = tuple(draw(st.integers(1, 3)) if s == 1 else s for s in x.shape)
-    return Item(t.expand(shape), np.broadcast_to(x, shape), a.scale)
+    return Item(t.expand(shape), np.broadcast_to(x, shape), a.scale, f"expand({a.desc}, {shape})")
 
 
 def _check(item: Item) -> None:
@@ -116,7 +121,7 @@ def _check(item: Item) -> None:
         bound = 3e-6 * max(item.scale, np.abs(item.x).max(), 1.0)
         if item.t.dtype.name == "float16":
             bound *= 1000
-        assert err <= bound, f"error {err:.3g} > {bound:.3g}"
+        assert err <= bound, f"{item!r}: error {err:.3g} > {bound:.3g}"
 
 
 def _run(pair) -> None:

@@ -1,0 +1,113 @@
+"""Template ops as Tensor ops: they take realized inputs and feed generated kernels."""
+
+import numpy as np
+import pytest
+
+from vkgraph.nn.ops import QuantLinear, paged_decode, prefill_attention, write_kv
+from vkgraph.ops.paged_attention import PagedKVCache
+from vkgraph.quant import dequantize, quantize
+from vkgraph.realize import count_kernels
+from vkgraph.runtime import get_device
+from vkgraph.tensor import Tensor
+
+
+def nerr(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert not np.isnan(got).any()
+    return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("rows", [1, 5, 19])
+def test_quant_linear_with_residual_feeds_generated_kernels(fmt, rows):
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((72, 512)).astype(np.float32)
+    qt = quantize(w, fmt)
+    lin = QuantLinear(qt)
+    x = rng.standard_normal((rows, 512)).astype(np.float32)
+    r = rng.standard_normal((rows, 72)).astype(np.float32)
+    got = (lin(Tensor(x) * 0.5, residual=Tensor(r)).relu() + 1).numpy()
+    want = np.maximum((0.5 * x) @ dequantize(qt).astype(np.float64).T + r, 0) + 1
+    assert nerr(got, want) < 5e-4
+
+
+def test_quant_linear_bad_shape():
+    lin = QuantLinear(quantize(np.zeros((8, 64), np.float32), "Q8_0"))
+    with pytest.raises(ValueError, match="last dimension"):
+        lin(Tensor(np.zeros((2, 32), np.float32)))
+
+
+def reference_decode(q, kc, vc, tables, lens, block):
+    b, h, d = q.shape
+    hkv = kc.shape[1]
+    out = np.zeros_like(q, dtype=np.float64)
+    for s in range(b):
+        slots = [tables[s, t // block] * block + t % block for t in range(lens[s])]
+        for head in range(h):
+            kv = head // (h // hkv)
+            keys = np.stack([kc[sl // block, kv, sl % block] for sl in slots]).astype(np.float64)
+            vals = np.stack([vc[sl // block, kv, sl % block] for sl in slots]).astype(np.float64)
+            sc = keys @ q[s, head] / np.sqrt(d)
+            p = np.exp(sc - sc.max())
+            out[s, head] = (p / p.sum()) @ vals
+    return out
+
+
+def test_write_kv_then_paged_decode_in_one_graph():
+    rng = np.random.default_rng(0)
+    dev = get_device()
+    block, hkv, heads, d, nblocks = 16, 2, 4, 64, 12
+    cache = PagedKVCache.create(dev, nblocks, hkv, d, block, "f32")
+    dev.upload(cache.key, np.zeros(cache.key.size // 4, np.float32))
+    dev.upload(cache.value, np.zeros(cache.value.size // 4, np.float32))
+    lens = np.array([5, 37], np.int32)
+    tables = np.array([[3, 0, 0, 0], [7, 1, 9, 0]], np.int32)
+    kc = np.zeros((nblocks, hkv, block, d), np.float32)
+    vc = np.zeros_like(kc)
+    # write every token of both sequences through the op, in two batches
+    for s in range(2):
+        toks = lens[s]
+        slots = np.array([tables[s, t // block] * block + t % block for t in range(toks)], np.int32)
+        k = rng.standard_normal((toks, hkv, d)).astype(np.float32)
+        v = rng.standard_normal((toks, hkv, d)).astype(np.float32)
+        write_kv(cache, Tensor(k), Tensor(v), Tensor(slots)).realize()
+        for t, sl in enumerate(slots):
+            kc[sl // block, :, sl % block] = k[t]
+            vc[sl // block, :, sl % block] = v[t]
+    q = rng.standard_normal((2, heads, d)).astype(np.float32)
+    # the last token's write and the decode in one graph: the decode must see the write
+    extra_k = rng.standard_normal((2, hkv, d)).astype(np.float32)
+    extra_v = rng.standard_normal((2, hkv, d)).astype(np.float32)
+    slots = np.array([tables[s, lens[s] // block] * block + lens[s] % block for s in range(2)], np.int32)
+    for s in range(2):
+        kc[slots[s] // block, :, slots[s] % block] = extra_k[s]
+        vc[slots[s] // block, :, slots[s] % block] = extra_v[s]
+    lens1 = lens + 1
+    with count_kernels() as c:
+        token = write_kv(cache, Tensor(extra_k), Tensor(extra_v), Tensor(slots))
+        out = (paged_decode(cache, Tensor(q), Tensor(tables), Tensor(lens1), token, max_context_len=4 * block) * 2)
+        got = out.numpy()
+    assert c.count >= 3
+    want = 2 * reference_decode(q, kc, vc, tables, lens1, block)
+    assert nerr(got, want) < 5e-4
+
+
+def test_prefill_attention_op():
+    rng = np.random.default_rng(1)
+    lens = [3, 9]
+    t, heads, hkv, d = sum(lens), 4, 2, 64
+    q = rng.standard_normal((t, heads, d)).astype(np.float32)
+    k = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    cu = np.array([0, 3, 12], np.int32)
+    got = prefill_attention(Tensor(q), Tensor(k), Tensor(v), Tensor(cu), num_seqs=2, max_seq_len=9).numpy()
+    want = np.zeros((t, heads, d))
+    for s in range(2):
+        a, b = cu[s], cu[s + 1]
+        for h in range(heads):
+            kv = h // 2
+            sc = q[a:b, h].astype(np.float64) @ k[a:b, kv].T / np.sqrt(d)
+            sc = np.where(np.tril(np.ones((b - a, b - a), bool)), sc, -np.inf)
+            p = np.exp(sc - sc.max(1, keepdims=True))
+            want[a:b, h] = (p / p.sum(1, keepdims=True)) @ v[a:b, kv]
+    assert nerr(got, want) < 5e-4

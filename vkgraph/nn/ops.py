@@ -1,0 +1,110 @@
+"""Hand-tuned templates as Tensor ops: their inputs are realized, their output feeds generated kernels.
+
+Each function wraps one template op from vkgraph.ops in a `custom` graph node. The node's key names the
+weights or cache it works on, so equal calls are shared by the graph like any other node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..dtype import dtypes
+from ..ops import matvec as mv
+from ..ops import paged_attention as pa
+from ..quant import QuantizedTensor
+from ..runtime import get_device
+from ..tensor import Tensor, custom
+
+_MATVEC_ROWS = mv.MAX_BATCH
+
+
+class QuantLinear:
+    """A weight matrix in a GGUF format (Q8_0, Q4_0, Q4_K, Q6_K, F16, BF16) on the device, as `x @ W.T`."""
+
+    def __init__(self, weight: QuantizedTensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.format = weight.format.name
+        self.weights = mv.upload_weights(get_device(), weight)
+
+    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x [..., in_features] float32 -> [..., out_features] float32 (+ residual, fused)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}): input's last "
+                             f"dimension is {x.shape[-1]}")
+        lead = x.shape[:-1]
+        rows = 1
+        for s in lead:
+            rows *= s
+        out_shape = (*lead, self.out_features)
+        if residual is not None and residual.shape != out_shape:
+            raise ValueError(f"QuantLinear residual has shape {residual.shape}, expected {out_shape}")
+        w, n, k = self.weights, self.out_features, self.in_features
+        inputs = [x.float().contiguous()] + ([residual.float().contiguous()] if residual is not None else [])
+
+        def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            # more rows than one template call takes: runs of up to 8 rows, each into its slice of out
+            for r0 in range(0, rows, _MATVEC_ROWS):
+                b = min(_MATVEC_ROWS, rows - r0)
+                res = ins[1].view(r0 * n * 4, b * n * 4) if residual is not None else None
+                o = out.view(r0 * n * 4, b * n * 4) if rows > b else out
+                xin = ins[0].view(r0 * k * 4, b * k * 4) if rows > b else ins[0]
+                mv.matvec(dev, w, xin, b, out=o, residual=res)
+
+        return custom(run, inputs, out_shape, dtypes.float32, key=(id(self),), name=f"matvec_{self.format}")
+
+
+def write_kv(cache: pa.PagedKVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -> Tensor:
+    """Scatter key/value [tokens, kv_heads, head] into the paged cache at slot_mapping (int32, -1 skips).
+
+    Returns a one-element token that later cache readers take as an input, so the graph orders them after
+    this write (the cache itself lives outside the graph)."""
+    tokens = key.shape[0]
+    want = (tokens, cache.num_kv_heads, cache.head_size)
+    if key.shape != want or value.shape != want:
+        raise ValueError(f"write_kv: key {key.shape} and value {value.shape} must be {want}")
+    if slot_mapping.shape != (tokens,):
+        raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be ({tokens},)")
+
+    def run(dev: Any, out: Any, ins: list[Any]) -> None:
+        pa.write_kv(dev, cache, ins[0], ins[1], ins[2], tokens)
+
+    ins = [key.float().contiguous(), value.float().contiguous(), slot_mapping.cast(dtypes.int32).contiguous()]
+    return custom(run, ins, (1,), dtypes.int32, key=(id(cache),), name="kv_write")
+
+
+def paged_decode(cache: pa.PagedKVCache, q: Tensor, block_tables: Tensor, context_lens: Tensor, after: Tensor,
+                 *, max_context_len: int, scale: float | None = None, window: int = 0) -> Tensor:
+    """One query token per sequence over its cached context: q [B, heads, D] -> [B, heads, D] float32.
+
+    `max_context_len` sizes the launch (use the cache's capacity per sequence so one capture serves every
+    position); `after` is write_kv's token."""
+    b, heads, d = q.shape
+    if d != cache.head_size:
+        raise ValueError(f"paged_decode: head size {d} but the cache holds {cache.head_size}")
+    max_blocks = block_tables.shape[1]
+
+    def run(dev: Any, out: Any, ins: list[Any]) -> None:
+        pa.paged_decode(dev, cache, ins[0], ins[1], ins[2], num_seqs=b, num_heads=heads, max_blocks_per_seq=max_blocks,
+                        max_context_len=max_context_len, scale=scale, window=window, out=out)
+
+    ins = [q.float().contiguous(), block_tables.cast(dtypes.int32).contiguous(),
+           context_lens.cast(dtypes.int32).contiguous(), after]
+    return custom(run, ins, (b, heads, d), dtypes.float32, key=(id(cache), max_context_len, scale, window),
+                  name="paged_decode")
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, num_seqs: int, max_seq_len: int,
+                      scale: float | None = None, window: int = 0) -> Tensor:
+    """Causal attention over packed prompts: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""
+    t, heads, d = q.shape
+    kv_heads = k.shape[1]
+
+    def run(dev: Any, out: Any, ins: list[Any]) -> None:
+        pa.prefill_attention(dev, ins[0], ins[1], ins[2], ins[3], num_seqs=num_seqs, num_tokens=t, num_heads=heads,
+                             num_kv_heads=kv_heads, head_size=d, max_seq_len=max_seq_len, kv_dtype="f32",
+                             scale=scale, window=window, out=out)
+
+    ins = [q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
+           cu_seqlens.cast(dtypes.int32).contiguous()]
+    return custom(run, ins, (t, heads, d), dtypes.float32, key=(num_seqs, max_seq_len, scale, window),
+                  name="prefill_attention")
