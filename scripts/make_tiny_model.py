@@ -130,24 +130,31 @@ def write_hf(out: Path, cfg: ModelConfig, seed: int, tok) -> None:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str, tuple[int, ...]]],
-                 qtype: str) -> np.ndarray:
-    """One GGUF tensor (experts stacked on a leading axis), permuted and quantized as llama.cpp stores it."""
+def _encode(x: np.ndarray, qtype: str) -> np.ndarray:
+    """float32 values -> GGUF tensor data of type qtype (blocks along the last axis)."""
     from gguf import GGMLQuantizationType, quants
 
+    if qtype == "F32":
+        return x
+    if qtype == "F16":
+        return x.astype(np.float16)
+    if qtype in ("Q4_K", "Q6_K"):  # gguf.quants cannot quantize K-quants; vkgraph.quant can
+        return quant.quantize(x.reshape(-1, x.shape[-1]), qtype).data.reshape(*x.shape[:-1], -1)
+    return quants.quantize(x, GGMLQuantizationType[qtype])
+
+
+def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str, tuple[int, ...]]],
+                 qtype: str) -> np.ndarray:
+    """One GGUF tensor (experts stacked on a leading axis), permuted and quantized as llama.cpp stores it.
+    Encoded chunk by chunk, so only the encoded tensor and one float chunk are in memory at once."""
     pieces = []
     for hf_name, shape in parts:
-        x = tensor(seed, hf_name, shape)
         if gname.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
-            x = permute_rope_rows(x, cfg.n_heads if ".attn_q." in gname else cfg.n_kv_heads)
-        if qtype == "F32":
-            pieces.append(x)
-        elif qtype in ("Q4_K", "Q6_K"):  # gguf.quants cannot quantize K-quants; vkgraph.quant can
-            pieces.append(quant.quantize(x.reshape(-1, x.shape[-1]), qtype).data.reshape(*x.shape[:-1], -1))
-        elif qtype == "F16":
-            pieces.append(x.astype(np.float16))
+            heads = cfg.n_heads if ".attn_q." in gname else cfg.n_kv_heads
+            chunks: Iterator[np.ndarray] | list[np.ndarray] = [permute_rope_rows(tensor(seed, hf_name, shape), heads)]
         else:
-            pieces.append(quants.quantize(x, GGMLQuantizationType[qtype]))
+            chunks = tensor_chunks(seed, hf_name, shape)
+        pieces.append(np.concatenate([_encode(c, qtype) for c in chunks]))
     return pieces[0] if len(parts) == 1 else np.stack(pieces)
 
 
