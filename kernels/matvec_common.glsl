@@ -2,13 +2,20 @@
 //
 // A workgroup owns ROWS consecutive rows; its WG invocations stride over the row's "units" (one 16-byte load
 // of weight data plus its scales), so neighbouring invocations read neighbouring 16-byte words and every
-// weight byte is read once. Each unit decodes to RUNS runs of RUN contiguous elements, each contributing
-// a * dot(q, x) + b * sum(x): the format supplies q (levels), a (scale) and b (offset, e.g. -8*d for Q4_0).
+// weight byte is read once. Per unit an invocation first issues the loads of all ROWS rows (ROWS independent
+// 16-byte loads in flight), then loads the unit's activations once per batch row and reuses them for every
+// weight row: the activations (4 or 8 bytes per weight byte for the 8- and 4-bit formats, read through L1
+// with a stride between invocations) are what bounded the kernel when they were reloaded per row.
+// A unit covers RUNS runs of RUN contiguous activations; the format folds its offsets (-8d for Q4_0, ...)
+// into the runs' activation sums instead of subtracting them per element.
 // The per-invocation sums are reduced with subgroupAdd (USE_SUBGROUP) or a shared-memory tree.
 //
-// The format file defines: RUN, RUNS, UNIT_ELEMS, HAS_OFFSET, and
-//   void decode_unit(uint row, uint u, out vec4 q[RUNS * RUN / 4], out float a[RUNS], out float b[RUNS],
-//                    out uint xoff[RUNS])
+// The format file defines RUN, RUNS, UNIT_ELEMS, HAS_OFFSET and `struct Unit` (a unit's raw words), then
+//   Unit load_unit(uint row, uint u)                   the loads of unit u of `row`
+//   uint x_run(uint u, uint j)                         the first element of run j of unit u
+//   float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS])
+//                                                      the unit's dot product with activations xv (run j at
+//                                                      xv[j * RUN / 4 ...]), xs[j] = sum of run j (HAS_OFFSET)
 // Activations: float32, or float16 with -DA_F16. Output, bias and residual are float32.
 #extension GL_KHR_shader_subgroup_arithmetic : enable
 #include "common.glsl"
@@ -56,8 +63,10 @@ float scale_at(uint row, uint i) {  // float16 scale i of `row` in the scales ar
     return half_at_u32(s[idx >> 1], idx);
 }
 
-void decode_unit(uint row, uint u, out vec4 q[RUNS * RUN / 4], out float a[RUNS], out float b[RUNS],
-                 out uint xoff[RUNS]);
+#define XV (RUNS * RUN / 4)
+Unit load_unit(uint row, uint u);
+uint x_run(uint u, uint j);
+float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]);
 
 void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r * NB + b
     const uint b = i % NB, row = row0 + i / NB;
@@ -78,26 +87,23 @@ void main() {
     [[unroll]] for (uint i = 0; i < ROWS * NB; i++) acc[i] = 0.0;
 
     for (uint u = tid; u < units; u += WG) {
+        Unit q[ROWS];
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
-            const uint row = min(row0 + r, pc.n_rows - 1);  // clamped: out-of-range rows compute, never store
-            vec4 q[RUNS * RUN / 4];
-            float a[RUNS], bo[RUNS];
-            uint xo[RUNS];
-            decode_unit(row, u, q, a, bo, xo);
-            [[unroll]] for (uint b = 0; b < NB; b++) {
-                float sum = 0.0;
-                [[unroll]] for (uint j = 0; j < RUNS; j++) {
-                    vec4 d4 = vec4(0.0), x4 = vec4(0.0);
-                    [[unroll]] for (uint i = 0; i < RUN / 4; i++) {
-                        vec4 xv = load_x4(b, xo[j] + 4 * i);
-                        d4 += q[j * (RUN / 4) + i] * xv;
-                        if (HAS_OFFSET) x4 += xv;
-                    }
-                    sum += a[j] * hsum(d4);
-                    if (HAS_OFFSET) sum += bo[j] * hsum(x4);
+            q[r] = load_unit(min(row0 + r, pc.n_rows - 1), u);  // clamped: out-of-range rows compute, never store
+        }
+        [[unroll]] for (uint b = 0; b < NB; b++) {
+            vec4 xv[XV];
+            float xs[RUNS];
+            [[unroll]] for (uint j = 0; j < RUNS; j++) {
+                const uint e = x_run(u, j);
+                vec4 s4 = vec4(0.0);
+                [[unroll]] for (uint i = 0; i < RUN / 4; i++) {
+                    xv[j * (RUN / 4) + i] = load_x4(b, e + 4 * i);
+                    s4 += xv[j * (RUN / 4) + i];
                 }
-                acc[r * NB + b] += sum;
+                xs[j] = HAS_OFFSET ? hsum(s4) : 0.0;
             }
+            [[unroll]] for (uint r = 0; r < ROWS; r++) acc[r * NB + b] += unit_dot(q[r], u, xv, xs);
         }
     }
 

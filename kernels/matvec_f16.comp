@@ -5,19 +5,17 @@
 #define RUNS 1
 #define UNIT_ELEMS 8
 #define HAS_OFFSET false
+struct Unit { uvec4 v; };
 #include "matvec_common.glsl"
 
-void decode_unit(uint row, uint u, out vec4 q[RUNS * RUN / 4], out float a[RUNS], out float b[RUNS],
-                 out uint xoff[RUNS]) {
-    const uvec4 v = w[row * pc.w_stride + u];
+Unit load_unit(uint row, uint u) { return Unit(w[row * pc.w_stride + u]); }
+
+uint x_run(uint u, uint j) { return u * 8; }
+
+float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
 #ifdef W_BF16
-    q[0] = unpack_bf16x4(v.xy);
-    q[1] = unpack_bf16x4(v.zw);
+    return hsum(unpack_bf16x4(q.v.xy) * xv[0] + unpack_bf16x4(q.v.zw) * xv[1]);
 #else
-    q[0] = unpack_half4(v.xy);
-    q[1] = unpack_half4(v.zw);
+    return hsum(unpack_half4(q.v.xy) * xv[0] + unpack_half4(q.v.zw) * xv[1]);
 #endif
-    a[0] = 1.0;
-    b[0] = 0.0;
-    xoff[0] = u * 8;
 }

@@ -5,20 +5,17 @@
 #define RUNS 2
 #define UNIT_ELEMS 32
 #define HAS_OFFSET true
+struct Unit { uvec4 v; float d; };
 #include "matvec_common.glsl"
 
-void decode_unit(uint row, uint u, out vec4 q[RUNS * RUN / 4], out float a[RUNS], out float b[RUNS],
-                 out uint xoff[RUNS]) {
-    const uvec4 v = w[row * pc.w_stride + u];
+Unit load_unit(uint row, uint u) { return Unit(w[row * pc.w_stride + u], scale_at(row, u)); }
+
+uint x_run(uint u, uint j) { return u * 32 + 16 * j; }
+
+float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
+    vec4 d4 = vec4(0.0);
     [[unroll]] for (uint i = 0; i < 4; i++) {
-        q[i] = bytes_bits(v[i], 0u, 0xFu);
-        q[4 + i] = bytes_bits(v[i], 4u, 0xFu);
+        d4 += bytes_bits(q.v[i], 0u, 0xFu) * xv[i] + bytes_bits(q.v[i], 4u, 0xFu) * xv[4 + i];
     }
-    const float d = scale_at(row, u);
-    a[0] = d;
-    a[1] = d;
-    b[0] = -8.0 * d;   // levels are stored as q + 8
-    b[1] = -8.0 * d;
-    xoff[0] = u * 32;
-    xoff[1] = u * 32 + 16;
+    return q.d * (hsum(d4) - 8.0 * (xs[0] + xs[1]));   // levels are stored as q + 8
 }

@@ -6,28 +6,37 @@
 #define RUNS 4
 #define UNIT_ELEMS 64
 #define HAS_OFFSET true
+struct Unit { uvec4 lo, hi, qh; uvec2 sc; float d; };
 #include "matvec_common.glsl"
 
-void decode_unit(uint row, uint u, out vec4 q[RUNS * RUN / 4], out float a[RUNS], out float b[RUNS],
-                 out uint xoff[RUNS]) {
-    const uint sb = u >> 2, k = u & 3u, hh = k >> 1, t = k & 1u;
-    const uint base = row * pc.w_stride + sb * 13;
-    const uvec4 lo = w[base + 4 * hh + t];       // ql[l]      : runs 0 (low nibble) and 2 (high)
-    const uvec4 hi = w[base + 4 * hh + 2 + t];   // ql[l + 32] : runs 1 and 3
-    const uvec4 qh = w[base + 8 + 2 * hh + t];   // 2 high bits for each of the four runs
+Unit load_unit(uint row, uint u) {
+    const uint hh = (u & 3u) >> 1, t = u & 1u;
+    const uint base = row * pc.w_stride + (u >> 2) * 13;
     const uvec4 scw = w[base + 12];
+    return Unit(w[base + 4 * hh + t],        // ql[l]      : runs 0 (low nibble) and 2 (high)
+                w[base + 4 * hh + 2 + t],    // ql[l + 32] : runs 1 and 3
+                w[base + 8 + 2 * hh + t],    // 2 high bits for each of the four runs
+                hh == 0 ? scw.xy : scw.zw,   // the int8 scales of this half
+                scale_at(row, u >> 2));
+}
+
+uint x_run(uint u, uint j) { return (u >> 2) * 256 + 128 * ((u & 3u) >> 1) + 16 * (u & 1u) + 32 * j; }
+
+float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
+    vec4 d[4] = vec4[4](vec4(0.0), vec4(0.0), vec4(0.0), vec4(0.0));
     [[unroll]] for (uint i = 0; i < 4; i++) {
-        q[i] = bytes_bits(lo[i], 0u, 0xFu) + 16.0 * bytes_bits(qh[i], 0u, 3u);
-        q[4 + i] = bytes_bits(hi[i], 0u, 0xFu) + 16.0 * bytes_bits(qh[i], 2u, 3u);
-        q[8 + i] = bytes_bits(lo[i], 4u, 0xFu) + 16.0 * bytes_bits(qh[i], 4u, 3u);
-        q[12 + i] = bytes_bits(hi[i], 4u, 0xFu) + 16.0 * bytes_bits(qh[i], 6u, 3u);
+        // the four 6-bit levels of each byte position, assembled in integer lanes before one conversion
+        const uint h = q.qh[i];
+        d[0] += bytes_bits((q.lo[i] & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u), 0u, 0xFFu) * xv[i];
+        d[1] += bytes_bits((q.hi[i] & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u), 0u, 0xFFu) * xv[4 + i];
+        d[2] += bytes_bits(((q.lo[i] >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u), 0u, 0xFFu) * xv[8 + i];
+        d[3] += bytes_bits(((q.hi[i] >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u), 0u, 0xFFu) * xv[12 + i];
     }
-    const float d = scale_at(row, sb);
+    float sum = 0.0;
     [[unroll]] for (uint j = 0; j < 4; j++) {
-        const uint si = 8 * hh + t + 2 * j;        // int8 scale of this run's 16 elements
-        const float sc = float(bitfieldExtract(int(scw[si >> 2]), int(8 * (si & 3u)), 8));
-        a[j] = d * sc;
-        b[j] = -32.0 * d * sc;   // levels are stored as q + 32
-        xoff[j] = sb * 256 + 128 * hh + 16 * t + 32 * j;
+        const uint bi = (u & 1u) + 2 * j;   // int8 scale of run j within this half's eight
+        const float sc = float(bitfieldExtract(int(q.sc[bi >> 2]), int(8 * (bi & 3u)), 8));
+        sum += sc * (hsum(d[j]) - 32.0 * xs[j]);   // levels are stored as q + 32
     }
+    return q.d * sum;
 }

@@ -5,16 +5,15 @@
 #define RUNS 1
 #define UNIT_ELEMS 16
 #define HAS_OFFSET false
+struct Unit { uvec4 v; float d; };
 #include "matvec_common.glsl"
 
-void decode_unit(uint row, uint u, out vec4 q[RUNS * RUN / 4], out float a[RUNS], out float b[RUNS],
-                 out uint xoff[RUNS]) {
-    const uvec4 v = w[row * pc.w_stride + u];
-    q[0] = bytes_i8(v.x);
-    q[1] = bytes_i8(v.y);
-    q[2] = bytes_i8(v.z);
-    q[3] = bytes_i8(v.w);
-    a[0] = scale_at(row, u >> 1);
-    b[0] = 0.0;
-    xoff[0] = u * 16;
+Unit load_unit(uint row, uint u) { return Unit(w[row * pc.w_stride + u], scale_at(row, u >> 1)); }
+
+uint x_run(uint u, uint j) { return u * 16; }
+
+float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
+    const vec4 d4 = bytes_i8(q.v.x) * xv[0] + bytes_i8(q.v.y) * xv[1] + bytes_i8(q.v.z) * xv[2]
+                  + bytes_i8(q.v.w) * xv[3];
+    return q.d * hsum(d4);
 }

@@ -4,10 +4,10 @@
     python scripts/make_tiny_model.py OUT_DIR --preset llama3-8b --gguf Q4_0      # benchmark shape, GGUF only
 
 OUT_DIR receives config.json, tokenizer.json, model.safetensors (Hugging Face Llama names; Mixtral names with
---experts) and model-<type>.gguf per requested type (llama.cpp "llama" architecture, q/k rows permuted as
-llama.cpp's converter does, byte-level BPE vocabulary embedded). Everything is deterministic in --seed: each
-tensor's values come from its own generator, seeded by (seed, tensor name, chunk), so the safetensors and GGUF
-copies hold the same weights and large tensors are generated and written one chunk at a time.
+--experts) and model-<type>.gguf per requested type (llama.cpp's "llama" architecture with q/k rows permuted as
+its converter does, or "qwen2" with --qwen2; byte-level BPE vocabulary embedded). Everything is deterministic
+in --seed: each tensor's values come from its own generator, seeded by (seed, tensor name, chunk), so the
+safetensors and GGUF copies hold the same weights and large tensors are generated and written one chunk at a time.
 
 The tokenizer is a byte-level BPE trained on a fixed built-in text (special tokens <|begin_of_text|>,
 <|end_of_text|>, <|eot_id|> first), padded with reserved special tokens up to the model's vocabulary size.
@@ -149,7 +149,7 @@ def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str,
     Encoded chunk by chunk, so only the encoded tensor and one float chunk are in memory at once."""
     pieces = []
     for hf_name, shape in parts:
-        if gname.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
+        if cfg.arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
             heads = cfg.n_heads if ".attn_q." in gname else cfg.n_kv_heads
             chunks: Iterator[np.ndarray] | list[np.ndarray] = [permute_rope_rows(tensor(seed, hf_name, shape), heads)]
         else:
@@ -163,9 +163,7 @@ def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, prog
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
     from tqdm import tqdm
 
-    if cfg.arch != "llama":
-        raise ValueError("the writer emits the llama architecture only")
-    w = GGUFWriter(str(path), "llama")
+    w = GGUFWriter(str(path), cfg.arch)
     w.add_name("vkgraph-random")
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.dim)
@@ -264,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument(flag, dest=field, type=int)
     ap.add_argument("--rope-scaling", choices=("none", "linear", "llama3"))
     ap.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
+    ap.add_argument("--qwen2", action="store_true", help="Qwen2 architecture (q/k/v biases)")
     a = ap.parse_args(argv)
     cfg = llama3_8b_config() if a.preset == "llama3-8b" else tiny_config()
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -277,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
                                 "llama3": RopeScaling("llama3", 8.0, 1.0, 4.0, 64)}[a.rope_scaling]
     if a.tie:
         over["tie_embeddings"] = True
+    if a.qwen2:
+        over |= {"arch": "qwen2", "attn_bias": True}
     cfg = dataclasses.replace(cfg, **over)
     types = tuple(t.strip().upper() for t in a.gguf.split(",") if t.strip())
     paths = write_model(a.out, cfg, seed=a.seed, gguf_types=types,

@@ -5,6 +5,8 @@ Plain and slow on purpose: float64 by default, one function per piece, no paging
 layout (the one the loader guarantees) and `ModelConfig.rope_inv_freq` for RoPE frequencies (Llama 3 scaling
 included). Supports GQA, q/k/v biases, RMSNorm, SwiGLU and the Mixtral mixture of experts (router softmax,
 top-k, renormalised weights).
+
+`tiny_model_writer()` hands tests scripts/make_tiny_model.py, which writes the models this reference runs.
 """
 
 from __future__ import annotations

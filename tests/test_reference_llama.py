@@ -28,7 +28,9 @@ def models(tmp_path_factory):
     moe_paths = mk.write_model(tmp_path_factory.mktemp("moe"), moe_cfg, gguf_types=("F32", "Q8_0"))
     scaled = mk.tiny_config(rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64), n_layers=1)
     scaled_paths = mk.write_model(tmp_path_factory.mktemp("llama3"), scaled, gguf_types=("F32",))
-    return {"dense": dense, "moe": moe_paths, "llama3": scaled_paths}
+    qwen2 = mk.tiny_config(arch="qwen2", attn_bias=True, tie_embeddings=True)
+    qwen2_paths = mk.write_model(tmp_path_factory.mktemp("qwen2"), qwen2, gguf_types=("F32",))
+    return {"dense": dense, "moe": moe_paths, "llama3": scaled_paths, "qwen2": qwen2_paths}
 
 
 def load(path) -> ReferenceLlama:
@@ -102,7 +104,7 @@ def test_moe_weights_renormalise_and_route_to_top_experts():
 
 # ---- the whole model ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "llama3"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "llama3", "qwen2"])
 def test_incremental_decode_matches_prefill(models, kind):
     ref = load(models[kind]["hf"])
     full = ref.forward(PROMPT, RefCache())
@@ -113,7 +115,7 @@ def test_incremental_decode_matches_prefill(models, kind):
     assert cache.length == len(PROMPT)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "llama3"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "llama3", "qwen2"])
 def test_gguf_and_safetensors_give_the_same_logits(models, kind):
     """Also checks the q/k un-permutation: a wrong RoPE row order changes every logit."""
     want = load(models[kind]["hf"]).forward(PROMPT)
@@ -129,6 +131,14 @@ def test_quantized_logits_stay_close(models, kind, qtype, tol):
     got = load(models[kind][qtype]).forward(PROMPT)
     errs = [nerr(g, w) for g, w in zip(got, want)]
     assert 0 < np.median(errs) < tol
+
+
+def test_qwen2_biases_matter(models):
+    w = load_weights(models["qwen2"]["F32"], progress=False)
+    assert w.config.arch == "qwen2" and w.layers[0].bq is not None
+    unbiased = dataclasses.replace(w, layers=[dataclasses.replace(lw, bq=lw.bq * 0, bk=lw.bk * 0, bv=lw.bv * 0)
+                                              for lw in w.layers])
+    assert nerr(ReferenceLlama(unbiased).forward(PROMPT), ReferenceLlama(w).forward(PROMPT)) > 1e-3
 
 
 def test_gqa_model_equals_mha_model_with_repeated_kv(models):

@@ -240,3 +240,17 @@ def test_missing_config(dense, tmp_path):
     shutil.copy(dense["hf"] / "model.safetensors", tmp_path)
     with pytest.raises(ModelFormatError, match="config.json"):
         load_weights(tmp_path, progress=False)
+
+
+@pytest.mark.slow
+def test_llama3_8b_shape_streams_with_bounded_memory(tmp_path):
+    """One layer of the benchmark shape (the embedding and output alone are 2 x 525M values)."""
+    import resource
+
+    cfg = dataclasses.replace(mk.llama3_8b_config(), n_layers=1)
+    paths = mk.write_model(tmp_path, cfg, gguf_types=("Q4_0",), safetensors=False)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 2 * 2**20  # KiB: under 2 GiB, the embedding is 2
+    w = load_weights(paths["Q4_0"], progress=False)
+    assert w.config == dataclasses.replace(cfg, rope_scaling=None, rope_freq_factors=w.config.rope_freq_factors)
+    assert w.embed.shape == (128256, 4096) and w.layers[0].w_down.shape == (4096, 14336)
+    np.testing.assert_allclose(w.config.rope_inv_freq(), cfg.rope_inv_freq(), rtol=1e-6)

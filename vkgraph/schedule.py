@@ -63,6 +63,35 @@ def is_input(n: Node, realized: Mapping[Node, BufferRef]) -> bool:
     return n.op is Op.BUFFER or n in realized
 
 
+class _Memo(Mapping):
+    """realized, with each node looked up once per schedule (lookups hash the node's structure)."""
+
+    def __init__(self, inner: Mapping[Node, BufferRef]):
+        self.inner, self.memo = inner, {}
+
+    def get(self, n: Node, default=None):
+        k = id(n)
+        if k not in self.memo:
+            self.memo[k] = (n, None if n.op is Op.BUFFER else self.inner.get(n))
+        ref = self.memo[k][1]
+        return default if ref is None else ref
+
+    def __contains__(self, n: object) -> bool:
+        return self.get(n) is not None
+
+    def __getitem__(self, n: Node) -> BufferRef:
+        ref = self.get(n)
+        if ref is None:
+            raise KeyError(n)
+        return ref
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
 def _row_expand(st: ShapeTracker, full: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     """st broadcasts a reduce output (size 1 on the reduced axes) back over the full shape."""
     if len(st.views) != 1:
@@ -192,6 +221,7 @@ def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
                     dests: list[tuple[BufferRef, ShapeTracker] | None] | None = None) -> Schedule:
     """Kernels computing `targets`; a target with a dest (buffer, view) is stored through that view instead."""
     dests = dests or [None] * len(targets)
+    realized = _Memo(realized)
 
     def stop(n: Node) -> bool:
         return is_input(n, realized)

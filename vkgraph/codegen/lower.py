@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..dtype import DType, dtypes, max_value, min_value
-from ..graph import BufferRef, Node, Op, ReduceOp, buffer, movement, reduce, substitute
+from ..graph import BufferRef, Node, Op, ReduceOp, argkey, buffer, movement, reduce, substitute
 from ..graph import alu as alu_node
 from ..schedule import Kernel
 from ..view import ShapeTracker, prod
@@ -362,7 +362,49 @@ def _matmul(k: Kernel, mm: Node, lim: Limits) -> Lowered:
     return Lowered([_finish(r, f"M_{nb}_{m_}_{n_}_{k_}", wg, groups, lim, shared)], [])
 
 
+def _signature(k: Kernel) -> tuple[tuple, list[BufferRef]]:
+    """The kernel's structure with buffers numbered by first use, and the buffers in that order."""
+    slots: dict[int, int] = {}
+    refs: list[BufferRef] = []
+    index: dict[int, int] = {}
+    entries = []
+
+    def slot(ref: BufferRef) -> int:
+        if id(ref) not in slots:
+            slots[id(ref)] = len(refs)
+            refs.append(ref)
+        return slots[id(ref)]
+
+    for n in k.root.toposort():
+        arg = ("buf", slot(n.arg[0]), n.arg[0].numel) if n.op is Op.BUFFER else argkey(n.arg)
+        index[id(n)] = len(entries)
+        entries.append((n.op, n.dtype, arg, n.shape, tuple(index[id(s)] for s in n.srcs)))
+    entries.append(("out", slot(k.out), k.out.numel, k.out.dtype, k.st))
+    return tuple(entries), refs
+
+
+_CACHE: dict[tuple, tuple[Lowered, list[BufferRef]]] = {}
+_CACHE_SIZE = 2048
+
+
 def lower(k: Kernel, lim: Limits) -> Lowered:
+    """GLSL programs for kernel k, remembered by the kernel's structure so a repeated graph skips rendering."""
+    key, refs = _signature(k)
+    key = (key, lim)
+    hit = _CACHE.get(key)
+    if hit is None:
+        if len(_CACHE) >= _CACHE_SIZE:
+            del _CACHE[next(iter(_CACHE))]
+        hit = _CACHE[key] = (_lower(k, lim), refs)
+        return hit[0]
+    lowered, old = hit
+    new = {id(o): r for o, r in zip(old, refs, strict=True)}
+    progs = [Program(p.name, p.src, [(new.get(id(ref), ref), off, n) for ref, off, n in p.bindings], p.groups,
+                     p.push) for p in lowered.programs]
+    return Lowered(progs, lowered.scratch)
+
+
+def _lower(k: Kernel, lim: Limits) -> Lowered:
     """GLSL programs (one, or two for a split reduction) that compute kernel k."""
     nodes = k.root.toposort()
     mms = [n for n in nodes if n.op is Op.MATMUL]

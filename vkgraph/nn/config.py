@@ -180,8 +180,7 @@ class ModelConfig:
         head_dim = int(get("attention.key_length", dim // n_heads))
         if int(get("rope.dimension_count", head_dim)) != head_dim:
             raise UnsupportedModelError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
-        tokens = gguf_value(reader, "tokenizer.ggml.tokens")
-        vocab = get("vocab_size", len(tokens) if tokens else int(tensors["token_embd.weight"].shape[1]))
+        vocab = get("vocab_size", int(tensors["token_embd.weight"].shape[1]))
         scaling = None
         kind = get("rope.scaling.type", "none")
         if kind == "linear":

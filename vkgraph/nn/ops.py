@@ -94,8 +94,9 @@ def paged_decode(cache: pa.PagedKVCache, q: Tensor, block_tables: Tensor, contex
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, num_seqs: int, max_seq_len: int,
-                      scale: float | None = None, window: int = 0) -> Tensor:
-    """Causal attention over packed prompts: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D]."""
+                      scale: float | None = None, window: int = 0, after: Tensor | None = None) -> Tensor:
+    """Causal attention over packed prompts: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D].
+    `after`: a token (e.g. write_kv's) this op must follow in the graph."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
 
@@ -105,6 +106,6 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, nu
                              scale=scale, window=window, out=out)
 
     ins = [q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
-           cu_seqlens.cast(dtypes.int32).contiguous()]
+           cu_seqlens.cast(dtypes.int32).contiguous()] + ([after] if after is not None else [])
     return custom(run, ins, (t, heads, d), dtypes.float32, key=(num_seqs, max_seq_len, scale, window),
                   name="prefill_attention")

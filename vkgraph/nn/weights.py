@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -119,6 +119,16 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]
 
 # ---- entry point --------------------------------------------------------------------------------------------
 
+class _Source(Protocol):
+    """Tensors of one file format, by Hugging Face name."""
+
+    config: ModelConfig
+
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> Weight: ...
+
+
 def load_weights(path: str | Path, *, quantize: str | None = None, progress: bool = True) -> ModelWeights:
     """Load a model: a .gguf file, or a directory (or one .safetensors file inside it) with config.json and
     *.safetensors. `quantize` ("Q8_0", "Q4_0", ...) quantizes float projection matrices and lm_head on load;
@@ -135,16 +145,6 @@ def load_weights(path: str | Path, *, quantize: str | None = None, progress: boo
             raise ModelFormatError(f"no .safetensors files in {d}")
         src = _SafetensorsSource(files, ModelConfig.from_hf(d))
     return _assemble(src, quantize, progress, p.name)
-
-
-class _Source:
-    config: ModelConfig
-
-    def has(self, name: str) -> bool:
-        raise NotImplementedError
-
-    def get(self, name: str) -> Weight:
-        raise NotImplementedError
 
 
 def _assemble(src: _Source, quantize: str | None, progress: bool, label: str) -> ModelWeights:
@@ -196,7 +196,7 @@ def _layer(cfg: ModelConfig, got: dict[str, Weight], i: int) -> LayerWeights:
 _ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
 
 
-class _SafetensorsSource(_Source):
+class _SafetensorsSource:
     """Parses the (tiny) safetensors header itself and memory-maps the data, so tensors are zero-copy views
     (the `safetensors` package's numpy API copies each tensor and has no bfloat16)."""
 
@@ -300,7 +300,7 @@ def open_gguf(path: str | Path) -> Any:
     return reader
 
 
-class _GGUFSource(_Source):
+class _GGUFSource:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.reader = open_gguf(path)

@@ -1,0 +1,176 @@
+"""Layers of a Llama-family model, in plain Tensor code plus the template ops of vkgraph.nn.ops.
+
+Each layer takes its weights as loaded by vkgraph.nn.weights (numpy arrays or QuantizedTensors) and puts them
+on the device once. Activations are float32 Tensors shaped (tokens, features): a batch of sequences is packed
+into one token axis, and what tells the sequences apart (positions, slot mapping, block tables, context
+lengths) comes in as integer Tensors, so one JIT capture serves every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dtype import dtypes
+from ..ops.paged_attention import PagedKVCache
+from ..quant import QuantizedTensor, dequantize
+from ..tensor import Tensor, cat
+from .config import ModelConfig
+from .ops import QuantLinear, paged_decode, prefill_attention, write_kv
+
+
+class Linear:
+    """y = x @ W.T (+ bias) (+ residual). Quantized weights run the matvec templates; float weights the
+    generated matmul, stored as float16 (float32 accumulation) or float32."""
+
+    def __init__(self, weight: np.ndarray | QuantizedTensor, bias: np.ndarray | None = None,
+                 float_dtype: str = "float16") -> None:
+        self.out_features, self.in_features = weight.shape
+        if isinstance(weight, QuantizedTensor):
+            self.quant: QuantLinear | None = QuantLinear(weight)
+            self.weight_t = None
+        else:
+            self.quant = None
+            self.weight_t = Tensor(np.ascontiguousarray(np.asarray(weight, np.float32).T), dtype=float_dtype).realize()
+        self.bias = Tensor(np.asarray(bias, np.float32)).realize() if bias is not None else None
+
+    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        if self.quant is not None:
+            y = self.quant(x, residual=residual if self.bias is None else None)
+        else:
+            y = (x.cast(self.weight_t.dtype) @ self.weight_t).float()
+            if self.bias is None and residual is not None:
+                y = y + residual
+        if self.bias is not None:
+            y = y + self.bias
+            if residual is not None:
+                y = y + residual
+        return y
+
+
+class RMSNorm:
+    def __init__(self, weight: np.ndarray, eps: float) -> None:
+        self.weight = Tensor(np.asarray(weight, np.float32)).realize()
+        self.eps = eps
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return x.rms_norm(self.weight, self.eps)
+
+
+class Embedding:
+    """Token ids -> float32 rows; the table is kept as `float_dtype` (quantized tables are dequantized)."""
+
+    def __init__(self, weight: np.ndarray | QuantizedTensor, float_dtype: str = "float16") -> None:
+        table = dequantize(weight) if isinstance(weight, QuantizedTensor) else np.asarray(weight, np.float32)
+        self.table = Tensor(table, dtype=float_dtype).realize()
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        return self.table.take(tokens, 0).float()
+
+
+class RotaryEmbedding:
+    """RoPE in Hugging Face's rotate-half layout, frequencies (with any scaling) from the config.
+
+    cos/sin tables for every position are computed once; a step gathers the rows of its positions, and the
+    rotation is elementwise, so it fuses into the kernels around it."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        angles = np.outer(np.arange(max_positions, dtype=np.float64), cfg.rope_inv_freq())
+        self.cos = Tensor(np.cos(angles).astype(np.float32)).realize()
+        self.sin = Tensor(np.sin(angles).astype(np.float32)).realize()
+        self.max_positions = max_positions
+
+    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(tokens, 1, head_dim/2) cos and sin for these positions."""
+        return self.cos.take(positions, 0).unsqueeze(1), self.sin.take(positions, 0).unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x: (tokens, heads, head_dim); pairs are (j, j + head_dim/2)."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@dataclass
+class StepInputs:
+    """What one forward step needs besides token ids, all int32 Tensors.
+
+    positions, slot_mapping: (tokens,). Attention reads the paged cache per query row: `block_tables`
+    (rows, max_blocks) and `context_lens` (rows,), where a row is one sequence in decode, or one prompt token
+    (its sequence's table, context = position + 1) in a prefill that continues a cached prefix. A prefill
+    from scratch may pass `cu_seqlens` (sequences + 1) and `max_seq_len` instead, to use the prefill kernel."""
+
+    positions: Tensor
+    slot_mapping: Tensor
+    block_tables: Tensor | None = None
+    context_lens: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+    max_seq_len: int = 0
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, wq, wk, wv, wo, bq=None, bk=None, bv=None,
+                 float_dtype: str = "float16") -> None:
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q, self.k, self.v = (Linear(w, b, float_dtype) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+        self.o = Linear(wo, float_dtype=float_dtype)
+
+    def __call__(self, x: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor], cache: PagedKVCache,
+                 step: StepInputs) -> Tensor:
+        t = x.shape[0]
+        q = self.q(x).reshape(t, self.n_heads, self.head_dim)
+        k = self.k(x).reshape(t, self.n_kv_heads, self.head_dim)
+        v = self.v(x).reshape(t, self.n_kv_heads, self.head_dim)
+        q, k = RotaryEmbedding.rotate(q, *rope), RotaryEmbedding.rotate(k, *rope)
+        written = write_kv(cache, k, v, step.slot_mapping)
+        if step.cu_seqlens is not None:
+            # a prefill from scratch attends over the prompt's own keys; the cache write still happens
+            att = prefill_attention(q, k, v, step.cu_seqlens, num_seqs=step.cu_seqlens.shape[0] - 1,
+                                    max_seq_len=step.max_seq_len, after=written)
+        else:
+            max_context = step.block_tables.shape[1] * cache.block_size
+            att = paged_decode(cache, q, step.block_tables, step.context_lens, written, max_context_len=max_context)
+        return self.o(att.reshape(t, self.n_heads * self.head_dim), residual=residual)
+
+
+class MLP:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, w_gate, w_up, w_down, float_dtype: str = "float16") -> None:
+        self.gate, self.up, self.down = (Linear(w, float_dtype=float_dtype) for w in (w_gate, w_up, w_down))
+
+    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        return self.down(self.gate(x).silu() * self.up(x), residual=residual)
+
+
+class MoE:
+    """Mixture of experts: router softmax, top-k by rank, weights renormalised over the chosen k.
+
+    Each expert's product is computed for the whole batch and weighted by its (mostly zero) routing weight:
+    exact, and every shape is static so a step captures once; it reads every expert's weights, which costs
+    bandwidth that a grouped sparse dispatch would not."""
+
+    def __init__(self, router: np.ndarray, experts: list, top_k: int, float_dtype: str = "float16") -> None:
+        self.router_t = Tensor(np.ascontiguousarray(np.asarray(router, np.float32).T)).realize()
+        self.experts = [MLP(e.w_gate, e.w_up, e.w_down, float_dtype) for e in experts]
+        self.top_k = top_k
+
+    def routing(self, x: Tensor) -> Tensor:
+        """(tokens, experts) weights: softmax probabilities of the top_k experts, renormalised; zero elsewhere."""
+        probs = (x @ self.router_t).softmax(-1)
+        e = probs.shape[-1]
+        mine, other = probs.unsqueeze(-1), probs.unsqueeze(-2)  # (t, e, 1) against (t, 1, e)
+        idx = Tensor.arange(e, dtype=dtypes.int32)
+        earlier = idx.reshape(1, 1, e) < idx.reshape(1, e, 1)  # ties go to the lower expert index
+        rank = ((other > mine) | ((other == mine) & earlier)).cast(dtypes.int32).sum(-1)
+        chosen = (rank < self.top_k).float() * probs
+        return chosen / chosen.sum(-1, keepdim=True)
+
+    def __call__(self, x: Tensor, residual: Tensor) -> Tensor:
+        weights = self.routing(x)
+        out = residual
+        for i, expert in enumerate(self.experts):
+            out = out + expert(x) * weights[:, i:i + 1]
+        return out

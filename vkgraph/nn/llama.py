@@ -1,0 +1,63 @@
+"""A Llama-family model (Llama 1-3, Mistral, Mixtral, Qwen2) written with vkgraph's layers.
+
+    weights = load_weights("model.gguf")
+    model = LlamaModel(weights, num_blocks=256)
+    logits = model(tokens, step)          # tokens: int32 (T,), step: StepInputs
+
+The forward pass is plain Tensor code: read it as the reference for writing your own model.
+"""
+
+from __future__ import annotations
+
+from ..ops.paged_attention import PagedKVCache
+from ..runtime import get_device
+from ..tensor import Tensor
+from .config import ModelConfig
+from .layers import MLP, Attention, Embedding, Linear, MoE, RMSNorm, RotaryEmbedding, StepInputs
+from .weights import LayerWeights, ModelWeights
+
+
+class TransformerBlock:
+    def __init__(self, cfg: ModelConfig, w: LayerWeights, float_dtype: str) -> None:
+        self.attn_norm = RMSNorm(w.attn_norm, cfg.norm_eps)
+        self.attn = Attention(cfg, w.wq, w.wk, w.wv, w.wo, w.bq, w.bk, w.bv, float_dtype=float_dtype)
+        self.ffn_norm = RMSNorm(w.ffn_norm, cfg.norm_eps)
+        if cfg.is_moe:
+            self.ffn: MLP | MoE = MoE(w.router, w.experts, cfg.n_experts_per_tok, float_dtype)
+        else:
+            self.ffn = MLP(w.w_gate, w.w_up, w.w_down, float_dtype)
+
+    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: PagedKVCache, step: StepInputs) -> Tensor:
+        x = self.attn(self.attn_norm(x), x, rope, cache, step)
+        return self.ffn(self.ffn_norm(x), residual=x)
+
+
+class LlamaModel:
+    """The model and its paged KV cache: `num_blocks` blocks of `block_size` tokens per layer, shared by all
+    sequences through their block tables (vkgraph.nn.kv_cache.KVCacheManager hands them out). Float weight
+    matrices are kept as `float_dtype` (float16 halves their memory and bandwidth; float32 is exact)."""
+
+    def __init__(self, weights: ModelWeights, *, num_blocks: int, block_size: int = 16, kv_dtype: str = "f16",
+                 max_blocks_per_seq: int | None = None, float_dtype: str = "float16") -> None:
+        cfg = self.config = weights.config
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq or -(-cfg.max_seq_len // block_size)
+        self.max_context = self.max_blocks_per_seq * block_size
+        self.embed = Embedding(weights.embed, float_dtype)
+        self.rope = RotaryEmbedding(cfg, self.max_context)
+        self.layers = [TransformerBlock(cfg, w, float_dtype) for w in weights.layers]
+        self.norm = RMSNorm(weights.norm, cfg.norm_eps)
+        self.lm_head = Linear(weights.lm_head, float_dtype=float_dtype)
+        dev = get_device()
+        self.caches = [PagedKVCache.create(dev, num_blocks, cfg.n_kv_heads, cfg.head_dim, block_size, kv_dtype)
+                       for _ in self.layers]
+
+    def __call__(self, tokens: Tensor, step: StepInputs, logit_rows: Tensor | None = None) -> Tensor:
+        """Logits (rows, vocab) float32 for the tokens at `logit_rows` (all tokens when None)."""
+        x = self.embed(tokens)
+        rope = self.rope.tables(step.positions)
+        for layer, cache in zip(self.layers, self.caches):
+            x = layer(x, rope, cache, step)
+        if logit_rows is not None:
+            x = x.take(logit_rows, 0)
+        return self.lm_head(self.norm(x))
