@@ -63,52 +63,73 @@ def cpu(n: int, reps: int) -> None:
     table(rows, ("ops", "elements", "numpy ms", "vkgraph ms", "speedup"))
 
 
+def kernel_seconds(fn: Callable[[], object], reps: int) -> float | None:
+    """Best GPU time of fn's dispatches from timestamps (VKGRAPH_PROFILE=1), or None without profiling."""
+    prof = getattr(get_device().queue, "profiler", None)
+    if prof is None:
+        return None
+    best = None
+    for _ in range(reps):
+        prof.events.clear()
+        fn()
+        total = sum(t1 - t0 for _, t0, t1 in prof.events) / 1e9
+        best = total if best is None else min(best, total)
+    return best
+
+
 def gpu(reps: int) -> None:
+    """vkgraph first, PyTorch after (both on the GPU at once slows the Vulkan side), one table at the end."""
+    rng = np.random.default_rng(0)
+    cases = []  # (name, unit, amount per run, vkgraph fn, torch fn maker)
+    for log2 in (26, 28):
+        n = 1 << log2
+        a, c, d = (rng.standard_normal(n, dtype=np.float32) for _ in range(3))
+        ta, tc, td = (Tensor(v).realize() for v in (a, c, d))
+        cases.append((f"((a*c+d).exp()*c).sum() 2^{log2}", "GB/s", 3 * n * 4 / 1e9,
+                      lambda ta=ta, tc=tc, td=td: vk_run(((ta * tc + td).exp() * tc).sum()),
+                      lambda torch, a=a, c=c, d=d: _torch_chain(torch, a, c, d)))
+    for shape in ((4096, 4096), (32768, 4096)):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        tx = Tensor(x).realize()
+        cases.append((f"softmax {shape}", "GB/s", 2 * x.nbytes / 1e9, lambda tx=tx: vk_run(tx.softmax(-1)),
+                      lambda torch, x=x: (lambda xt: lambda: torch.softmax(xt, -1))(torch.from_numpy(x).cuda())))
+        cases.append((f"layer_norm {shape}", "GB/s", 2 * x.nbytes / 1e9, lambda tx=tx: vk_run(tx.layer_norm()),
+                      lambda torch, x=x: (lambda xt: lambda: torch.nn.functional.layer_norm(xt, (x.shape[1],)))(
+                          torch.from_numpy(x).cuda())))
+    m = 4096
+    a16, b16 = (rng.standard_normal((m, m)).astype(np.float16) for _ in range(2))
+    ta16, tb16 = Tensor(a16).realize(), Tensor(b16).realize()
+    cases.append(("matmul f16 4096^3", "TFLOP/s", 2 * m**3 / 1e12, lambda: vk_run(ta16 @ tb16),
+                  lambda torch: (lambda xa, xb: lambda: xa @ xb)(torch.from_numpy(a16).cuda(),
+                                                               torch.from_numpy(b16).cuda())))
+    results = []
+    for name, unit, amount, vk_fn, _ in cases:
+        wall = best_of(vk_fn, reps)
+        gpu_s = kernel_seconds(vk_fn, reps)
+        results.append([name, f"{rate(amount, wall, unit)} {unit}", "" if gpu_s is None else rate(amount, gpu_s, unit)])
     try:
         import torch
     except ImportError:
         torch = None
-    rows = []
-    rng = np.random.default_rng(0)
-    for log2 in (26, 28):
-        n = 1 << log2
-        a, c, d = (rng.standard_normal(n, dtype=np.float32) for _ in range(3))
-        ta, tc, td = Tensor(a).realize(), Tensor(c).realize(), Tensor(d).realize()
-        t_vk = best_of(lambda: vk_run(((ta * tc + td).exp() * tc).sum()), reps)
-        gbs = 3 * n * 4 / 1e9
-        row = [f"((a*c+d).exp()*c).sum() 2^{log2}", f"{gbs / t_vk:.0f} GB/s"]
-        if torch is not None:
-            xa, xc, xd = (torch.from_numpy(v).cuda() for v in (a, c, d))
-            f = lambda: ((xa * xc + xd).exp() * xc).sum()  # noqa: E731
-            t_t = best_of(lambda: (f(), torch.cuda.synchronize()), reps)
-            row += [f"{gbs / t_t:.0f} GB/s", f"{t_t / t_vk:.2f}"]
-        rows.append(tuple(row) + ("",) * (4 - len(row)))
-    for shape in ((4096, 4096), (32768, 4096)):
-        x = rng.standard_normal(shape, dtype=np.float32)
-        tx = Tensor(x).realize()
-        gbs = 2 * x.nbytes / 1e9
-        for name, fn in (("softmax", lambda t: t.softmax(-1)), ("layer_norm", lambda t: t.layer_norm())):
-            t_vk = best_of(lambda f=fn: vk_run(f(tx)), reps)
-            row = [f"{name} {shape}", f"{gbs / t_vk:.0f} GB/s"]
-            if torch is not None:
-                xt = torch.from_numpy(x).cuda()
-                tf = (lambda: torch.softmax(xt, -1)) if name == "softmax" else (
-                    lambda: torch.nn.functional.layer_norm(xt, (shape[1],)))
-                t_t = best_of(lambda g=tf: (g(), torch.cuda.synchronize()), reps)
-                row += [f"{gbs / t_t:.0f} GB/s", f"{t_t / t_vk:.2f}"]
-            rows.append(tuple(row) + ("",) * (4 - len(row)))
-    m = 4096
-    a16, b16 = (rng.standard_normal((m, m)).astype(np.float16) for _ in range(2))
-    ta, tb = Tensor(a16).realize(), Tensor(b16).realize()
-    t_vk = best_of(lambda: vk_run(ta @ tb), reps)
-    row = ["matmul f16 4096^3", f"{2 * m**3 / t_vk / 1e12:.1f} TFLOP/s"]
-    if torch is not None:
-        xa, xb = torch.from_numpy(a16).cuda(), torch.from_numpy(b16).cuda()
-        t_t = best_of(lambda: (xa @ xb, torch.cuda.synchronize()), reps)
-        row += [f"{2 * m**3 / t_t / 1e12:.1f} TFLOP/s", f"{t_t / t_vk:.2f}"]
-    rows.append(tuple(row) + ("",) * (4 - len(row)))
-    print(f"GPU ({get_device().info.name})")
-    table(rows, ("benchmark", "vkgraph", "pytorch", "ratio to pytorch"))
+    for row, (_, unit, amount, _, torch_fn) in zip(results, cases, strict=True):
+        if torch is None:
+            row += ["", ""]
+            continue
+        f = torch_fn(torch)
+        t = best_of(lambda f=f: (f(), torch.cuda.synchronize()), reps)
+        wall = float(row[1].split()[0])
+        row += [rate(amount, t, unit), f"{wall / (amount / t):.2f}"]
+    print(f"GPU ({get_device().info.name}); vkgraph wall = graph + schedule + dispatch + wait per call")
+    table([tuple(r) for r in results], ("benchmark", "vkgraph wall", "vkgraph kernels", "pytorch", "wall ratio"))
+
+
+def rate(amount: float, seconds: float, unit: str) -> str:
+    return f"{amount / seconds:.0f}" if unit == "GB/s" else f"{amount / seconds:.1f}"
+
+
+def _torch_chain(torch, a, c, d):
+    xa, xc, xd = (torch.from_numpy(v).cuda() for v in (a, c, d))
+    return lambda: ((xa * xc + xd).exp() * xc).sum()
 
 
 if __name__ == "__main__":

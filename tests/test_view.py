@@ -137,6 +137,6 @@ def test_index_expressions_fold():
     assert ((x * 4 + 3) // 4).render() == "x"
     assert ((x * 4 + 3) % 4).render() == "3"
     assert ((x % 10) // 10).render() == "0"
-    assert (((x // 5) // 2)).render() == "(x/10)"
+    assert ((x // 5) // 2).render() == "(x/10)"
     assert ((x % 6) % 3).render() == "(x%3)"
     assert (x * 0 + 7).render() == "7"

@@ -146,11 +146,14 @@ def test_bf16_safetensors(dense, tmp_path):
     assert_matches_generator(got, TYPE_TOL["BF16"])
 
 
-def test_gguf_llama3_rope_factors_equal_hf_scaling(tmp_path):
-    cfg = mk.tiny_config(n_layers=1, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
+@pytest.mark.parametrize("scaling", [RopeScaling("llama3", 8.0, 1.0, 4.0, 64), RopeScaling("linear", 2.0)])
+def test_gguf_rope_scaling_equals_hf_scaling(tmp_path, scaling):
+    """GGUF keeps linear scaling as metadata and Llama 3's as a rope_freqs tensor of divisors."""
+    cfg = mk.tiny_config(n_layers=1, rope_scaling=scaling)
     paths = mk.write_model(tmp_path, cfg, gguf_types=("F32",))
     hf, gg = ModelConfig.from_hf(paths["hf"]), load_weights(paths["F32"], progress=False).config
-    assert gg.rope_scaling is None and gg.rope_freq_factors is not None
+    assert hf == cfg
+    assert (gg.rope_freq_factors is not None) == (scaling.type == "llama3")
     np.testing.assert_allclose(gg.rope_inv_freq(), hf.rope_inv_freq(), rtol=1e-6)
     assert not np.allclose(hf.rope_inv_freq(), dataclasses.replace(hf, rope_scaling=None).rope_inv_freq())
 

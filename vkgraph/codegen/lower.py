@@ -251,6 +251,9 @@ def _acc_dtype(d: DType) -> DType:
     return dtypes.float32 if d.is_float else d
 
 
+UNROLL = 4
+
+
 def _split(k: Kernel, red: Node, lim: Limits) -> Lowered:
     """Partial reductions over chunks of each row into scratch, then a reduce kernel over the partials."""
     full, axes = red.srcs[0].shape, red.arg[1]
@@ -277,8 +280,15 @@ def _split(k: Kernel, red: Node, lim: Limits) -> Lowered:
         src = alu_node(Op.CAST, acc_d, src)
     partial = reduce(src, red.arg[0], axes)
     acc = _Reduction(r, partial, wg, shared)
-    end = f"min({rlen}, (part + 1) * {chunk})"
-    with r.block(f"for (int r = part * {chunk} + lid; r < {end}; r += {wg})"):
+    end = r.define("int", f"min({rlen}, (part + 1) * {chunk})", "end")
+    r.emit(f"int r = part * {chunk} + lid;")
+    # four loads in flight per invocation before they are combined: the split reduction is bandwidth-bound
+    with r.block(f"for (; r + {(UNROLL - 1) * wg} < {end}; r += {UNROLL * wg})"):
+        rv = Var("r", 0, max(rlen - 1 - (UNROLL - 1) * wg, 0))  # the loop test keeps r + 3 * wg in range
+        vals = [r.value(src, _full_coords(oc, unravel(rv + k * wg, rshape), axes)) for k in range(UNROLL)]
+        for v in vals:
+            acc.add(v, "r")
+    with r.block(f"for (; r < {end}; r += {wg})"):
         acc.add(r.value(src, _full_coords(oc, rc, axes)), "r")
     res = acc.finish()
     with r.block("if (lid == 0)"):

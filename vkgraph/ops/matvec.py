@@ -66,13 +66,30 @@ def upload_weights(dev: Device, qt: QuantizedTensor) -> DeviceWeights:
                          0 if scales is None else scales.shape[1] // 2)
 
 
+# rows per workgroup at batch 1: each invocation keeps this many 16-byte weight loads in flight and reuses one
+# load of activations for all of them. A Q6_K unit carries three words and 64 activations, so fewer rows.
+ROWS_BATCH1 = {"Q8_0": 8, "Q4_0": 8, "Q4_K": 8, "Q6_K": 4, "F16": 8, "BF16": 8}
+WG_SIZES = (256, 128, 64, 32)
+MAX_IDLE = 0.05  # the share of invocation-iterations left idle by K that a workgroup size may waste
+
+
+def _workgroup_size(units: int, sg: int, max_invocations: int) -> int:
+    """The largest size whose invocations all get (nearly) the same number of units: 448 units take 64 x 7
+    rather than 128 x 3.5, which leaves an eighth of the last iteration idle."""
+    sizes = [w for w in WG_SIZES if max(sg, 32) <= w <= max_invocations] or [pow2_floor(max_invocations)]
+    fits = [w for w in sizes if w <= units] or [sizes[-1]]
+    for w in fits:
+        if -(-units // w) * w <= units * (1 + MAX_IDLE):
+            return w
+    return fits[-1]
+
+
 def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> MatvecConfig:
-    """Launch parameters from the device: enough invocations to cover a row's units, rows to fill the GPU."""
+    """Launch parameters from the device: evenly loaded invocations per row, rows for loads in flight."""
     info = dev.info
-    units = k // UNIT_ELEMS[fmt.name]
     sg = info.subgroup_size
-    wg = min(128, max(sg, 32, pow2_floor(units)), pow2_floor(info.max_workgroup_invocations))
-    rows = 2 if batch <= 4 else 1
+    wg = _workgroup_size(k // UNIT_ELEMS[fmt.name], sg, info.max_workgroup_invocations)
+    rows = max(1, ROWS_BATCH1[fmt.name] // batch)
     use_subgroup = "arithmetic" in info.subgroup_ops and wg % sg == 0
     return MatvecConfig(wg, rows, use_subgroup)
 
