@@ -2,6 +2,7 @@
 
     python benchmarks/bench_tensor.py            # the lavapipe table: vkgraph against numpy on the same CPU
     python benchmarks/bench_tensor.py --gpu      # the GPU table: GB/s and TFLOP/s, beside PyTorch if installed
+    VKGRAPH_PROFILE=1 python benchmarks/bench_tensor.py --gpu   # also each kernel's GPU time, at exit
 
 Inputs are random (never zeros: fresh allocations are zeroed and flatter the numbers). Each figure is the best
 of several runs after a warm-up; a run builds the graph, schedules, dispatches and waits, as user code would.
@@ -10,6 +11,9 @@ of several runs after a warm-up; a run builds the graph, schedules, dispatches a
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -63,73 +67,64 @@ def cpu(n: int, reps: int) -> None:
     table(rows, ("ops", "elements", "numpy ms", "vkgraph ms", "speedup"))
 
 
-def kernel_seconds(fn: Callable[[], object], reps: int) -> float | None:
-    """Best GPU time of fn's dispatches from timestamps (VKGRAPH_PROFILE=1), or None without profiling."""
-    prof = getattr(get_device().queue, "profiler", None)
-    if prof is None:
-        return None
-    best = None
-    for _ in range(reps):
-        prof.events.clear()
-        fn()
-        total = sum(t1 - t0 for _, t0, t1 in prof.events) / 1e9
-        best = total if best is None else min(best, total)
-    return best
-
-
-def gpu(reps: int) -> None:
-    """vkgraph first, PyTorch after (both on the GPU at once slows the Vulkan side), one table at the end."""
-    rng = np.random.default_rng(0)
-    cases = []  # (name, unit, amount per run, vkgraph fn, torch fn maker)
+def gpu_cases(rng: np.random.Generator) -> list[tuple]:
+    """(name, unit, amount per run, host inputs, vkgraph fn, torch fn or None) for each GPU benchmark."""
+    cases = []
     for log2 in (26, 28):
         n = 1 << log2
-        a, c, d = (rng.standard_normal(n, dtype=np.float32) for _ in range(3))
-        ta, tc, td = (Tensor(v).realize() for v in (a, c, d))
         cases.append((f"((a*c+d).exp()*c).sum() 2^{log2}", "GB/s", 3 * n * 4 / 1e9,
-                      lambda ta=ta, tc=tc, td=td: vk_run(((ta * tc + td).exp() * tc).sum()),
-                      lambda torch, a=a, c=c, d=d: _torch_chain(torch, a, c, d)))
+                      lambda n=n: [rng.standard_normal(n, dtype=np.float32) for _ in range(3)],
+                      lambda a, c, d: ((a * c + d).exp() * c).sum(), lambda a, c, d: ((a * c + d).exp() * c).sum()))
     for shape in ((4096, 4096), (32768, 4096)):
-        x = rng.standard_normal(shape, dtype=np.float32)
-        tx = Tensor(x).realize()
-        cases.append((f"softmax {shape}", "GB/s", 2 * x.nbytes / 1e9, lambda tx=tx: vk_run(tx.softmax(-1)),
-                      lambda torch, x=x: (lambda xt: lambda: torch.softmax(xt, -1))(torch.from_numpy(x).cuda())))
-        cases.append((f"layer_norm {shape}", "GB/s", 2 * x.nbytes / 1e9, lambda tx=tx: vk_run(tx.layer_norm()),
-                      lambda torch, x=x: (lambda xt: lambda: torch.nn.functional.layer_norm(xt, (x.shape[1],)))(
-                          torch.from_numpy(x).cuda())))
+        nbytes = 2 * 4 * shape[0] * shape[1] / 1e9
+        cases.append((f"softmax {shape}", "GB/s", nbytes, lambda s=shape: [rng.standard_normal(s, dtype=np.float32)],
+                      lambda t: t.softmax(-1), None))
+        cases.append((f"layer_norm {shape}", "GB/s", nbytes,
+                      lambda s=shape: [rng.standard_normal(s, dtype=np.float32)], lambda t: t.layer_norm(), None))
     m = 4096
-    a16, b16 = (rng.standard_normal((m, m)).astype(np.float16) for _ in range(2))
-    ta16, tb16 = Tensor(a16).realize(), Tensor(b16).realize()
-    cases.append(("matmul f16 4096^3", "TFLOP/s", 2 * m**3 / 1e12, lambda: vk_run(ta16 @ tb16),
-                  lambda torch: (lambda xa, xb: lambda: xa @ xb)(torch.from_numpy(a16).cuda(),
-                                                               torch.from_numpy(b16).cuda())))
-    results = []
-    for name, unit, amount, vk_fn, _ in cases:
-        wall = best_of(vk_fn, reps)
-        gpu_s = kernel_seconds(vk_fn, reps)
-        results.append([name, f"{rate(amount, wall, unit)} {unit}", "" if gpu_s is None else rate(amount, gpu_s, unit)])
+    cases.append(("matmul f16 4096^3", "TFLOP/s", 2 * m**3 / 1e12,
+                  lambda: [rng.standard_normal((m, m)).astype(np.float16) for _ in range(2)], lambda a, b: a @ b, None))
+    return cases
+
+
+def _vk_seconds(fn: Callable, host: list[np.ndarray], reps: int) -> float:
+    ts = [Tensor(h).realize() for h in host]
+    return best_of(lambda: vk_run(fn(*ts)), reps)
+
+
+def gpu_case(index: int, reps: int) -> list[str]:
+    """One row, measured in this process: vkgraph first, then PyTorch (if installed) on the same inputs."""
+    name, unit, amount, make, fn, tfn = gpu_cases(np.random.default_rng(0))[index]
+    host = make()
+    vk = amount / _vk_seconds(fn, host, reps)
+    row = [name, f"{vk:.0f} {unit}" if unit == "GB/s" else f"{vk:.1f} {unit}", "", ""]
     try:
         import torch
     except ImportError:
-        torch = None
-    for row, (_, unit, amount, _, torch_fn) in zip(results, cases, strict=True):
-        if torch is None:
-            row += ["", ""]
-            continue
-        f = torch_fn(torch)
-        t = best_of(lambda f=f: (f(), torch.cuda.synchronize()), reps)
-        wall = float(row[1].split()[0])
-        row += [rate(amount, t, unit), f"{wall / (amount / t):.2f}"]
-    print(f"GPU ({get_device().info.name}); vkgraph wall = graph + schedule + dispatch + wait per call")
-    table([tuple(r) for r in results], ("benchmark", "vkgraph wall", "vkgraph kernels", "pytorch", "wall ratio"))
+        return row
+    xs = [torch.from_numpy(h).cuda() for h in host]
+    if tfn is None:
+        tfn = {"softmax": lambda t: torch.softmax(t, -1),
+               "layer_norm": lambda t: torch.nn.functional.layer_norm(t, (t.shape[-1],)),
+               "matmul": lambda a, b: a @ b}[name.split()[0]]
+    pt = amount / best_of(lambda: (tfn(*xs), torch.cuda.synchronize()), reps)
+    row[2:] = [f"{pt:.0f}" if unit == "GB/s" else f"{pt:.1f}", f"{vk / pt:.2f}"]
+    return row
+
+
+def gpu(reps: int) -> None:
+    """Each case in a process of its own, so that one case's allocations cannot slow the next."""
+    rows = []
+    for i in range(len(gpu_cases(np.random.default_rng(0)))):
+        out = subprocess.run([sys.executable, __file__, "--case", str(i), "--reps", str(reps)], check=True,
+                             capture_output=True, text=True).stdout
+        rows.append(tuple(json.loads(out.strip().splitlines()[-1])))
+    print(f"GPU ({get_device().info.name}); vkgraph = graph + schedule + dispatch + wait per call")
+    table(rows, ("benchmark", "vkgraph", "pytorch", "ratio"))
 
 
 def rate(amount: float, seconds: float, unit: str) -> str:
     return f"{amount / seconds:.0f}" if unit == "GB/s" else f"{amount / seconds:.1f}"
-
-
-def _torch_chain(torch, a, c, d):
-    xa, xc, xd = (torch.from_numpy(v).cuda() for v in (a, c, d))
-    return lambda: ((xa * xc + xd).exp() * xc).sum()
 
 
 if __name__ == "__main__":
@@ -137,5 +132,9 @@ if __name__ == "__main__":
     p.add_argument("--gpu", action="store_true", help="the GPU table instead of the lavapipe one")
     p.add_argument("--n", type=int, default=1 << 24, help="elements for the lavapipe table")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--case", type=int, help="run one GPU case and print its row as JSON (used by --gpu)")
     args = p.parse_args()
-    gpu(args.reps) if args.gpu else cpu(args.n, args.reps)
+    if args.case is not None:
+        print(json.dumps(gpu_case(args.case, args.reps)))
+    else:
+        gpu(args.reps) if args.gpu else cpu(args.n, args.reps)

@@ -1,15 +1,20 @@
 // The core shared by the attention templates: online-softmax attention of ROWS query rows against a stream
 // of key/value tokens that all belong to one KV head, TILE tokens at a time.
 //
-// Per tile: (1) the workgroup loads the tile's keys and values into shared memory with 16-byte loads
-// (a token's HEAD_SIZE values are contiguous in memory), (2) one invocation per (row, token) computes a
-// score, (3) one invocation per row updates the running max m and sum l and turns scores into weights,
-// (4) each invocation rescales and accumulates its (row, 4 dims) slices of the output.
+// Per tile: (1) the tile's keys and values, loaded into registers with 16-byte loads while the previous tile
+// was computed, go to shared memory, and the next tile's loads are issued, so a workgroup always has a tile
+// in flight; (2) one invocation per (row, token) computes a score; (3) one invocation per row updates the
+// running max m; (4) one invocation per (row, token) turns its score into a weight; (5) each invocation
+// rescales and accumulates its (row, 4 dims) slices of the output and the row's running sum l.
+// With -DSG_ROWMAX (a subgroup is exactly TILE invocations, so one row's scores) (2)-(4) are one pass:
+// subgroupMax gives the tile's max, which otherwise one invocation per row reads serially.
+// Tokens in shared memory are padded by one 16-byte word: in (2) neighbouring invocations read neighbouring
+// tokens, which unpadded (a power-of-two stride) all fall in the same banks.
 //
 // The including file defines HEAD_SIZE, ROWS, TILE, KV_F16 (or not), declares its bindings, and defines
 //   uint kv_word(uint pos)              index of token pos's first uvec4 in the K/V buffers
 //   bool visible(uint row, uint pos)    whether row may attend to key position pos
-// then calls attend(begin, end) and reads acc[], row_m[], row_l[].
+// then calls attend(begin, end) and reads acc[], sM[] and sL[].
 #include "common.glsl"
 
 #ifdef KV_F16
@@ -18,25 +23,33 @@
 #define KV_PER_WORD 4
 #endif
 #define WORDS_PER_TOKEN (HEAD_SIZE / KV_PER_WORD)
+#define TOKEN_STRIDE (WORDS_PER_TOKEN + 1)
 #define PAIRS (ROWS * HEAD_SIZE / 4)
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 128;
 #define ACC_N ((PAIRS + WG - 1) / WG)
+#define LOAD_N ((TILE * WORDS_PER_TOKEN + WG - 1) / WG)
+#define SCORE_N ((ROWS * TILE + WG - 1) / WG)
+#ifdef SG_ROWMAX
+#extension GL_KHR_shader_subgroup_arithmetic : enable
+float row_m[SCORE_N];   // the running max of the row this invocation scores
+#endif
 
 shared vec4 sQ[ROWS * HEAD_SIZE / 4];
-shared uvec4 sK[TILE * WORDS_PER_TOKEN];
-shared uvec4 sV[TILE * WORDS_PER_TOKEN];
-shared float sP[ROWS * TILE];
+shared uvec4 sK[TILE * TOKEN_STRIDE];
+shared uvec4 sV[TILE * TOKEN_STRIDE];
+shared vec4 sP[ROWS * TILE / 4];   // TILE is a multiple of 4
 shared float sM[ROWS], sL[ROWS], sAlpha[ROWS];
 
 vec4 acc[ACC_N];
+float lsum[ACC_N];
+uvec4 nextK[LOAD_N], nextV[LOAD_N];
 
 uint kv_word(uint pos);
 bool visible(uint row, uint pos);
 
-vec4 k4(uint t, uint e) {   // four key values of tile token t from dimension e
-    const uvec4 wd = sK[t * WORDS_PER_TOKEN + e / KV_PER_WORD];
+vec4 kv4(uvec4 wd, uint e) {   // four values from dimension e of the word holding dimension e
 #ifdef KV_F16
     return unpack_half4(((e >> 2) & 1u) == 0u ? wd.xy : wd.zw);
 #else
@@ -44,81 +57,116 @@ vec4 k4(uint t, uint e) {   // four key values of tile token t from dimension e
 #endif
 }
 
-vec4 v4(uint t, uint e) {
-    const uvec4 wd = sV[t * WORDS_PER_TOKEN + e / KV_PER_WORD];
-#ifdef KV_F16
-    return unpack_half4(((e >> 2) & 1u) == 0u ? wd.xy : wd.zw);
-#else
-    return uintBitsToFloat(wd);
-#endif
-}
+vec4 k4(uint t, uint e) { return kv4(sK[t * TOKEN_STRIDE + e / KV_PER_WORD], e); }
+vec4 v4(uint t, uint e) { return kv4(sV[t * TOKEN_STRIDE + e / KV_PER_WORD], e); }
 
 // Loads the queries (already scaled) into sQ: q_at(row, e) gives four values of row from dimension e.
 vec4 q_at(uint row, uint e);
 
+void load_tile(uint t0, uint end) {   // the tile at t0 into nextK/nextV (zeros past the end)
+    [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
+        const uint i = gl_LocalInvocationID.x + j * WG;
+        const uint pos = t0 + i / WORDS_PER_TOKEN;
+        nextK[j] = uvec4(0);   // a zero weight times garbage could be NaN
+        nextV[j] = uvec4(0);
+        if (i < TILE * WORDS_PER_TOKEN && pos < end) {
+            const uint g = kv_word(pos) + i % WORDS_PER_TOKEN;
+            nextK[j] = kc[g];
+            nextV[j] = vc[g];
+        }
+    }
+}
+
 void attend(uint begin, uint end) {
     const uint tid = gl_LocalInvocationID.x;
     for (uint i = tid; i < ROWS * HEAD_SIZE / 4; i += WG) sQ[i] = q_at(i / (HEAD_SIZE / 4), 4 * (i % (HEAD_SIZE / 4)));
-    for (uint r = tid; r < ROWS; r += WG) {
-        sM[r] = -1.0 / 0.0;
-        sL[r] = 0.0;
+    for (uint r = tid; r < ROWS; r += WG) sM[r] = -1.0 / 0.0;
+#ifdef SG_ROWMAX
+    [[unroll]] for (uint j = 0; j < SCORE_N; j++) row_m[j] = -1.0 / 0.0;
+#endif
+    [[unroll]] for (uint j = 0; j < ACC_N; j++) {
+        acc[j] = vec4(0.0);
+        lsum[j] = 0.0;
     }
-    [[unroll]] for (uint j = 0; j < ACC_N; j++) acc[j] = vec4(0.0);
+    if (begin < end) load_tile(begin, end);
 
     for (uint t0 = begin; t0 < end; t0 += TILE) {
         barrier();   // the previous tile is consumed; sQ/sM are written
-        for (uint i = tid; i < TILE * WORDS_PER_TOKEN; i += WG) {
-            const uint pos = t0 + i / WORDS_PER_TOKEN;
-            uvec4 kw = uvec4(0), vw = uvec4(0);   // zeros past the end: a zero weight times garbage could be NaN
-            if (pos < end) {
-                const uint g = kv_word(pos) + i % WORDS_PER_TOKEN;
-                kw = kc[g];
-                vw = vc[g];
+        [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
+            const uint i = tid + j * WG;
+            if (i < TILE * WORDS_PER_TOKEN) {
+                const uint at = (i / WORDS_PER_TOKEN) * TOKEN_STRIDE + i % WORDS_PER_TOKEN;
+                sK[at] = nextK[j];
+                sV[at] = nextV[j];
             }
-            sK[i] = kw;
-            sV[i] = vw;
         }
         barrier();
-        for (uint i = tid; i < ROWS * TILE; i += WG) {
-            const uint r = i / TILE, t = i % TILE, pos = t0 + t;
-            float s = -1.0 / 0.0;
-            if (pos < end && visible(r, pos)) {
-                vec4 d4 = vec4(0.0);
-                [[unroll]] for (uint e = 0; e < HEAD_SIZE; e += 4) d4 += sQ[(r * HEAD_SIZE + e) / 4] * k4(t, e);
-                s = hsum(d4);
+        if (t0 + TILE < end) load_tile(t0 + TILE, end);
+        [[unroll]] for (uint j = 0; j < SCORE_N; j++) {
+            const uint i = tid + j * WG;
+            if (i < ROWS * TILE) {
+                const uint r = i / TILE, t = i % TILE, pos = t0 + t;
+                float s = -1.0 / 0.0;
+                if (pos < end && visible(r, pos)) {
+                    vec4 d4 = vec4(0.0);
+                    [[unroll]] for (uint e = 0; e < HEAD_SIZE; e += 4) d4 += sQ[(r * HEAD_SIZE + e) / 4] * k4(t, e);
+                    s = hsum(d4);
+                }
+#ifdef SG_ROWMAX
+                // a subgroup holds one row's TILE scores: max, weights and alpha without a pass of their own
+                const float m_new = max(row_m[j], subgroupMax(s));
+                const bool none = m_new == -1.0 / 0.0;   // all masked so far: alpha 1, weights 0 (no inf - inf)
+                sP[i / 4][i % 4] = none ? 0.0 : exp(s - m_new);
+                if (t == 0) {
+                    sAlpha[r] = none ? 1.0 : exp(row_m[j] - m_new);
+                    sM[r] = m_new;
+                }
+                row_m[j] = m_new;
+#else
+                sP[i / 4][i % 4] = s;
+#endif
             }
-            sP[i] = s;
         }
         barrier();
+#ifndef SG_ROWMAX
         for (uint r = tid; r < ROWS; r += WG) {
             const float m_old = sM[r];
             float m_new = m_old;
-            for (uint t = 0; t < TILE; t++) m_new = max(m_new, sP[r * TILE + t]);
-            float alpha = 1.0, sum = 0.0;
-            if (m_new != -1.0 / 0.0) {   // all masked so far: keep alpha 1 and weights 0 (no inf - inf)
-                alpha = exp(m_old - m_new);
-                for (uint t = 0; t < TILE; t++) {
-                    const float p = exp(sP[r * TILE + t] - m_new);
-                    sP[r * TILE + t] = p;
-                    sum += p;
-                }
-            } else {
-                for (uint t = 0; t < TILE; t++) sP[r * TILE + t] = 0.0;
+            for (uint t = 0; t < TILE; t += 4) {
+                const vec4 s4 = sP[(r * TILE + t) / 4];
+                m_new = max(m_new, max(max(s4.x, s4.y), max(s4.z, s4.w)));
             }
+            // all masked so far: keep alpha 1 (weights are then 0; no inf - inf)
+            sAlpha[r] = m_new == -1.0 / 0.0 ? 1.0 : exp(m_old - m_new);
             sM[r] = m_new;
-            sL[r] = sL[r] * alpha + sum;
-            sAlpha[r] = alpha;
         }
         barrier();
+        for (uint i = tid; i < ROWS * TILE; i += WG) {
+            const float m = sM[i / TILE];
+            sP[i / 4][i % 4] = m == -1.0 / 0.0 ? 0.0 : exp(sP[i / 4][i % 4] - m);
+        }
+        barrier();
+#endif
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
             if (i < PAIRS) {
                 const uint r = i / (HEAD_SIZE / 4), e = 4 * (i % (HEAD_SIZE / 4));
-                vec4 a = acc[j] * sAlpha[r];
-                for (uint t = 0; t < TILE; t++) a += sP[r * TILE + t] * v4(t, e);
+                const float alpha = sAlpha[r];
+                vec4 a = acc[j] * alpha;
+                float l = 0.0;
+                for (uint t = 0; t < TILE; t += 4) {
+                    const vec4 p = sP[(r * TILE + t) / 4];
+                    a += p.x * v4(t, e) + p.y * v4(t + 1, e) + p.z * v4(t + 2, e) + p.w * v4(t + 3, e);
+                    l += hsum(p);
+                }
                 acc[j] = a;
+                lsum[j] = lsum[j] * alpha + l;
             }
         }
+    }
+    [[unroll]] for (uint j = 0; j < ACC_N; j++) {   // one invocation per row publishes its running sum
+        const uint i = tid + j * WG;
+        if (i < PAIRS && i % (HEAD_SIZE / 4) == 0) sL[i / (HEAD_SIZE / 4)] = lsum[j];
     }
     barrier();   // sM / sL final for every row
 }

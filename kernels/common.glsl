@@ -16,18 +16,35 @@ vec4 unpack_bf16x4(uvec2 w) {
     return uintBitsToFloat(uvec4(w.x << 16, w.x & 0xFFFF0000u, w.y << 16, w.y & 0xFFFF0000u));
 }
 
-// Small integers become floats through the mantissa of 2^23 (or the integer in, subtract 2^23: exact),
-// not int-to-float conversions, which run at a quarter of the float rate on NVIDIA and bound a matvec.
+// Small integers become floats through the mantissa of 2^23: or the integer in where it lies, subtract 2^23
+// (exact). Not int-to-float conversions (a quarter of the float rate on NVIDIA) and as few shifts as possible:
+// a field at bit p becomes q * 2^p, and the caller multiplies the activation by 2^-p instead (exact, and
+// shared by every weight row). Bits 0..22 are mantissa, so fields above bit 22 are shifted down first.
 
-// The four bytes of a word, each shifted right by `shift` and masked (mask <= 0xFF), as floats.
-vec4 bytes_bits(uint w, uint shift, uint mask) {
-    return uintBitsToFloat(((uvec4(w) >> (uvec4(0u, 8u, 16u, 24u) + shift)) & mask) | 0x4B000000u) - 8388608.0;
+// The eight nibbles of w: lo = the low nibbles of bytes 0..3, hi = the high ones, each times a power of two
+// that multiplying its activation by NIB_LO / NIB_HI undoes.
+void nibbles(uint w, out vec4 lo, out vec4 hi) {
+    const uint v = w >> 12;
+    lo = uintBitsToFloat(uvec4(w & 0xFu, w & 0xF00u, w & 0xF0000u, v & 0xF000u) | 0x4B000000u) - 8388608.0;
+    hi = uintBitsToFloat(uvec4(w & 0xF0u, w & 0xF000u, v & 0xF00u, v & 0xF0000u) | 0x4B000000u) - 8388608.0;
 }
+const vec4 NIB_LO = vec4(1.0, 1.0 / 256.0, 1.0 / 65536.0, 1.0 / 4096.0);
+const vec4 NIB_HI = vec4(1.0 / 16.0, 1.0 / 4096.0, 1.0 / 256.0, 1.0 / 65536.0);
 
-// The four bytes of a word as signed int8 values (flipping bit 7 biases them by +128).
+// The four bytes of w (each < 128) times (1, 2^8, 2^16, 1): multiply the activations by BYTES7.
+vec4 bytes7(uint w) {
+    return uintBitsToFloat(uvec4(w & 0x7Fu, w & 0x7F00u, w & 0x7F0000u, w >> 24) | 0x4B000000u) - 8388608.0;
+}
+const vec4 BYTES7 = vec4(1.0, 1.0 / 256.0, 1.0 / 65536.0, 1.0);
+
+// The four bytes of w as int8 values times (1, 2^8, 1, 2^8) (flipping bit 7 biases each by +128): multiply the
+// activations by I8.
 vec4 bytes_i8(uint w) {
-    return uintBitsToFloat(((uvec4(w) >> uvec4(0u, 8u, 16u, 24u)) & 0xFFu) ^ 0x4B000080u) - 8388736.0;
+    const uint v = w >> 16;
+    return uintBitsToFloat(uvec4(w & 0xFFu, w & 0xFF00u, v & 0xFFu, v & 0xFF00u) ^ uvec2(0x4B000080u, 0x4B008000u).xyxy)
+         - vec2(8388736.0, 8421376.0).xyxy;
 }
+const vec4 I8 = vec4(1.0, 1.0 / 256.0, 1.0, 1.0 / 256.0);
 
 float hsum(vec4 v) {
     return (v.x + v.y) + (v.z + v.w);

@@ -15,7 +15,9 @@ uint x_run(uint u, uint j) { return u * 32 + 16 * j; }
 float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
     vec4 d4 = vec4(0.0);
     [[unroll]] for (uint i = 0; i < 4; i++) {
-        d4 += bytes_bits(q.v[i], 0u, 0xFu) * xv[i] + bytes_bits(q.v[i], 4u, 0xFu) * xv[4 + i];
+        vec4 lo, hi;
+        nibbles(q.v[i], lo, hi);
+        d4 += lo * (xv[i] * NIB_LO) + hi * (xv[4 + i] * NIB_HI);
     }
     return q.d * (hsum(d4) - 8.0 * (xs[0] + xs[1]));   // levels are stored as q + 8
 }

@@ -21,8 +21,10 @@ uint x_run(uint u, uint j) { return (u >> 3) * 256 + 64 * ((u & 7u) >> 1) + 16 *
 float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
     vec4 d0 = vec4(0.0), d1 = vec4(0.0);
     [[unroll]] for (uint i = 0; i < 4; i++) {
-        d0 += bytes_bits(q.v[i], 0u, 0xFu) * xv[i];
-        d1 += bytes_bits(q.v[i], 4u, 0xFu) * xv[4 + i];
+        vec4 lo, hi;
+        nibbles(q.v[i], lo, hi);
+        d0 += lo * (xv[i] * NIB_LO);
+        d1 += hi * (xv[4 + i] * NIB_HI);
     }
     // get_scale_min_k4 for sub-blocks 2j and 2j+1 (j = k/2): bytes 4..15 of the header are h.y, h.z, h.w
     const uint j = (u & 7u) >> 1, sh = 16u * (j & 1u);

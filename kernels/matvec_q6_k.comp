@@ -27,10 +27,10 @@ float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
     [[unroll]] for (uint i = 0; i < 4; i++) {
         // the four 6-bit levels of each byte position, assembled in integer lanes before one conversion
         const uint h = q.qh[i];
-        d[0] += bytes_bits((q.lo[i] & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u), 0u, 0xFFu) * xv[i];
-        d[1] += bytes_bits((q.hi[i] & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u), 0u, 0xFFu) * xv[4 + i];
-        d[2] += bytes_bits(((q.lo[i] >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u), 0u, 0xFFu) * xv[8 + i];
-        d[3] += bytes_bits(((q.hi[i] >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u), 0u, 0xFFu) * xv[12 + i];
+        d[0] += bytes7((q.lo[i] & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u)) * (xv[i] * BYTES7);
+        d[1] += bytes7((q.hi[i] & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u)) * (xv[4 + i] * BYTES7);
+        d[2] += bytes7(((q.lo[i] >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u)) * (xv[8 + i] * BYTES7);
+        d[3] += bytes7(((q.hi[i] >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u)) * (xv[12 + i] * BYTES7);
     }
     float sum = 0.0;
     [[unroll]] for (uint j = 0; j < 4; j++) {

@@ -13,7 +13,7 @@ Unit load_unit(uint row, uint u) { return Unit(w[row * pc.w_stride + u], scale_a
 uint x_run(uint u, uint j) { return u * 16; }
 
 float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
-    const vec4 d4 = bytes_i8(q.v.x) * xv[0] + bytes_i8(q.v.y) * xv[1] + bytes_i8(q.v.z) * xv[2]
-                  + bytes_i8(q.v.w) * xv[3];
+    const vec4 d4 = bytes_i8(q.v.x) * (xv[0] * I8) + bytes_i8(q.v.y) * (xv[1] * I8)
+                  + bytes_i8(q.v.z) * (xv[2] * I8) + bytes_i8(q.v.w) * (xv[3] * I8);
     return q.d * hsum(d4);
 }

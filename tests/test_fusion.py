@@ -145,3 +145,34 @@ def test_buffers_over_the_binding_range_are_bound_in_pieces(monkeypatch):
     want[30:, 1] = 5.0
     np.testing.assert_allclose(t.numpy(), want)
     np.testing.assert_allclose(Tensor(x.astype(np.float16))[[39, 0, 20]].numpy(), x.astype(np.float16)[[39, 0, 20]])
+
+
+def test_compiled_kernels_do_not_keep_buffers_alive():
+    import gc
+    import weakref
+    x = Tensor(data(64, 64)).realize()
+    out = (x @ x).realize()
+    ref = weakref.ref(out.node.arg[0])
+    del out
+    gc.collect()
+    assert ref() is None
+    with realize_mod.count_kernels() as c:
+        (x @ x).realize()
+    assert c.count == 1
+
+
+def test_reduction_over_a_matmul_epilogue_schedules_in_one_pass():
+    """A reduction whose input holds a matmul: the matmul is cut out and the reduction is its own kernel
+    (this once made the scheduler loop forever)."""
+    import numpy as np
+
+    from vkgraph.realize import count_kernels
+    from vkgraph.tensor import Tensor
+
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 16)).astype(np.float32)
+    b = rng.standard_normal((16, 40)).astype(np.float32)
+    with count_kernels() as c:
+        got = ((Tensor(a) @ Tensor(b)) * 2 + 1).argmax(-1).numpy()
+    np.testing.assert_array_equal(got, (a @ b * 2 + 1).argmax(-1))
+    assert c.count == 2

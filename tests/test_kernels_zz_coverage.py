@@ -10,7 +10,6 @@ import test_kernels_common as common
 from vkgraph import kernels
 from vkgraph.runtime.pipeline import kernel_include_dirs
 
-
 pytestmark = pytest.mark.last
 
 

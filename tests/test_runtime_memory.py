@@ -43,12 +43,18 @@ def test_pool_cap_and_budget(dev):
     assert pool.stats.live_buffers == 5 and pool.stats.live_bytes == 5 * 4096
     for b in bufs:
         b.release()
-    # the bucket keeps at most 2, and idle bytes never exceed the budget
+    # the bucket keeps at most 2, the most recently returned ones
     assert pool.stats.idle_buffers == 2 and pool.stats.idle_bytes == 2 * 4096
     assert pool.stats.freed == 3 and pool.stats.live_bytes == 0
+    assert {a.handle for a in pool.idle[4096]} == {b.key[0] for b in bufs[3:]}
+    # a returned buffer makes room within the budget by freeing the least recently returned ones
     big = pool.alloc(8192)
     big.release()
-    assert pool.stats.idle_bytes <= pool.stats.budget_bytes
+    assert pool.stats.idle_bytes == 8192 + 4096 <= pool.stats.budget_bytes
+    assert [a.handle for a in pool.idle[4096]] == [bufs[4].key[0]]
+    huge = pool.alloc(4 * 4096)  # more than the whole budget: freed on return, the idle ones stay
+    huge.release()
+    assert pool.stats.idle_bytes == 8192 + 4096
     pool.trim(0)
     assert pool.stats.idle_bytes == 0 and pool.stats.idle_buffers == 0
 

@@ -432,3 +432,14 @@ def test_tensors_over_128_mib():
     y[n - 2:] = 0.5
     got = y.numpy()
     assert got[-1] == 0.5 and got[-3] == x[-3] * 2 + 1
+
+
+def test_float16_rounding_is_bit_exact_including_subnormals():
+    mags = np.float32(10) ** rng.integers(-9, 6, 20000).astype(np.float32)
+    x = np.concatenate([rng.standard_normal(20000).astype(np.float32) * mags,
+                        np.array([65519, 65520, 65504, 1e-8, 3e-8, -2.98e-8, 6.1e-5, np.inf, -np.inf], np.float32)])
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float16)
+    assert np.array_equal(Tensor(x).half().numpy().view(np.uint16), ref.view(np.uint16))
+    assert np.array_equal(Tensor(x).cast("bfloat16").numpy().view(np.uint16),
+                          x.astype(ml_dtypes.bfloat16).view(np.uint16))

@@ -181,6 +181,8 @@ def _analyze(r: Node, realize: set[Node], realized: Mapping[Node, BufferRef]) ->
     heavy = [n for n in reversed(inner) if not boundary(n) and n.op in (Op.REDUCE, Op.MATMUL)]
     if not heavy:
         return set(), []
+    if r.op is Op.REDUCE:  # a reduction's kernel iterates its own space; only its inputs can violate it
+        return _walk_reduce(r, r.srcs[0].shape, r.arg[1], boundary)
     if any(n.op is Op.MATMUL for n in heavy):
         return _walk_matmul(r, boundary)
     best: tuple[set[Node], list[Node]] | None = None
@@ -195,18 +197,24 @@ def _analyze(r: Node, realize: set[Node], realized: Mapping[Node, BufferRef]) ->
 
 
 def _choose_boundaries(order: list[Node], realize: set[Node], realized: Mapping[Node, BufferRef]) -> None:
-    """Grow `realize` until every kernel is a valid fusion group and no heavy node is computed twice."""
+    """Grow `realize` until every kernel is a valid fusion group and no heavy node is computed twice.
+
+    Consumers are analysed before their sources (reverse topological order), so a node a consumer's analysis
+    marks for realization is analysed later in the same pass; passes repeat only while something changes."""
     while True:
         users: dict[Node, list[Node]] = {}
         grown = False
-        for r in order:
+        for r in reversed(order):
             if r not in realize:
                 continue
             viol, fused = _analyze(r, realize, realized)
             if viol:
-                realize |= viol
+                new = viol - realize
+                if not new:
+                    raise RuntimeError(f"scheduler: no split makes the kernel of {r.op.name} {r.shape} valid")
+                realize |= new
                 grown = True
-                break
+                continue
             for f in fused:
                 users.setdefault(f, []).append(r)
         if grown:

@@ -22,7 +22,17 @@ HELPERS: dict[str, str] = {
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
 }
 float bf2f(uint b) { return uintBitsToFloat(b << 16); }""",
-    "f16round": "float f16r(float x) { return unpackHalf2x16(packHalf2x16(vec2(x, 0.0))).x; }",
+    "f16round": """float f16r(float x) {  // x rounded to the nearest float16 (ties to even), on any vendor
+  if (isnan(x) || isinf(x)) return x;
+  uint sign = floatBitsToUint(x) & 0x80000000u;
+  float a = abs(x);
+  if (a >= 65520.0) return uintBitsToFloat(sign | 0x7f800000u);
+  if (a < 6.103515625e-05) {  // subnormal: a multiple of 2^-24
+    return uintBitsToFloat(sign | floatBitsToUint(roundEven(a * 16777216.0) * 5.9604644775390625e-08));
+  }
+  uint m = floatBitsToUint(a);
+  return uintBitsToFloat(sign | ((m + 0xfffu + ((m >> 13) & 1u)) & 0xffffe000u));
+}""",
     "fpow": """float fpow(float a, float b) {
   if (b == 0.0) return 1.0;
   if (isnan(a) || isnan(b)) return uintBitsToFloat(0x7fc00000u);

@@ -261,7 +261,7 @@ def _split(k: Kernel, red: Node, lim: Limits) -> Lowered:
     rows = prod(out_shape)
     rshape = tuple(full[a] for a in axes)
     rlen = prod(rshape)
-    parts = min(1024, math.ceil(rlen / 4096))
+    parts = min(4096, math.ceil(rlen / 8192))
     chunk = math.ceil(rlen / parts)
     wg = _wg(lim)
     acc_d = _acc_dtype(red.srcs[0].dtype)
@@ -393,7 +393,7 @@ def _signature(k: Kernel) -> tuple[tuple, list[BufferRef]]:
     return tuple(entries), refs
 
 
-_CACHE: dict[tuple, tuple[Lowered, list[BufferRef]]] = {}
+_CACHE: dict[tuple, Lowered] = {}  # bindings hold slot numbers (ints) for the kernel's buffers, never buffers
 _CACHE_SIZE = 2048
 
 
@@ -403,15 +403,16 @@ def lower(k: Kernel, lim: Limits) -> Lowered:
     key = (key, lim)
     hit = _CACHE.get(key)
     if hit is None:
+        lowered = _lower(k, lim)
+        slot = {id(r): i for i, r in enumerate(refs)}
         if len(_CACHE) >= _CACHE_SIZE:
             del _CACHE[next(iter(_CACHE))]
-        hit = _CACHE[key] = (_lower(k, lim), refs)
-        return hit[0]
-    lowered, old = hit
-    new = {id(o): r for o, r in zip(old, refs, strict=True)}
-    progs = [Program(p.name, p.src, [(new.get(id(ref), ref), off, n) for ref, off, n in p.bindings], p.groups,
-                     p.push) for p in lowered.programs]
-    return Lowered(progs, lowered.scratch)
+        _CACHE[key] = Lowered([Program(p.name, p.src, [(slot.get(id(ref), ref), off, n) for ref, off, n in p.bindings],
+                                       p.groups, p.push) for p in lowered.programs], lowered.scratch)
+        return lowered
+    progs = [Program(p.name, p.src, [(refs[r] if isinstance(r, int) else r, off, n) for r, off, n in p.bindings],
+                     p.groups, p.push) for p in hit.programs]
+    return Lowered(progs, hit.scratch)
 
 
 def _lower(k: Kernel, lim: Limits) -> Lowered:

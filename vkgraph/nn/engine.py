@@ -35,6 +35,7 @@ class Request:
     text: str = ""
     finished: str | None = None  # "stop", "length" or "abort" once done
     cached_prompt_tokens: int = 0
+    text_cut: bool = False  # a stop string ended the text
 
 
 @dataclass
@@ -184,6 +185,7 @@ class Engine:
         req.output.append(token)
         self.stats["decode_tokens"] += 1
         piece = ""
+        dec = None
         if self.tokenizer is not None:
             dec = self.decoders.setdefault(req.id, self.tokenizer.stream())
             piece = dec.push(token)
@@ -195,8 +197,13 @@ class Engine:
             cut = min(req.text.find(s) for s in req.stop_strings if s in req.text)
             piece = piece[:max(0, len(piece) - (len(req.text) - cut))]
             req.text = req.text[:cut]
+            req.text_cut = True
         elif len(req.output) >= req.max_tokens:
             req.finished = "length"
+        if req.finished in ("stop", "length") and dec is not None and not req.text_cut:
+            rest = dec.flush()
+            piece += rest
+            req.text += rest
         if req.finished:
             self.running.remove(req)
             self.kv.free_sequence(req.id)

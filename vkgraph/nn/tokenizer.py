@@ -133,6 +133,13 @@ class IncrementalDecoder:
             return text[len(done):]
         return ""
 
+    def flush(self) -> str:
+        """The text still held back (an incomplete character decodes as U+FFFD), at the end of a stream."""
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done):]
+
 
 def _hf_special_ids(d: Path, tok: Any) -> tuple[int | None, list[int]]:
     bos: int | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -158,7 +158,8 @@ class BufferPool:
     def __init__(self, memory: MemoryManager, kind: str) -> None:
         self.memory = memory
         self.kind = kind
-        self.idle: dict[int, list[Allocation]] = defaultdict(list)
+        self.idle: dict[int, list[Allocation]] = defaultdict(list)  # by capacity, most recently returned last
+        self.lru: OrderedDict[int, Allocation] = OrderedDict()  # every idle allocation, least recently returned first
         self.stats = PoolStats(budget_bytes=flag("VKGRAPH_POOL_BUDGET_MB") << 20)
         self.bucket_cap = flag("VKGRAPH_POOL_BUCKET_CAP")
         self.lock = threading.Lock()
@@ -181,6 +182,7 @@ class BufferPool:
             bucket = self.idle.get(cap)
             if bucket:
                 alloc = bucket.pop()
+                del self.lru[alloc.handle]
                 self.stats.hits += 1
                 self.stats.idle_bytes -= cap
                 self.stats.idle_buffers -= 1
@@ -208,30 +210,46 @@ class BufferPool:
                     f"buffers; pool: {self.stats.as_dict()}", nbytes, self.stats.as_dict()) from e
 
     def _put(self, alloc: Allocation) -> None:
+        """Keep a returned allocation idle, making room by freeing the least recently returned ones (within
+        its bucket for the cap, anywhere for the budget); free it instead if it alone exceeds the budget."""
+        victims = []
         with self.lock:
             self.stats.live_bytes -= alloc.capacity
             self.stats.live_buffers -= 1
-            bucket = self.idle[alloc.capacity]
-            keep = not self.closed and (self.keep_all > 0 or (
-                len(bucket) < self.bucket_cap and self.stats.idle_bytes + alloc.capacity <= self.stats.budget_bytes))
+            cap = alloc.capacity
+            keep = not self.closed and (self.keep_all > 0 or cap <= self.stats.budget_bytes)
+            if keep and not self.keep_all:
+                bucket = self.idle[cap]
+                if len(bucket) >= self.bucket_cap:
+                    victims.append(self._take(bucket[0]))
+                while self.stats.idle_bytes + cap > self.stats.budget_bytes and self.lru:
+                    victims.append(self._take(next(iter(self.lru.values()))))
             if keep:
-                bucket.append(alloc)
-                self.stats.idle_bytes += alloc.capacity
+                self.idle[cap].append(alloc)
+                self.lru[alloc.handle] = alloc
+                self.stats.idle_bytes += cap
                 self.stats.idle_buffers += 1
-                return
-            self.stats.freed += 1
-        self.memory.free_later(alloc)
+            else:
+                victims.append(alloc)
+            self.stats.freed += len(victims)
+        for a in victims:
+            self.memory.free_later(a)
+
+    def _take(self, alloc: Allocation) -> Allocation:
+        """Remove an idle allocation from the books (the caller holds the lock)."""
+        self.idle[alloc.capacity].remove(alloc)
+        del self.lru[alloc.handle]
+        self.stats.idle_bytes -= alloc.capacity
+        self.stats.idle_buffers -= 1
+        return alloc
 
     def adopt(self, allocs: list[Allocation]) -> list[Allocation]:
         """Take the idle ones among `allocs` out of the pool for a command graph's exclusive use."""
         taken = []
         with self.lock:
             for a in allocs:
-                bucket = self.idle.get(a.capacity)
-                if bucket and a in bucket:
-                    bucket.remove(a)
-                    self.stats.idle_bytes -= a.capacity
-                    self.stats.idle_buffers -= 1
+                if a.handle in self.lru:
+                    self._take(a)
                     self.adopted_bytes += a.capacity
                     taken.append(a)
         return taken
@@ -252,9 +270,7 @@ class BufferPool:
             for cap in sorted(self.idle, reverse=True):
                 bucket = self.idle[cap]
                 while bucket and self.stats.idle_bytes > keep_bytes:
-                    victims.append(bucket.pop())
-                    self.stats.idle_bytes -= cap
-                    self.stats.idle_buffers -= 1
+                    victims.append(self._take(bucket[0]))
                     self.stats.freed += 1
         for a in victims:
             self.memory.free_later(a)

@@ -1,0 +1,178 @@
+"""The Llama-family model, engine and sampling against the numpy reference (tests/reference_llama.py)."""
+
+import numpy as np
+import pytest
+from reference_llama import RefCache, ReferenceLlama, tiny_model_writer
+
+from vkgraph.nn.config import RopeScaling
+from vkgraph.nn.engine import Engine
+from vkgraph.nn.layers import StepInputs
+from vkgraph.nn.llama import LlamaModel
+from vkgraph.nn.sampling import SamplingParams
+from vkgraph.nn.tokenizer import Tokenizer
+from vkgraph.nn.weights import load_weights
+from vkgraph.tensor import Tensor
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    mk = tiny_model_writer()
+    dense = mk.write_model(tmp_path_factory.mktemp("dense"), mk.tiny_config(), gguf_types=("Q8_0", "Q4_0"))
+    moe = mk.write_model(tmp_path_factory.mktemp("moe"), mk.tiny_config(n_experts=4, n_experts_per_tok=2),
+                         gguf_types=("Q8_0",))
+    llama3 = mk.write_model(tmp_path_factory.mktemp("llama3"), mk.tiny_config(
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64), arch="qwen2", attn_bias=True), gguf_types=())
+    return {"float32": dense["hf"], "Q8_0": dense["Q8_0"], "Q4_0": dense["Q4_0"], "moe": moe["hf"],
+            "moe-Q8_0": moe["Q8_0"], "qwen2-llama3-rope": llama3["hf"], "tokenizer": dense["hf"]}
+
+
+def nerr(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert not np.isnan(got).any()
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def build(path, **kw):
+    w = load_weights(path, progress=False)
+    kw = {"num_blocks": 48, "block_size": BLOCK, "kv_dtype": "f32", "max_blocks_per_seq": 6, "float_dtype": "float32",
+          **kw}
+    return w, LlamaModel(w, **kw)
+
+
+@pytest.mark.parametrize("kind", ["float32", "Q8_0", "Q4_0", "moe", "moe-Q8_0", "qwen2-llama3-rope"])
+def test_logits_match_reference_for_prefill_and_every_decode_step(models, kind):
+    w, model = build(models[kind])
+    ref = ReferenceLlama(w)
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11, 9, 33, 2, 71, 12, 150, 8, 1, 60, 61]
+    table = np.array([[7, 2, 40, 5, 0, 0]], np.int32)  # shuffled physical blocks
+    slot = lambda p: table[0, p // BLOCK] * BLOCK + p % BLOCK  # noqa: E731
+    cache = RefCache()
+    want = ref.forward(prompt, cache)
+    n = len(prompt)
+    step = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.array([slot(p) for p in range(n)], np.int32)),
+                      cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
+    got = model(Tensor(np.array(prompt, np.int32)), step).numpy()
+    assert nerr(got, want) < 5e-4
+    tok = int(np.argmax(want[-1]))
+    for pos in range(n, n + 24):  # crosses a block boundary
+        want = ref.forward([tok], cache)
+        step = StepInputs(Tensor(np.array([pos], np.int32)), Tensor(np.array([slot(pos)], np.int32)),
+                          block_tables=Tensor(table), context_lens=Tensor(np.array([pos + 1], np.int32)))
+        got = model(Tensor(np.array([tok], np.int32)), step).numpy()
+        assert nerr(got, want) < 5e-4, pos
+        tok = int(np.argmax(want[-1]))
+
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11, 9, 8, 7, 6, 5, 4, 3, 2, 20, 21, 22, 23, 24, 25, 26, 27], [44],
+           list(range(60, 100))]
+
+
+def run(engine, prompts, params=None, max_tokens=10):
+    out: dict[int, list[int]] = {}
+    ids = [engine.add_request(p, params, max_tokens=max_tokens, stop_token_ids=[]) for p in prompts]
+    while engine.has_work():
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).append(ev.token)
+    return [out[i] for i in ids]
+
+
+@pytest.mark.parametrize("kind", ["float32", "Q4_0"])
+def test_greedy_generation_matches_reference_token_by_token(models, kind):
+    w, model = build(models[kind])
+    ref = ReferenceLlama(w)
+    got = run(Engine(model, max_batch=4), PROMPTS)
+    assert got == [ref.greedy(p, 10) for p in PROMPTS]
+
+
+def test_batch_gives_what_each_gives_alone_and_frees_every_block(models):
+    _, model = build(models["Q8_0"])
+    engine = Engine(model, max_batch=8, prefix_caching=False)
+    together = run(engine, PROMPTS, max_tokens=12)
+    alone = [run(engine, [p], max_tokens=12)[0] for p in PROMPTS]
+    assert together == alone
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    engine.kv.check_invariants()
+
+
+def test_requests_join_while_others_decode(models):
+    w, model = build(models["float32"])
+    ref = ReferenceLlama(w)
+    engine = Engine(model, max_batch=4)
+    outs: dict[int, list[int]] = {}
+    first = engine.add_request(PROMPTS[1], max_tokens=12, stop_token_ids=[])
+    for _ in range(4):
+        for ev in engine.step():
+            outs.setdefault(ev.request_id, []).append(ev.token)
+    late = engine.add_request(PROMPTS[0], max_tokens=6, stop_token_ids=[])
+    while engine.has_work():
+        for ev in engine.step():
+            outs.setdefault(ev.request_id, []).append(ev.token)
+    assert outs[first] == ref.greedy(PROMPTS[1], 12) and outs[late] == ref.greedy(PROMPTS[0], 6)
+
+
+def test_prefix_cache_hit_gives_the_same_logits_as_a_cold_run(models):
+    w, model = build(models["float32"])
+    prompt = list(range(3, 3 + 3 * BLOCK + 5))  # three full blocks and a partial one
+    engine = Engine(model, max_batch=2)
+    cold = run(engine, [prompt], max_tokens=8)[0]
+    warm_engine_tokens = run(engine, [prompt], max_tokens=8)[0]
+    assert engine.stats["cached_prompt_tokens"] == 3 * BLOCK
+    assert warm_engine_tokens == cold
+    # and the logits themselves: compute the prompt's last-token logits through the cached path
+    cached = engine.kv.add_sequence("probe", prompt)
+    assert cached == 3 * BLOCK
+    logits = engine._prefill(engine.kv.seqs["probe"] and type("R", (), {"id": "probe"})(), cached).numpy()
+    want = ReferenceLlama(w).forward(prompt)[-1:]
+    assert nerr(logits, want) < 5e-4
+    engine.kv.free_sequence("probe")
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_stop_conditions_and_text_stream(models):
+    w, model = build(models["float32"])
+    tok = Tokenizer.load(models["tokenizer"])
+    ref = ReferenceLlama(w)
+    prompt = tok.encode("Hello world!")
+    greedy = ref.greedy(prompt, 8)
+    engine = Engine(model, tok)
+    # an end token: generation stops on it, and it is the last token emitted
+    events = list(engine.generate([prompt], max_tokens=8, stop_token_ids=[greedy[3]]))
+    assert [e.token for e in events] == greedy[:greedy.index(greedy[3]) + 1] and events[-1].finished == "stop"
+    events = list(engine.generate([prompt], max_tokens=5, stop_token_ids=[]))
+    assert len(events) == 5 and events[-1].finished == "length"
+    assert "".join(e.text for e in events) == tok.decode(greedy[:5])
+
+
+def test_sampling_is_seeded_and_reproducible(models):
+    _, model = build(models["Q8_0"])
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.1)
+    a = run(Engine(model, seed=7), PROMPTS[:2], params, max_tokens=10)
+    b = run(Engine(model, seed=7), PROMPTS[:2], params, max_tokens=10)
+    c = run(Engine(model, seed=8), PROMPTS[:2], params, max_tokens=10)
+    assert a == b and a != c
+
+
+def test_request_validation(models):
+    _, model = build(models["float32"])
+    engine = Engine(model)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request([1] * 90, max_tokens=10)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([100000])
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request("text without a tokenizer")
+
+
+def test_stop_string_cuts_the_text(models):
+    w, model = build(models["float32"])
+    tok = Tokenizer.load(models["tokenizer"])
+    prompt = tok.encode("Hello world!")
+    engine = Engine(model, tok)
+    full = "".join(e.text for e in engine.generate([prompt], max_tokens=12, stop_token_ids=[]))
+    stop = full[3:5]
+    assert len(stop) == 2
+    events = list(engine.generate([prompt], max_tokens=12, stop=[stop], stop_token_ids=[]))
+    text = "".join(e.text for e in events)
+    assert events[-1].finished == "stop" and text == full[:full.index(stop)] and stop not in text
