@@ -176,3 +176,22 @@ def test_reduction_over_a_matmul_epilogue_schedules_in_one_pass():
         got = ((Tensor(a) @ Tensor(b)) * 2 + 1).argmax(-1).numpy()
     np.testing.assert_array_equal(got, (a @ b * 2 + 1).argmax(-1))
     assert c.count == 2
+
+
+def test_kernels_never_bind_more_buffers_than_the_device_allows():
+    """A sum of many realized tensors is cut into kernels that each read at most half the device's bindings."""
+    import numpy as np
+
+    from vkgraph.realize import _max_inputs, count_kernels
+    from vkgraph.tensor import Tensor
+
+    n = 3 * _max_inputs() + 5
+    arrays = [np.full(8, i, np.float32) for i in range(n)]
+    ts = [Tensor(a) for a in arrays]
+    total = ts[0]
+    for t in ts[1:]:
+        total = total + t
+    with count_kernels() as c:
+        got = total.numpy()
+    np.testing.assert_array_equal(got, np.full(8, sum(range(n)), np.float32))
+    assert c.count >= 3

@@ -1,3 +1,5 @@
+import gc
+
 import numpy as np
 import pytest
 
@@ -146,6 +148,8 @@ def test_no_leaks_over_10000_replays():
     dev.synchronize()
 
     def snapshot():
+        gc.collect()  # objects of earlier tests must not be freed inside the measured interval
+        dev.synchronize()
         s = dev.memory.pool.stats
         counts = dev.queue.object_counts()
         return (s.live_bytes, s.live_buffers, dev.memory.allocation_count, counts["command_buffers"],

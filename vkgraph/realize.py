@@ -110,6 +110,11 @@ def limits() -> Limits:
 _FEATURE = {1: "storage_8bit", 2: "storage_16bit"}
 
 
+def _max_inputs() -> int:
+    # half the device's bindings: the output, and inputs bound in pieces over maxStorageBufferRange, need room
+    return max(4, limits().max_buffers // 2)
+
+
 def require_dtype(dtype: DType) -> None:
     """Raise UnsupportedFeature if this device cannot store or compute `dtype`."""
     info = get_device().info
@@ -164,7 +169,7 @@ def run(sched: Schedule) -> None:
 
 def realize(nodes: list[Node]) -> list[BufferRef]:
     """Compute nodes into buffers (reusing what is already realized); returns one buffer per node."""
-    sched = create_schedule(nodes, REALIZED)
+    sched = create_schedule(nodes, REALIZED, max_inputs=_max_inputs())
     run(sched)
     for n, ref in zip(nodes, sched.outputs, strict=True):
         REALIZED.add(n, ref)
@@ -173,7 +178,7 @@ def realize(nodes: list[Node]) -> list[BufferRef]:
 
 def assign(dest: BufferRef, st: ShapeTracker, value: Node) -> None:
     """Write value into dest through the view st (setitem), then bump dest's version."""
-    run(create_schedule([value], REALIZED, dests=[(dest, st)]))
+    run(create_schedule([value], REALIZED, dests=[(dest, st)], max_inputs=_max_inputs()))
     dest.version += 1
 
 

@@ -173,11 +173,23 @@ def _walk_matmul(r: Node, boundary) -> tuple[set[Node], list[Node]]:
     return viol, ([mm] if mm is not None and mm not in viol else [])
 
 
-def _analyze(r: Node, realize: set[Node], realized: Mapping[Node, BufferRef]) -> tuple[set[Node], list[Node]]:
+def _analyze(r: Node, realize: set[Node], realized: Mapping[Node, BufferRef],
+             max_inputs: int) -> tuple[set[Node], list[Node]]:
     def boundary(n: Node) -> bool:
         return n is not r and (is_input(n, realized) or n in realize)
 
     inner = r.toposort(stop=boundary)
+    inputs = {id(n) for n in inner if boundary(n) and n.op is not Op.CONST}
+    if len(inputs) > max_inputs:
+        # too many buffers for one kernel: cut out the source subgraph that reads the most of them
+        reads: dict[int, frozenset[int]] = {}
+        for n in inner:  # sources first
+            if boundary(n):
+                reads[id(n)] = frozenset() if n.op is Op.CONST else frozenset((id(n),))
+            else:
+                reads[id(n)] = frozenset().union(*(reads[id(s)] for s in n.srcs))
+        cands = [n for n in inner if n is not r and not boundary(n) and n.op is not Op.VIEW]
+        return {max(cands, key=lambda n: len(reads[id(n)]))}, []
     heavy = [n for n in reversed(inner) if not boundary(n) and n.op in (Op.REDUCE, Op.MATMUL)]
     if not heavy:
         return set(), []
@@ -196,7 +208,8 @@ def _analyze(r: Node, realize: set[Node], realized: Mapping[Node, BufferRef]) ->
     return best
 
 
-def _choose_boundaries(order: list[Node], realize: set[Node], realized: Mapping[Node, BufferRef]) -> None:
+def _choose_boundaries(order: list[Node], realize: set[Node], realized: Mapping[Node, BufferRef],
+                       max_inputs: int) -> None:
     """Grow `realize` until every kernel is a valid fusion group and no heavy node is computed twice.
 
     Consumers are analysed before their sources (reverse topological order), so a node a consumer's analysis
@@ -207,7 +220,7 @@ def _choose_boundaries(order: list[Node], realize: set[Node], realized: Mapping[
         for r in reversed(order):
             if r not in realize:
                 continue
-            viol, fused = _analyze(r, realize, realized)
+            viol, fused = _analyze(r, realize, realized, max_inputs)
             if viol:
                 new = viol - realize
                 if not new:
@@ -226,7 +239,7 @@ def _choose_boundaries(order: list[Node], realize: set[Node], realized: Mapping[
 
 
 def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
-                    dests: list[tuple[BufferRef, ShapeTracker] | None] | None = None) -> Schedule:
+                    dests: list[tuple[BufferRef, ShapeTracker] | None] | None = None, max_inputs: int = 16) -> Schedule:
     """Kernels computing `targets`; a target with a dest (buffer, view) is stored through that view instead."""
     dests = dests or [None] * len(targets)
     realized = _Memo(realized)
@@ -253,7 +266,7 @@ def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
         if n.op is Op.CUSTOM:
             realize.add(n)
             realize.update(s for s in n.srcs if not is_input(s, realized))
-    _choose_boundaries(order, realize, realized)
+    _choose_boundaries(order, realize, realized, max_inputs)
 
     refs: dict[Node, BufferRef] = {}
     mapping: dict[Node, Node] = {}

@@ -38,11 +38,12 @@ class Limits:
     max_group_count: tuple[int, int, int] = (65535, 65535, 65535)
     max_shared: int = 16384
     max_storage_range: int = 1 << 27
+    max_buffers: int = 32  # storage buffers one kernel may bind
 
     @staticmethod
     def from_info(info: object) -> Limits:
         return Limits(int(info.max_workgroup_invocations), tuple(int(x) for x in info.max_workgroup_count),
-                      int(info.max_shared_memory), int(info.max_storage_buffer_range))
+                      int(info.max_shared_memory), int(info.max_storage_buffer_range), int(info.max_storage_buffers))
 
 
 @dataclass
@@ -158,13 +159,18 @@ class _Reduction:
     def finish(self) -> str:
         r, wg = self.r, self.wg
         if wg > 1:
-            n = len(self.shared)
-            sv = f"sv{n}"
-            self.shared.append(f"shared {self.t} {sv}[{wg}];")
+            # one scratch array per element type, reused by every reduction of the kernel (each ends with a
+            # barrier after its result is read), so fused reductions never add up past the shared-memory limit
+            sv = f"sv_{self.t}"
+            decl = f"shared {self.t} {sv}[{wg}];"
+            if decl not in self.shared:
+                self.shared.append(decl)
             si = None
             if self.idx is not None:
-                si = f"si{n}"
-                self.shared.append(f"shared int {si}[{wg}];")
+                si = "si_int"
+                decl = f"shared int {si}[{wg}];"
+                if decl not in self.shared:
+                    self.shared.append(decl)
             to_t = f"{self.t}({self.acc})" if self.t != self.d.glsl else self.acc
             r.emit(f"{sv}[lid] = {to_t};" + (f" {si}[lid] = {self.idx};" if si else ""))
             r.emit("barrier();")

@@ -224,6 +224,13 @@ class CommandGraph:
         self.entries = []
         self.keep = []
 
+    def release_on_close(self) -> None:
+        """The device is closing (the GPU is idle): destroy our fence; the pool frees the command buffer."""
+        if not self.destroyed:
+            self.destroyed = True
+            lib.vkDestroyFence(self.queue.device.device, self.sub.fence, NULL)
+            self._prepared, self.entries, self.keep, self.owned = [], [], [], []
+
     def __del__(self) -> None:
         try:
             self.destroy()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,7 @@ class Queue:
         self.dispatch_count = 0
         self.max_groups = device.info.max_workgroup_count
         self.capture: CaptureLog | None = None
+        self.graphs: weakref.WeakSet[CommandGraph] = weakref.WeakSet()  # live command graphs, freed at close
 
     # ---- recording ------------------------------------------------------------------------------------------
     def _begin(self) -> Submission:
@@ -327,7 +329,9 @@ class Queue:
         """Close the capture and build the replayable graph of what it logged."""
         with self.lock:
             log = self.abort_capture()
-            return CommandGraph(self, log)
+            graph = CommandGraph(self, log)
+            self.graphs.add(graph)
+            return graph
 
     def abort_capture(self) -> CaptureLog:
         """Close the capture without building a graph (e.g. after an exception); returns the log."""
@@ -440,6 +444,8 @@ class Queue:
         if self.profiler is not None:
             self.profiler.report()
             self.profiler.destroy()
+        for graph in list(self.graphs):
+            graph.release_on_close()
         for pool in self.descriptor_pools:
             lib.vkDestroyDescriptorPool(dev, pool, NULL)
         for sub in self.all_submissions:
