@@ -1,6 +1,7 @@
 """Random expression graphs (elementwise, reductions, movement, casts) against numpy, by normalised error.
 
-The default run checks 500 graphs; `pytest -m slow tests/test_fuzz_graph.py` runs a longer search.
+The default run checks 500 graphs; `pytest -m slow tests/test_fuzz_graph.py` runs a longer search
+(VKGRAPH_FUZZ_EXAMPLES graphs, 10,000 by default).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vkgraph.flags import flag
 from vkgraph.tensor import Tensor, realize_all
 
 UNARY = {
@@ -138,7 +140,7 @@ def test_random_graphs_match_numpy(pair):
 
 
 @pytest.mark.slow
-@settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=flag("VKGRAPH_FUZZ_EXAMPLES"), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graphs(max_ops=12))
 def test_random_graphs_match_numpy_long(pair):
     _run(pair)

@@ -41,6 +41,7 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_DEBUG", int, 0, "1 prints the schedule, 3 also prints generated GLSL"),
         Flag("VKGRAPH_VALIDATION", int, 0, "1 enables the Khronos validation layer; messages raise errors"),
         Flag("VKGRAPH_MAX_RECORDED", int, 256, "dispatches recorded before a command buffer is submitted"),
+        Flag("VKGRAPH_FUZZ_EXAMPLES", int, 10000, "examples per long fuzz test (pytest -m slow)"),
     ]
 }
 

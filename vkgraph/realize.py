@@ -79,8 +79,9 @@ class KernelCount:
 
 
 _counters: list[KernelCount] = []
-_compiled: dict[str, object] = {}
-_limits: Limits | None = None
+# per device (a device made by reset_device() after a loss starts with empty caches)
+_compiled: weakref.WeakKeyDictionary[object, dict[str, object]] = weakref.WeakKeyDictionary()
+_limits: weakref.WeakKeyDictionary[object, Limits] = weakref.WeakKeyDictionary()
 
 
 @contextmanager
@@ -101,13 +102,16 @@ def _count(name: str) -> None:
 
 
 def limits() -> Limits:
-    global _limits
-    if _limits is None:
-        _limits = Limits.from_info(get_device().info)
-    return _limits
+    dev = get_device()
+    lim = _limits.get(dev)
+    if lim is None:
+        lim = _limits[dev] = Limits.from_info(dev.info)
+    return lim
 
 
 _FEATURE = {1: "storage_8bit", 2: "storage_16bit"}
+# arithmetic in the dtype itself (bfloat16 is computed in float32, so it needs storage only)
+_ARITH = {"float16": "float16", "int8": "int8", "uint8": "int8", "int16": "int16", "uint16": "int16"}
 
 
 def _max_inputs() -> int:
@@ -123,6 +127,9 @@ def require_dtype(dtype: DType) -> None:
     feat = _FEATURE.get(dtype.itemsize)
     if feat and not getattr(info, feat):
         raise UnsupportedFeature(f"{dtype} tensors need {feat}, which {info.name} lacks")
+    arith = _ARITH.get(dtype.name)
+    if arith and not getattr(info, arith):
+        raise UnsupportedFeature(f"{dtype} tensors need the shader feature {arith}, which {info.name} lacks")
 
 
 def _ensure(dev, ref: BufferRef) -> None:
@@ -152,11 +159,12 @@ def run(sched: Schedule) -> None:
             for prog in lowered.programs:
                 if debug >= 3:
                     print(f"--- {prog.name} groups={prog.groups} push={prog.push}\n{prog.src}")
-                kern = _compiled.get(prog.src)
-                if kern is None:
-                    kern = _compiled[prog.src] = dev.kernel(prog.src, name=prog.name)
-                for ref, _, _ in prog.bindings:
+                for ref, _, _ in prog.bindings:  # memory first: out-of-memory is the error to report
                     _ensure(dev, ref)
+                compiled = _compiled.setdefault(dev, {})
+                kern = compiled.get(prog.src)
+                if kern is None:
+                    kern = compiled[prog.src] = dev.kernel(prog.src, name=prog.name)
                 bufs = [ref.buf if n is None else ref.buf.view(off, n) for ref, off, n in prog.bindings]
                 dev.dispatch(kern, bufs, groups=prog.groups, push=prog.push or None)
                 _count(prog.name)

@@ -266,6 +266,8 @@ def alu(op: Op, dtype: DType, srcs: list[DType], args: list[str], need: set[str]
         e = f"({a} {_INFIX[op]} {b})"
         return wrap(dtype, e) if op in (Op.ADD, Op.SUB, Op.MUL, Op.SHL) else e
     if op in (Op.MAX, Op.MIN):
+        if s.is_float:  # GLSL's max/min may drop a NaN; numpy's maximum/minimum propagate it
+            return f"((isnan({a}) || isnan({b})) ? ({a} + {b}) : {op.name.lower()}({a}, {b}))"
         return f"{op.name.lower()}({a}, {b})"
     if op is Op.DIV:
         return f"({a} / {b})"
