@@ -176,3 +176,48 @@ def test_stop_string_cuts_the_text(models):
     events = list(engine.generate([prompt], max_tokens=12, stop=[stop], stop_token_ids=[]))
     text = "".join(e.text for e in events)
     assert events[-1].finished == "stop" and text == full[:full.index(stop)] and stop not in text
+
+
+def test_speculative_greedy_output_equals_plain_greedy(models, tmp_path):
+    from vkgraph.nn.speculative import SpeculativeDecoder
+
+    mk = tiny_model_writer()
+    other = mk.write_model(tmp_path / "draft", mk.tiny_config(n_layers=1), seed=5, gguf_types=())["hf"]
+    w, target = build(models["float32"])
+    prompt = [5, 17, 42, 99, 7, 3]
+    want = ReferenceLlama(w).greedy(prompt, 24)
+    same_weights = build(models["float32"])[1]  # its own KV cache: a perfect draft
+    for draft, min_acceptance in ((same_weights, 0.99), (build(other)[1], 0.0)):
+        sd = SpeculativeDecoder(target, draft, k=3)
+        assert list(sd.generate(prompt, 24)) == want
+        assert sd.stats.acceptance >= min_acceptance
+        assert all(kv.num_free_blocks == kv.num_blocks for kv in sd.kv.values())
+
+
+def test_speculative_sampling_keeps_the_target_distribution(models, tmp_path):
+    """With the rejection rule, the first generated token's distribution is the target's, whatever the draft."""
+    from vkgraph.nn.speculative import SpeculativeDecoder, _probs
+
+    mk = tiny_model_writer()
+    other = mk.write_model(tmp_path / "draft", mk.tiny_config(n_layers=1), seed=9, gguf_types=())["hf"]
+    w, target = build(models["float32"])
+    draft = build(other)[1]
+    prompt = [5, 17, 42]
+    params = SamplingParams(temperature=1.5)
+    sd = SpeculativeDecoder(target, draft, k=2, seed=3)
+    counts = np.zeros(target.config.vocab_size)
+    trials = 200
+    for _ in range(trials):
+        toks = list(sd.generate(prompt, 2, params))
+        counts[toks[1]] += 1  # the second token went through the draft and the rejection rule
+    ref = ReferenceLlama(w)
+    first_logits = ref.forward(prompt)[-1]
+    # the second token's law depends on the first; compare against the exact mixture over first tokens
+    p_first = _probs(first_logits, params)
+    law = np.zeros_like(counts)
+    for t in np.nonzero(p_first > 1e-4)[0]:
+        law += p_first[t] * _probs(ref.forward(prompt + [int(t)])[-1], params)
+    expected = law * trials
+    keep = expected >= 5
+    chi2 = (((counts[keep] - expected[keep]) ** 2) / expected[keep]).sum()
+    assert chi2 < 3 * keep.sum(), (chi2, keep.sum())

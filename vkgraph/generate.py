@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-dtype", choices=["f16", "f32"], default="f16")
     ap.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks of 16 tokens")
     ap.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
+    ap.add_argument("--draft", help="a draft model (same vocabulary) for speculative decoding of one prompt")
+    ap.add_argument("--speculate", type=int, default=4, help="draft tokens per round with --draft")
     return ap
 
 
@@ -44,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = weights.config
     max_ctx = a.max_context or cfg.max_seq_len
     model = LlamaModel(weights, num_blocks=a.num_blocks, kv_dtype=a.kv_dtype, max_blocks_per_seq=-(-max_ctx // 16))
-    engine = Engine(model, tokenizer, seed=a.seed)
     dev = get_device()
+    if a.draft:
+        return _speculative(a, model, tokenizer, max_ctx)
+    engine = Engine(model, tokenizer, seed=a.seed)
     print(f"[vkgraph] {cfg.arch} dim {cfg.dim} x {cfg.n_layers} layers, vocab {cfg.vocab_size}, on {dev.info.name}; "
           f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     params = SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.repetition_penalty)
@@ -76,6 +80,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[vkgraph] prompt: {s['prompt_tokens']} tokens ({s['cached_prompt_tokens']} from the prefix cache) in "
           f"{t_prefill:.3f} s = {s['prompt_tokens'] / max(t_prefill, 1e-9):.1f} tok/s; decode: {decode_tokens} tokens "
           f"in {t_decode:.3f} s = {decode_tokens / max(t_decode, 1e-9):.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def _speculative(a: argparse.Namespace, model: LlamaModel, tokenizer: Tokenizer, max_ctx: int) -> int:
+    from .nn.speculative import SpeculativeDecoder
+
+    if len(a.prompt) != 1:
+        raise SystemExit("--draft decodes one prompt at a time")
+    draft = LlamaModel(load_weights(a.draft, quantize=a.quantize, progress=False), num_blocks=a.num_blocks,
+                       kv_dtype=a.kv_dtype, max_blocks_per_seq=-(-max_ctx // 16))
+    sd = SpeculativeDecoder(model, draft, k=a.speculate, seed=a.seed)
+    params = SamplingParams(a.temperature)
+    stream = tokenizer.stream()
+    print(a.prompt[0], end="", flush=True)
+    t0 = time.perf_counter()
+    n = 0
+    for tok in sd.generate(tokenizer.encode(a.prompt[0]), a.max_tokens, params, tokenizer.eos_ids):
+        print(stream.push(tok), end="", flush=True)
+        n += 1
+    print(stream.flush())
+    dt = time.perf_counter() - t0
+    print(f"[vkgraph] speculative: {n} tokens in {dt:.3f} s = {n / dt:.1f} tok/s; {sd.stats.accepted} of "
+          f"{sd.stats.proposed} draft tokens accepted ({sd.stats.acceptance:.0%})", file=sys.stderr)
     return 0
 
 
