@@ -1,16 +1,9 @@
 import numpy as np
 import pytest
+from glsl_samples import AXPB
 
 from vkgraph.runtime import VkgraphError
 from vkgraph.runtime.capture import Variable
-
-AXPB = """#version 450
-layout(local_size_x = 64) in;
-layout(set = 0, binding = 0) readonly buffer X { float x[]; };
-layout(set = 0, binding = 1) writeonly buffer Y { float y[]; };
-layout(push_constant) uniform Push { uint n; float a; float b; } pc;
-void main() { uint i = gl_GlobalInvocationID.x; if (i < pc.n) y[i] = pc.a * x[i] + pc.b; }
-"""
 
 
 def _chain(dev, k, x, out, n, pos):
@@ -25,6 +18,17 @@ def _chain(dev, k, x, out, n, pos):
     t2.release()
     dev.dispatch(k, [t3, out], (n // 64, 1, 1), (n, 1.0, 0.5))
     t3.release()
+
+
+def captured_chain(dev, n, pos=0.0):
+    """(input buffer, output buffer, graph) of the chain captured once (and run once)."""
+    k = dev.kernel(AXPB)
+    x, out = dev.alloc(4 * n), dev.alloc(4 * n)
+    dev.queue.begin_capture()
+    _chain(dev, k, x, out, n, pos)
+    graph = dev.queue.end_capture()
+    dev.synchronize()
+    return x, out, graph
 
 
 def ref(x, pos):
@@ -58,12 +62,7 @@ def test_replay_with_new_inputs_and_variable(dev):
 
 def test_replay_is_one_submit(dev):
     n = 256
-    k = dev.kernel(AXPB)
-    x, out = dev.alloc(4 * n), dev.alloc(4 * n)
-    dev.queue.begin_capture()
-    _chain(dev, k, x, out, n, 0.0)
-    graph = dev.queue.end_capture()
-    dev.synchronize()
+    x, out, graph = captured_chain(dev, n)
     before = dev.queue.stats["submits"]
     graph.replay()
     dev.synchronize()
@@ -124,12 +123,7 @@ def test_no_leaks_over_10000_replays(dev):
 
 def test_input_copies_and_replay_share_one_submit(dev):
     n = 256
-    k = dev.kernel(AXPB)
-    x, out = dev.alloc(4 * n), dev.alloc(4 * n)
-    dev.queue.begin_capture()
-    _chain(dev, k, x, out, n, 0.0)
-    graph = dev.queue.end_capture()
-    dev.synchronize()
+    x, out, graph = captured_chain(dev, n)
     new_input = dev.alloc(4 * n)
     xs = np.random.default_rng(3).standard_normal(n).astype(np.float32)
     dev.upload(new_input, xs)
