@@ -32,8 +32,10 @@ def _spin_iters(dev, seconds: float) -> int:
         dev.dispatch(k, [b], (64, 1, 1), (iters,))
         dev.synchronize()
         dt = time.perf_counter() - t
-        if dt > 0.05 or iters >= 1 << 20:
+        if dt > 0.05:
             return int(iters * seconds / dt)
+        if iters >= 1 << 20:
+            pytest.skip("the spin kernel finishes too fast on this device to outlast a timeout")
         iters *= 4
 
 
