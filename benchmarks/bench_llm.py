@@ -1,0 +1,189 @@
+"""LLM serving benchmark: decode tokens/s at several batch sizes and prefill tokens/s, for a model of a given
+shape with random weights in Q4_0 / Q8_0, beside an eager PyTorch float16 implementation of the same shape
+on the same GPU (when PyTorch with CUDA is present).
+
+    python benchmarks/bench_llm.py [--shape llama3-8b|small] [--formats Q4_0,Q8_0] [--batches 1,8,32]
+
+Random weights are valid GGUF blocks built directly (a small float16 scale per block, random quants), so no
+file is written. The bandwidth bound printed is weight bytes read per decode step over the copy bandwidth
+given by --copy-gbs (measure it with benchmarks/bench_runtime.py on the same GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from vkgraph.nn.config import ModelConfig, RopeScaling
+from vkgraph.nn.engine import Engine
+from vkgraph.nn.llama import LlamaModel
+from vkgraph.nn.weights import LayerWeights, ModelWeights
+from vkgraph.quant import FORMATS, QuantizedTensor
+from vkgraph.runtime import get_device
+
+SHAPES = {
+    "llama3-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                      head_dim=128, rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)),
+    "small": dict(vocab_size=2048, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, head_dim=64),
+}
+
+
+def random_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> QuantizedTensor:
+    """Valid blocks of Q8_0 or Q4_0: scale (float16, small) then the quants, random."""
+    f = FORMATS[fmt]
+    nblocks = rows * cols // f.block_size
+    data = rng.integers(0, 256, (nblocks, f.type_size), dtype=np.uint8)
+    scales = (rng.random(nblocks, dtype=np.float32) * 0.01 + 0.001).astype(np.float16)
+    data[:, :2] = scales.view(np.uint8).reshape(nblocks, 2)
+    return QuantizedTensor.from_raw(data, fmt, (rows, cols))
+
+
+def random_model(cfg: ModelConfig, fmt: str, seed: int = 0) -> ModelWeights:
+    rng = np.random.default_rng(seed)
+    d, q, kv, f = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    mat = lambda r, c: random_blocks(fmt, r, c, rng)  # noqa: E731
+    ones = np.ones(d, np.float32)
+    layers = [LayerWeights(ones, mat(q, d), mat(kv, d), mat(kv, d), mat(d, q), ones, w_gate=mat(f, d),
+                           w_up=mat(f, d), w_down=mat(d, f)) for _ in range(cfg.n_layers)]
+    embed = (rng.standard_normal((cfg.vocab_size, d), dtype=np.float32) * 0.02).astype(np.float16)
+    return ModelWeights(cfg, embed, layers, ones, mat(cfg.vocab_size, d))
+
+
+def weight_bytes(w: ModelWeights) -> int:
+    total = w.lm_head.nbytes
+    for lw in w.layers:
+        total += sum(m.nbytes for m in (lw.wq, lw.wk, lw.wv, lw.wo, lw.w_gate, lw.w_up, lw.w_down))
+    return total
+
+
+def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt_len: int) -> dict:
+    model = LlamaModel(w, num_blocks=max(batches) * 8 + 64, max_blocks_per_seq=8)
+    out = {}
+    for b in batches:
+        engine = Engine(model, max_batch=b)
+        for i in range(b):
+            engine.add_request([(i * 7 + j) % w.config.vocab_size for j in range(16)], max_tokens=decode_steps + 8,
+                               stop_token_ids=[])
+        engine.step()  # admits and prefills everyone
+        for _ in range(3):  # the first decode steps capture the graph
+            engine.step()
+        get_device().synchronize()
+        times = []
+        for _ in range(decode_steps):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        out[b] = b / statistics.median(times)
+        while engine.has_work():
+            engine.step()
+    engine = Engine(model, max_batch=1)
+    engine.add_request(list(range(prompt_len)), max_tokens=1, stop_token_ids=[])
+    engine.step()
+    engine.add_request(list(range(1, prompt_len + 1)), max_tokens=1, stop_token_ids=[])
+    get_device().synchronize()
+    t = time.perf_counter()
+    engine.step()  # one prefill (and its first token)
+    out["prefill"] = prompt_len / (time.perf_counter() - t)
+    return out
+
+
+def bench_torch(cfg: ModelConfig, batches: list[int], decode_steps: int, prompt_len: int) -> dict | None:
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    dev, dt = "cuda", torch.float16
+    g = torch.Generator(device=dev).manual_seed(0)
+    d, hd, h, hkv, f = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim
+    r = lambda *s: torch.randn(*s, device=dev, dtype=dt, generator=g) * 0.02  # noqa: E731
+    layers = [dict(wqkv=r((h + 2 * hkv) * hd, d), wo=r(d, h * hd), wgu=r(2 * f, d), wd=r(d, f))
+              for _ in range(cfg.n_layers)]
+    emb, head = r(cfg.vocab_size, d), r(cfg.vocab_size, d)
+    max_len = prompt_len + decode_steps + 32
+
+    def norm(x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(dt)
+
+    def forward(tok, caches, pos):
+        x = emb[tok]  # (b, t, d)
+        b, t, _ = x.shape
+        for p, (kc, vc) in zip(layers, caches):
+            qkv = norm(x) @ p["wqkv"].T
+            q, k, v = qkv.split([h * hd, hkv * hd, hkv * hd], -1)
+            q = q.view(b, t, h, hd).transpose(1, 2)
+            kc[:, :, pos:pos + t] = k.view(b, t, hkv, hd).transpose(1, 2)
+            vc[:, :, pos:pos + t] = v.view(b, t, hkv, hd).transpose(1, 2)
+            kk, vv = kc[:, :, :pos + t], vc[:, :, :pos + t]
+            a = F.scaled_dot_product_attention(q, kk, vv, is_causal=t > 1, enable_gqa=True)
+            x = x + a.transpose(1, 2).reshape(b, t, h * hd) @ p["wo"].T
+            gu = norm(x) @ p["wgu"].T
+            gate, up = gu.chunk(2, -1)
+            x = x + (F.silu(gate) * up) @ p["wd"].T
+        return norm(x[:, -1]) @ head.T
+
+    out = {}
+    with torch.no_grad():
+        for b in batches:
+            caches = [(torch.zeros(b, hkv, max_len, hd, device=dev, dtype=dt),
+                       torch.zeros(b, hkv, max_len, hd, device=dev, dtype=dt)) for _ in layers]
+            tok = torch.zeros(b, 1, dtype=torch.long, device=dev)
+            for i in range(3):
+                forward(tok, caches, 16 + i)
+            torch.cuda.synchronize()
+            times = []
+            for i in range(decode_steps):
+                t = time.perf_counter()
+                tok = forward(tok, caches, 19 + i).argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            out[b] = b / statistics.median(times)
+            del caches
+        caches = [(torch.zeros(1, hkv, max_len, hd, device=dev, dtype=dt),
+                   torch.zeros(1, hkv, max_len, hd, device=dev, dtype=dt)) for _ in layers]
+        prompt = torch.arange(prompt_len, device=dev).view(1, -1)
+        forward(prompt, caches, 0)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        forward(prompt, caches, 0)
+        torch.cuda.synchronize()
+        out["prefill"] = prompt_len / (time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--formats", default="Q4_0,Q8_0")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--copy-gbs", type=float, default=4100.0, help="measured copy bandwidth, GB/s (read+write)")
+    a = ap.parse_args()
+    cfg = ModelConfig(arch="llama", max_seq_len=8192, **SHAPES[a.shape])
+    batches = [int(x) for x in a.batches.split(",")]
+    print(f"device: {get_device().info.name}; shape {a.shape}")
+    rows = []
+    for fmt in a.formats.split(","):
+        w = random_model(cfg, fmt)
+        bound = a.copy_gbs * 1e9 / 2 / weight_bytes(w)  # copy GB/s counts read + write; decode only reads
+        r = bench_vkgraph(w, batches, a.steps, a.prompt)
+        rows.append((f"vkgraph {fmt}", r, bound))
+        del w
+    t = bench_torch(cfg, batches, a.steps, a.prompt)
+    if t is not None:
+        rows.append(("PyTorch eager f16", t, None))
+    head = "".join(f"{'decode b=' + str(b):>14s}" for b in batches)
+    print(f"{'':22s}{head}{'prefill':>12s}{'bound b=1':>11s}")
+    for name, r, bound in rows:
+        cells = "".join(f"{r[b]:14.1f}" for b in batches)
+        print(f"{name:22s}{cells}{r['prefill']:12.1f}" + (f"{bound:11.0f}" if bound else ""))
+
+
+if __name__ == "__main__":
+    main()
