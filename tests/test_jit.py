@@ -164,3 +164,15 @@ def test_no_leaks_over_10000_replays():
     out = f(x)
     assert out.numpy() == pytest.approx(2.0 * sum(4 + i % 3 for i in range(64)))
     f.reset()
+
+
+def test_variable_in_tensor_code_is_a_push_constant():
+    """A Variable used as a scalar in Tensor ops is read at each dispatch: eager and replayed alike."""
+    pos = Variable("pos", 3)
+    x = np.arange(6, dtype=np.float32)
+    np.testing.assert_array_equal((Tensor(x) * 2 + pos).numpy(), x * 2 + 3)
+    f = jit(lambda t: (t * 2 + pos).sum() + Tensor(pos) * 10)
+    for p in [3, 3, 3, 7, 100, -5, 0]:
+        pos.value = p
+        assert f(Tensor(x)).numpy() == pytest.approx((x * 2 + p).sum() + p * 10)
+    assert len(f.cache) == 1

@@ -28,6 +28,7 @@ class Op(Enum):
     CONST = auto()  # arg: the value, broadcast over `shape`
     RAND = auto()  # arg: (seed, counter) — uniform float32 in [0, 1), counter-based
     IOTA = auto()  # int32 0, 1, ..., n-1 along its one axis
+    VAR = auto()  # arg: a runtime Variable — an int32 scalar read from a push constant at each dispatch
     # movement: arg is a ShapeTracker over the source's shape
     VIEW = auto()
     # unary
@@ -67,7 +68,7 @@ BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.IDIV, Op.MOD, Op.MAX, Op.MIN, Op.PO
           Op.CMPNE, Op.AND, Op.OR, Op.XOR, Op.SHL, Op.SHR}
 COMPARE = {Op.CMPLT, Op.CMPLE, Op.CMPEQ, Op.CMPNE, Op.ISNAN}
 ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
-LEAVES = {Op.BUFFER, Op.CONST, Op.RAND, Op.IOTA}
+LEAVES = {Op.BUFFER, Op.CONST, Op.RAND, Op.IOTA, Op.VAR}
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,6 +169,11 @@ def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape) 
 
 # ---------------------------------------------------------------------------------------------------------------
 # builders
+
+
+def var(variable: Any) -> Node:
+    """A scalar int32 whose value is the Variable's at each dispatch (and at each replay of a capture)."""
+    return _make(Op.VAR, dtypes.int32, (), variable, ())
 
 
 def const(value: Any, dtype: DType, shape: Shape = ()) -> Node:

@@ -18,6 +18,7 @@ from . import graph as g
 from .dtype import DType, dtypes, least_float, result_type, to_dtype
 from .graph import Node, Op, ReduceOp
 from .realize import allocate, assign, download, realize, require_dtype, upload
+from .runtime import Variable
 from .view import ShapeTracker
 
 Scalar = int | float | bool
@@ -97,6 +98,11 @@ class Tensor:
             self.node = data
             return
         want = to_dtype(dtype) if dtype is not None else None
+        if isinstance(data, Variable):
+            self.node = g.var(data)
+            if want is not None and want is not dtypes.int32:
+                self.node = Tensor(self.node).cast(want).node
+            return
         if isinstance(data, Tensor):
             self.node = data.node if want is None else data.cast(want).node
             return
@@ -406,7 +412,8 @@ class Tensor:
     def _bin(self, other: Tensor | Scalar, op: Op, reverse: bool = False, out: DType | None = None,
              kinds: str = "biuf", compute: Callable[[DType], DType] | None = None) -> Tensor:
         a, b = _operands(self, other)
-        d = result_type(a.dtype, b.dtype) if isinstance(other, Tensor) else result_type(self.dtype, other)
+        weak = 0 if isinstance(other, Variable) else other  # a Variable promotes like a Python int
+        d = result_type(a.dtype, b.dtype) if isinstance(other, Tensor) else result_type(self.dtype, weak)
         if compute is not None:
             d = compute(d)
         if d.kind not in kinds:
@@ -1001,6 +1008,8 @@ def _as_bool(x: Any) -> Any:
 def _as_tensor(x: Any, like: Tensor, dtype: DType | None = None) -> Tensor:
     if isinstance(x, Tensor):
         return x
+    if isinstance(x, Variable):  # weak, like a Python int
+        return Tensor(x).cast(dtype or result_type(like.dtype, 0))
     if isinstance(x, (bool, int, float, np.bool_, np.integer, np.floating)):
         return Tensor.full((), x, dtype or result_type(like.dtype, x))
     return Tensor(x)
@@ -1009,6 +1018,8 @@ def _as_tensor(x: Any, like: Tensor, dtype: DType | None = None) -> Tensor:
 def _operands(a: Tensor, b: Any) -> tuple[Tensor, Tensor]:
     if isinstance(b, Tensor):
         return a, b
+    if isinstance(b, Variable):  # weak, like a Python int
+        return a, Tensor(b).cast(result_type(a.dtype, 0))
     if isinstance(b, (bool, int, float, np.bool_, np.integer, np.floating)):
         d = result_type(a.dtype, b)
         return a, Tensor.full((), b, d)

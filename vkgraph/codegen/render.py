@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from ..dtype import DType, dtypes
 from ..graph import ELEMENTWISE, Node, Op
+from ..runtime.capture import Variable
 from ..view import ShapeTracker
 from . import glsl
 from .symbolic import Expr, Num, Var, in_range, num, ravel, unravel
@@ -73,9 +75,10 @@ class Renderer:
             self.written.add(i)
         return i
 
-    def push_const(self, gtype: str, value: int, prefix: str = "p") -> str:
+    def push_const(self, gtype: str, value: Any, prefix: str = "p") -> str:
+        """A push-constant field; `value` is an int, or a runtime Variable read at each dispatch."""
         name = f"{prefix}{len(self.push)}"
-        self.push.append((name, gtype, int(value)))
+        self.push.append((name, gtype, value if isinstance(value, Variable) else int(value)))
         return f"pc.{name}"
 
     def offset(self, value: int) -> Expr:
@@ -183,6 +186,8 @@ class Renderer:
             return self.define("float", f"rng({seed}, {ctr} + uint({ravel(coords, n.shape).render()}))")
         if n.op is Op.IOTA:
             return coords[0].render()
+        if n.op is Op.VAR:
+            return self.define("int", self.push_const("int", n.arg, "v"))
         if n.op in ELEMENTWISE:
             args = [self.value(s, coords) for s in n.srcs]
             srcs = [s.dtype for s in n.srcs]
