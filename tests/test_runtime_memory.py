@@ -122,3 +122,11 @@ def test_bad_sizes(dev):
         dev.alloc(-1)
     with pytest.raises(ValueError):
         dev.alloc(1.5)
+
+
+def test_allocation_size_limit(dev):
+    if dev.info.max_allocation_size >= dev.info.max_buffer_size:
+        pytest.skip("this device allows one allocation as large as its largest buffer")
+    with pytest.raises(OutOfDeviceMemory, match="maxMemoryAllocationSize"):
+        dev.alloc(dev.info.max_allocation_size + 1)
+    dev.alloc(1024).release()

@@ -175,6 +175,9 @@ class BufferPool:
         if nbytes > info.max_buffer_size:
             raise OutOfDeviceMemory(f"{nbytes} bytes asked for one buffer; the device's maxBufferSize is "
                                     f"{info.max_buffer_size}", nbytes, self.stats.as_dict())
+        if nbytes > info.max_allocation_size:  # each buffer has its own allocation
+            raise OutOfDeviceMemory(f"{nbytes} bytes asked for one buffer; the device's maxMemoryAllocationSize "
+                                    f"is {info.max_allocation_size}: split the data", nbytes, self.stats.as_dict())
         cap = size_class(nbytes)
         if cap > info.max_allocation_size or cap > info.max_buffer_size:
             cap = max(nbytes, 256)
