@@ -123,7 +123,8 @@ def test_prefix_cache_hit_gives_the_same_logits_as_a_cold_run(models):
     # and the logits themselves: compute the prompt's last-token logits through the cached path
     cached = engine.kv.add_sequence("probe", prompt)
     assert cached == 3 * BLOCK
-    logits = engine._prefill(engine.kv.seqs["probe"] and type("R", (), {"id": "probe"})(), cached).numpy()
+    probe = type("Probe", (), {"id": "probe"})()
+    logits = engine._prefill([probe], continue_cached=True).numpy()
     want = ReferenceLlama(w).forward(prompt)[-1:]
     assert nerr(logits, want) < 5e-4
     engine.kv.free_sequence("probe")
@@ -221,3 +222,18 @@ def test_speculative_sampling_keeps_the_target_distribution(models, tmp_path):
     keep = expected >= 5
     chi2 = (((counts[keep] - expected[keep]) ** 2) / expected[keep]).sum()
     assert chi2 < 3 * keep.sum(), (chi2, keep.sum())
+
+
+def test_prompts_admitted_together_are_prefilled_in_one_pass(models):
+    """Several waiting requests, some continuing a cached prefix, are prefilled together and give what each
+    gives alone."""
+    w, model = build(models["Q8_0"])
+    ref = ReferenceLlama(w)
+    shared = list(range(3, 3 + 2 * BLOCK))
+    engine = Engine(model, max_batch=8)
+    run(engine, [shared + [1]], max_tokens=2)  # caches the shared prefix
+    prompts = [shared + [7, 8], [4, 5, 6], shared + [9]]
+    got = run(engine, prompts, max_tokens=6)
+    assert got == [ref.greedy(p, 6) for p in prompts]
+    assert engine.stats["cached_prompt_tokens"] >= 2 * 2 * BLOCK
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

@@ -1,9 +1,10 @@
 """The generation engine: continuous batching over a paged KV cache with prefix caching, GPU sampling,
 stop conditions and streaming.
 
-Each `step()` admits waiting requests while KV blocks last (their prompts are computed, minus any prefix
-already cached, and their first token sampled), then runs one decode step for every running request, as one
-replay of a captured step (vkgraph.jit) per batch-size bucket. Requests join and leave between steps.
+Each `step()` admits waiting requests while KV blocks last (their prompts are computed together in one pass,
+minus any prefix already cached, and their first tokens sampled), then runs one decode step for every running
+request, as one replay of a captured step (vkgraph.jit) per batch-size bucket. Requests join and leave between
+steps.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ class Engine:
     """Serve many requests on one model. `generate()` streams; `step()` advances every request by a token."""
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
-                 prefix_caching: bool = True, seed: int = 0) -> None:
+                 prefix_caching: bool = True, seed: int = 0, max_prefill_tokens: int = 4096) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
+        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens computed in one admission pass
         self.kv = KVCacheManager(model.caches[0].num_blocks, model.block_size, prefix_caching=prefix_caching)
         self.vocab = model.config.vocab_size
         self.waiting: list[Request] = []
@@ -111,37 +113,50 @@ class Engine:
         return events
 
     def _admit(self) -> list[Event]:
-        events: list[Event] = []
-        while self.waiting and len(self.running) < self.max_batch:
+        """Admit waiting requests while KV blocks and batch rows last, and prefill them in one forward pass."""
+        admitted: list[tuple[Request, int]] = []
+        pending_tokens = 0
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             req = self.waiting[0]
+            if admitted and pending_tokens + len(req.prompt) > self.max_prefill_tokens:
+                break
             try:
                 cached = self.kv.add_sequence(req.id, req.prompt)
             except OutOfKVBlocks:
-                if not self.running:
+                if not self.running and not admitted:
                     raise  # nothing will ever free a block: the request cannot fit at all
                 break  # wait for running requests to finish
             self.waiting.pop(0)
             req.cached_prompt_tokens = cached
             self.stats["prompt_tokens"] += len(req.prompt)
             self.stats["cached_prompt_tokens"] += cached
-            logits = self._prefill(req, cached)
-            self.kv.mark_computed(req.id)
-            token = int(self._sample(logits, [req])[0])
-            self.running.append(req)
-            events.append(self._emit(req, token))
+            pending_tokens += len(req.prompt) - cached
+            admitted.append((req, cached))
+        if not admitted:
+            return []
+        reqs = [r for r, _ in admitted]
+        logits = self._prefill(reqs, continue_cached=any(c for _, c in admitted))
+        for r in reqs:
+            self.kv.mark_computed(r.id)
+        tokens = self._sample(logits, reqs)
+        events = []
+        for r, t in zip(reqs, tokens):
+            self.running.append(r)
+            events.append(self._emit(r, int(t)))
         return events
 
-    def _prefill(self, req: Request, cached: int) -> Tensor:
-        """Logits (1, vocab) of the prompt's last token; computes only tokens not already cached."""
-        meta = self.kv.batch([req.id], width=self.model.max_blocks_per_seq)
-        n = meta.num_tokens
+    def _prefill(self, reqs: list[Request], continue_cached: bool) -> Tensor:
+        """Logits (len(reqs), vocab) of each prompt's last token, computing only tokens not already cached."""
+        meta = self.kv.batch([r.id for r in reqs], width=self.model.max_blocks_per_seq)
+        qsl = meta.query_start_loc
+        counts = np.diff(qsl)
         common = dict(positions=Tensor(meta.positions), slot_mapping=Tensor(meta.slot_mapping))
-        if cached == 0:
-            step = StepInputs(**common, cu_seqlens=Tensor(meta.query_start_loc), max_seq_len=n)
-        else:  # continue a cached prefix: each new token is a query row over the paged cache
-            step = StepInputs(**common, block_tables=Tensor(np.repeat(meta.block_tables, n, axis=0)),
+        if not continue_cached:
+            step = StepInputs(**common, cu_seqlens=Tensor(qsl), max_seq_len=int(counts.max()))
+        else:  # some continue a cached prefix: each new token is a query row over the paged cache
+            step = StepInputs(**common, block_tables=Tensor(np.repeat(meta.block_tables, counts, axis=0)),
                               context_lens=Tensor(meta.positions + 1))
-        return self.model(Tensor(meta.input_ids), step, logit_rows=Tensor(np.array([n - 1], np.int32)))
+        return self.model(Tensor(meta.input_ids), step, logit_rows=Tensor((qsl[1:] - 1).astype(np.int32)))
 
     def _decode_running(self) -> list[Event]:
         reqs = self.running
