@@ -3,9 +3,13 @@ shape with random weights in Q4_0 / Q8_0, beside an eager PyTorch float16 implem
 on the same GPU (when PyTorch with CUDA is present).
 
     python benchmarks/bench_llm.py [--shape llama3-8b|small] [--formats Q4_0,Q8_0] [--batches 1,8,32]
+    python benchmarks/bench_llm.py --gguf model-q4_0.gguf [--gguf model-q8_0.gguf]   # same files as llama.cpp
 
-Random weights are valid GGUF blocks built directly (a small float16 scale per block, random quants), so no
-file is written. The bandwidth bound printed is weight bytes read per decode step over the copy bandwidth
+Without --gguf, random weights are valid GGUF blocks built directly (a small float16 scale per block, random
+quants), so no file is written. With --gguf (e.g. from `scripts/make_tiny_model.py OUT --preset llama3-8b
+--gguf Q4_0`), vkgraph and llama.cpp's Vulkan backend (the `cyllama-vulkan` wheel, when importable) load the
+same file; llama.cpp's decode rate counts the tokens its stream yields (its own statistics re-tokenize).
+The bandwidth bound printed is weight bytes read per decode step over the copy bandwidth
 given by --copy-gbs (measure it with benchmarks/bench_runtime.py on the same GPU).
 """
 
@@ -156,6 +160,24 @@ def bench_torch(cfg: ModelConfig, batches: list[int], decode_steps: int, prompt_
     return out
 
 
+def bench_llama_cpp(path: str, decode_tokens: int, prompt_len: int) -> dict | None:
+    """llama.cpp (Vulkan) at batch 1 on a GGUF file: decode and prefill tokens/s, or None if unavailable."""
+    try:
+        from cyllama import LLM, GenerationConfig
+    except ImportError:
+        return None
+    llm = LLM(path, GenerationConfig(n_gpu_layers=-1, temperature=0.0, max_tokens=decode_tokens, n_ctx=4096))
+    prompt = " ".join(["hello"] * prompt_len)
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    for _ in llm(prompt, stream=True, on_token=lambda _t: stamps.append(time.perf_counter())):
+        pass
+    llm.close()
+    if len(stamps) < 2:
+        return None
+    return {1: (len(stamps) - 1) / (stamps[-1] - stamps[0]), "prefill": prompt_len / (stamps[0] - t0)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -164,24 +186,36 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--copy-gbs", type=float, default=4100.0, help="measured copy bandwidth, GB/s (read+write)")
+    ap.add_argument("--gguf", action="append", default=[], help="a GGUF file to load in vkgraph and llama.cpp")
     a = ap.parse_args()
     cfg = ModelConfig(arch="llama", max_seq_len=8192, **SHAPES[a.shape])
     batches = [int(x) for x in a.batches.split(",")]
-    print(f"device: {get_device().info.name}; shape {a.shape}")
+    print(f"device: {get_device().info.name}; " + (f"files {a.gguf}" if a.gguf else f"shape {a.shape}"))
     rows = []
-    for fmt in a.formats.split(","):
-        w = random_model(cfg, fmt)
+    sources = [(p, None) for p in a.gguf] or [(None, fmt) for fmt in a.formats.split(",")]
+    for path, fmt in sources:
+        if path is not None:
+            from vkgraph.nn.weights import load_weights
+
+            w = load_weights(path)
+            cfg = w.config
+            label = path.rsplit("/", 1)[-1]
+        else:
+            w, label = random_model(cfg, fmt), fmt
         bound = a.copy_gbs * 1e9 / 2 / weight_bytes(w)  # copy GB/s counts read + write; decode only reads
-        r = bench_vkgraph(w, batches, a.steps, a.prompt)
-        rows.append((f"vkgraph {fmt}", r, bound))
+        rows.append((f"vkgraph {label}", bench_vkgraph(w, batches, a.steps, a.prompt), bound))
         del w
+        if path is not None:
+            lc = bench_llama_cpp(path, a.steps * 5, a.prompt)
+            if lc is not None:
+                rows.append((f"llama.cpp {label}", lc, None))
     t = bench_torch(cfg, batches, a.steps, a.prompt)
     if t is not None:
         rows.append(("PyTorch eager f16", t, None))
     head = "".join(f"{'decode b=' + str(b):>14s}" for b in batches)
     print(f"{'':22s}{head}{'prefill':>12s}{'bound b=1':>11s}")
     for name, r, bound in rows:
-        cells = "".join(f"{r[b]:14.1f}" for b in batches)
+        cells = "".join(f"{r[b]:14.1f}" if b in r else f"{'-':>14s}" for b in batches)
         print(f"{name:22s}{cells}{r['prefill']:12.1f}" + (f"{bound:11.0f}" if bound else ""))
 
 
