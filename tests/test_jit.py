@@ -176,3 +176,12 @@ def test_variable_in_tensor_code_is_a_push_constant():
         pos.value = p
         assert f(Tensor(x)).numpy() == pytest.approx((x * 2 + p).sum() + p * 10)
     assert len(f.cache) == 1
+
+
+def test_two_variables_with_one_name_capture_separately():
+    a, b = Variable("pos", 1), Variable("pos", 2)
+    f = jit(lambda x, v: x + v)
+    x = Tensor(np.zeros(4, np.float32))
+    for _ in range(3):
+        assert f(x, a).numpy()[0] == 1 and f(x, b).numpy()[0] == 2
+    assert len(f.cache) == 2

@@ -128,7 +128,7 @@ def _key(args: tuple, kwargs: dict) -> tuple:
         if isinstance(a, Tensor):
             return ("T", a.shape, a.dtype.name)
         if isinstance(a, Variable):
-            return ("V", a.name)
+            return ("V", id(a))  # the capture reads this very object (it stays alive in the graph)
         if isinstance(a, (list, tuple)):
             return (type(a).__name__, *map(one, a))
         try:
