@@ -195,3 +195,48 @@ def test_kernels_never_bind_more_buffers_than_the_device_allows():
         got = total.numpy()
     np.testing.assert_array_equal(got, np.full(8, sum(range(n)), np.float32))
     assert c.count >= 3
+
+
+def _naive_boundaries(order, realize, realized, max_inputs):
+    """The scheduler's fixed point without its kept analyses: every pass analyses every kernel afresh."""
+    from vkgraph.schedule import _analyze
+
+    while True:
+        users: dict = {}
+        grown = False
+        for r in reversed(order):
+            if r not in realize:
+                continue
+            viol, fused = _analyze(r, realize, realized, max_inputs)
+            if viol:
+                realize |= viol - realize
+                grown = True
+                continue
+            for f in fused:
+                users.setdefault(f, []).append(r)
+        if grown:
+            continue
+        shared = {f for f, rs in users.items() if len(rs) > 1}
+        if not shared:
+            return
+        realize |= shared
+
+
+def test_kept_analyses_give_the_partition_a_fresh_analysis_gives():
+    from vkgraph.graph import Op
+    from vkgraph.schedule import _choose_boundaries, _Memo
+
+    w = [Tensor(data(32, 32)) for _ in range(12)]
+    x = Tensor(data(2, 32))
+    for i in range(6):  # matmuls, softmax, norms and many weights: cuts for fusion and for the binding limit
+        h = x * (x * x).mean(-1, keepdim=True).rsqrt()
+        att = (h @ w[2 * i]).softmax(-1)
+        x = x + (att @ w[2 * i + 1]).relu() + w[i].sum(0, keepdim=True)
+    realized = _Memo(realize_mod.REALIZED)
+    order = x.node.toposort(lambda n: n.op is Op.BUFFER or n in realized)
+    for max_inputs in (4, 8, 16):
+        a, b = {x.node}, {x.node}
+        _choose_boundaries(order, a, realized, max_inputs)
+        _naive_boundaries(order, b, realized, max_inputs)
+        assert {id(n) for n in a} == {id(n) for n in b}
+        assert len(a) > 6

@@ -129,20 +129,21 @@ class Node:
 
     def toposort(self, stop: Callable[[Node], bool] = lambda n: False) -> list[Node]:
         """Nodes under (and including) this one, sources first; does not descend below `stop` nodes."""
-        seen: set[int] = set()
+        seen: set[Node] = set()  # nodes hash and compare by identity
         order: list[Node] = []
         stack: list[tuple[Node, bool]] = [(self, False)]
+        pop, push, add = stack.pop, stack.append, seen.add
         while stack:
-            n, done = stack.pop()
+            n, done = pop()
             if done:
                 order.append(n)
                 continue
-            if id(n) in seen:
+            if n in seen:
                 continue
-            seen.add(id(n))
-            stack.append((n, True))
-            if not stop(n):
-                stack.extend((s, False) for s in reversed(n.srcs) if id(s) not in seen)
+            add(n)
+            push((n, True))
+            if n.srcs and not stop(n):
+                stack.extend([(s, False) for s in reversed(n.srcs) if s not in seen])
         return order
 
 

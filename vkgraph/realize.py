@@ -2,6 +2,10 @@
 
 Also the one place that remembers which graph nodes are already realized (so a lazy subgraph that was computed
 once is loaded, not recomputed) and counts dispatched kernels (`count_kernels`, used by the fusion tests).
+
+Schedules are remembered by the graph's structure (`schedule.structure`: nodes with buffers numbered as slots):
+a graph whose structure was scheduled before (the same model step over new inputs) skips scheduling and
+lowering, and runs the remembered plan (programs, buffer lifetimes) with its own buffers bound to the slots.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from .dtype import DType, dtypes
 from .flags import flag
 from .graph import BufferRef, Node, Op, argkey
 from .runtime import UnsupportedFeature, get_device
-from .schedule import CustomCall, Schedule, create_schedule
+from .schedule import CustomCall, Schedule, create_schedule, structure
 from .view import ShapeTracker
 
 
@@ -34,13 +38,16 @@ class _Realized:
     def __init__(self) -> None:
         self._map: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._version: dict[tuple, int] = {}
+        # ids of the first source of every live entry (0: an entry without sources), a cheap filter before the
+        # key is built; it may hold ids of dead nodes (a wasted lookup), never lack a live entry's
+        self._first: set[int] = set()
 
     @staticmethod
     def _key(n: Node) -> tuple:
         return (n.op, n.dtype, argkey(n.arg), n.shape, tuple(weakref.ref(s) for s in n.srcs))
 
     def get(self, n: Node) -> BufferRef | None:
-        if n.op is Op.BUFFER:
+        if n.op is Op.BUFFER or (id(n.srcs[0]) if n.srcs else 0) not in self._first:
             return None
         key = self._key(n)
         ref = self._map.get(key)
@@ -63,8 +70,16 @@ class _Realized:
         key = self._key(n)
         self._map[key] = ref
         self._version[key] = ref.version
+        self._first.add(id(n.srcs[0]) if n.srcs else 0)
         if len(self._version) > 2 * len(self._map) + 64:  # forget versions of entries that died
             self._version = {k: v for k, v in self._version.items() if k in self._map}
+        if len(self._first) > 2 * len(self._map) + 64:
+            first = set()
+            for k in list(self._map.keys()):
+                src = k[4][0]() if k[4] else None
+                if src is not None or not k[4]:
+                    first.add(id(src) if k[4] else 0)
+            self._first = first
 
 
 REALIZED = _Realized()
@@ -143,50 +158,174 @@ def _release(ref: BufferRef) -> None:
         ref.buf = None
 
 
-def run(sched: Schedule) -> None:
+class _Plan:
+    """A schedule lowered to programs, with every buffer a slot: inputs (numbered as in `Structure`), then the
+    schedule's own buffers (made afresh at each run), then lowering scratch (shared by every run).
+
+    steps: per schedule item, (programs as (src, name, binding slots, groups, push), scratch slots, frees) for a
+    kernel, or (None, (custom position, out slot, input slots), frees) for a custom call."""
+
+    __slots__ = ("n_in", "temps", "consts", "steps", "outputs")
+
+    def __init__(self, n_in: int, temps: list[tuple[DType, int]], consts: list[BufferRef], steps: list[tuple],
+                 outputs: list[int]):
+        self.n_in, self.temps, self.consts, self.steps, self.outputs = n_in, temps, consts, steps, outputs
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node]) -> tuple[_Plan, list[BufferRef]]:
+    """sched as a plan over slots, and the buffers of this schedule in slot order."""
+    slots = {id(r): i for i, r in enumerate(inputs)}
+    for t in sched.temps:
+        if id(t) not in slots:
+            slots[id(t)] = len(slots)
+    n_in = len(inputs)
+    refs = list(inputs) + sched.temps
+    consts: list[BufferRef] = []
+    custom_pos = {id(n): i for i, n in enumerate(customs)}
+    lim = limits()
+
+    def slot(ref: BufferRef, const: bool = False) -> int:
+        i = slots.get(id(ref))
+        if i is None:
+            if not const:
+                raise _Uncacheable
+            i = slots[id(ref)] = len(refs)
+            refs.append(ref)
+            consts.append(ref)
+        return i
+
+    steps: list[tuple] = []
+    for item, frees in zip(sched.items, sched.frees, strict=True):
+        fr = tuple(slot(r) for r in frees)
+        if isinstance(item, CustomCall):
+            pos = custom_pos.get(id(item.node))
+            if pos is None:
+                raise _Uncacheable
+            steps.append((None, (pos, slot(item.out), tuple(slot(r) for r in item.inputs)), fr))
+            continue
+        lowered = lower(item, lim)
+        scratch = {id(r) for r in lowered.scratch}
+        progs = tuple((p.src, p.name, tuple((slot(ref, id(ref) in scratch), off, n) for ref, off, n in p.bindings),
+                       p.groups, p.push or None) for p in lowered.programs)
+        steps.append((progs, tuple(slot(r, True) for r in lowered.scratch), fr))
+    outputs = [slot(r) for r in sched.outputs]
+    return _Plan(n_in, [(t.dtype, t.numel) for t in sched.temps], consts, steps, outputs), refs
+
+
+def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node]) -> None:
     dev = get_device()
+    debug = flag("VKGRAPH_DEBUG")
+    compiled = _compiled.get(dev)
+    if compiled is None:
+        compiled = _compiled.setdefault(dev, {})
+    dispatch = dev.dispatch
+    counting = bool(_counters)
+    for progs, what, frees in plan.steps:
+        if progs is None:
+            pos, out, ins = what
+            node = customs[pos]
+            out_ref, in_refs = refs[out], [refs[i] for i in ins]
+            for ref in [out_ref, *in_refs]:
+                _ensure(dev, ref)
+            node.arg.fn(dev, out_ref.buf, [r.buf for r in in_refs])
+            _count(node.arg.name)
+        else:
+            for src, name, bindings, groups, push in progs:
+                if debug >= 3:
+                    print(f"--- {name} groups={groups} push={push or {}}\n{src}")
+                brefs = [refs[b[0]] for b in bindings]
+                for ref in brefs:  # memory first: out-of-memory is the error to report
+                    if ref.buf is None:
+                        ref.buf = dev.alloc(max(ref.nbytes, 4))
+                kern = compiled.get(src)
+                if kern is None:
+                    kern = compiled[src] = dev.kernel(src, name=name)
+                bufs = [ref.buf if b[2] is None else ref.buf.view(b[1], b[2]) for ref, b in zip(brefs, bindings)]
+                dispatch(kern, bufs, groups=groups, push=push)
+                if counting:
+                    _count(name)
+            for i in what:
+                _release(refs[i])
+        for i in frees:
+            _release(refs[i])
+    dev.flush()
+
+
+def run(sched: Schedule) -> None:
     debug = flag("VKGRAPH_DEBUG")
     if debug >= 1 and sched.items:
         print(f"schedule: {len(sched.items)} item(s)\n{sched.describe()}")
-    for item, frees in zip(sched.items, sched.frees, strict=True):
-        if isinstance(item, CustomCall):
-            for ref in [item.out, *item.inputs]:
-                _ensure(dev, ref)
-            item.node.arg.fn(dev, item.out.buf, [r.buf for r in item.inputs])
-            _count(item.node.arg.name)
+    customs = [item.node for item in sched.items if isinstance(item, CustomCall)]
+    inputs: list[BufferRef] = []
+    seen: set[int] = {id(t) for t in sched.temps}
+    for item in [*sched.items, None]:  # every buffer the schedule did not make is an input slot
+        if item is None:
+            refs = sched.outputs
+        elif isinstance(item, CustomCall):
+            refs = [item.out, *item.inputs]
         else:
-            lowered = lower(item, limits())
-            for prog in lowered.programs:
-                if debug >= 3:
-                    print(f"--- {prog.name} groups={prog.groups} push={prog.push}\n{prog.src}")
-                for ref, _, _ in prog.bindings:  # memory first: out-of-memory is the error to report
-                    _ensure(dev, ref)
-                compiled = _compiled.setdefault(dev, {})
-                kern = compiled.get(prog.src)
-                if kern is None:
-                    kern = compiled[prog.src] = dev.kernel(prog.src, name=prog.name)
-                bufs = [ref.buf if n is None else ref.buf.view(off, n) for ref, off, n in prog.bindings]
-                dev.dispatch(kern, bufs, groups=prog.groups, push=prog.push or None)
-                _count(prog.name)
-            for ref in lowered.scratch:
-                _release(ref)
-        for ref in frees:
-            _release(ref)
-    dev.flush()
+            refs = [item.out] + [m.arg[0] for m in item.root.toposort() if m.op is Op.BUFFER]
+        for r in refs:
+            if id(r) not in seen:
+                seen.add(id(r))
+                inputs.append(r)
+    plan, refs = _plan(sched, inputs, customs)
+    _execute(plan, refs, customs)
+
+
+# schedules by graph structure (schedule.Structure): a graph scheduled before reuses its kernels and lifetimes
+_PLANS: dict[tuple, _Plan] = {}
+_PLANS_SIZE = 128
+PLAN_STATS = {"hits": 0, "misses": 0}  # schedules reused / made (tests and benchmarks read these)
+
+
+def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[BufferRef]:
+    """Schedule and run nodes (stored through dests where given); returns one buffer per node."""
+    max_inputs = _max_inputs()
+    if flag("VKGRAPH_DEBUG") >= 1:  # the schedule is printed, so make it
+        sched = create_schedule(nodes, REALIZED, dests=dests, max_inputs=max_inputs)
+        run(sched)
+        return sched.outputs
+    st = structure(nodes, REALIZED, dests, (limits(), max_inputs))
+    plan = _PLANS.pop(st.key, None) if st.key is not None else None
+    if plan is not None:
+        _PLANS[st.key] = plan  # most recently used last
+        refs = st.inputs + [BufferRef(d, n) for d, n in plan.temps] + plan.consts
+        PLAN_STATS["hits"] += 1
+    else:
+        PLAN_STATS["misses"] += 1
+        sched = create_schedule(nodes, st.realized, dests=dests, max_inputs=max_inputs)
+        try:
+            plan, refs = _plan(sched, st.inputs, st.customs)
+        except _Uncacheable:
+            run(sched)
+            return sched.outputs
+        if st.key is not None:
+            while len(_PLANS) >= _PLANS_SIZE:
+                try:
+                    _PLANS.pop(next(iter(_PLANS)), None)
+                except (RuntimeError, StopIteration):  # another thread changed it meanwhile
+                    break
+            _PLANS[st.key] = plan
+    _execute(plan, refs, st.customs)
+    return [refs[i] for i in plan.outputs]
 
 
 def realize(nodes: list[Node]) -> list[BufferRef]:
     """Compute nodes into buffers (reusing what is already realized); returns one buffer per node."""
-    sched = create_schedule(nodes, REALIZED, max_inputs=_max_inputs())
-    run(sched)
-    for n, ref in zip(nodes, sched.outputs, strict=True):
+    outputs = _schedule_and_run(nodes)
+    for n, ref in zip(nodes, outputs, strict=True):
         REALIZED.add(n, ref)
-    return sched.outputs
+    return outputs
 
 
 def assign(dest: BufferRef, st: ShapeTracker, value: Node) -> None:
     """Write value into dest through the view st (setitem), then bump dest's version."""
-    run(create_schedule([value], REALIZED, dests=[(dest, st)], max_inputs=_max_inputs()))
+    _schedule_and_run([value], [(dest, st)])
     dest.version += 1
 
 

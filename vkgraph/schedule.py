@@ -13,7 +13,8 @@ recomputed inside the kernel that needs it, with a few rules for the heavy ops:
   kernels) makes the heavy node a boundary of its own.
 
 The result is an ordered list of kernels (and custom calls), each naming its output buffer, with the
-intermediate buffers to release after the last kernel that reads them.
+intermediate buffers to release after the last kernel that reads them. `structure` gives the key on which
+that result depends (the graph with buffers as slots), so realize.py can reuse it for an equal graph.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .graph import BufferRef, Node, Op, buffer, substitute
+from .graph import BufferRef, Node, Op, argkey, buffer, substitute
 from .view import ShapeTracker, View, prod, strides_for
 
 
@@ -44,6 +45,7 @@ class Schedule:
     items: list[Kernel | CustomCall] = field(default_factory=list)
     frees: list[list[BufferRef]] = field(default_factory=list)  # per item: buffers whose last reader it is
     outputs: list[BufferRef] = field(default_factory=list)  # one per target
+    temps: list[BufferRef] = field(default_factory=list)  # the buffers this schedule made (outputs among them)
 
     def describe(self) -> str:
         lines = []
@@ -70,10 +72,10 @@ class _Memo(Mapping):
         self.inner, self.memo = inner, {}
 
     def get(self, n: Node, default=None):
-        k = id(n)
-        if k not in self.memo:
-            self.memo[k] = (n, None if n.op is Op.BUFFER else self.inner.get(n))
-        ref = self.memo[k][1]
+        e = self.memo.get(id(n))
+        if e is None:
+            e = self.memo[id(n)] = (n, None if n.op is Op.BUFFER else self.inner.get(n))
+        ref = e[1]
         return default if ref is None else ref
 
     def __contains__(self, n: object) -> bool:
@@ -90,6 +92,76 @@ class _Memo(Mapping):
 
     def __len__(self) -> int:
         return 0
+
+
+_STALE = ("this lazy tensor reads a buffer that was written in place (setitem) after it was built; realize() it "
+          "before assigning into its inputs")
+
+
+class Structure:
+    """A graph's structure with buffers abstracted to slots: what `create_schedule` depends on, as a hashable key.
+
+    Nodes are listed in the scheduler's own walk order (sources first, stopping at buffers and realized nodes);
+    each entry is (op, dtype, argument, shape, source positions), and an input (a BUFFER leaf or a realized node)
+    is its buffer's slot (numbered by first use), dtype and size. Two graphs with equal keys get the same
+    kernels, the same lowering and the same buffer lifetimes; only the buffers bound to the slots differ.
+    `key` is None when the graph holds something the key cannot describe (the schedule is then not reused).
+    """
+
+    __slots__ = ("key", "inputs", "customs", "realized")
+
+    def __init__(self, key: tuple | None, inputs: list[BufferRef], customs: list[Node], realized: _Memo):
+        self.key, self.inputs, self.customs, self.realized = key, inputs, customs, realized
+
+
+def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
+              dests: list[tuple[BufferRef, ShapeTracker] | None] | None = None, extra: tuple = ()) -> Structure:
+    """The structural key of scheduling `targets` (see `Structure`); raises on stale buffers as create_schedule."""
+    memo = realized if isinstance(realized, _Memo) else _Memo(realized)
+    get = memo.get
+    slots: dict[int, int] = {}
+    inputs: list[BufferRef] = []
+    customs: list[Node] = []
+    index: dict[int, int] = {}
+    entries: list[tuple] = []
+    ok = True
+
+    def slot(ref: BufferRef) -> int:
+        i = slots.get(id(ref))
+        if i is None:
+            i = slots[id(ref)] = len(inputs)
+            inputs.append(ref)
+        return i
+
+    def stop(n: Node) -> bool:
+        return n.op is Op.BUFFER or get(n) is not None
+
+    BUF, CUSTOM, CONT = Op.BUFFER, Op.CUSTOM, Op.CONTIGUOUS
+    for t in targets:
+        for n in t.toposort(stop):
+            if id(n) in index:
+                continue
+            index[id(n)] = len(entries)
+            op = n.op
+            if op is BUF:
+                ref = n.arg[0]
+                if n.arg[1] != ref.version:
+                    raise RuntimeError(_STALE)
+                entries.append((op, n.dtype, ("buf", slot(ref), ref.dtype, ref.numel), n.shape))
+                continue
+            ref = get(n)
+            if ref is not None:
+                if op is CUSTOM or op is CONT:  # the scheduler looks below these even when realized
+                    ok = False
+                entries.append((op, n.dtype, ("realized", slot(ref), ref.dtype, ref.numel), n.shape))
+            elif op is CUSTOM:  # the kernel is the node's own (called at run time); its arg keys nothing here
+                entries.append((op, n.dtype, ("custom", len(customs)), n.shape, tuple(index[id(s)] for s in n.srcs)))
+                customs.append(n)
+            else:
+                entries.append((op, n.dtype, argkey(n.arg), n.shape, tuple(index[id(s)] for s in n.srcs)))
+    dkey = tuple(None if d is None else (slot(d[0]), d[0].dtype, d[0].numel, d[1]) for d in (dests or ()))
+    key = (tuple(entries), tuple(index[id(t)] for t in targets), dkey, extra) if ok else None
+    return Structure(key, inputs, customs, memo)
 
 
 def _row_expand(st: ShapeTracker, full: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -174,22 +246,31 @@ def _walk_matmul(r: Node, boundary) -> tuple[set[Node], list[Node]]:
 
 
 def _analyze(r: Node, realize: set[Node], realized: Mapping[Node, BufferRef],
-             max_inputs: int) -> tuple[set[Node], list[Node]]:
-    def boundary(n: Node) -> bool:
-        return n is not r and (is_input(n, realized) or n in realize)
+             max_inputs: int, region: set[int] | None = None) -> tuple[set[Node], list[Node]]:
+    """Violations and fused heavy nodes of r's kernel; `region` receives the ids of every node the walk reached."""
+    get, BUF = realized.get, Op.BUFFER
+
+    def boundary(n: Node) -> bool:  # an input (a buffer or realized node) or a node this schedule realizes
+        return n is not r and (n in realize or n.op is BUF or get(n) is not None)
 
     inner = r.toposort(stop=boundary)
-    inputs = {id(n) for n in inner if boundary(n) and n.op is not Op.CONST}
-    if len(inputs) > max_inputs:
+    if region is not None:
+        region.update(map(id, inner))
+    bound = [n for n in inner if boundary(n)]
+    inputs = sum(1 for n in bound if n.op is not Op.CONST)
+    if inputs > max_inputs:
         # too many buffers for one kernel: cut out the source subgraph that reads the most of them
-        reads: dict[int, frozenset[int]] = {}
+        bit = {id(n): (0 if n.op is Op.CONST else 1 << i) for i, n in enumerate(bound)}  # the inputs as bits
+        reads: dict[int, int] = {}
         for n in inner:  # sources first
-            if boundary(n):
-                reads[id(n)] = frozenset() if n.op is Op.CONST else frozenset((id(n),))
-            else:
-                reads[id(n)] = frozenset().union(*(reads[id(s)] for s in n.srcs))
-        cands = [n for n in inner if n is not r and not boundary(n) and n.op is not Op.VIEW]
-        return {max(cands, key=lambda n: len(reads[id(n)]))}, []
+            b = bit.get(id(n))
+            if b is None:
+                b = 0
+                for s in n.srcs:
+                    b |= reads[id(s)]
+            reads[id(n)] = b
+        cands = [n for n in inner if n is not r and id(n) not in bit and n.op is not Op.VIEW]
+        return {max(cands, key=lambda n: reads[id(n)].bit_count())}, []
     heavy = [n for n in reversed(inner) if not boundary(n) and n.op in (Op.REDUCE, Op.MATMUL)]
     if not heavy:
         return set(), []
@@ -214,18 +295,36 @@ def _choose_boundaries(order: list[Node], realize: set[Node], realized: Mapping[
 
     Consumers are analysed before their sources (reverse topological order), so a node a consumer's analysis
     marks for realization is analysed later in the same pass; passes repeat only while something changes."""
+    # An analysis depends only on which nodes of its region (the nodes its walk reached) are realized, so it is
+    # kept until a node of that region joins `realize` (nodes only ever join): later passes redo few analyses.
+    added: list[Node] = []  # nodes that joined `realize`, in order
+    memo: dict[int, tuple[int, set[int], tuple[set[Node], list[Node]]]] = {}
+
+    def analyze(r: Node) -> tuple[set[Node], list[Node]]:
+        e = memo.get(id(r))
+        if e is not None:
+            since, region, result = e
+            if not any(id(n) in region for n in added[since:]):
+                memo[id(r)] = (len(added), region, result)
+                return result
+        region: set[int] = set()
+        result = _analyze(r, realize, realized, max_inputs, region)
+        memo[id(r)] = (len(added), region, result)
+        return result
+
     while True:
         users: dict[Node, list[Node]] = {}
         grown = False
         for r in reversed(order):
             if r not in realize:
                 continue
-            viol, fused = _analyze(r, realize, realized, max_inputs)
+            viol, fused = analyze(r)
             if viol:
                 new = viol - realize
                 if not new:
                     raise RuntimeError(f"scheduler: no split makes the kernel of {r.op.name} {r.shape} valid")
                 realize |= new
+                added.extend(new)
                 grown = True
                 continue
             for f in fused:
@@ -236,13 +335,15 @@ def _choose_boundaries(order: list[Node], realize: set[Node], realized: Mapping[
         if not shared:
             return
         realize |= shared
+        added.extend(shared)
 
 
 def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
                     dests: list[tuple[BufferRef, ShapeTracker] | None] | None = None, max_inputs: int = 16) -> Schedule:
     """Kernels computing `targets`; a target with a dest (buffer, view) is stored through that view instead."""
     dests = dests or [None] * len(targets)
-    realized = _Memo(realized)
+    if not isinstance(realized, _Memo):
+        realized = _Memo(realized)
 
     def stop(n: Node) -> bool:
         return is_input(n, realized)
@@ -256,8 +357,7 @@ def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
                 order.append(n)
     for n in order:
         if n.op is Op.BUFFER and n.arg[1] != n.arg[0].version:
-            raise RuntimeError("this lazy tensor reads a buffer that was written in place (setitem) after it was "
-                               "built; realize() it before assigning into its inputs")
+            raise RuntimeError(_STALE)
 
     realize: set[Node] = {t for t in targets if not is_input(t, realized)}
     for n in order:
@@ -348,6 +448,7 @@ def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
     for i, leaves in enumerate(reads):
         for ref in leaves:
             last[id(ref)] = (i, ref)
+    sched.temps = temps
     sched.frees = [[] for _ in sched.items]
     inter = {id(t) for t in temps} - out_ids
     for i, ref in last.values():

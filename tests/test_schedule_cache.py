@@ -1,0 +1,227 @@
+"""The schedule cache: a graph whose structure was scheduled before reuses its kernels with its own buffers.
+
+Each test runs a structure twice (or more) and checks both the values against numpy and that the second run
+was a cache hit, so a cache that returned a wrong schedule, or bound the wrong buffers, fails here."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import vkgraph.realize as realize_mod
+from vkgraph.runtime import Variable, get_device
+from vkgraph.tensor import Tensor, custom, realize_all
+
+rng = np.random.default_rng(7)
+
+
+def data(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+class Hits:
+    def __enter__(self):
+        self.h0, self.m0 = realize_mod.PLAN_STATS["hits"], realize_mod.PLAN_STATS["misses"]
+        return self
+
+    def __exit__(self, *exc):
+        self.hits = realize_mod.PLAN_STATS["hits"] - self.h0
+        self.misses = realize_mod.PLAN_STATS["misses"] - self.m0
+
+
+def f(x, w, b):
+    return ((x @ w + b).relu() * 2).softmax(-1) + x.sum(-1, keepdim=True)
+
+
+def ref_f(x, w, b):
+    h = np.maximum(x @ w + b, 0) * 2
+    e = np.exp(h - h.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True) + x.sum(-1, keepdims=True)
+
+
+def test_same_structure_new_buffers_hits_and_computes_each():
+    w, b = data(16, 16), data(16)
+    tw, tb = Tensor(w), Tensor(b)
+    xs = [data(8, 16) for _ in range(4)]
+    f(Tensor(xs[0]), tw, tb).numpy()
+    with Hits() as h:
+        outs = [f(Tensor(x), tw, tb).numpy() for x in xs]
+    assert h.hits == 4 and h.misses == 0
+    for x, out in zip(xs, outs, strict=True):
+        np.testing.assert_allclose(out, ref_f(x, w, b), rtol=1e-4, atol=1e-5)
+    # other weights, same structure
+    w2 = data(16, 16)
+    with Hits() as h:
+        out = f(Tensor(xs[1]), Tensor(w2), tb).numpy()
+    assert h.hits == 1
+    np.testing.assert_allclose(out, ref_f(xs[1], w2, b), rtol=1e-4, atol=1e-5)
+
+
+def test_outputs_are_fresh_buffers_each_run():
+    x = Tensor(data(32))
+    a = (x * 3 + 1).realize()
+    b = (x * 3 + 1 + 0 * x).realize()  # another structure, so a is not reused as realized
+    y = Tensor(data(32))
+    c = (y * 3 + 1).realize()
+    assert a.node.arg[0] is not c.node.arg[0]
+    np.testing.assert_allclose(a.numpy(), x.numpy() * 3 + 1, rtol=1e-6)
+    np.testing.assert_allclose(b.numpy(), x.numpy() * 3 + 1, rtol=1e-6)
+    np.testing.assert_allclose(c.numpy(), y.numpy() * 3 + 1, rtol=1e-6)
+
+
+def test_different_constants_views_and_shapes_are_different_schedules():
+    x = data(10, 12)
+    t = Tensor(x)
+    for k in (2.0, 3.0, -1.5):
+        np.testing.assert_allclose((t * k + 1).numpy(), x * k + 1, rtol=1e-6)
+    for s in range(4):  # the slice's offset differs: a push constant or a baked index, never the old one
+        np.testing.assert_allclose((t[s:s + 3, 1:5] * 2).numpy(), x[s:s + 3, 1:5] * 2, rtol=1e-6)
+        np.testing.assert_allclose((t.T[s:s + 2] + 1).numpy(), x.T[s:s + 2] + 1, rtol=1e-6)
+    for n in (5, 6, 7):
+        y = data(n, 3)
+        np.testing.assert_allclose(Tensor(y).sum(0).numpy(), y.sum(0), rtol=1e-5)
+
+
+def test_aliased_inputs_are_told_apart():
+    a, b = data(64), data(64)
+    ta, tb = Tensor(a), Tensor(b)
+    np.testing.assert_allclose((ta * 2 + tb).numpy(), a * 2 + b, rtol=1e-6)
+    np.testing.assert_allclose((ta * 2 + ta).numpy(), a * 3, rtol=1e-6)
+    np.testing.assert_allclose((tb * 2 + ta).numpy(), b * 2 + a, rtol=1e-6)
+    np.testing.assert_allclose((tb * 2 + tb).numpy(), b * 3, rtol=1e-6)
+
+
+def test_in_place_writes_between_runs():
+    x = data(6, 8)
+    t = Tensor(x.copy())
+    np.testing.assert_allclose((t * 2).numpy(), x * 2, rtol=1e-6)
+    for i in range(3):
+        t[i] = Tensor(np.full(8, i + 10, np.float32))  # the same setitem structure each time
+        x[i] = i + 10
+        np.testing.assert_allclose((t * 2).numpy(), x * 2, rtol=1e-6)
+        np.testing.assert_allclose(t.numpy(), x, rtol=1e-6)
+    # x[a] = f(x[b]) goes through a copy, also when the schedule is reused
+    for _ in range(2):
+        t[1:4] = t[0:3] + 1
+        x[1:4] = x[0:3] + 1
+        np.testing.assert_allclose(t.numpy(), x, rtol=1e-6)
+
+
+def test_stale_lazy_graph_still_raises_on_a_cached_structure():
+    t = Tensor(data(8))
+    (t + 1).numpy()
+    lazy = t + 1
+    t[0] = 5.0
+    with pytest.raises(RuntimeError, match="written in place"):
+        lazy.realize()
+    np.testing.assert_allclose((t + 1).numpy()[0], 6.0)
+
+
+def test_realized_nodes_are_reused_and_not_recomputed():
+    x = Tensor(data(4, 300))
+    for _ in range(2):
+        y = x.exp().sum(1, keepdim=True)
+        y.realize()
+        z = x.exp().sum(1, keepdim=True) + 1  # loads y's buffer
+        with realize_mod.count_kernels() as c:
+            z.realize()
+        assert c.count == 1
+        np.testing.assert_allclose(z.numpy(), np.exp(x.numpy()).sum(1, keepdims=True) + 1, rtol=1e-5)
+
+
+def test_rng_counters_move_on_under_the_cache():
+    a = Tensor.rand(1000).numpy()
+    b = Tensor.rand(1000).numpy()
+    c = Tensor.rand(1000).numpy()
+    assert not np.array_equal(a, b) and not np.array_equal(b, c)
+
+
+def test_variables_are_read_at_each_run():
+    pos = Variable("pos", 1)
+    x = data(16)
+    for p in (1, 5, -3, 5):
+        pos.value = p
+        np.testing.assert_allclose((Tensor(x) * 2 + pos).numpy(), x * 2 + p, rtol=1e-6)
+
+
+ADD = """#version 450
+layout(local_size_x = 64) in;
+layout(set = 0, binding = 0) writeonly buffer Out { float o[]; };
+layout(set = 0, binding = 1) readonly buffer X { float x[]; };
+layout(push_constant) uniform Push { uint n; float k; } pc;
+void main() { uint i = gl_GlobalInvocationID.x; if (i < pc.n) o[i] = x[i] + pc.k; }
+"""
+
+
+def add_k(x: Tensor, k: float) -> Tensor:
+    n = x.numel()
+
+    def run(dev, out, ins):
+        dev.dispatch(dev.kernel(ADD), [out, ins[0]], ((n + 63) // 64, 1, 1), (n, k))
+
+    return custom(run, [x], x.shape, x.dtype, name="add_k")
+
+
+def test_custom_ops_call_their_own_function_on_a_reused_schedule():
+    x = data(100)
+    with Hits() as h:
+        for k in (1.0, 2.0, 7.0):  # a new closure each time: the same structure, another computation
+            np.testing.assert_allclose((add_k(Tensor(x) * 2, k) * 3).numpy(), (x * 2 + k) * 3, rtol=1e-6)
+    assert h.hits >= 2
+
+
+def test_assign_reuses_its_schedule_and_bumps_versions():
+    x = np.zeros((4, 5), np.float32)
+    t = Tensor(x.copy())
+    t[0] = Tensor(np.arange(5, dtype=np.float32))
+    x[0] = np.arange(5)
+    v = t.node.arg[0].version
+    with Hits() as h:
+        for i in range(1, 4):
+            t[i] = t[i - 1] * 2  # one structure over the same buffer, another view each time
+            x[i] = x[i - 1] * 2
+    assert t.node.arg[0].version == v + 3
+    np.testing.assert_allclose(t.numpy(), x, rtol=1e-6)
+    assert h.misses <= 3
+
+
+def test_intermediates_are_released_on_reused_schedules():
+    dev = get_device()
+    w, b = Tensor(data(16, 16)), Tensor(data(16))
+    x = Tensor(data(8, 16))
+    realize_all(f(x, w, b))
+    dev.synchronize()
+    gc.collect()
+    live = dev.memory.pool.stats.live_bytes
+    outs = []
+    for _ in range(5):
+        outs.append(f(x, w, b).realize())
+    del outs
+    dev.synchronize()
+    gc.collect()
+    assert dev.memory.pool.stats.live_bytes <= live
+
+
+def test_several_targets_and_shared_subgraphs():
+    x = data(5, 7)
+    for _ in range(2):
+        t = Tensor(x)
+        h = (t * 2).exp()
+        a, b = h.sum(1), h.max(0)
+        realize_all(a, b, h)
+        np.testing.assert_allclose(a.numpy(), np.exp(x * 2).sum(1), rtol=1e-5)
+        np.testing.assert_allclose(b.numpy(), np.exp(x * 2).max(0), rtol=1e-5)
+        np.testing.assert_allclose(h.numpy(), np.exp(x * 2), rtol=1e-5)
+
+
+def test_one_buffer_under_two_nodes_is_one_slot():
+    """A realized reshape shares its source's buffer: the same structure over one buffer or two is told apart."""
+    a, b = data(64), data(64)
+    ta, tb = Tensor(a), Tensor(b)
+    ra = ta.reshape(8, 8).realize()  # another node, the same buffer as ta
+    rb = tb.reshape(8, 8).realize()
+    assert ra.node.arg[0] is ta.node.arg[0]
+    for m, n, want in [(ra, ta, a * 2 + a), (rb, ta, b * 2 + a), (ra, ta, a * 2 + a), (rb, tb, b * 3)]:
+        np.testing.assert_allclose((m.reshape(64) * 2 + n).numpy(), want, rtol=1e-6)
