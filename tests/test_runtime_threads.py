@@ -34,3 +34,55 @@ def test_two_threads_dispatch_concurrently(dev):
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_dispatch_from_another_thread_during_a_capture_raises(dev):
+    from vkgraph.runtime import CaptureError
+
+    k = dev.kernel(AXPB)
+    a, b = dev.alloc(256), dev.alloc(256)
+    dev.queue.begin_capture()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            dev.dispatch(k, [a, b], (1, 1, 1), (64, 1.0, 0.0))
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            errors.append(e)
+
+    try:
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        dev.dispatch(k, [a, b], (1, 1, 1), (64, 1.0, 0.0))  # the capturing thread itself may dispatch
+    finally:
+        graph = dev.queue.end_capture()
+    assert len(errors) == 1 and isinstance(errors[0], CaptureError) and "another thread" in str(errors[0])
+    assert graph.kernels == 1
+    graph.destroy()
+
+
+def test_tensor_graphs_from_two_threads():
+    from vkgraph import Tensor
+
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            for _ in range(20):
+                x = rng.standard_normal((16, 32)).astype(np.float32)
+                got = ((Tensor(x) * 2 + 1).exp().sum(axis=1) / 3).numpy()
+                np.testing.assert_allclose(got, np.exp(x * 2 + 1).sum(axis=1) / 3, rtol=1e-5)
+            results[seed] = got
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert len(results) == 2

@@ -11,6 +11,7 @@ pool handed a released allocation to the next request.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 from . import faults
@@ -53,6 +54,7 @@ class CaptureLog:
     """What the queue logs while a capture is open."""
 
     def __init__(self) -> None:
+        self.thread = threading.get_ident()  # the capturing thread: work from others would be captured too
         # ("dispatch", kernel, buffers, groups, push) or ("copy", src, src_offset, dst, dst_offset, nbytes)
         self.entries: list[tuple] = []
         # the Buffer objects used: a graph keeps the live ones from returning to the pool while it exists

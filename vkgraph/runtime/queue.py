@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..flags import flag
 from . import faults
 from .capture import CaptureLog, CommandGraph
-from .errors import DeviceError, DeviceLost, KernelInterfaceError, VkgraphError
+from .errors import CaptureError, DeviceError, DeviceLost, KernelInterfaceError, VkgraphError
 from .memory import Allocation, BoundRange, Buffer
 from .profile import Profiler
 from .vk import NULL, Keep, check, check_wait, ffi, lib, vk
@@ -152,6 +152,9 @@ class Queue:
         with self.lock:
             if self.device.closed or self.device.lost:
                 self.device.check_usable()
+            if self.capture is not None and self.capture.thread != threading.get_ident():
+                raise CaptureError("another thread is capturing on this device (a jit-compiled function's second "
+                                   "call); its capture would take in this dispatch: wait for it to finish")
             rec = self.recording or self._begin()
             written, read = self.written, self.read
             allocs = []
