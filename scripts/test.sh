@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation
-.venv/bin/python -m ruff check vkgraph tests benchmarks examples
+.venv/bin/python -m ruff check vkgraph tests benchmarks examples scripts
 exec .venv/bin/python -m pytest -q "$@"
