@@ -237,3 +237,18 @@ def test_prompts_admitted_together_are_prefilled_in_one_pass(models):
     assert got == [ref.greedy(p, 6) for p in prompts]
     assert engine.stats["cached_prompt_tokens"] >= 2 * 2 * BLOCK
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_prompts_of_similar_length_share_compiled_kernels(models):
+    w, model = build(models["Q8_0"])
+    ref = ReferenceLlama(w)
+    engine = Engine(model, max_batch=2, prefix_caching=False)
+    from vkgraph.runtime import get_device
+
+    dev = get_device()
+    assert run(engine, [list(range(5, 25))], max_tokens=2) == [ref.greedy(list(range(5, 25)), 2)]
+    pipelines = len(dev.pipelines.kernels)
+    for n in (21, 27, 31):  # same 32-row bucket as 20 tokens
+        prompt = list(range(7, 7 + n))
+        assert run(engine, [prompt], max_tokens=2) == [ref.greedy(prompt, 2)]
+    assert len(dev.pipelines.kernels) == pipelines

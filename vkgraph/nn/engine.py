@@ -146,16 +146,23 @@ class Engine:
         return events
 
     def _prefill(self, reqs: list[Request], continue_cached: bool) -> Tensor:
-        """Logits (len(reqs), vocab) of each prompt's last token, computing only tokens not already cached."""
-        meta = self.kv.batch([r.id for r in reqs], width=self.model.max_blocks_per_seq)
+        """Logits (len(reqs), vocab) of each prompt's last token, computing only tokens not already cached.
+
+        Token rows are padded to a power of two (at least 16): prompts of similar length then share one set of
+        compiled kernels and one cached schedule. Padding rows write no KV (slot -1) and are never read."""
+        ids = [r.id for r in reqs]
+        real = sum(self.kv.context_len(i) - self.kv.num_computed(i) for i in ids)
+        rows = 1 << (max(real, 16) - 1).bit_length()
+        meta = self.kv.batch(ids, width=self.model.max_blocks_per_seq, pad_tokens=rows)
         qsl = meta.query_start_loc
         counts = np.diff(qsl)
         common = dict(positions=Tensor(meta.positions), slot_mapping=Tensor(meta.slot_mapping))
         if not continue_cached:
             step = StepInputs(**common, cu_seqlens=Tensor(qsl), max_seq_len=int(counts.max()))
         else:  # some continue a cached prefix: each new token is a query row over the paged cache
-            step = StepInputs(**common, block_tables=Tensor(np.repeat(meta.block_tables, counts, axis=0)),
-                              context_lens=Tensor(meta.positions + 1))
+            tables = np.zeros((rows, meta.block_tables.shape[1]), np.int32)
+            tables[:real] = np.repeat(meta.block_tables, counts, axis=0)
+            step = StepInputs(**common, block_tables=Tensor(tables), context_lens=Tensor(meta.positions + 1))
         return self.model(Tensor(meta.input_ids), step, logit_rows=Tensor((qsl[1:] - 1).astype(np.int32)))
 
     def _decode_running(self) -> list[Event]:
