@@ -7,32 +7,42 @@ import numpy as np
 from glsl_samples import AXPB
 
 
-def test_two_threads_dispatch_concurrently(dev):
-    k = dev.kernel(AXPB)
-    n = 1024
+def errors_of(work, *args_per_thread) -> list[BaseException]:
+    """Run work(args) in one thread per argument tuple; return what they raised."""
     errors: list[BaseException] = []
 
-    def work(seed: int) -> None:
+    def guarded(*args) -> None:
         try:
-            rng = np.random.default_rng(seed)
-            for _ in range(30):
-                x = rng.standard_normal(n).astype(np.float32)
-                a, b = dev.alloc(4 * n), dev.alloc(4 * n)
-                dev.upload(a, x)
-                for _ in range(5):
-                    dev.dispatch(k, [a, b], (n // 64, 1, 1), (n, 1.0, 1.0))
-                    dev.dispatch(k, [b, a], (n // 64, 1, 1), (n, 1.0, 1.0))
-                np.testing.assert_allclose(dev.download(a, np.float32, n), x + 10, rtol=1e-5, atol=1e-5)
-                a.release()
-                b.release()
-        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            work(*args)
+        except BaseException as e:  # noqa: BLE001 (reported by the caller)
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(2)]
+    threads = [threading.Thread(target=guarded, args=a) for a in args_per_thread]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return errors
+
+
+def test_two_threads_dispatch_concurrently(dev):
+    k = dev.kernel(AXPB)
+    n = 1024
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(30):
+            x = rng.standard_normal(n).astype(np.float32)
+            a, b = dev.alloc(4 * n), dev.alloc(4 * n)
+            dev.upload(a, x)
+            for _ in range(5):
+                dev.dispatch(k, [a, b], (n // 64, 1, 1), (n, 1.0, 1.0))
+                dev.dispatch(k, [b, a], (n // 64, 1, 1), (n, 1.0, 1.0))
+            np.testing.assert_allclose(dev.download(a, np.float32, n), x + 10, rtol=1e-5, atol=1e-5)
+            a.release()
+            b.release()
+
+    errors = errors_of(work, (0,), (1,))
     assert not errors, errors[0]
 
 
@@ -42,18 +52,8 @@ def test_dispatch_from_another_thread_during_a_capture_raises(dev):
     k = dev.kernel(AXPB)
     a, b = dev.alloc(256), dev.alloc(256)
     dev.queue.begin_capture()
-    errors: list[BaseException] = []
-
-    def other() -> None:
-        try:
-            dev.dispatch(k, [a, b], (1, 1, 1), (64, 1.0, 0.0))
-        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
-            errors.append(e)
-
     try:
-        t = threading.Thread(target=other)
-        t.start()
-        t.join()
+        errors = errors_of(lambda: dev.dispatch(k, [a, b], (1, 1, 1), (64, 1.0, 0.0)), ())
         dev.dispatch(k, [a, b], (1, 1, 1), (64, 1.0, 0.0))  # the capturing thread itself may dispatch
     finally:
         graph = dev.queue.end_capture()
@@ -66,23 +66,15 @@ def test_tensor_graphs_from_two_threads():
     from vkgraph import Tensor
 
     results: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
 
     def work(seed: int) -> None:
-        try:
-            rng = np.random.default_rng(seed)
-            for _ in range(20):
-                x = rng.standard_normal((16, 32)).astype(np.float32)
-                got = ((Tensor(x) * 2 + 1).exp().sum(axis=1) / 3).numpy()
-                np.testing.assert_allclose(got, np.exp(x * 2 + 1).sum(axis=1) / 3, rtol=1e-5)
-            results[seed] = got
-        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
-            errors.append(e)
+        rng = np.random.default_rng(seed)
+        for _ in range(20):
+            x = rng.standard_normal((16, 32)).astype(np.float32)
+            got = ((Tensor(x) * 2 + 1).exp().sum(axis=1) / 3).numpy()
+            np.testing.assert_allclose(got, np.exp(x * 2 + 1).sum(axis=1) / 3, rtol=1e-5)
+        results[seed] = got
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = errors_of(work, (0,), (1,))
     assert not errors, errors[0]
     assert len(results) == 2

@@ -182,6 +182,13 @@ def cast(x: str, src: DType, dst: DType, need: set[str]) -> str:
     return wrap(dst, f"{dst.glsl}({x})")
 
 
+def minmax(fn: str, a: str, b: str, d: DType) -> str:
+    """max(a, b) or min(a, b) as numpy computes it: GLSL's may drop a NaN, numpy's propagates it."""
+    if d.is_float:
+        return f"((isnan({a}) || isnan({b})) ? ({a} + {b}) : {fn}({a}, {b}))"
+    return f"{fn}({a}, {b})"
+
+
 def _to_bits(x: str, d: DType, need: set[str]) -> str:
     if d is dtypes.float32:
         return f"floatBitsToUint({x})"
@@ -266,9 +273,7 @@ def alu(op: Op, dtype: DType, srcs: list[DType], args: list[str], need: set[str]
         e = f"({a} {_INFIX[op]} {b})"
         return wrap(dtype, e) if op in (Op.ADD, Op.SUB, Op.MUL, Op.SHL) else e
     if op in (Op.MAX, Op.MIN):
-        if s.is_float:  # GLSL's max/min may drop a NaN; numpy's maximum/minimum propagate it
-            return f"((isnan({a}) || isnan({b})) ? ({a} + {b}) : {op.name.lower()}({a}, {b}))"
-        return f"{op.name.lower()}({a}, {b})"
+        return minmax(op.name.lower(), a, b, s)
     if op is Op.DIV:
         return f"({a} / {b})"
     if op in (Op.IDIV, Op.MOD):

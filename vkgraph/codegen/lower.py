@@ -125,9 +125,7 @@ def _combine(rop: ReduceOp, d: DType, acc: str, v: str) -> str:
         return f"{acc} = {acc} && {v};" if d.kind == "b" else f"{acc} *= {v};"
     if d.kind == "b":
         return f"{acc} = {acc} {'||' if rop is ReduceOp.MAX else '&&'} {v};"
-    if d.is_float:  # numpy's max/min of anything with a NaN is NaN; GLSL's max/min may drop it
-        return f"{acc} = (isnan({acc}) || isnan({v})) ? ({acc} + {v}) : {rop.name.lower()}({acc}, {v});"
-    return f"{acc} = {rop.name.lower()}({acc}, {v});"
+    return f"{acc} = {glsl.minmax(rop.name.lower(), acc, v, d)};"
 
 
 def _better(rop: ReduceOp, d: DType, v: str, acc: str) -> str:

@@ -152,7 +152,7 @@ class Engine:
         compiled kernels and one cached schedule. Padding rows write no KV (slot -1) and are never read."""
         ids = [r.id for r in reqs]
         real = sum(self.kv.context_len(i) - self.kv.num_computed(i) for i in ids)
-        rows = 1 << (max(real, 16) - 1).bit_length()
+        rows = _pow2(max(real, 16))
         meta = self.kv.batch(ids, width=self.model.max_blocks_per_seq, pad_tokens=rows)
         qsl = meta.query_start_loc
         counts = np.diff(qsl)
@@ -195,6 +195,10 @@ class Engine:
         return sample(logits, st, self._presence(reqs, len(reqs)), Tensor.rand(len(reqs), self.vocab)).numpy()
 
     def _presence(self, reqs: list[Request], rows: int) -> Tensor:
+        """Tokens each request has seen, for the repetition penalty; a (rows, 1) zero column (broadcast, and no
+        vocabulary-sized upload every step) when no request uses the penalty."""
+        if all(r.params.repetition_penalty == 1.0 for r in reqs):
+            return Tensor(np.zeros((rows, 1), np.float32))
         mask = np.zeros((rows, self.vocab), np.float32)
         for i, r in enumerate(reqs):
             if r.params.repetition_penalty != 1.0:
@@ -242,9 +246,11 @@ class Engine:
         return [int(t) for t in prompt]
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def _bucket(n: int, cap: int) -> int:
     """Batch rows padded to a power of two, so a handful of captured steps serve every batch size."""
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, max(cap, n))
+    return min(_pow2(n), max(cap, n))

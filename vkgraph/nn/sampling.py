@@ -69,8 +69,8 @@ class SamplingTensors:
 
 
 def sample(logits: Tensor, s: SamplingTensors, presence: Tensor, uniform: Tensor) -> Tensor:
-    """Token ids (rows,) int32. presence (rows, vocab): 1 where the token already occurs (repetition
-    penalty); uniform (rows, vocab): noise in [0, 1)."""
+    """Token ids (rows,) int32. presence (rows, vocab), or (rows, 1) to broadcast: 1 where the token already
+    occurs (repetition penalty); uniform (rows, vocab): noise in [0, 1)."""
     l = logits.float()
     l = where(presence > 0, where(l > 0, l / s.penalty, l * s.penalty), l)
     greedy = l.argmax(-1)

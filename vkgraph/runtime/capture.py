@@ -103,6 +103,8 @@ class CommandGraph:
 
     def _prepare(self) -> None:
         """Everything each entry needs for recording, resolved once: descriptor sets, packers, barriers."""
+        from .queue import track_hazards
+
         q = self.queue
         written: set[int] = set()
         read: set[int] = set()
@@ -115,12 +117,7 @@ class CommandGraph:
                 _, src, so, dst, do, n = e
                 allocs = [src.alloc, dst.alloc]
                 writes = (False, True)
-            hazard = any(a.handle in written or (w and a.handle in read) for a, w in zip(allocs, writes))
-            if hazard:
-                written.clear()
-                read.clear()
-            for a, w in zip(allocs, writes):
-                (written if w else read).add(a.handle)
+            hazard = track_hazards(allocs, writes, written, read)
             if e[0] == "dispatch":
                 key = (kernel.layout_id, tuple((a.handle, b.offset, b.size) for a, b in zip(allocs, bufs)))
                 entry = q.descriptor_sets.get(key) or q._new_descriptor_set(kernel, list(bufs), allocs, key)

@@ -22,7 +22,7 @@ from .errors import DeviceError, DeviceLost, UnsupportedFeature
 from .vk import NULL, Keep, check, ffi, lib, vk
 
 _TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
-_TYPE_PREFERENCE = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}
+_TYPE_PREFERENCE = {"discrete": 0, "integrated": 1, "virtual": 2, "cpu": 3, "other": 4}
 _SUBGROUP_OPS = {
     vk.VK_SUBGROUP_FEATURE_BASIC_BIT: "basic", vk.VK_SUBGROUP_FEATURE_VOTE_BIT: "vote",
     vk.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT: "arithmetic", vk.VK_SUBGROUP_FEATURE_BALLOT_BIT: "ballot",
@@ -186,7 +186,7 @@ class Device:
                 raise DeviceError(f"VKGRAPH_DEVICE={selector!r} matches none of: "
                                   + ", ".join(f[1].name for f in found))
             return match[0]
-        return min(found, key=lambda f: _TYPE_PREFERENCE.get(_type_code(f[1].device_type), 9))
+        return min(found, key=lambda f: _TYPE_PREFERENCE[f[1].device_type])
 
     # ---- logical device -------------------------------------------------------------------------------------
     def _create_device(self) -> None:
@@ -309,10 +309,6 @@ class Device:
             destroy(self.instance, self.messenger, None)
             self.messenger = None
         lib.vkDestroyInstance(self.instance, NULL)
-
-
-def _type_code(name: str) -> int:
-    return {v: k for k, v in _TYPE_NAMES.items()}[name]
 
 
 def _feature_chain(k: Keep) -> tuple[Any, Any, Any, Any]:

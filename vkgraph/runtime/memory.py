@@ -406,7 +406,7 @@ class MemoryManager:
         alloc, base = buf.alloc, buf.offset + offset
         queue = self.device.queue
         if alloc.host is not None:
-            queue.wait_idle_for(alloc)  # the GPU may still read the old contents
+            queue.wait_for(alloc)  # the GPU may still read the old contents
             alloc.host[base:base + nbytes] = src
             return
         for start in range(0, nbytes, STAGING_CHUNK):
@@ -436,7 +436,7 @@ class MemoryManager:
                 raise CaptureError("reading a buffer back to the host inside a capture: a replay could not repeat "
                                    "it (in a jit-compiled function, call .numpy()/.item() on its outputs instead)")
             if alloc.host is not None:
-                queue.wait_writes_for(alloc)
+                queue.wait_for(alloc)
                 out[:] = alloc.host[base:base + nbytes]
             else:
                 for start in range(0, nbytes, STAGING_CHUNK):

@@ -62,11 +62,6 @@ class Kernel:
             if push:
                 raise KernelInterfaceError(f"kernel {self.name} declares no push constants, got {push!r}")
             return b""
-        if type(push) is tuple and len(push) == len(self.push_names):
-            try:
-                return self._push.pack(*push)
-            except struct.error:
-                pass  # fall through to the checked path for a clear message
         if isinstance(push, dict):
             missing = [n for n in self.push_names if n not in push]
             extra = [n for n in push if n not in self.push_names]

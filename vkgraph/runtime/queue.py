@@ -206,15 +206,11 @@ class Queue:
                 self.flush()
 
     def _hazards(self, allocs: list[Allocation], writes: tuple[bool, ...], rec: Submission) -> None:
-        """Barrier tracking for recorded copies (dispatch inlines the same rules)."""
-        written, read = self.written, self.read
-        if any(a.handle in written or (w and a.handle in read) for a, w in zip(allocs, writes)):
+        """Barrier tracking for recorded copies (dispatch inlines the same rule on its hot path)."""
+        if track_hazards(allocs, writes, self.written, self.read):
             lib.vkCmdPipelineBarrier(rec.cmd, _STAGES, _STAGES, 0, 1, self.barrier, 0, NULL, 0, NULL)
-            written.clear()
-            read.clear()
             self.stats["barriers"] += 1
-        for a, w in zip(allocs, writes):
-            (written if w else read).add(a.handle)
+        for a in allocs:
             a.last_use = rec.seq
 
     def _new_descriptor_set(self, kernel: Kernel, buffers: list[Any], allocs: list[Allocation], key: tuple) -> list:
@@ -395,11 +391,10 @@ class Queue:
                 self._complete(self.in_flight.popleft())
             self.device.memory.collect()
 
-    def wait_idle_for(self, alloc: Allocation) -> None:
+    def wait_for(self, alloc: Allocation) -> None:
+        """Block until every submission that used `alloc` completed."""
         if alloc.last_use > self.completed:
             self.wait(alloc.last_use)
-
-    wait_writes_for = wait_idle_for
 
     def _retire(self, block: bool) -> None:
         """Complete finished submissions; with `block`, wait for the oldest first."""
@@ -458,6 +453,18 @@ class Queue:
         self.sets_by_buffer.clear()
         self.in_flight.clear()
         self.recording = None
+
+
+def track_hazards(allocs: list[Allocation], writes: tuple[bool, ...], written: set[int], read: set[int]) -> bool:
+    """Whether a command using `allocs` needs a barrier first (it reads something written, or writes something
+    read or written, since the last barrier); updates the sets as if it was recorded."""
+    hazard = any(a.handle in written or (w and a.handle in read) for a, w in zip(allocs, writes))
+    if hazard:
+        written.clear()
+        read.clear()
+    for a, w in zip(allocs, writes):
+        (written if w else read).add(a.handle)
+    return hazard
 
 
 def _groups(groups: Any) -> tuple[int, int, int]:

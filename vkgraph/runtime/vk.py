@@ -71,13 +71,6 @@ class Keep(list):
             setattr(obj, k, v)
         return obj
 
-    def array(self, ctype: str, items: list) -> Any:
-        if not items:
-            return NULL
-        arr = self.new(f"{ctype}[{len(items)}]")
-        for i, it in enumerate(items):
-            arr[i] = it[0] if ffi.typeof(it).kind == "pointer" and ffi.typeof(it).item.cname == ctype else it
-        return arr
 
 
 # "VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_8BIT_STORAGE_FEATURES" is found as "PHYSICALDEVICE8BITSTORAGEFEATURES",
