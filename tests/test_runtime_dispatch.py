@@ -192,6 +192,8 @@ def test_profile_trace(tmp_path):
 
 def test_binding_count_limit(dev):
     n = dev.info.max_storage_buffers + 1
+    if n > 4096:  # NVIDIA reports ~2^32: a shader that large cannot be written, so there is nothing to exceed
+        pytest.skip(f"the device allows {n - 1} storage buffers per kernel")
     decls = "\n".join(f"layout(set = 0, binding = {i}) buffer B{i} {{ float b{i}[]; }};" for i in range(n))
     src = f"#version 450\nlayout(local_size_x = 1) in;\n{decls}\nvoid main() {{ b0[0] = 1.0; }}\n"
     with pytest.raises(KernelInterfaceError, match="storage buffers"):

@@ -217,7 +217,7 @@ def test_reductions(op, axis, keepdim):
     else:
         ref = getattr(np, op)(x.astype(np.float64) if op not in ("any", "all") else x, **kw)
     ref = np.asarray(ref).astype(out.dtype.np)
-    check(out, ref, 2e-6)
+    check(out, ref, 1e-5 if op == "prod" else 2e-6)  # a product's rounding grows with its length (555 here)
 
 
 @pytest.mark.parametrize("dt", [np.float16, ml_dtypes.bfloat16, np.int8, np.int32, np.uint8, np.bool_])

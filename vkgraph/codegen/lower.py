@@ -38,12 +38,17 @@ class Limits:
     max_group_count: tuple[int, int, int] = (65535, 65535, 65535)
     max_shared: int = 16384
     max_storage_range: int = 1 << 27
-    max_buffers: int = 32  # storage buffers one kernel may bind
+    max_buffers: int = 32  # storage buffers one generated kernel may bind
+
+    # Drivers such as NVIDIA's report ~2^32 bindings per stage; a fused kernel never profits from more than
+    # a few dozen, and descriptor sets that large cost more to write than the extra kernel launch.
+    BINDING_CAP = 64
 
     @staticmethod
     def from_info(info: object) -> Limits:
         return Limits(int(info.max_workgroup_invocations), tuple(int(x) for x in info.max_workgroup_count),
-                      int(info.max_shared_memory), int(info.max_storage_buffer_range), int(info.max_storage_buffers))
+                      int(info.max_shared_memory), int(info.max_storage_buffer_range),
+                      min(int(info.max_storage_buffers), Limits.BINDING_CAP))
 
 
 @dataclass
