@@ -64,7 +64,10 @@ def weight_bytes(w: ModelWeights) -> int:
 
 
 def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt_len: int) -> dict:
-    model = LlamaModel(w, num_blocks=max(batches) * 8 + 64, max_blocks_per_seq=8)
+    block = 16
+    decode_blocks = -(-(16 + decode_steps + 16) // block)
+    per_seq = max(decode_blocks, -(-(prompt_len + 2) // block))
+    model = LlamaModel(w, num_blocks=max(batches) * decode_blocks + 2 * per_seq + 16, max_blocks_per_seq=per_seq)
     out = {}
     for b in batches:
         engine = Engine(model, max_batch=b)
@@ -84,9 +87,10 @@ def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt
         while engine.has_work():
             engine.step()
     engine = Engine(model, max_batch=1)
-    engine.add_request(list(range(prompt_len)), max_tokens=1, stop_token_ids=[])
+    vocab = w.config.vocab_size
+    engine.add_request([i % vocab for i in range(prompt_len)], max_tokens=1, stop_token_ids=[])
     engine.step()
-    engine.add_request(list(range(1, prompt_len + 1)), max_tokens=1, stop_token_ids=[])
+    engine.add_request([(i + 1) % vocab for i in range(prompt_len)], max_tokens=1, stop_token_ids=[])
     get_device().synchronize()
     t = time.perf_counter()
     engine.step()  # one prefill (and its first token)
@@ -185,13 +189,20 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--copy-gbs", type=float, default=4100.0, help="measured copy bandwidth, GB/s (read+write)")
+    ap.add_argument("--copy-gbs", type=float, default=4100.0,
+                    help="measured copy bandwidth, GB/s (bytes read + written per second)")
     ap.add_argument("--gguf", action="append", default=[], help="a GGUF file to load in vkgraph and llama.cpp")
     a = ap.parse_args()
     cfg = ModelConfig(arch="llama", max_seq_len=8192, **SHAPES[a.shape])
     batches = [int(x) for x in a.batches.split(",")]
     print(f"device: {get_device().info.name}; " + (f"files {a.gguf}" if a.gguf else f"shape {a.shape}"))
-    rows = []
+    head = "".join(f"{'decode b=' + str(b):>14s}" for b in batches)
+    print(f"{'':22s}{head}{'prefill':>12s}{'bound b=1':>11s}", flush=True)
+
+    def row(name: str, r: dict, bound: float | None = None) -> None:
+        cells = "".join(f"{r[b]:14.1f}" if b in r else f"{'-':>14s}" for b in batches)
+        print(f"{name:22s}{cells}{r['prefill']:12.1f}" + (f"{bound:11.0f}" if bound else ""), flush=True)
+
     sources = [(p, None) for p in a.gguf] or [(None, fmt) for fmt in a.formats.split(",")]
     for path, fmt in sources:
         if path is not None:
@@ -202,21 +213,16 @@ def main() -> None:
             label = path.rsplit("/", 1)[-1]
         else:
             w, label = random_model(cfg, fmt), fmt
-        bound = a.copy_gbs * 1e9 / 2 / weight_bytes(w)  # copy GB/s counts read + write; decode only reads
-        rows.append((f"vkgraph {label}", bench_vkgraph(w, batches, a.steps, a.prompt), bound))
+        bound = a.copy_gbs * 1e9 / weight_bytes(w)  # decode reads every weight once per step
+        row(f"vkgraph {label}", bench_vkgraph(w, batches, a.steps, a.prompt), bound)
         del w
         if path is not None:
             lc = bench_llama_cpp(path, a.steps * 5, a.prompt)
             if lc is not None:
-                rows.append((f"llama.cpp {label}", lc, None))
+                row(f"llama.cpp {label}", lc)
     t = bench_torch(cfg, batches, a.steps, a.prompt)
     if t is not None:
-        rows.append(("PyTorch eager f16", t, None))
-    head = "".join(f"{'decode b=' + str(b):>14s}" for b in batches)
-    print(f"{'':22s}{head}{'prefill':>12s}{'bound b=1':>11s}")
-    for name, r, bound in rows:
-        cells = "".join(f"{r[b]:14.1f}" if b in r else f"{'-':>14s}" for b in batches)
-        print(f"{name:22s}{cells}{r['prefill']:12.1f}" + (f"{bound:11.0f}" if bound else ""))
+        row("PyTorch eager f16", t)
 
 
 if __name__ == "__main__":

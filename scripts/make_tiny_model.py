@@ -143,10 +143,25 @@ def _encode(x: np.ndarray, qtype: str) -> np.ndarray:
     return quants.quantize(x, GGMLQuantizationType[qtype])
 
 
+def _random_blocks(seed: int, gname: str, shape: tuple[int, ...], qtype: str) -> np.ndarray:
+    """Valid Q8_0 / Q4_0 blocks drawn directly (a small float16 scale, random quants): what a speed benchmark
+    needs in seconds, where quantizing billions of random floats in numpy takes minutes."""
+    block, size = {"Q8_0": (32, 34), "Q4_0": (32, 18)}[qtype]
+    rng = np.random.default_rng([seed, zlib.crc32(gname.encode())])
+    nblocks = int(np.prod(shape)) // block
+    data = rng.integers(0, 256, (nblocks, size), dtype=np.uint8)
+    scales = (rng.random(nblocks, dtype=np.float32) * 0.01 + 0.001).astype(np.float16)
+    data[:, :2] = scales.view(np.uint8).reshape(nblocks, 2)
+    return data.reshape(*shape[:-1], shape[-1] // block * size)
+
+
 def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str, tuple[int, ...]]],
-                 qtype: str) -> np.ndarray:
+                 qtype: str, random_quants: bool = False) -> np.ndarray:
     """One GGUF tensor (experts stacked on a leading axis), permuted and quantized as llama.cpp stores it.
     Encoded chunk by chunk, so only the encoded tensor and one float chunk are in memory at once."""
+    if random_quants and qtype in ("Q8_0", "Q4_0"):
+        shape = parts[0][1] if len(parts) == 1 else (len(parts), *parts[0][1])
+        return _random_blocks(seed, gname, shape, qtype)
     pieces = []
     for hf_name, shape in parts:
         if cfg.arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
@@ -158,8 +173,10 @@ def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str,
     return pieces[0] if len(parts) == 1 else np.stack(pieces)
 
 
-def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, progress: bool = False) -> None:
-    """Stream a GGUF file: all tensor infos first, then each tensor generated, quantized and written in turn."""
+def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, progress: bool = False,
+               random_quants: bool = False) -> None:
+    """Stream a GGUF file: all tensor infos first, then each tensor generated, quantized and written in turn.
+    random_quants: Q8_0/Q4_0 matrices are random blocks rather than quantized random floats (benchmarks)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
     from tqdm import tqdm
 
@@ -225,12 +242,12 @@ def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, prog
     for arr in extra.values():
         w.write_tensor_data(arr)
     for gname, (parts, t) in tqdm(plan.items(), desc=path.name, unit="tensor", disable=not progress):
-        w.write_tensor_data(_gguf_tensor(seed, cfg, gname, parts, t))
+        w.write_tensor_data(_gguf_tensor(seed, cfg, gname, parts, t, random_quants))
     w.close()
 
 
 def write_model(out: str | Path, cfg: ModelConfig, *, seed: int = 0, gguf_types: tuple[str, ...] = ("F32",),
-                safetensors: bool = True, progress: bool = False) -> dict[str, Path]:
+                safetensors: bool = True, progress: bool = False, random_quants: bool = False) -> dict[str, Path]:
     """Write the model files into `out`; returns {"hf": dir, "<TYPE>": gguf path, ...}."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -241,7 +258,7 @@ def write_model(out: str | Path, cfg: ModelConfig, *, seed: int = 0, gguf_types:
         paths["hf"] = out
     for t in gguf_types:
         p = out / f"model-{t.lower()}.gguf"
-        write_gguf(p, cfg, seed, tok, t.upper(), progress=progress)
+        write_gguf(p, cfg, seed, tok, t.upper(), progress=progress, random_quants=random_quants)
         paths[t.upper()] = p
     return paths
 
@@ -260,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
                         ("--vocab", "vocab_size"), ("--experts", "n_experts"),
                         ("--experts-per-tok", "n_experts_per_tok")):
         ap.add_argument(flag, dest=field, type=int)
+    ap.add_argument("--random-quants", action="store_true", help="Q8_0/Q4_0 matrices as random blocks, written "
+                                                                  "in seconds (for speed benchmarks)")
     ap.add_argument("--rope-scaling", choices=("none", "linear", "llama3"))
     ap.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
     ap.add_argument("--qwen2", action="store_true", help="Qwen2 architecture (q/k/v biases)")
@@ -281,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dataclasses.replace(cfg, **over)
     types = tuple(t.strip().upper() for t in a.gguf.split(",") if t.strip())
     paths = write_model(a.out, cfg, seed=a.seed, gguf_types=types,
-                        safetensors=not a.no_safetensors and a.preset == "tiny", progress=True)
+                        safetensors=not a.no_safetensors and a.preset == "tiny", progress=True,
+                        random_quants=a.random_quants)
     for k, p in paths.items():
         print(f"{k}: {p}")
 

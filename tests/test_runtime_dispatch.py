@@ -198,3 +198,22 @@ def test_binding_count_limit(dev):
     src = f"#version 450\nlayout(local_size_x = 1) in;\n{decls}\nvoid main() {{ b0[0] = 1.0; }}\n"
     with pytest.raises(KernelInterfaceError, match="storage buffers"):
         dev.kernel(src)
+
+
+def test_descriptor_cache_eviction_never_frees_the_set_being_bound(dev, monkeypatch):
+    """With the cache full, a new set must survive its own eviction pass (binding a freed set crashes NVIDIA)."""
+    from vkgraph.runtime import queue as queue_module
+
+    monkeypatch.setattr(queue_module, "_DESCRIPTOR_CACHE", 4)
+    k = dev.kernel(AXPB)
+    n = 64
+    x, y = dev.alloc(n * 4 * 16), dev.alloc(n * 4 * 16)
+    dev.upload(x, np.arange(n * 16, dtype=np.float32))
+    q = dev.queue
+    for i in range(16):  # every view pair is a new descriptor set
+        xv, yv = x.view(i * n * 4, n * 4), y.view(i * n * 4, n * 4)
+        dev.dispatch(k, [xv, yv], (1, 1, 1), push={"n": n, "a": 2.0, "b": 1.0})
+        dev.synchronize()
+        assert any(key[1][0][1] == i * n * 4 for key in q.descriptor_sets), "the set just bound was freed"
+        assert len(q.descriptor_sets) <= 4
+    np.testing.assert_array_equal(dev.download(y, np.float32, n * 16), np.arange(n * 16) * 2.0 + 1.0)

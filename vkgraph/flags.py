@@ -39,7 +39,8 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_PROFILE_FILE", str, "vkgraph.trace.json", "where VKGRAPH_PROFILE writes the Chrome trace"),
         Flag("VKGRAPH_TIMEOUT_S", float, 60.0, "seconds to wait on a fence before raising a timeout"),
         Flag("VKGRAPH_DEBUG", int, 0, "1 prints the schedule, 3 also prints generated GLSL"),
-        Flag("VKGRAPH_VALIDATION", int, 0, "1 enables the Khronos validation layer; messages raise errors"),
+        Flag("VKGRAPH_VALIDATION", int, 0, "1 enables the Khronos validation layer; messages raise errors; "
+             "2 also prints each message to stderr as it arrives (for crashes inside the driver)"),
         Flag("VKGRAPH_MAX_RECORDED", int, 256, "dispatches recorded before a command buffer is submitted"),
         Flag("VKGRAPH_FUZZ_EXAMPLES", int, 10000, "examples per long fuzz test (pytest -m slow)"),
     ]

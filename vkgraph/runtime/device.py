@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -151,10 +152,13 @@ class Device:
 
     def _install_messenger(self) -> None:
         messages = self.validation_messages
+        echo = flag("VKGRAPH_VALIDATION") >= 2
 
         def callback(severity, types, data, user):  # noqa: ARG001 (the signature is Vulkan's)
             text = ffi.string(data.pMessage).decode(errors="replace")
             messages.append(text)
+            if echo:  # before any crash the message may explain
+                print(f"vulkan validation: {text}", file=sys.stderr, flush=True)
             return 0
 
         create = vk.vkGetInstanceProcAddr(self.instance, "vkCreateDebugUtilsMessengerEXT")

@@ -159,6 +159,9 @@ class PipelineManager:
                 c = iface.spec_constants[v]
                 v = int(spec.get(v, _parse_default(c.default, c.type)))
             local.append(int(v))
+        # a local size set by a specialization constant is always specialized, default or not: lavapipe runs
+        # the shader's literal LocalSize (1) when no value is passed
+        spec = {**{v: local[i] for i, v in enumerate(iface.local_size) if isinstance(v, str)}, **spec}
         invocations = local[0] * local[1] * local[2]
         if invocations > info.max_workgroup_invocations or any(
                 a > b for a, b in zip(local, info.max_workgroup_size, strict=True)):

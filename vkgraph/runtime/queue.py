@@ -238,12 +238,13 @@ class Queue:
                 w.descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
                 w.pBufferInfo = infos + i
             lib.vkUpdateDescriptorSets(self.device.device, n, writes, 0, NULL)
+        # evict before inserting: the new set's last use is not yet recorded, so it would look idle
+        if len(self.descriptor_sets) >= _DESCRIPTOR_CACHE:
+            self._evict_sets()
         entry = [ds, pool, 0]
         self.descriptor_sets[key] = entry
         for a in allocs:
             self.sets_by_buffer.setdefault(a.handle, set()).add(key)
-        if len(self.descriptor_sets) > _DESCRIPTOR_CACHE:
-            self._evict_sets()
         return entry
 
     def _allocate_set(self, set_layout: Any) -> tuple[Any, Any]:
