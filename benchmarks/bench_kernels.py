@@ -96,6 +96,38 @@ def bench_matvec(dev, rng, reps: int) -> None:
         print(f"{n:>6d}x{k:<7d} " + " ".join(row) + f" {_torch_matvec(n, k, reps):>10s}")
 
 
+def bench_matvec_batches(dev, rng, reps: int, shape=(14336, 4096), formats=("Q4_0", "Q8_0")) -> None:
+    """Small-batch products: GB/s of weight bytes for 1..8 activation rows, for each rows-per-workgroup
+    choice (the chosen one marked *), to see where activation traffic starts to dominate."""
+    n, k = shape
+    print(f"\nmatvec {n}x{k}, 1-8 activation rows: GB/s of weight bytes by rows per workgroup (* = chosen)")
+    row_choices = (1, 2, 4, 8)
+    print(f"{'format':>6s} {'batch':>5s} " + " ".join(f"{'rows=' + str(r):>8s}" for r in row_choices))
+    for fmt in formats:
+        nbytes = n * FORMATS[fmt].row_bytes(k)
+        ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
+        for batch in (1, 2, 4, 8):
+            x = dev.alloc(batch * k * 4)
+            dev.upload(x, rng.standard_normal(batch * k).astype(np.float32))
+            y = dev.alloc(batch * n * 4)
+            chosen = mv.choose_config(dev, FORMATS[fmt], n, k, batch)
+            cells = []
+            for rows in row_choices:
+                cfg = mv.MatvecConfig(chosen.wg, rows, chosen.use_subgroup)
+                it = iter(range(1 << 62))
+
+                def run(ws=ws, x=x, y=y, it=it, batch=batch, cfg=cfg):
+                    mv.matvec(dev, ws[next(it) % len(ws)], x, batch, out=y, config=cfg)
+
+                us = _gpu_median_us(dev, mv.TEMPLATE[fmt], run, reps)
+                cells.append(f"{nbytes / us / 1e3:7.0f}" + ("*" if rows == chosen.rows else " "))
+            print(f"{fmt:>6s} {batch:>5d} " + " ".join(cells))
+        for w in ws:
+            w.body.release()
+            if w.scales is not None:
+                w.scales.release()
+
+
 def bench_decode(dev, rng, reps: int) -> None:
     print(f"\npaged decode, {HQ} q heads, {HKV} kv heads, head {HEAD}, float16 KV: GB/s of KV bytes")
     for b, ctx in DECODE_CASES:
@@ -184,14 +216,18 @@ def _torch_sdpa(b: int, ctx: int, reps: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke test)")
+    ap.add_argument("--batches-only", action="store_true", help="only the small-batch sweep")
     args = ap.parse_args()
     dev = get_device()
     if dev.queue.profiler is None or not dev.info.timestamps:
         raise SystemExit("this device gives no timestamps; the benchmark needs them")
     reps = 10 if args.quick else 100
     rng = np.random.default_rng(0)
-    bench_matvec(dev, rng, reps)
-    bench_decode(dev, rng, reps)
+    if not args.batches_only:
+        bench_matvec(dev, rng, reps)
+    bench_matvec_batches(dev, rng, reps)
+    if not args.batches_only:
+        bench_decode(dev, rng, reps)
 
 
 if __name__ == "__main__":

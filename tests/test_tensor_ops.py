@@ -443,3 +443,16 @@ def test_float16_rounding_is_bit_exact_including_subnormals():
     assert np.array_equal(Tensor(x).half().numpy().view(np.uint16), ref.view(np.uint16))
     assert np.array_equal(Tensor(x).cast("bfloat16").numpy().view(np.uint16),
                           x.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def test_fused_reductions_over_a_long_row_match_numpy():
+    """Sampling's shape: several dependent reductions over a vocabulary-sized row, in one wide workgroup."""
+    x = randn(2, 40000)
+    t = Tensor(x)
+    p = (t - t.max(-1, keepdim=True)).exp()
+    p = p / p.sum(-1, keepdim=True)
+    got_arg, got_max = p.argmax(-1).numpy(), p.max(-1).numpy()
+    e = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+    ref = e / e.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(got_arg, ref.argmax(-1))
+    np.testing.assert_allclose(got_max, ref.max(-1), rtol=1e-5)

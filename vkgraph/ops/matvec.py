@@ -73,6 +73,10 @@ PREFERRED = {"Q8_0": (64, 256, 8), "Q4_0": (64, 128, 4), "Q4_K": (64, 128, 8), "
              "F16": (256, 256, 4), "BF16": (256, 256, 4)}
 LONG_K = 4096
 MANY_ROWS = 65536  # from here on (an output projection) Q4_0 takes 8 rows per workgroup
+# Rows per workgroup for 2, 4 and 8 activation rows, measured on an H200 at 14336x4096
+# (`bench_kernels.py --batches-only`). Each weight row reuses the activations loaded for it, so fewer rows per
+# workgroup multiply the activation traffic: one row at batch 8 ran at 26 GB/s (Q4_0), four at 136.
+BATCH_ROWS = {"Q4_0": {2: 8, 4: 4, 8: 4}, "Q8_0": {2: 4, 4: 8, 8: 8}}
 
 
 def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> MatvecConfig:
@@ -86,7 +90,8 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> 
     units = k // UNIT_ELEMS[fmt.name]
     # no wider than the row needs, at least a subgroup, within the device's limit
     wg = min(wg, max(sg, 32, 1 << (max(units, 1) - 1).bit_length()), pow2_floor(info.max_workgroup_invocations))
-    rows = max(1, rows // batch)
+    if batch > 1:  # formats not measured: four rows, which beat one and two for both measured formats
+        rows = BATCH_ROWS.get(fmt.name, {}).get(1 << (batch - 1).bit_length(), min(rows, 4))
     use_subgroup = "arithmetic" in info.subgroup_ops and wg % sg == 0
     return MatvecConfig(wg, rows, use_subgroup)
 
