@@ -227,9 +227,10 @@ def _reduce(k: Kernel, lim: Limits, allow_split: bool = True) -> Lowered:
     if allow_split and row_root and len(reds) == 1 and reds[0].arg[0] not in _ARG and rlen >= 32768 and rows < 64:
         return _split(k, reds[0], lim)
     grouped = rlen >= 128 or rows < 256
-    # few long rows that cannot split (several fused reductions, e.g. sampling over a vocabulary) take the
-    # widest workgroup the device allows: one workgroup per row is all the parallelism there is
-    wg = (_wg(lim, 1024) if rows < 8 and rlen >= 16384 else _wg(lim)) if grouped else 1
+    # few long rows (a norm over a decode batch's hidden states; sampling's fused reductions over a vocabulary,
+    # which cannot split) take the widest workgroup the device allows: one workgroup per row is all the
+    # parallelism there is, and fewer serial loads per invocation cut the latency (11 us -> ~3 us for 4096)
+    wg = (_wg(lim, 1024) if rows <= 32 and rlen >= 2048 else _wg(lim)) if grouped else 1
     local = wg if grouped else _wg(lim, 64)
     groups = rows if grouped else math.ceil(rows / local)
     r = Renderer(lim.max_storage_range)

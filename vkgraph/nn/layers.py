@@ -110,19 +110,56 @@ class StepInputs:
     max_seq_len: int = 0
 
 
+class ParallelLinear:
+    """Several Linears over the same input (q/k/v, gate/up) as one product when their weights allow: rows of
+    equal format and width are stacked into one matrix, so a decode step runs one matvec instead of several
+    (each costs a dispatch and its fixed ramp); the outputs are column slices, views that never copy."""
+
+    def __init__(self, weights: list, biases: list | None = None, float_dtype: str = "float16") -> None:
+        biases = biases or [None] * len(weights)
+        self.sizes = [w.shape[0] for w in weights]
+        quant = [isinstance(w, QuantizedTensor) for w in weights]
+        fusable = len({w.shape[1] for w in weights}) == 1 and (
+            all(quant) and len({w.format.name for w in weights}) == 1 or not any(quant))
+        if not fusable:
+            self.parts = [Linear(w, b, float_dtype) for w, b in zip(weights, biases, strict=True)]
+            return
+        if all(quant):
+            stacked = QuantizedTensor(np.concatenate([w.data for w in weights]), weights[0].format,
+                                      (sum(self.sizes), weights[0].shape[1]))
+        else:
+            stacked = np.concatenate([np.asarray(w, np.float32) for w in weights])
+        bias = None
+        if any(b is not None for b in biases):
+            bias = np.concatenate([np.zeros(n, np.float32) if b is None else np.asarray(b, np.float32)
+                                   for n, b in zip(self.sizes, biases, strict=True)])
+        self.parts = [Linear(stacked, bias, float_dtype)]
+
+    def __call__(self, x: Tensor) -> list[Tensor]:
+        if len(self.parts) > 1:
+            return [p(x) for p in self.parts]
+        y = self.parts[0](x)
+        outs, start = [], 0
+        for n in self.sizes:
+            outs.append(y[..., start:start + n])
+            start += n
+        return outs
+
+
 class Attention:
     def __init__(self, cfg: ModelConfig, wq, wk, wv, wo, bq=None, bk=None, bv=None,
                  float_dtype: str = "float16") -> None:
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q, self.k, self.v = (Linear(w, b, float_dtype) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+        self.qkv = ParallelLinear([wq, wk, wv], [bq, bk, bv], float_dtype)
         self.o = Linear(wo, float_dtype=float_dtype)
 
     def __call__(self, x: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor], cache: PagedKVCache,
                  step: StepInputs) -> Tensor:
         t = x.shape[0]
-        q = self.q(x).reshape(t, self.n_heads, self.head_dim)
-        k = self.k(x).reshape(t, self.n_kv_heads, self.head_dim)
-        v = self.v(x).reshape(t, self.n_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.reshape(t, self.n_heads, self.head_dim)
+        k = k.reshape(t, self.n_kv_heads, self.head_dim)
+        v = v.reshape(t, self.n_kv_heads, self.head_dim)
         q, k = RotaryEmbedding.rotate(q, *rope), RotaryEmbedding.rotate(k, *rope)
         written = write_kv(cache, k, v, step.slot_mapping)
         if step.cu_seqlens is not None:
@@ -139,10 +176,12 @@ class MLP:
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, w_gate, w_up, w_down, float_dtype: str = "float16") -> None:
-        self.gate, self.up, self.down = (Linear(w, float_dtype=float_dtype) for w in (w_gate, w_up, w_down))
+        self.gate_up = ParallelLinear([w_gate, w_up], float_dtype=float_dtype)
+        self.down = Linear(w_down, float_dtype=float_dtype)
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        return self.down(self.gate(x).silu() * self.up(x), residual=residual)
+        gate, up = self.gate_up(x)
+        return self.down(gate.silu() * up, residual=residual)
 
 
 class MoE:
