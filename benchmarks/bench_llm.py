@@ -192,6 +192,7 @@ def main() -> None:
     ap.add_argument("--copy-gbs", type=float, default=4100.0,
                     help="measured copy bandwidth, GB/s (bytes read + written per second)")
     ap.add_argument("--gguf", action="append", default=[], help="a GGUF file to load in vkgraph and llama.cpp")
+    ap.add_argument("--no-peers", action="store_true", help="vkgraph only (no llama.cpp, no PyTorch)")
     a = ap.parse_args()
     cfg = ModelConfig(arch="llama", max_seq_len=8192, **SHAPES[a.shape])
     batches = [int(x) for x in a.batches.split(",")]
@@ -216,11 +217,11 @@ def main() -> None:
         bound = a.copy_gbs * 1e9 / weight_bytes(w)  # decode reads every weight once per step
         row(f"vkgraph {label}", bench_vkgraph(w, batches, a.steps, a.prompt), bound)
         del w
-        if path is not None:
+        if path is not None and not a.no_peers:
             lc = bench_llama_cpp(path, a.steps * 5, a.prompt)
             if lc is not None:
                 row(f"llama.cpp {label}", lc)
-    t = bench_torch(cfg, batches, a.steps, a.prompt)
+    t = None if a.no_peers else bench_torch(cfg, batches, a.steps, a.prompt)
     if t is not None:
         row("PyTorch eager f16", t)
 
