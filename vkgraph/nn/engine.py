@@ -172,10 +172,11 @@ class Engine:
                              pad_tokens=rows)
         st = SamplingTensors.build([r.params for r in reqs], rows, self.vocab)
         presence = self._presence(reqs, rows)
-        noise = Tensor.rand(rows, self.vocab)
+        noise = self._noise(st, rows)
         tokens = self._decode(Tensor(meta.input_ids), Tensor(meta.positions), Tensor(meta.slot_mapping),
                               Tensor(meta.block_tables), Tensor(meta.context_lens), st.temperature, st.top_k, st.top_p,
-                              st.min_p, st.penalty, presence, noise, st.use_top_k, st.use_top_p).numpy()
+                              st.min_p, st.penalty, presence, noise, st.use_top_k, st.use_top_p,
+                              st.use_sampling).numpy()
         self.stats["decode_steps"] += 1
         events = []
         for r, t in zip(list(reqs), tokens[:len(reqs)]):
@@ -184,15 +185,20 @@ class Engine:
         return events
 
     def _decode_step(self, ids, positions, slots, tables, ctx, temperature, top_k, top_p, min_p, penalty, presence,
-                     noise, use_top_k, use_top_p):
+                     noise, use_top_k, use_top_p, use_sampling):
         step = StepInputs(positions=positions, slot_mapping=slots, block_tables=tables, context_lens=ctx)
         logits = self.model(ids, step)
-        st = SamplingTensors(temperature, top_k, top_p, min_p, penalty, use_top_k, use_top_p)
+        st = SamplingTensors(temperature, top_k, top_p, min_p, penalty, use_top_k, use_top_p, use_sampling)
         return sample(logits, st, presence, noise)
 
     def _sample(self, logits: Tensor, reqs: list[Request]) -> np.ndarray:
         st = SamplingTensors.build([r.params for r in reqs], len(reqs), self.vocab)
-        return sample(logits, st, self._presence(reqs, len(reqs)), Tensor.rand(len(reqs), self.vocab)).numpy()
+        return sample(logits, st, self._presence(reqs, len(reqs)), self._noise(st, len(reqs))).numpy()
+
+    def _noise(self, st: SamplingTensors, rows: int) -> Tensor:
+        """Uniform noise for the Gumbel draw; a (rows, 1) placeholder when every row is greedy (no vocabulary-
+        sized random kernel per step)."""
+        return Tensor.rand(rows, self.vocab) if st.use_sampling else Tensor(np.zeros((rows, 1), np.float32))
 
     def _presence(self, reqs: list[Request], rows: int) -> Tensor:
         """Tokens each request has seen, for the repetition penalty; a (rows, 1) zero column (broadcast, and no

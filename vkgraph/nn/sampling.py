@@ -56,6 +56,7 @@ class SamplingTensors:
     penalty: Tensor
     use_top_k: bool
     use_top_p: bool
+    use_sampling: bool = True  # any row with temperature > 0; all-greedy batches skip softmax, filters and noise
 
     @classmethod
     def build(cls, params: list[SamplingParams], rows: int, vocab: int) -> SamplingTensors:
@@ -65,15 +66,19 @@ class SamplingTensors:
                    col([p.top_k if p.top_k else vocab for p in pad], np.int32),
                    col([p.top_p for p in pad], np.float32), col([p.min_p for p in pad], np.float32),
                    col([p.repetition_penalty for p in pad], np.float32),
-                   any(0 < p.top_k < vocab for p in params), any(p.top_p < 1 for p in params))
+                   any(0 < p.top_k < vocab for p in params), any(p.top_p < 1 for p in params),
+                   any(p.temperature > 0 for p in params))
 
 
 def sample(logits: Tensor, s: SamplingTensors, presence: Tensor, uniform: Tensor) -> Tensor:
     """Token ids (rows,) int32. presence (rows, vocab), or (rows, 1) to broadcast: 1 where the token already
-    occurs (repetition penalty); uniform (rows, vocab): noise in [0, 1)."""
+    occurs (repetition penalty); uniform (rows, vocab): noise in [0, 1) (unread, so any shape, when no row
+    samples)."""
     l = logits.float()
     l = where(presence > 0, where(l > 0, l / s.penalty, l * s.penalty), l)
     greedy = l.argmax(-1)
+    if not s.use_sampling:
+        return greedy.cast(dtypes.int32)
     z = l / s.temperature.maximum(1e-6)
     top = z.max(-1, keepdim=True)
     p = (z - top).exp()
