@@ -260,6 +260,7 @@ def test_cumsum_and_zero_size():
     check(Tensor(x).cumsum(1), np.cumsum(x, 1), 2e-6)
     check(Tensor(x).cumsum(0), np.cumsum(x, 0), 2e-6)
     check(Tensor(np.arange(10, dtype=np.int8)).cumsum(0), np.cumsum(np.arange(10)).astype(np.int32), 0)
+    check(Tensor(np.zeros((3, 0), np.int16)).cumsum(1), np.zeros((3, 0), np.int32), 0, np.int32)
     z = np.zeros((0, 3), np.float32)
     check(Tensor(z).sum(0), z.sum(0), 0)
     check(Tensor(z).sum(1), z.sum(1), 0)
@@ -267,6 +268,54 @@ def test_cumsum_and_zero_size():
     check(Tensor(z).reshape(3, 0).T, z.reshape(3, 0).T, 0)
     with pytest.raises(ValueError, match="identity"):
         Tensor(z).max(0)
+
+
+@pytest.mark.parametrize("shape,axis", [((33,), 0), ((1000,), 0), ((1 << 20,), 0), ((2, 70_000), -1),
+                                        ((5000, 3), 0), ((3, 1000, 5), 1), ((257, 2, 3), 0)])
+def test_cumsum_long_and_inner_axes(shape, axis):
+    x = randn(*shape)
+    # against a float64 reference: numpy's own float32 cumsum is sequential and less accurate than ours
+    check(Tensor(x).cumsum(axis), np.cumsum(x.astype(np.float64), axis), 1e-6)
+    check((Tensor(x) * 2 + 1).cumsum(dim=axis), np.cumsum(x.astype(np.float64) * 2 + 1, axis), 1e-6)
+
+
+def test_cumsum_dtypes_exact():
+    wide = rng.integers(-2**31, 2**31, size=(3, 40_000), dtype=np.int64).astype(np.int32)
+    check(Tensor(wide).cumsum(1), np.cumsum(wide, 1, dtype=np.int32), 0, np.int32)  # wraps as numpy does
+    small = rng.integers(0, 256, size=(20_000, 2), dtype=np.uint8)
+    check(Tensor(small).cumsum(0), np.cumsum(small, 0, dtype=np.uint32), 0, np.uint32)
+    b = rng.random(5000) < 0.5
+    check(Tensor(b).cumsum(0), np.cumsum(b, dtype=np.int32), 0, np.int32)
+    h = randn(3000, dtype=np.float16)
+    check(Tensor(h).cumsum(0), np.cumsum(h.astype(np.float64)), 2e-3, np.float16)
+    special = np.array([1, -0.0, np.inf, 2, -np.inf, 3] + [1] * 40 + [np.nan, 1], np.float32)
+    check(Tensor(special).cumsum(0), np.cumsum(special), 0)
+
+
+def test_cumsum_work_is_linear():
+    """A 1<<20-long cumsum: the reductions it schedules read O(n) elements (a quadratic scan reads n * n), it
+    takes a few small kernels, and it runs in well under a second on lavapipe."""
+    import time
+
+    from vkgraph.realize import REALIZED, count_kernels
+    from vkgraph.schedule import Kernel, create_schedule
+    from vkgraph.tensor import SCAN_CHUNK
+
+    n = 1 << 20
+    x = randn(n)
+    t = Tensor(x)
+    out = t.cumsum(0)
+    sched = create_schedule([out.node], REALIZED)
+    reads = sum(r.srcs[0].numel for k in sched.items if isinstance(k, Kernel)
+                for r in k.root.toposort() if r.op.name == "REDUCE")
+    assert reads <= 1.2 * (SCAN_CHUNK + 1) * n, reads
+    with count_kernels() as c:
+        out.realize()
+    assert c.count <= 12, c.names
+    check(out, np.cumsum(x.astype(np.float64)), 1e-6)
+    t0 = time.perf_counter()
+    t.cumsum(0).numpy()  # compiled now: the scan itself
+    assert time.perf_counter() - t0 < 2.0
 
 
 # ---- movement and indexing ------------------------------------------------------------------------------------------

@@ -607,17 +607,14 @@ class Tensor:
         return out.cast(least_float(self.dtype))
 
     def cumsum(self, axis: int = 0, dim: int | None = None) -> Tensor:
-        """Inclusive prefix sum along an axis (a masked row sum: quadratic in that axis's length)."""
+        """Inclusive prefix sum along an axis: bool and narrow integers accumulate as in `sum`, 16-bit floats in
+        float32 (rounded once at the end). Work is linear in the axis's length (see `_scan`)."""
         a = _axis(dim if dim is not None else axis, self.ndim)
-        x = self.cast(_sum_dtype(self.dtype)).transpose(a, -1)
-        n = x.shape[-1]
-        if n == 0:
-            return self.cast(x.dtype)
-        i = Tensor(g.iota(n)).reshape(n, 1).expand(n, n)
-        j = Tensor(g.iota(n)).reshape(1, n).expand(n, n)
-        full = x.unsqueeze(-2).expand(*x.shape[:-1], n, n)
-        out = (j <= i).where(full, 0).sum(-1)
-        return out.transpose(a, -1)
+        acc = _sum_dtype(self.dtype)
+        x = self.cast(dtypes.float32 if acc in (dtypes.float16, dtypes.bfloat16) else acc)
+        if self.shape[a] == 0:
+            return self.cast(acc)
+        return _scan(x, a).cast(acc)
 
     # ---- movement -----------------------------------------------------------------------------------------------
     def _move(self, fn: Callable[[ShapeTracker], ShapeTracker]) -> Tensor:
@@ -999,6 +996,40 @@ def _sum_dtype(d: DType) -> DType:
     if d.kind == "b" or (d.is_int and d.itemsize < 4):
         return dtypes.int32 if d.kind != "u" else dtypes.uint32
     return d
+
+
+SCAN_CHUNK = 16  # elements each output sums directly in `_scan`; also the fan-in of each level
+
+
+def _scan(x: Tensor, a: int) -> Tensor:
+    """Inclusive prefix sum along axis a, as graph ops the scheduler fuses: a multi-level scan.
+
+    The axis is cut into chunks of SCAN_CHUNK; each output sums its own chunk up to itself (a masked row sum of
+    SCAN_CHUNK elements), and adds the sum of all earlier chunks: the exclusive scan of the chunk totals, which
+    is the same problem SCAN_CHUNK times shorter. So the work is about n * SCAN_CHUNK, not n * n, in about two
+    kernels per level (the chunk totals, then the chunk scans with their fix-up add), log_SCAN_CHUNK(n) levels.
+    Integer sums are exact (addition wraps, so its order does not matter); float sums round like a blocked sum,
+    which errs less than numpy's sequential one."""
+    n = x.shape[a]
+    c = min(SCAN_CHUNK, n)
+    pre, post = x.shape[:a], x.shape[a + 1:]
+    m = -(-n // c)
+    chunks = x.pad([(0, 0)] * len(pre) + [(0, m * c - n)] + [(0, 0)] * len(post)).reshape(pre + (m, c) + post)
+    # element (i, j) of (n, c): the j-th element of i's chunk, counted when it is not past i
+    own = chunks.unsqueeze(a + 1).expand(pre + (m, c, c) + post).reshape(pre + (m * c, c) + post)
+    own = own.shrink([None] * len(pre) + [(0, n), None] + [None] * len(post))
+    i, j = Tensor(g.iota(c)).reshape(c, 1), Tensor(g.iota(c)).reshape(1, c)
+    tri = (j <= i).reshape(1, c, c).expand(m, c, c).reshape(m * c, c).shrink([(0, n), None])
+    tri = tri.reshape((1,) * len(pre) + (n, c) + (1,) * len(post))
+    local = tri.where(own, 0).sum(a + 1)
+    if m == 1:
+        return local
+    # the inclusive scan of the chunk totals, (pre, m, post), in a buffer of its own: the scheduler then fuses
+    # this level's chunk scans with the add below instead of storing them apart
+    before = _scan(chunks.sum(a + 1), a).contiguous()
+    before = before.pad([(0, 0)] * len(pre) + [(1, -1)] + [(0, 0)] * len(post))  # shifted: exclusive
+    spread = before.unsqueeze(a + 1).expand(pre + (m, c) + post).reshape(pre + (m * c,) + post)
+    return local + spread.shrink([None] * len(pre) + [(0, n)] + [None] * len(post))
 
 
 def _as_bool(x: Any) -> Any:
