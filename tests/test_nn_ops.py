@@ -2,7 +2,10 @@
 
 import numpy as np
 import pytest
+from test_kernels_common import normalised_error
 
+from vkgraph.jit import jit
+from vkgraph.nn import ops as nn_ops
 from vkgraph.nn.ops import QuantLinear, paged_decode, prefill_attention, write_kv
 from vkgraph.ops.paged_attention import PagedKVCache
 from vkgraph.quant import dequantize, quantize
@@ -29,6 +32,65 @@ def test_quant_linear_with_residual_feeds_generated_kernels(fmt, rows):
     got = (lin(Tensor(x) * 0.5, residual=Tensor(r)).relu() + 1).numpy()
     want = np.maximum((0.5 * x) @ dequantize(qt).astype(np.float64).T + r, 0) + 1
     assert nerr(got, want) < 5e-4
+
+
+# x and y are rounded to float16 on the dequantize path (unit roundoff u = 2^-11): for random data each rounding
+# adds a normalised error of about u / sqrt(3) = 2.8e-4, so about 4e-4 together; 2e-3 leaves a margin of 5x.
+F16_TOL = 2e-3
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16", "BF16"])
+def test_quant_linear_many_rows_dequantizes_to_f16(fmt):
+    rng = np.random.default_rng(7)
+    qt = quantize(rng.standard_normal((72, 512)).astype(np.float32), fmt)
+    lin = QuantLinear(qt)
+    if not lin.can_dequantize:
+        pytest.skip("no float16 on this device")
+    rows = nn_ops.DEQUANT_ROWS + 3
+    x = rng.standard_normal((rows, 512)).astype(np.float32)
+    r = rng.standard_normal((rows, 72)).astype(np.float32)
+    with count_kernels() as c:
+        got = lin(Tensor(x), residual=Tensor(r)).numpy()
+    assert c.names[0] == f"dequant_f16_{fmt}" and not any(n.startswith("matvec") for n in c.names)
+    want = x.astype(np.float64) @ dequantize(qt).astype(np.float64).T
+    assert normalised_error(got - r, want) <= F16_TOL
+    assert normalised_error(got, want + r) <= F16_TOL
+
+
+def test_quant_linear_threshold_and_shared_weight():
+    rng = np.random.default_rng(8)
+    qt = quantize(rng.standard_normal((64, 256)).astype(np.float32), "Q4_K")
+    lin = QuantLinear(qt)
+    if not lin.can_dequantize:
+        pytest.skip("no float16 on this device")
+    w = dequantize(qt).astype(np.float64)
+    below = rng.standard_normal((nn_ops.DEQUANT_ROWS - 1, 256)).astype(np.float32)
+    with count_kernels() as c:
+        got = lin(Tensor(below)).numpy()
+    assert not any(n.startswith("dequant") for n in c.names)
+    assert normalised_error(got, below @ w.T) <= 5e-4
+    x = rng.standard_normal((2, nn_ops.DEQUANT_ROWS // 2, 256)).astype(np.float32)  # rows counted over all axes
+    with count_kernels() as c:
+        got = (lin(Tensor(x)) + lin(Tensor(x * 2))).numpy()
+    assert [n for n in c.names if n.startswith("dequant")] == ["dequant_f16_Q4_K"]  # one W_f16 for both
+    assert normalised_error(got, 3 * (x @ w.T)) <= F16_TOL
+
+
+def test_quant_linear_dequantize_path_in_jit():
+    """Captured and replayed: W_f16 is a temporary of the graph, remade by the replayed template each call."""
+    rng = np.random.default_rng(9)
+    qt = quantize(rng.standard_normal((96, 256)).astype(np.float32), "Q6_K")
+    lin = QuantLinear(qt)
+    if not lin.can_dequantize:
+        pytest.skip("no float16 on this device")
+    w = dequantize(qt).astype(np.float64)
+    step = jit(lambda x, r: lin(x, residual=r).relu())
+    for _ in range(4):  # eager, capture, replay, replay
+        x = rng.standard_normal((nn_ops.DEQUANT_ROWS, 256)).astype(np.float32)
+        r = rng.standard_normal((nn_ops.DEQUANT_ROWS, 96)).astype(np.float32)
+        got = step(Tensor(x), Tensor(r)).numpy()
+        assert normalised_error(got, np.maximum(x @ w.T + r, 0)) <= F16_TOL
+    assert len(step.cache) == 1
 
 
 def test_quant_linear_bad_shape():

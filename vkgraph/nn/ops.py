@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..dtype import dtypes
+from ..ops import dequant as dq
 from ..ops import matvec as mv
 from ..ops import paged_attention as pa
 from ..quant import QuantizedTensor
@@ -16,15 +17,32 @@ from ..runtime import get_device
 from ..tensor import Tensor, custom
 
 _MATVEC_ROWS = mv.MAX_BATCH
+# From this many activation rows on, QuantLinear expands W to a float16 temporary and runs the generated matmul,
+# which reads W once per 64-row tile, instead of the matvec, which reads all of W once per 8 rows. An estimate:
+# the crossover has not been measured on a GPU yet.
+DEQUANT_ROWS = 64
 
 
 class QuantLinear:
-    """A weight matrix in a GGUF format (Q8_0, Q4_0, Q4_K, Q6_K, F16, BF16) on the device, as `x @ W.T`."""
+    """A weight matrix in a GGUF format (Q8_0, Q4_0, Q4_K, Q6_K, F16, BF16) on the device, as `x @ W.T`.
+
+    Up to DEQUANT_ROWS - 1 activation rows run the matvec template; more run float16 x @ W_f16.T (float32
+    accumulation, float16 result) where the device has float16 and the float16 W fits one binding."""
 
     def __init__(self, weight: QuantizedTensor) -> None:
         self.out_features, self.in_features = weight.shape
         self.format = weight.format.name
-        self.weights = mv.upload_weights(get_device(), weight)
+        dev = get_device()
+        self.weights = mv.upload_weights(dev, weight)
+        info = dev.info
+        self.can_dequantize = (info.float16 and info.storage_16bit
+                               and weight.shape[0] * weight.shape[1] * 2 <= info.max_storage_buffer_range)
+        weights = self.weights
+
+        def dequantize(dev: Any, out: Any, ins: list[Any]) -> None:
+            dq.dequantize_f16(dev, weights, out=out)
+
+        self._dequantize = dequantize  # one function for every call, so a graph shares one W_f16 node
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """x [..., in_features] float32 -> [..., out_features] float32 (+ residual, fused)."""
@@ -39,6 +57,14 @@ class QuantLinear:
         if residual is not None and residual.shape != out_shape:
             raise ValueError(f"QuantLinear residual has shape {residual.shape}, expected {out_shape}")
         w, n, k = self.weights, self.out_features, self.in_features
+        if rows >= DEQUANT_ROWS and self.can_dequantize:
+            # W_f16 is a temporary of the graph: made by the template, released after the matmul reads it
+            w16 = custom(self._dequantize, [], (n, k), dtypes.float16, key=(id(self),),
+                         name=f"dequant_f16_{self.format}")
+            y = (x.reshape(rows, k).cast(dtypes.float16) @ w16.T).float()
+            if residual is not None:  # added before the reshape, so it fuses into the matmul's epilogue
+                y = y + residual.reshape(rows, n).float()
+            return y.reshape(out_shape)
         inputs = [x.float().contiguous()] + ([residual.float().contiguous()] if residual is not None else [])
 
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
