@@ -65,7 +65,7 @@ class QuantLinear:
             if residual is not None:  # added before the reshape, so it fuses into the matmul's epilogue
                 y = y + residual.reshape(rows, n).float()
             return y.reshape(out_shape)
-        inputs = [x.float().contiguous()] + ([residual.float().contiguous()] if residual is not None else [])
+        inputs = [x.float()] + ([residual.float()] if residual is not None else [])
 
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
             # more rows than one template call takes: runs of up to 8 rows, each into its slice of out
@@ -94,7 +94,7 @@ def write_kv(cache: pa.PagedKVCache, key: Tensor, value: Tensor, slot_mapping: T
     def run(dev: Any, out: Any, ins: list[Any]) -> None:
         pa.write_kv(dev, cache, ins[0], ins[1], ins[2], tokens)
 
-    ins = [key.float().contiguous(), value.float().contiguous(), slot_mapping.cast(dtypes.int32).contiguous()]
+    ins = [key.float(), value.float(), slot_mapping.cast(dtypes.int32)]
     return custom(run, ins, (1,), dtypes.int32, key=(id(cache),), name="kv_write")
 
 
@@ -113,8 +113,8 @@ def paged_decode(cache: pa.PagedKVCache, q: Tensor, block_tables: Tensor, contex
         pa.paged_decode(dev, cache, ins[0], ins[1], ins[2], num_seqs=b, num_heads=heads, max_blocks_per_seq=max_blocks,
                         max_context_len=max_context_len, scale=scale, window=window, out=out)
 
-    ins = [q.float().contiguous(), block_tables.cast(dtypes.int32).contiguous(),
-           context_lens.cast(dtypes.int32).contiguous(), after]
+    ins = [q.float(), block_tables.cast(dtypes.int32),
+           context_lens.cast(dtypes.int32), after]
     return custom(run, ins, (b, heads, d), dtypes.float32, key=(id(cache), max_context_len, scale, window),
                   name="paged_decode")
 
@@ -131,7 +131,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, nu
                              num_kv_heads=kv_heads, head_size=d, max_seq_len=max_seq_len, kv_dtype="f32",
                              scale=scale, window=window, out=out)
 
-    ins = [q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
-           cu_seqlens.cast(dtypes.int32).contiguous()] + ([after] if after is not None else [])
+    ins = [q.float(), k.float(), v.float(),
+           cu_seqlens.cast(dtypes.int32)] + ([after] if after is not None else [])
     return custom(run, ins, (t, heads, d), dtypes.float32, key=(num_seqs, max_seq_len, scale, window),
                   name="prefill_attention")
