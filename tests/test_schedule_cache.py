@@ -71,7 +71,7 @@ def test_outputs_are_fresh_buffers_each_run():
     np.testing.assert_allclose(c.numpy(), y.numpy() * 3 + 1, rtol=1e-6)
 
 
-def test_different_constants_views_and_shapes_are_different_schedules():
+def test_new_constants_views_and_shapes_use_their_own_values():
     x = data(10, 12)
     t = Tensor(x)
     for k in (2.0, 3.0, -1.5):
@@ -226,3 +226,136 @@ def test_one_buffer_under_two_nodes_is_one_slot():
     assert ra.node.arg[0] is ta.node.arg[0]
     for m, n, want in [(ra, ta, a * 2 + a), (rb, ta, b * 2 + a), (ra, ta, a * 2 + a), (rb, tb, b * 3)]:
         np.testing.assert_allclose((m.reshape(64) * 2 + n).numpy(), want, rtol=1e-6)
+
+
+class Compiles:
+    """Shader compiles (SPIR-V from GLSL, memory and disk cache hits included) and pipelines made in a block."""
+
+    def __enter__(self):
+        dev = get_device()
+        s = dev.compiler.stats
+        self.c0, self.p0 = s.misses + s.disk_hits + s.memory_hits, len(dev.pipelines.kernels)
+        return self
+
+    def __exit__(self, *exc):
+        dev = get_device()
+        s = dev.compiler.stats
+        self.compiles = s.misses + s.disk_hits + s.memory_hits - self.c0
+        self.pipelines = len(dev.pipelines.kernels) - self.p0
+
+
+def test_new_float_constants_reuse_the_compiled_kernels():
+    """Float constants are push constants: a new value neither compiles nor schedules anew."""
+    x, w, long = data(16, 300), data(300, 64), data(2, 40_000)
+    t, tw, tl = Tensor(x), Tensor(w), Tensor(long)
+
+    def graphs(k: float):
+        return [t * k + (k + 1),  # elementwise
+                ((t * k).exp() * (2 * k)).sum(1),  # reduction with a producer and an epilogue
+                (t - t.max(1, keepdim=True) * k).softmax(-1),  # fused reductions walking the row again
+                ((t @ tw) * k).relu() + 0.25 * k,  # matmul epilogue
+                (tl * k).sum(1) * (3 * k)]  # a split reduction: a constant in each of its two programs
+
+    def refs(k: float):
+        k32 = np.float32(k)
+        return [x * k32 + np.float32(k + 1), np.exp(x * k32).sum(1) * np.float32(2 * k),
+                _softmax(x - x.max(1, keepdims=True) * k32), np.maximum((x @ w) * k32, 0) + np.float32(0.25 * k),
+                (long * k32).sum(1) * np.float32(3 * k)]
+
+    for out in graphs(0.37):
+        out.realize()
+    for k in (0.38, -1.7, 3e5, 1e-3):
+        with Hits() as h, Compiles() as c:
+            outs = [o.numpy() for o in graphs(k)]
+        assert (h.misses, c.compiles, c.pipelines) == (0, 0, 0), (k, h.misses, c.compiles, c.pipelines)
+        for got, want in zip(outs, refs(k), strict=True):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-4 * max(1.0, np.abs(want).max()))
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_new_rng_counters_reuse_the_compiled_kernels():
+    from vkgraph.tensor import manual_seed
+
+    manual_seed(3)
+    first = [Tensor.rand(4, 300).numpy(), (Tensor.randn(1000) * 2).numpy()]
+    with Hits() as h, Compiles() as c:
+        later = [[Tensor.rand(4, 300).numpy(), (Tensor.randn(1000) * 2).numpy()] for _ in range(5)]
+    assert (h.misses, c.compiles, c.pipelines) == (0, 0, 0), (h.misses, c.compiles, c.pipelines)
+    draws = [first[0]] + [r for r, _ in later]
+    assert all(not np.array_equal(a, b) for i, a in enumerate(draws) for b in draws[:i])
+    assert all(0 <= r.min() and r.max() < 1 and abs(r.mean() - 0.5) < 0.05 for r in draws)
+    manual_seed(3)  # the same seed gives the same numbers on the reused kernels
+    np.testing.assert_array_equal(Tensor.rand(4, 300).numpy(), first[0])
+    np.testing.assert_array_equal((Tensor.randn(1000) * 2).numpy(), first[1])
+
+
+def test_new_variables_reuse_the_schedule():
+    x = data(32)
+    (Tensor(x) * 2 + Variable("pos", 0)).numpy()
+    with Hits() as h, Compiles() as c:
+        for p in (4, -9):
+            np.testing.assert_allclose((Tensor(x) * 2 + Variable("pos", p)).numpy(), x * 2 + p, rtol=1e-6)
+    assert (h.misses, c.compiles) == (0, 0)
+
+
+def test_special_float_constants_stay_literals():
+    """0, -0, inf, NaN and subnormal constants are compiled in (the compiler folds them its own way, the same in
+    every kernel); the results are numpy's for finite inputs."""
+    from vkgraph.codegen import lower
+    from vkgraph.schedule import create_schedule
+
+    x = data(50)
+    t = Tensor(x)
+
+    def src(out: Tensor) -> str:
+        return lower(create_schedule([out.node], realize_mod.REALIZED).items[0], realize_mod.limits()).programs[0].src
+
+    for k in (0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40):
+        with np.errstate(all="ignore"):
+            want = x + np.float32(k) if k == 1e-40 else x * np.float32(k)  # x + 1e-40 is x, flushed or not
+        out = t + k if k == 1e-40 else t * k
+        assert "pc.f" not in src(out), k
+        np.testing.assert_array_equal(out.numpy(), want)
+    assert "pc.f" in src(t * 0.5)
+
+
+def test_float_constants_past_the_push_budget_are_literals_and_still_right():
+    """A kernel with more float constants than push-constant room compiles the rest in: a new value there makes
+    a new schedule (never the old value), a new value among the pushed ones does not."""
+    from vkgraph.codegen import lower
+    from vkgraph.codegen.render import MAX_PUSH_FLOATS, PUSH_BYTES
+    from vkgraph.schedule import create_schedule
+
+    x = data(40)
+    t = Tensor(x)
+    n = MAX_PUSH_FLOATS + 4
+
+    def g(ks):
+        out = t * ks[0]
+        for k in ks[1:]:
+            out = (out + k) * 1.5
+        return out
+
+    def ref(ks):
+        out = x * np.float32(ks[0])
+        for k in ks[1:]:
+            out = (out + np.float32(k)) * np.float32(1.5)
+        return out
+
+    base = [0.1 * (i + 1) for i in range(n)]
+    prog = lower(create_schedule([g(base).node], realize_mod.REALIZED).items[0], realize_mod.limits()).programs[0]
+    assert 0 < sum(name.startswith("f") for name in prog.push) <= MAX_PUSH_FLOATS
+    assert 4 * len(prog.push) <= PUSH_BYTES
+    np.testing.assert_allclose(g(base).numpy(), ref(base), rtol=1e-5)
+    misses = 0
+    for i in range(n):  # one constant changed at a time: pushed or compiled in, the value used is the new one
+        ks = list(base)
+        ks[i] = -ks[i] * 3
+        with Hits() as h:
+            np.testing.assert_allclose(g(ks).numpy(), ref(ks), rtol=1e-5, err_msg=str(i))
+        misses += h.misses
+    assert 0 < misses < n  # both kinds were changed

@@ -159,6 +159,29 @@ def argkey(arg: Any) -> Any:
     return arg
 
 
+_MIN_NORMAL = 2.0**-126  # the smallest normal float32
+
+
+def runtime_values(n: Node) -> tuple:
+    """The scalars a leaf contributes to its kernel at dispatch time (push constants), or () if none.
+
+    Kernels take these as data, not as compiled-in literals, so a new RNG counter or a new float constant runs
+    the kernel compiled before: RAND's (seed, counter), a Variable, and float constants. A float constant that is
+    zero, infinite, NaN or subnormal stays a literal: the shader compiler folds literal arithmetic with such
+    values in its own way (``x * 0.0`` is 0 even for an infinite x; see docs/reliability.md), and a value that
+    is a literal in one kernel and data in another would then compute differently. Integer constants stay
+    literals too: they take part in index arithmetic and integer division, which the compiler simplifies.
+    """
+    op = n.op
+    if op is Op.RAND:
+        return (n.arg[0] & 0xFFFFFFFF, n.arg[1] & 0xFFFFFFFF)
+    if op is Op.VAR:
+        return (n.arg,)
+    if op is Op.CONST and n.dtype.is_float and math.isfinite(n.arg) and abs(n.arg) >= _MIN_NORMAL:
+        return (n.arg,)
+    return ()
+
+
 def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape) -> Node:
     key = (op, dtype, tuple(id(s) for s in srcs), argkey(arg), shape)
     n = _interned.get(key)

@@ -20,7 +20,7 @@ import numpy as np
 from .codegen import Limits, lower
 from .dtype import DType, dtypes
 from .flags import flag
-from .graph import BufferRef, Node, Op, argkey
+from .graph import BufferRef, Node, Op, argkey, runtime_values
 from .runtime import UnsupportedFeature, get_device
 from .schedule import CustomCall, Schedule, create_schedule, structure
 from .view import ShapeTracker
@@ -162,21 +162,41 @@ class _Plan:
     """A schedule lowered to programs, with every buffer a slot: inputs (numbered as in `Structure`), then the
     schedule's own buffers (made afresh at each run), then lowering scratch (shared by every run).
 
-    steps: per schedule item, (programs as (src, name, binding slots, groups, push), scratch slots, frees) for a
-    kernel, or (None, (custom position, out slot, input slots), frees) for a custom call."""
+    steps: per schedule item, (programs as (src, name, binding slots, groups, push, params), scratch slots, frees)
+    for a kernel, or (None, (custom position, out slot, input slots), frees) for a custom call. A program's params
+    are (push field, position in the graph's runtime values): fields to fill at each run. baked: (position,
+    value) of runtime values the programs hold as literals (over the push budget); a graph whose values differ
+    there cannot use this plan."""
 
-    __slots__ = ("n_in", "temps", "consts", "steps", "outputs")
+    __slots__ = ("n_in", "temps", "consts", "steps", "outputs", "baked")
 
     def __init__(self, n_in: int, temps: list[tuple[DType, int]], consts: list[BufferRef], steps: list[tuple],
-                 outputs: list[int]):
+                 outputs: list[int], baked: tuple):
         self.n_in, self.temps, self.consts, self.steps, self.outputs = n_in, temps, consts, steps, outputs
+        self.baked = baked
 
 
 class _Uncacheable(Exception):
     pass
 
 
-def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node]) -> tuple[_Plan, list[BufferRef]]:
+def _params(sched: Schedule) -> tuple[list, dict[int, int]]:
+    """The runtime values of sched's kernels, and where each leaf's first value is (as Structure numbers them for
+    a cached plan; any numbering serves a plan run once)."""
+    values: list = []
+    slot: dict[int, int] = {}
+    for item in sched.items:
+        if isinstance(item, CustomCall):
+            continue
+        for n in item.root.toposort():
+            if id(n) not in slot and not n.srcs and (v := runtime_values(n)):
+                slot[id(n)] = len(values)
+                values.extend(v)
+    return values, slot
+
+
+def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node],
+          param_slot: dict[int, int]) -> tuple[_Plan, list[BufferRef]]:
     """sched as a plan over slots, and the buffers of this schedule in slot order."""
     slots = {id(r): i for i, r in enumerate(inputs)}
     for t in sched.temps:
@@ -198,7 +218,14 @@ def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node]) -> tupl
             consts.append(ref)
         return i
 
+    def value_slot(n: Node) -> int:
+        i = param_slot.get(id(n))
+        if i is None:
+            raise _Uncacheable
+        return i
+
     steps: list[tuple] = []
+    baked: list[tuple] = []
     for item, frees in zip(sched.items, sched.frees, strict=True):
         fr = tuple(slot(r) for r in frees)
         if isinstance(item, CustomCall):
@@ -209,14 +236,17 @@ def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node]) -> tupl
             continue
         lowered = lower(item, lim)
         scratch = {id(r) for r in lowered.scratch}
+        leaves = [value_slot(n) for n in lowered.leaves]
+        baked += [(value_slot(n), argkey(n.arg)) for n in lowered.baked]
         progs = tuple((p.src, p.name, tuple((slot(ref, id(ref) in scratch), off, n) for ref, off, n in p.bindings),
-                       p.groups, p.push or None) for p in lowered.programs)
+                       p.groups, p.push or None, tuple((name, leaves[i] + part) for name, i, part in p.params))
+                      for p in lowered.programs)
         steps.append((progs, tuple(slot(r, True) for r in lowered.scratch), fr))
     outputs = [slot(r) for r in sched.outputs]
-    return _Plan(n_in, [(t.dtype, t.numel) for t in sched.temps], consts, steps, outputs), refs
+    return _Plan(n_in, [(t.dtype, t.numel) for t in sched.temps], consts, steps, outputs, tuple(baked)), refs
 
 
-def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node]) -> None:
+def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node], params: list) -> None:
     dev = get_device()
     debug = flag("VKGRAPH_DEBUG")
     compiled = _compiled.get(dev)
@@ -234,7 +264,11 @@ def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node]) -> None:
             node.arg.fn(dev, out_ref.buf, [r.buf for r in in_refs])
             _count(node.arg.name)
         else:
-            for src, name, bindings, groups, push in progs:
+            for src, name, bindings, groups, push, fill in progs:
+                if fill:  # this graph's RNG counters, Variables and float constants
+                    push = dict(push)
+                    for field_name, i in fill:
+                        push[field_name] = params[i]
                 if debug >= 3:
                     print(f"--- {name} groups={groups} push={push or {}}\n{src}")
                 brefs = [refs[b[0]] for b in bindings]
@@ -273,8 +307,9 @@ def run(sched: Schedule) -> None:
             if id(r) not in seen:
                 seen.add(id(r))
                 inputs.append(r)
-    plan, refs = _plan(sched, inputs, customs)
-    _execute(plan, refs, customs)
+    params, param_slot = _params(sched)
+    plan, refs = _plan(sched, inputs, customs, param_slot)
+    _execute(plan, refs, customs, params)
 
 
 # schedules by graph structure (schedule.Structure): a graph scheduled before reuses its kernels and lifetimes
@@ -292,6 +327,8 @@ def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[Buff
         return sched.outputs
     st = structure(nodes, REALIZED, dests, (limits(), max_inputs))
     plan = _PLANS.pop(st.key, None) if st.key is not None else None
+    if plan is not None and any(argkey(st.params[i]) != v for i, v in plan.baked):
+        plan = None  # it compiled in other values of float constants (more than push constants hold)
     if plan is not None:
         _PLANS[st.key] = plan  # most recently used last
         refs = st.inputs + [BufferRef(d, n) for d, n in plan.temps] + plan.consts
@@ -300,7 +337,7 @@ def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[Buff
         PLAN_STATS["misses"] += 1
         sched = create_schedule(nodes, st.realized, dests=dests, max_inputs=max_inputs)
         try:
-            plan, refs = _plan(sched, st.inputs, st.customs)
+            plan, refs = _plan(sched, st.inputs, st.customs, st.param_slot)
         except _Uncacheable:
             run(sched)
             return sched.outputs
@@ -311,7 +348,7 @@ def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[Buff
                 except (RuntimeError, StopIteration):  # another thread changed it meanwhile
                     break
             _PLANS[st.key] = plan
-    _execute(plan, refs, st.customs)
+    _execute(plan, refs, st.customs, st.params)
     return [refs[i] for i in plan.outputs]
 
 

@@ -14,7 +14,8 @@ recomputed inside the kernel that needs it, with a few rules for the heavy ops:
 
 The result is an ordered list of kernels (and custom calls), each naming its output buffer, with the
 intermediate buffers to release after the last kernel that reads them. `structure` gives the key on which
-that result depends (the graph with buffers as slots), so realize.py can reuse it for an equal graph.
+that result depends (the graph with buffers as slots and runtime values left out), so realize.py can reuse it
+for an equal graph.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .graph import BufferRef, Node, Op, argkey, buffer, substitute
+from .graph import BufferRef, Node, Op, argkey, buffer, runtime_values, substitute
 from .view import ShapeTracker, View, prod, strides_for
 
 
@@ -103,15 +104,20 @@ class Structure:
 
     Nodes are listed in the scheduler's own walk order (sources first, stopping at buffers and realized nodes);
     each entry is (op, dtype, argument, shape, source positions), and an input (a BUFFER leaf or a realized node)
-    is its buffer's slot (numbered by first use), dtype and size. Two graphs with equal keys get the same
-    kernels, the same lowering and the same buffer lifetimes; only the buffers bound to the slots differ.
-    `key` is None when the graph holds something the key cannot describe (the schedule is then not reused).
+    is its buffer's slot (numbered by first use), dtype and size. A leaf with runtime values (graph.runtime_values:
+    RNG seeds and counters, Variables, most float constants) enters as a placeholder and its values go to `params`
+    (`param_slot`: where a node's first value is there). Two graphs with equal keys get the same kernels, the same
+    lowering and the same buffer lifetimes; only the buffers bound to the slots and the push constants taken from
+    `params` differ. `key` is None when the graph holds something the key cannot describe (the schedule is then
+    not reused).
     """
 
-    __slots__ = ("key", "inputs", "customs", "realized")
+    __slots__ = ("key", "inputs", "customs", "realized", "params", "param_slot")
 
-    def __init__(self, key: tuple | None, inputs: list[BufferRef], customs: list[Node], realized: _Memo):
+    def __init__(self, key: tuple | None, inputs: list[BufferRef], customs: list[Node], realized: _Memo,
+                 params: list, param_slot: dict[int, int]):
         self.key, self.inputs, self.customs, self.realized = key, inputs, customs, realized
+        self.params, self.param_slot = params, param_slot
 
 
 def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
@@ -124,6 +130,8 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
     customs: list[Node] = []
     index: dict[int, int] = {}
     entries: list[tuple] = []
+    params: list = []
+    param_slot: dict[int, int] = {}
     ok = True
 
     def slot(ref: BufferRef) -> int:
@@ -157,11 +165,15 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
             elif op is CUSTOM:  # the kernel is the node's own (called at run time); its arg keys nothing here
                 entries.append((op, n.dtype, ("custom", len(customs)), n.shape, tuple(index[id(s)] for s in n.srcs)))
                 customs.append(n)
+            elif not n.srcs and (values := runtime_values(n)):
+                param_slot[id(n)] = len(params)
+                params.extend(values)
+                entries.append((op, n.dtype, "param", n.shape))
             else:
                 entries.append((op, n.dtype, argkey(n.arg), n.shape, tuple(index[id(s)] for s in n.srcs)))
     dkey = tuple(None if d is None else (slot(d[0]), d[0].dtype, d[0].numel, d[1]) for d in (dests or ()))
     key = (tuple(entries), tuple(index[id(t)] for t in targets), dkey, extra) if ok else None
-    return Structure(key, inputs, customs, memo)
+    return Structure(key, inputs, customs, memo, params, param_slot)
 
 
 def _row_expand(st: ShapeTracker, full: tuple[int, ...], strides: tuple[int, ...]) -> bool:

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..dtype import DType, dtypes, max_value, min_value
-from ..graph import BufferRef, Node, Op, ReduceOp, argkey, buffer, movement, reduce, substitute
+from ..graph import BufferRef, Node, Op, ReduceOp, argkey, buffer, movement, reduce, runtime_values, substitute
 from ..graph import alu as alu_node
 from ..schedule import Kernel
 from ..view import ShapeTracker, prod
 from . import glsl
-from .render import Renderer, header
+from .render import MAX_PUSH_FLOATS, MAX_PUSH_OFFSETS, PUSH_BYTES, Renderer, header
 from .symbolic import Expr, Var, unravel
 
 GROUP_ID = "int(gl_WorkGroupID.x + gl_NumWorkGroups.x * (gl_WorkGroupID.y + gl_NumWorkGroups.y * gl_WorkGroupID.z))"
@@ -57,13 +58,16 @@ class Program:
     src: str
     bindings: list[tuple[BufferRef, int, int | None]]  # per binding: buffer, byte offset, bytes (None: all)
     groups: tuple[int, int, int]
-    push: dict[str, int] = field(default_factory=dict)
+    push: dict[str, Any] = field(default_factory=dict)
+    params: tuple[tuple[str, int, int], ...] = ()  # (push field, index in Lowered.leaves, which of its values)
 
 
 @dataclass
 class Lowered:
     programs: list[Program]
     scratch: list[BufferRef]  # buffers the programs share, to allocate before and release after
+    leaves: list[Node] = field(default_factory=list)  # the kernel's leaves whose values are push constants
+    baked: list[Node] = field(default_factory=list)  # float constants with runtime values, compiled in instead
 
 
 def fold_groups(total: int, lim: Limits) -> tuple[int, int, int]:
@@ -84,7 +88,7 @@ def _finish(r: Renderer, name: str, local: int, groups: int, lim: Limits, shared
     body = "\n".join(r.lines)
     src = header(r, (local, 1, 1), list(shared)) + "\nvoid main() {\n" + body + "\n}\n"
     return Program(name, src, [(ref, off, n) for ref, _, off, n in r.pieces()], fold_groups(groups, lim),
-                   {n: v for n, _, v in r.push})
+                   {n: v for n, _, v in r.push}, tuple(r.param_fields))
 
 
 def _wg(lim: Limits, want: int = 256) -> int:
@@ -97,8 +101,8 @@ def _wg(lim: Limits, want: int = 256) -> int:
 # ---- elementwise ------------------------------------------------------------------------------------------------
 
 
-def _elementwise(k: Kernel, lim: Limits) -> Lowered:
-    r = Renderer(lim.max_storage_range)
+def _elementwise(k: Kernel, lim: Limits, params: dict[int, int]) -> Lowered:
+    r = Renderer(lim.max_storage_range, params)
     n = k.root.numel
     wg = _wg(lim)
     ept = 4 if n >= wg * 4 * 256 else 1
@@ -215,7 +219,7 @@ def _full_coords(o: tuple[Expr, ...], rc: tuple[Expr, ...], axes: tuple[int, ...
     return tuple(next(it) if i in axes else c for i, c in enumerate(o))
 
 
-def _reduce(k: Kernel, lim: Limits, allow_split: bool = True) -> Lowered:
+def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = True) -> Lowered:
     root = k.root
     reds = [n for n in root.toposort() if n.op is Op.REDUCE]
     full, axes = reds[0].srcs[0].shape, reds[0].arg[1]
@@ -225,7 +229,7 @@ def _reduce(k: Kernel, lim: Limits, allow_split: bool = True) -> Lowered:
     rlen = prod(rshape)
     row_root = root.numel == rows
     if allow_split and row_root and len(reds) == 1 and reds[0].arg[0] not in _ARG and rlen >= 32768 and rows < 64:
-        return _split(k, reds[0], lim)
+        return _split(k, reds[0], lim, params)
     grouped = rlen >= 128 or rows < 256
     # few long rows (a norm over a decode batch's hidden states; sampling's fused reductions over a vocabulary,
     # which cannot split) take the widest workgroup the device allows: one workgroup per row is all the
@@ -233,7 +237,7 @@ def _reduce(k: Kernel, lim: Limits, allow_split: bool = True) -> Lowered:
     wg = (_wg(lim, 1024) if rows <= 32 and rlen >= 2048 else _wg(lim)) if grouped else 1
     local = wg if grouped else _wg(lim, 64)
     groups = rows if grouped else math.ceil(rows / local)
-    r = Renderer(lim.max_storage_range)
+    r = Renderer(lim.max_storage_range, params)
     shared: list[str] = []
     r.emit(f"int grp = {GROUP_ID};")
     r.emit(f"if (grp >= {groups}) return;")
@@ -268,7 +272,7 @@ def _acc_dtype(d: DType) -> DType:
 UNROLL = 4
 
 
-def _split(k: Kernel, red: Node, lim: Limits) -> Lowered:
+def _split(k: Kernel, red: Node, lim: Limits, params: dict[int, int]) -> Lowered:
     """Partial reductions over chunks of each row into scratch, then a reduce kernel over the partials."""
     full, axes = red.srcs[0].shape, red.arg[1]
     out_shape = red.shape
@@ -280,7 +284,7 @@ def _split(k: Kernel, red: Node, lim: Limits) -> Lowered:
     wg = _wg(lim)
     acc_d = _acc_dtype(red.srcs[0].dtype)
     scratch = BufferRef(acc_d, rows * parts)
-    r = Renderer(lim.max_storage_range)
+    r = Renderer(lim.max_storage_range, params)
     shared: list[str] = []
     r.emit(f"int grp = {GROUP_ID};")
     r.emit(f"if (grp >= {rows * parts}) return;")
@@ -314,7 +318,7 @@ def _split(k: Kernel, red: Node, lim: Limits) -> Lowered:
     total = movement(reduce(pnode, combine, (len(out_shape),)), lambda st: st.reshape(out_shape))
     if total.dtype is not red.dtype:
         total = alu_node(Op.CAST, red.dtype, total)
-    second = _reduce(Kernel(substitute(k.root, {red: total}), k.out, k.st), lim, allow_split=False)
+    second = _reduce(Kernel(substitute(k.root, {red: total}), k.out, k.st), lim, params, allow_split=False)
     return Lowered([first] + second.programs, [scratch] + second.scratch)
 
 
@@ -325,7 +329,7 @@ BK = 16
 TPT = 4  # results per invocation along m and along n
 
 
-def _matmul(k: Kernel, mm: Node, lim: Limits) -> Lowered:
+def _matmul(k: Kernel, mm: Node, lim: Limits, params: dict[int, int]) -> Lowered:
     a, b = mm.srcs
     batch = mm.shape[:-2]
     m_, n_, k_ = a.shape[-2], b.shape[-1], a.shape[-1]
@@ -336,7 +340,7 @@ def _matmul(k: Kernel, mm: Node, lim: Limits) -> Lowered:
     t = mm.dtype.glsl
     acc_d = _acc_dtype(mm.dtype)
     shared = [f"shared {acc_d.glsl} As[{BK}][{BM}];", f"shared {acc_d.glsl} Bs[{BK}][{BN}];"]
-    r = Renderer(lim.max_storage_range)
+    r = Renderer(lim.max_storage_range, params)
     zero = glsl.zero(acc_d)
     r.emit(f"int grp = {GROUP_ID};")
     r.emit(f"if (grp >= {groups}) return;")
@@ -386,12 +390,35 @@ def _matmul(k: Kernel, mm: Node, lim: Limits) -> Lowered:
     return Lowered([_finish(r, f"M_{nb}_{m_}_{n_}_{k_}", wg, groups, lim, shared)], [])
 
 
-def _signature(k: Kernel) -> tuple[tuple, list[BufferRef]]:
-    """The kernel's structure with buffers numbered by first use, and the buffers in that order."""
+def _runtime_leaves(nodes: list[Node]) -> tuple[list[Node], list[Node]]:
+    """The leaves among nodes whose values the kernel takes as push constants, and the float constants that
+    would be but are over the budget (literals then), both in the order of nodes.
+
+    RNG seeds and Variables always are push constants; float constants get what is left of PUSH_BYTES after them
+    and the offsets, at most MAX_PUSH_FLOATS. The budget follows from the nodes alone, so equal kernel structures
+    make equal choices."""
+    cand = [n for n in nodes if not n.srcs and runtime_values(n)]
+    fixed = sum(4 * len(runtime_values(n)) for n in cand if n.op is not Op.CONST)
+    budget = min(MAX_PUSH_FLOATS, (PUSH_BYTES - 4 * MAX_PUSH_OFFSETS - fixed) // 4)
+    leaves, baked = [], []
+    for n in cand:
+        if n.op is Op.CONST:
+            if budget <= 0:
+                baked.append(n)
+                continue
+            budget -= 1
+        leaves.append(n)
+    return leaves, baked
+
+
+def _signature(k: Kernel, nodes: list[Node], leaves: list[Node]) -> tuple[tuple, list[BufferRef]]:
+    """The kernel's structure with buffers numbered by first use and runtime leaves as placeholders, and the
+    buffers in that order."""
     slots: dict[int, int] = {}
     refs: list[BufferRef] = []
     index: dict[int, int] = {}
     entries = []
+    runtime = {id(n) for n in leaves}
 
     def slot(ref: BufferRef) -> int:
         if id(ref) not in slots:
@@ -399,8 +426,11 @@ def _signature(k: Kernel) -> tuple[tuple, list[BufferRef]]:
             refs.append(ref)
         return slots[id(ref)]
 
-    for n in k.root.toposort():
-        arg = ("buf", slot(n.arg[0]), n.arg[0].numel) if n.op is Op.BUFFER else argkey(n.arg)
+    for n in nodes:
+        if n.op is Op.BUFFER:
+            arg = ("buf", slot(n.arg[0]), n.arg[0].numel)
+        else:
+            arg = "param" if id(n) in runtime else argkey(n.arg)
         index[id(n)] = len(entries)
         entries.append((n.op, n.dtype, arg, n.shape, tuple(index[id(s)] for s in n.srcs)))
     entries.append(("out", slot(k.out), k.out.numel, k.out.dtype, k.st))
@@ -412,29 +442,43 @@ _CACHE_SIZE = 2048
 
 
 def lower(k: Kernel, lim: Limits) -> Lowered:
-    """GLSL programs for kernel k, remembered by the kernel's structure so a repeated graph skips rendering."""
-    key, refs = _signature(k)
+    """GLSL programs for kernel k, remembered by the kernel's structure so a repeated graph skips rendering.
+
+    RNG seeds and counters, Variables and float constants are push constants (`Lowered.leaves`, named per
+    program in `Program.params`), so the same kernel over new such values is the same program text."""
+    nodes = k.root.toposort()
+    leaves, baked = _runtime_leaves(nodes)
+    key, refs = _signature(k, nodes, leaves)
     key = (key, lim)
     hit = _CACHE.get(key)
     if hit is None:
-        lowered = _lower(k, lim)
+        lowered = _lower(k, lim, {id(n): i for i, n in enumerate(leaves)})
+        lowered.leaves, lowered.baked = leaves, baked
         slot = {id(r): i for i, r in enumerate(refs)}
         if len(_CACHE) >= _CACHE_SIZE:
             del _CACHE[next(iter(_CACHE))]
         _CACHE[key] = Lowered([Program(p.name, p.src, [(slot.get(id(ref), ref), off, n) for ref, off, n in p.bindings],
-                                       p.groups, p.push) for p in lowered.programs], lowered.scratch)
+                                       p.groups, p.push, p.params) for p in lowered.programs], lowered.scratch)
         return lowered
-    progs = [Program(p.name, p.src, [(refs[r] if isinstance(r, int) else r, off, n) for r, off, n in p.bindings],
-                     p.groups, p.push) for p in hit.programs]
-    return Lowered(progs, hit.scratch)
+    progs = []
+    for p in hit.programs:
+        push = p.push
+        if p.params:  # this kernel's own values in place of those the cached programs were rendered with
+            push = dict(push)
+            for name, i, part in p.params:
+                push[name] = runtime_values(leaves[i])[part]
+        bindings = [(refs[r] if isinstance(r, int) else r, off, n) for r, off, n in p.bindings]
+        progs.append(Program(p.name, p.src, bindings, p.groups, push, p.params))
+    return Lowered(progs, hit.scratch, leaves, baked)
 
 
-def _lower(k: Kernel, lim: Limits) -> Lowered:
-    """GLSL programs (one, or two for a split reduction) that compute kernel k."""
+def _lower(k: Kernel, lim: Limits, params: dict[int, int]) -> Lowered:
+    """GLSL programs (one, or two for a split reduction) that compute kernel k; `params` maps the ids of its
+    runtime leaves to their positions in `Lowered.leaves`."""
     nodes = k.root.toposort()
     mms = [n for n in nodes if n.op is Op.MATMUL]
     if mms:
-        return _matmul(k, mms[0], lim)
+        return _matmul(k, mms[0], lim, params)
     if any(n.op is Op.REDUCE for n in nodes):
-        return _reduce(k, lim)
-    return _elementwise(k, lim)
+        return _reduce(k, lim, params)
+    return _elementwise(k, lim, params)

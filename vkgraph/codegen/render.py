@@ -4,7 +4,9 @@
 emitting the statements that compute it. Views turn coordinates into buffer indices (and validity, for pads)
 through `symbolic`; equal (node, coordinates) pairs are computed once per scope. Buffers become bindings in
 order of first use, and the first view's offset of each load becomes a push constant, so slicing at a new
-position reuses the compiled kernel.
+position reuses the compiled kernel. The same holds for the leaves given as runtime parameters (RNG seeds and
+counters, Variables, float constants: see graph.runtime_values): each of their values is a push-constant field,
+listed in `param_fields`, that the caller fills at each dispatch.
 """
 
 from __future__ import annotations
@@ -14,25 +16,30 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..dtype import DType, dtypes
-from ..graph import ELEMENTWISE, Node, Op
+from ..graph import ELEMENTWISE, Node, Op, runtime_values
 from ..runtime.capture import Variable
 from ..view import ShapeTracker
 from . import glsl
 from .symbolic import Expr, Num, Var, in_range, num, ravel, unravel
 
 Coords = tuple[Expr, ...]
-MAX_PUSH_OFFSETS = 12  # further offsets are baked in; push constant space is small (128 bytes on many GPUs)
+PUSH_BYTES = 128  # the push-constant space every Vulkan device offers (maxPushConstantsSize's minimum)
+MAX_PUSH_OFFSETS = 12  # further offsets are baked in
+MAX_PUSH_FLOATS = 8  # float constants of a kernel past this, or past what PUSH_BYTES leaves, are literals
 
 
 class Renderer:
-    def __init__(self, max_range: int = 1 << 62) -> None:
+    def __init__(self, max_range: int = 1 << 62, params: dict[int, int] | None = None) -> None:
         self.lines: list[str] = []
         self.depth = 1
         self.max_range = max_range  # bytes one binding may cover; larger buffers are bound in pieces
         self.bindings: list[tuple[object, DType]] = []  # (BufferRef, dtype) in order of first use
         self._binding: dict[int, int] = {}
         self.written: set[int] = set()
-        self.push: list[tuple[str, str, int]] = []  # (name, GLSL type, value)
+        self.push: list[tuple[str, str, Any]] = []  # (name, GLSL type, value)
+        self.params = params or {}  # id(node) -> index, for the leaves rendered as runtime parameters
+        self.param_fields: list[tuple[str, int, int]] = []  # (push field, parameter index, which of its values)
+        self._param_names: dict[tuple[int, int], str] = {}
         self.need: set[str] = set()
         self.subst: dict[Node, str] = {}
         self._scopes: list[dict] = [{}]
@@ -76,10 +83,19 @@ class Renderer:
         return i
 
     def push_const(self, gtype: str, value: Any, prefix: str = "p") -> str:
-        """A push-constant field; `value` is an int, or a runtime Variable read at each dispatch."""
+        """A push-constant field; `value` is an int or float, or a runtime Variable read at each dispatch."""
         name = f"{prefix}{len(self.push)}"
-        self.push.append((name, gtype, value if isinstance(value, Variable) else int(value)))
+        self.push.append((name, gtype, value if isinstance(value, Variable | float) else int(value)))
         return f"pc.{name}"
+
+    def param(self, n: Node, part: int, gtype: str, prefix: str) -> str:
+        """Value `part` of leaf n's runtime values: one push-constant field per leaf and value."""
+        ref = self._param_names.get((id(n), part))
+        if ref is None:
+            if id(n) in self.params:
+                self.param_fields.append((f"{prefix}{len(self.push)}", self.params[id(n)], part))
+            ref = self._param_names[(id(n), part)] = self.push_const(gtype, runtime_values(n)[part], prefix)
+        return ref
 
     def offset(self, value: int) -> Expr:
         if value == 0:
@@ -165,7 +181,7 @@ class Renderer:
         if n in self.subst:
             return self.subst[n]
         if n.op is Op.CONST:
-            return glsl.literal(n.arg, n.dtype)
+            return self.param(n, 0, "float", "f") if id(n) in self.params else glsl.literal(n.arg, n.dtype)
         key = (n, tuple(c.render() for c in coords))
         for scope in reversed(self._scopes):
             if key in scope:
@@ -181,13 +197,12 @@ class Renderer:
             return self._view(n, coords)
         if n.op is Op.RAND:
             self.need.add("rng")
-            seed = self.push_const("uint", n.arg[0] & 0xFFFFFFFF, "r")
-            ctr = self.push_const("uint", n.arg[1] & 0xFFFFFFFF, "r")
+            seed, ctr = self.param(n, 0, "uint", "r"), self.param(n, 1, "uint", "r")
             return self.define("float", f"rng({seed}, {ctr} + uint({ravel(coords, n.shape).render()}))")
         if n.op is Op.IOTA:
             return coords[0].render()
         if n.op is Op.VAR:
-            return self.define("int", self.push_const("int", n.arg, "v"))
+            return self.define("int", self.param(n, 0, "int", "v"))
         if n.op in ELEMENTWISE:
             args = [self.value(s, coords) for s in n.srcs]
             srcs = [s.dtype for s in n.srcs]
