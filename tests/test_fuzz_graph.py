@@ -123,6 +123,10 @@ def _check(item: Item) -> None:
         bound = 3e-6 * max(item.scale, np.abs(item.x).max(), 1.0)
         if item.t.dtype.name == "float16":
             bound *= 1000
+        elif "half(" in item.desc:
+            # a float16 round trip of a float32 value can land one float16 ulp (2^-11 relative) away from the
+            # float64 reference's rounding (double rounding through float32)
+            bound += 2.0**-10 * max(item.scale, np.abs(item.x).max(), 1.0)
         assert err <= bound, f"{item!r}: error {err:.3g} > {bound:.3g}"
 
 
