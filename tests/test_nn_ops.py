@@ -57,13 +57,18 @@ def test_quant_linear_many_rows_dequantizes_to_f16(fmt):
     assert normalised_error(got, want + r) <= F16_TOL
 
 
-def test_quant_linear_threshold_and_shared_weight():
-    rng = np.random.default_rng(8)
-    qt = quantize(rng.standard_normal((64, 256)).astype(np.float32), "Q4_K")
+def _dequantizing_linear(seed: int, rows: int, fmt: str):
+    """A QuantLinear of (rows, 256) random weights that can take the float16 path, its rng and float64 weights."""
+    rng = np.random.default_rng(seed)
+    qt = quantize(rng.standard_normal((rows, 256)).astype(np.float32), fmt)
     lin = QuantLinear(qt)
     if not lin.can_dequantize:
         pytest.skip("no float16 on this device")
-    w = dequantize(qt).astype(np.float64)
+    return rng, lin, dequantize(qt).astype(np.float64)
+
+
+def test_quant_linear_threshold_and_shared_weight():
+    rng, lin, w = _dequantizing_linear(8, 64, "Q4_K")
     below = rng.standard_normal((nn_ops.DEQUANT_ROWS - 1, 256)).astype(np.float32)
     with count_kernels() as c:
         got = lin(Tensor(below)).numpy()
@@ -78,12 +83,7 @@ def test_quant_linear_threshold_and_shared_weight():
 
 def test_quant_linear_dequantize_path_in_jit():
     """Captured and replayed: W_f16 is a temporary of the graph, remade by the replayed template each call."""
-    rng = np.random.default_rng(9)
-    qt = quantize(rng.standard_normal((96, 256)).astype(np.float32), "Q6_K")
-    lin = QuantLinear(qt)
-    if not lin.can_dequantize:
-        pytest.skip("no float16 on this device")
-    w = dequantize(qt).astype(np.float64)
+    rng, lin, w = _dequantizing_linear(9, 96, "Q6_K")
     step = jit(lambda x, r: lin(x, residual=r).relu())
     for _ in range(4):  # eager, capture, replay, replay
         x = rng.standard_normal((nn_ops.DEQUANT_ROWS, 256)).astype(np.float32)
