@@ -15,7 +15,10 @@ run jit python3 benchmarks/bench_jit.py --steps 30
 run kernels python3 benchmarks/bench_kernels.py
 run tensor python3 benchmarks/bench_tensor.py --gpu
 if [ "$quick" != "--quick" ]; then
-  run llm python3 benchmarks/bench_llm.py
+  # the same GGUF files for vkgraph and llama.cpp (when cyllama-vulkan is installed): random blocks, in seconds
+  python3 scripts/make_tiny_model.py "$out/m8b" --preset llama3-8b --gguf Q4_0,Q8_0 --random-quants > /dev/null
+  run llm python3 benchmarks/bench_llm.py --gguf "$out/m8b/model-q4_0.gguf" --gguf "$out/m8b/model-q8_0.gguf"
+  rm -rf "$out/m8b"
   VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation run tests_validation \
     python3 -m pytest -q -p no:cacheprovider tests --durations=25
 fi
