@@ -17,6 +17,12 @@
 //                                                      the unit's dot product with activations xv (run j at
 //                                                      xv[j * RUN / 4 ...]), xs[j] = sum of run j (HAS_OFFSET)
 // Activations: float32, or float16 with -DA_F16. Output, bias and residual are float32.
+//
+// -DEXPERT_IDS (mul_mat_id): `w` holds n_experts matrices of n_rows rows each, stacked; pair p of n_pairs
+// computes y[p] = W[ids[p]] x[p / x_div] (NB = 1, no bias or residual). The weight row and its scale row are
+// offset by ids[p] * n_rows through the row passed to load_unit, so every format gets it. The binding and
+// push constants are declared in both modes (the interface parser does not preprocess); plain dispatches
+// bind `w` there.
 #extension GL_KHR_shader_subgroup_arithmetic : enable
 #include "common.glsl"
 
@@ -41,6 +47,7 @@ layout(set = 0, binding = 2) readonly buffer X { XVEC x[]; };
 layout(set = 0, binding = 3) buffer Y { float y[]; };
 layout(set = 0, binding = 4) readonly buffer Bias { float bias[]; };
 layout(set = 0, binding = 5) readonly buffer Residual { float res[]; };
+layout(set = 0, binding = 6) readonly buffer Ids { uint ids[]; };
 
 layout(push_constant) uniform Push {
     uint n_rows;      // N
@@ -48,13 +55,25 @@ layout(push_constant) uniform Push {
     uint w_stride;    // uvec4 words per row in `w`
     uint s_stride;    // scale entries (float16) per row in `s`
     uint groups_x;    // workgroups along x (rows are spread over x and y: x is capped at 65535)
+    uint n_pairs;     // EXPERT_IDS: (token, slot) pairs
+    uint x_div;       // EXPERT_IDS: pairs per activation row (a token's k slots share its x; 1: x per pair)
+    uint n_experts;   // EXPERT_IDS: matrices stacked in `w` (ids are clamped to them)
 } pc;
+
+#ifdef EXPERT_IDS
+uint pair, x_row0;  // this workgroup's pair and its activation row, set first in main
+#define X_ROW(b) (x_row0 + (b))
+#define Y_ROW(b) (pair + (b))
+#else
+#define X_ROW(b) (b)
+#define Y_ROW(b) (b)
+#endif
 
 vec4 load_x4(uint b, uint e) {   // four activations of row b from element e (e % 4 == 0)
 #ifdef A_F16
-    return unpack_half4(x[(b * pc.k + e) >> 2]);
+    return unpack_half4(x[(X_ROW(b) * pc.k + e) >> 2]);
 #else
-    return x[(b * pc.k + e) >> 2];
+    return x[(X_ROW(b) * pc.k + e) >> 2];
 #endif
 }
 
@@ -73,14 +92,25 @@ void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r 
     if (row >= pc.n_rows) return;
     if (HAS_BIAS) v += bias[row];
     if (HAS_RESIDUAL) v += res[b * pc.n_rows + row];
-    y[b * pc.n_rows + row] = v;
+    y[Y_ROW(b) * pc.n_rows + row] = v;
 }
 
 shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * NB];
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
+#ifdef EXPERT_IDS
+    // pairs vary fastest, so neighbouring workgroups read the same rows, of the same expert when pairs share it
+    const uint wg_index = gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x;
+    if (wg_index >= pc.n_pairs * ((pc.n_rows + ROWS - 1) / ROWS)) return;  // grid padding (whole workgroups)
+    pair = wg_index % pc.n_pairs;
+    x_row0 = pair / pc.x_div;
+    const uint row0 = (wg_index / pc.n_pairs) * ROWS;
+    const uint wrow0 = min(ids[pair], pc.n_experts - 1) * pc.n_rows;
+#else
     const uint row0 = (gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x) * ROWS;
+    const uint wrow0 = 0;
+#endif
     const uint units = pc.k / UNIT_ELEMS;
 
     float acc[ROWS * NB];
@@ -89,7 +119,7 @@ void main() {
     for (uint u = tid; u < units; u += WG) {
         Unit q[ROWS];
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
-            q[r] = load_unit(min(row0 + r, pc.n_rows - 1), u);  // clamped: out-of-range rows compute, never store
+            q[r] = load_unit(wrow0 + min(row0 + r, pc.n_rows - 1), u);  // clamped: out-of-range rows compute, never store
         }
         [[unroll]] for (uint b = 0; b < NB; b++) {
             vec4 xv[XV];

@@ -89,3 +89,65 @@ def test_matvec_bad_input():
         mv.matvec(dev, dw, x, 1, bias=upload(dev, np.ones(4, np.float32)))
     with pytest.raises(ValueError, match="K % 8"):
         mv.upload_weights(dev, quant.quantize(np.ones((2, 12), np.float32), "F16"))
+
+
+def _run_id(fmt, n_experts, n, k, tokens, slots, per_pair, act="f32", config=None, seed=0):
+    """matvec_id against float64 numpy: ids drawn with repeats, some experts never chosen."""
+    dev = device()
+    rng = np.random.default_rng(seed)
+    qts = [quant.quantize(rng.standard_normal((n, k)).astype(np.float32), fmt) for _ in range(n_experts)]
+    ws = [q.dequantize().astype(np.float64) for q in qts]
+    pairs = tokens * slots
+    ids = rng.integers(0, max(1, n_experts - 1), pairs).astype(np.int32)  # the last expert is never chosen
+    x = rng.standard_normal((pairs if per_pair else tokens, k)).astype(mv.ACT_DTYPES[act])
+    x_div = 1 if per_pair else slots
+    ref = np.stack([ws[e] @ x[p // x_div].astype(np.float64) for p, e in enumerate(ids)])
+    dw = mv.upload_experts(dev, qts)
+    since = snapshot()
+    y = mv.matvec_id(dev, dw, n_experts, upload(dev, x), upload(dev, ids), pairs, x_div=x_div, act_dtype=act,
+                     config=config)
+    check(dev.download(y, np.float32, (pairs, n)), ref, since)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_experts=st.integers(1, 6), n=st.integers(1, 40), blocks=st.integers(1, 12), tokens=st.integers(1, 9),
+       slots=st.integers(1, 3), per_pair=st.booleans(), act=st.sampled_from(["f32", "f16"]),
+       seed=st.integers(0, 1000))
+def test_matvec_id_fuzz(fmt, n_experts, n, blocks, tokens, slots, per_pair, act, seed):
+    if quant.FORMATS[fmt].block_size == 256:
+        blocks = 1 + blocks % 3
+    _run_id(fmt, n_experts, n, _k_for(fmt, blocks), tokens, slots, per_pair, act, seed=seed)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matvec_id_launch_configs(fmt):
+    """The shared-memory reduction and odd rows per workgroup, with rows past the last full workgroup."""
+    _run_id(fmt, 3, 29, _k_for(fmt, 3), 5, 2, False, config=mv.MatvecConfig(32, 3, False))
+
+
+def test_matvec_id_2d_grid(monkeypatch):
+    """Workgroups folded into y (as past 65535 on a real device): the padding workgroups store nothing."""
+    from types import SimpleNamespace
+
+    from vkgraph.ops import common
+
+    few = SimpleNamespace(info=SimpleNamespace(max_workgroup_count=(7, 65535, 65535)))
+    monkeypatch.setattr(mv, "grid_2d", lambda dev, groups: common.grid_2d(few, groups))
+    _run_id("Q4_K", 4, 19, 256, 6, 2, False, seed=3)
+
+
+def test_matvec_id_bad_input():
+    dev = device()
+    dw = mv.upload_experts(dev, [quant.quantize(np.ones((8, 64), np.float32), "Q8_0")] * 2)
+    x = upload(dev, np.ones((2, 64), np.float32))
+    ids = upload(dev, np.zeros(4, np.int32))
+    with pytest.raises(ValueError, match="split into"):
+        mv.matvec_id(dev, dw, 3, x, ids, 4, x_div=2)
+    with pytest.raises(ValueError, match="multiple of x_div"):
+        mv.matvec_id(dev, dw, 2, x, ids, 3, x_div=2)
+    with pytest.raises(ValueError, match="smaller than"):
+        mv.matvec_id(dev, dw, 2, x, ids, 4)  # x per pair: 4 rows needed
+    with pytest.raises(ValueError, match="share format and shape"):
+        mv.upload_experts(dev, [quant.quantize(np.ones((8, 64), np.float32), "Q8_0"),
+                                quant.quantize(np.ones((8, 64), np.float32), "Q4_0")])

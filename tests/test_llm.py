@@ -252,3 +252,40 @@ def test_prompts_of_similar_length_share_compiled_kernels(models):
         prompt = list(range(7, 7 + n))
         assert run(engine, [prompt], max_tokens=2) == [ref.greedy(prompt, 2)]
     assert len(dev.pipelines.kernels) == pipelines
+
+
+@pytest.mark.parametrize("n_experts", [4, 8])
+def test_quantized_moe_runs_only_the_chosen_experts(n_experts):
+    """Q8_0 experts run grouped by expert: gate/up and down are one expert-indexed matvec each, whatever the
+    number of experts, for a decode-sized and a prefill-sized batch, and match the numpy reference."""
+    from collections import Counter
+
+    from reference_llama import moe
+
+    from vkgraph import kernels, quant
+    from vkgraph.nn.layers import MoE
+    from vkgraph.nn.weights import ExpertWeights
+
+    rng = np.random.default_rng(n_experts)
+    dim, ffn, top_k = 64, 96, 2
+
+    def q8(*shape):
+        return quant.quantize((rng.standard_normal(shape) * 0.2).astype(np.float32), "Q8_0")
+
+    experts = [ExpertWeights(q8(ffn, dim), q8(ffn, dim), q8(dim, ffn)) for _ in range(n_experts)]
+    router = rng.standard_normal((n_experts, dim)).astype(np.float32)
+    layer = MoE(router, experts, top_k)
+    deq = [(e.w_gate.dequantize(), e.w_up.dequantize(), e.w_down.dequantize()) for e in experts]
+    for tokens in (3, 70):
+        x = rng.standard_normal((tokens, dim)).astype(np.float32)
+        r = rng.standard_normal((tokens, dim)).astype(np.float32)
+        before = Counter(kernels.DISPATCHES)
+        got = layer(Tensor(x), Tensor(r)).numpy()
+        matvecs = {n: c for n, c in (kernels.DISPATCHES - before).items() if n.startswith("matvec")}
+        assert matvecs == {"matvec_q8_0": 2}
+        assert nerr(got, r + moe(x.astype(np.float64), router, deq, top_k)) < 5e-4
+
+
+def test_quantized_moe_model_groups_its_experts(models):
+    _, model = build(models["moe-Q8_0"])
+    assert all(layer.ffn.gate_up is not None for layer in model.layers)

@@ -17,7 +17,7 @@ from ..ops.paged_attention import PagedKVCache
 from ..quant import QuantizedTensor, dequantize
 from ..tensor import Tensor, cat
 from .config import ModelConfig
-from .ops import QuantLinear, paged_decode, prefill_attention, write_kv
+from .ops import ExpertLinear, QuantLinear, paged_decode, prefill_attention, write_kv
 
 
 class Linear:
@@ -187,27 +187,71 @@ class MLP:
 class MoE:
     """Mixture of experts: router softmax, top-k by rank, weights renormalised over the chosen k.
 
-    Each expert's product is computed for the whole batch and weighted by its (mostly zero) routing weight:
-    exact, and every shape is static so a step captures once; it reads every expert's weights, which costs
-    bandwidth that a grouped sparse dispatch would not."""
+    Quantized experts (gate, up and down each of one format and shape across experts) run grouped by expert:
+    the expert ids and weights of the tokens * top_k (token, slot) pairs are computed on the GPU, and gate/up
+    (stacked per expert, as ParallelLinear does) and down each run one expert-indexed matvec over all pairs,
+    which reads only the chosen experts' weights; shapes stay static, so a step captures once.
+    Other experts (float weights, mixed formats) run every expert for the whole batch and weight the results
+    by the (mostly zero) routing weights: exact, but it reads every expert's weights."""
 
     def __init__(self, router: np.ndarray, experts: list, top_k: int, float_dtype: str = "float16") -> None:
         self.router_t = Tensor(np.ascontiguousarray(np.asarray(router, np.float32).T)).realize()
-        self.experts = [MLP(e.w_gate, e.w_up, e.w_down, float_dtype) for e in experts]
         self.top_k = top_k
+        self.gate_up: ExpertLinear | None = None
+        if self._groupable(experts):
+            self.ffn_dim = experts[0].w_gate.shape[0]
+            self.gate_up = ExpertLinear([
+                QuantizedTensor(np.concatenate([e.w_gate.data, e.w_up.data]), e.w_gate.format,
+                                (2 * self.ffn_dim, e.w_gate.shape[1])) for e in experts])
+            self.down = ExpertLinear([e.w_down for e in experts])
+        else:
+            self.experts = [MLP(e.w_gate, e.w_up, e.w_down, float_dtype) for e in experts]
+
+    @staticmethod
+    def _groupable(experts: list) -> bool:
+        """Whether every projection is quantized, and gate and up share a format and shape (so they stack)."""
+        mats = [m for e in experts for m in (e.w_gate, e.w_up, e.w_down)]
+        if not all(isinstance(m, QuantizedTensor) for m in mats):
+            return False
+        first = experts[0]
+        return all(e.w_gate.format.name == e.w_up.format.name == first.w_gate.format.name
+                   and e.w_down.format.name == first.w_down.format.name
+                   and e.w_gate.shape == e.w_up.shape == first.w_gate.shape and e.w_down.shape == first.w_down.shape
+                   for e in experts)
+
+    def _rank(self, probs: Tensor) -> Tensor:
+        """(tokens, experts) int32: each expert's rank by probability, ties to the lower expert index."""
+        e = probs.shape[-1]
+        mine, other = probs.unsqueeze(-1), probs.unsqueeze(-2)  # (t, e, 1) against (t, 1, e)
+        idx = Tensor.arange(e, dtype=dtypes.int32)
+        earlier = idx.reshape(1, 1, e) < idx.reshape(1, e, 1)
+        return ((other > mine) | ((other == mine) & earlier)).cast(dtypes.int32).sum(-1)
 
     def routing(self, x: Tensor) -> Tensor:
         """(tokens, experts) weights: softmax probabilities of the top_k experts, renormalised; zero elsewhere."""
         probs = (x @ self.router_t).softmax(-1)
-        e = probs.shape[-1]
-        mine, other = probs.unsqueeze(-1), probs.unsqueeze(-2)  # (t, e, 1) against (t, 1, e)
-        idx = Tensor.arange(e, dtype=dtypes.int32)
-        earlier = idx.reshape(1, 1, e) < idx.reshape(1, e, 1)  # ties go to the lower expert index
-        rank = ((other > mine) | ((other == mine) & earlier)).cast(dtypes.int32).sum(-1)
-        chosen = (rank < self.top_k).float() * probs
+        chosen = (self._rank(probs) < self.top_k).float() * probs
         return chosen / chosen.sum(-1, keepdim=True)
 
+    def routing_slots(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(tokens, top_k) int32 expert ids (slot j holds the expert of rank j) and their renormalised weights."""
+        probs = (x @ self.router_t).softmax(-1)
+        e, k = probs.shape[-1], self.top_k
+        # ranks are a permutation of 0..e-1 per token, so each slot matches exactly one expert
+        hit = self._rank(probs).unsqueeze(1) == Tensor.arange(k, dtype=dtypes.int32).reshape(1, k, 1)  # (t, k, e)
+        ids = (hit.cast(dtypes.int32) * Tensor.arange(e, dtype=dtypes.int32).reshape(1, 1, e)).sum(-1)
+        w = (hit.float() * probs.unsqueeze(1)).sum(-1)
+        return ids, w / w.sum(-1, keepdim=True)
+
     def __call__(self, x: Tensor, residual: Tensor) -> Tensor:
+        if self.gate_up is not None:
+            t, k = x.shape[0], self.top_k
+            ids, w = self.routing_slots(x)
+            pair_ids = ids.reshape(t * k)
+            gu = self.gate_up(x, pair_ids)  # (t * k, 2 * ffn): the k pairs of a token share its x
+            h = gu[:, :self.ffn_dim].silu() * gu[:, self.ffn_dim:]
+            y = self.down(h, pair_ids).reshape(t, k, -1)
+            return residual + (y * w.unsqueeze(-1)).sum(1)
         weights = self.routing(x)
         out = residual
         for i, expert in enumerate(self.experts):

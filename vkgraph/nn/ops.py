@@ -79,6 +79,35 @@ class QuantLinear:
         return custom(run, inputs, out_shape, dtypes.float32, key=(id(self),), name=f"matvec_{self.format}")
 
 
+class ExpertLinear:
+    """The same projection of E experts (one GGUF format and shape) stacked in one device buffer, run per
+    (token, slot) pair on the expert the router chose for it: y[p] = x[p // (pairs / rows)] @ W[ids[p]].T.
+
+    One matvec_id dispatch reads only the chosen experts' rows, whatever E is. Every pair reads its expert's
+    matrix, so many pairs read the weights many times (see docs/llm.md)."""
+
+    def __init__(self, experts: list[QuantizedTensor]) -> None:
+        self.n_experts = len(experts)
+        self.out_features, self.in_features = experts[0].shape
+        self.format = experts[0].format.name
+        self.weights = mv.upload_experts(get_device(), experts)
+
+    def __call__(self, x: Tensor, ids: Tensor) -> Tensor:
+        """x [rows, in_features] float32, ids [pairs] int32 (pairs a multiple of rows; a row's pairs are
+        consecutive) -> [pairs, out_features] float32."""
+        rows, pairs = x.shape[0], ids.shape[0]
+        if x.ndim != 2 or x.shape[1] != self.in_features or ids.ndim != 1 or pairs % rows:
+            raise ValueError(f"ExpertLinear {self.format} ({self.out_features}x{self.in_features}): x {x.shape} "
+                             f"and ids {ids.shape} must be [rows, {self.in_features}] and [a multiple of rows]")
+        w, e, x_div = self.weights, self.n_experts, pairs // rows
+
+        def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            mv.matvec_id(dev, w, e, ins[0], ins[1], pairs, x_div=x_div, out=out)
+
+        return custom(run, [x.float(), ids.cast(dtypes.int32)], (pairs, self.out_features), dtypes.float32,
+                      key=(id(self), x_div), name=f"matvec_id_{self.format}")
+
+
 def write_kv(cache: pa.PagedKVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -> Tensor:
     """Scatter key/value [tokens, kv_heads, head] into the paged cache at slot_mapping (int32, -1 skips).
 

@@ -1,7 +1,9 @@
 """Matrix-vector and small-batch products over GGUF weights: y[b] = W x[b] (+ bias) (+ residual).
 
 `upload_weights` moves a QuantizedTensor to the device in the templates' layout (see vkgraph.quant);
-`matvec` dispatches the format's template with launch parameters chosen from the device's features.
+`matvec` dispatches the format's template with launch parameters chosen from the device's features;
+`upload_experts` and `matvec_id` do the same for a mixture of experts' matrices, stacked and indexed per
+(token, slot) pair (llama.cpp's mul_mat_id), so a step reads only the chosen experts' weights.
 """
 
 from __future__ import annotations
@@ -129,7 +131,62 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     kern = kernels.compile(dev, TEMPLATE[weights.format.name], spec=spec, defines=defines)
     groups = grid_2d(dev, -(-n // cfg.rows))
     w = weights.body
-    kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, bias or w, residual or w], groups,
+    kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, bias or w, residual or w, w], groups,
                      push={"n_rows": n, "k": k, "w_stride": weights.w_stride, "s_stride": weights.s_stride,
-                           "groups_x": groups[0]})
+                           "groups_x": groups[0], "n_pairs": 0, "x_div": 1, "n_experts": 1})
+    return out
+
+
+def upload_experts(dev: Device, experts: list[QuantizedTensor]) -> DeviceWeights:
+    """Copy E matrices of one format and shape [N, K] to one device buffer as [E*N, K], for `matvec_id`.
+
+    Rows of every format are independent in the matvec layout, so stacking is row concatenation."""
+    if not experts:
+        raise ValueError("upload_experts needs at least one matrix")
+    fmt, shape = experts[0].format, experts[0].shape
+    for e in experts:
+        if e.format.name != fmt.name or e.shape != shape:
+            raise ValueError(f"experts must share format and shape: {fmt.name} {shape} vs {e.format.name} {e.shape}")
+    stacked = QuantizedTensor(np.concatenate([e.data for e in experts]), fmt, (len(experts) * shape[0], shape[1]))
+    return upload_weights(dev, stacked)
+
+
+def matvec_id(dev: Device, weights: DeviceWeights, n_experts: int, x: Any, ids: Any, n_pairs: int, *,
+              x_div: int = 1, act_dtype: str = "f32", out: Any | None = None,
+              config: MatvecConfig | None = None) -> Any:
+    """y[p, n] = sum_k W_e[n, k] x[p // x_div, k] with e = ids[p], for p < n_pairs; returns y [n_pairs, N].
+
+    `weights` holds n_experts matrices [N, K] stacked (`upload_experts`); ids are int32 [n_pairs] (values past
+    the last expert read the last one); x holds n_pairs / x_div rows (x_div = k: the k slots of a token share
+    its activations; 1: one row per pair). Records one dispatch; does not wait.
+    """
+    rows_all, k = weights.shape
+    if n_experts < 1 or rows_all % n_experts:
+        raise ValueError(f"{rows_all} stacked rows do not split into {n_experts} experts")
+    n = rows_all // n_experts
+    if act_dtype not in ACT_DTYPES:
+        raise ValueError(f"act_dtype must be one of {sorted(ACT_DTYPES)}, got {act_dtype!r}")
+    if n_pairs < 1 or x_div < 1 or n_pairs % x_div:
+        raise ValueError(f"n_pairs ({n_pairs}) must be a positive multiple of x_div ({x_div})")
+    check_buffer("x", x, n_pairs // x_div * k * np.dtype(ACT_DTYPES[act_dtype]).itemsize)
+    check_buffer("ids", ids, n_pairs * 4)
+    if out is None:
+        out = dev.alloc(n_pairs * n * 4)
+    check_buffer("out", out, n_pairs * n * 4)
+    cfg = config or choose_config(dev, weights.format, n, k, 1)
+    groups = grid_2d(dev, n_pairs * -(-n // cfg.rows))
+    if groups[1] > dev.info.max_workgroup_count[1]:
+        raise ValueError(f"{n_pairs} pairs of {n} rows need more workgroups than the device launches")
+    defines = {"EXPERT_IDS": 1}
+    if act_dtype == "f16":
+        defines["A_F16"] = 1
+    if weights.format.name == "BF16":
+        defines["W_BF16"] = 1
+    spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": 1, "USE_SUBGROUP": cfg.use_subgroup,
+            "HAS_BIAS": False, "HAS_RESIDUAL": False, "SUBGROUP": dev.info.min_subgroup_size}
+    kern = kernels.compile(dev, TEMPLATE[weights.format.name], spec=spec, defines=defines)
+    w = weights.body
+    kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, w, w, ids], groups,
+                     push={"n_rows": n, "k": k, "w_stride": weights.w_stride, "s_stride": weights.s_stride,
+                           "groups_x": groups[0], "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
     return out
