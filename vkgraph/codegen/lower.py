@@ -2,10 +2,12 @@
 
 Three shapes of kernel:
 
-- elementwise: one invocation per output element (several for large outputs), dispatch folded into y/z
-  when the group count passes the device's limit;
+- elementwise: one invocation per output element (several for large outputs), or per 4 elements moved as
+  vec4 when every access is contiguous and 4-aligned; dispatch folded into y/z when the group count passes
+  the device's limit;
 - reduce: each output row (the reduced axes of one output position) is handled by one workgroup, whose
-  invocations stride over the row and combine through shared memory, or by one invocation when rows are
+  invocations stride over the row and combine with subgroup arithmetic and a small shared array (or a
+  shared-memory tree where the device lacks it), or by one invocation when rows are
   short and many. The reductions of a kernel run one after another over the same row, then the epilogue
   writes either one value per row or walks the row again. A row too long for one workgroup, with few
   rows, is split into two programs: partial results per chunk, then a reduction of the partials;
@@ -20,10 +22,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dtype import DType, dtypes, max_value, min_value
-from ..graph import BufferRef, Node, Op, ReduceOp, argkey, buffer, movement, reduce, runtime_values, substitute
+from ..graph import (
+    ELEMENTWISE,
+    BufferRef,
+    Node,
+    Op,
+    ReduceOp,
+    argkey,
+    buffer,
+    movement,
+    reduce,
+    runtime_values,
+    substitute,
+)
 from ..graph import alu as alu_node
 from ..schedule import Kernel
-from ..view import ShapeTracker, prod
+from ..view import ShapeTracker, prod, strides_for
 from . import glsl
 from .render import MAX_PUSH_FLOATS, MAX_PUSH_OFFSETS, PUSH_BYTES, Renderer, header
 from .symbolic import Expr, Var, unravel
@@ -40,6 +54,10 @@ class Limits:
     max_shared: int = 16384
     max_storage_range: int = 1 << 27
     max_buffers: int = 32  # storage buffers one generated kernel may bind
+    # subgroup reductions need the arithmetic ops; the size range bounds how many subgroups a workgroup holds
+    subgroup_arith: bool = False
+    min_subgroup: int = 1
+    max_subgroup: int = 1
 
     # Drivers such as NVIDIA's report ~2^32 bindings per stage; a fused kernel never profits from more than
     # a few dozen, and descriptor sets that large cost more to write than the extra kernel launch.
@@ -49,7 +67,8 @@ class Limits:
     def from_info(info: object) -> Limits:
         return Limits(int(info.max_workgroup_invocations), tuple(int(x) for x in info.max_workgroup_count),
                       int(info.max_shared_memory), int(info.max_storage_buffer_range),
-                      min(int(info.max_storage_buffers), Limits.BINDING_CAP))
+                      min(int(info.max_storage_buffers), Limits.BINDING_CAP),
+                      "arithmetic" in info.subgroup_ops, int(info.min_subgroup_size), int(info.max_subgroup_size))
 
 
 @dataclass
@@ -101,7 +120,85 @@ def _wg(lim: Limits, want: int = 256) -> int:
 # ---- elementwise ------------------------------------------------------------------------------------------------
 
 
+_VEC4 = {"float": "vec4", "int": "ivec4", "uint": "uvec4"}
+_LEAVES = {Op.CONST, Op.RAND, Op.IOTA, Op.VAR}  # computed per element, no loads
+
+
+def _aligned(st: ShapeTracker) -> bool:
+    """st reads its shape as one contiguous, unmasked run starting at a multiple of 4 elements."""
+    if len(st.views) != 1:
+        return False
+    v = st.views[0]
+    return v.mask is None and v.offset % 4 == 0 and v.strides == strides_for(v.shape)
+
+
+def _vec4_loads(k: Kernel, lim: Limits) -> list[Node] | None:
+    """The load nodes (buffers, and views of buffers) of an elementwise kernel whose every access, output
+    included, is a contiguous, unmasked, 4-aligned run of 32-bit elements, so that invocations can move 4 at a
+    time as vec4; None when any is not (16-bit types, pads, strided views, gathers, buffers bound in pieces).
+
+    View offsets are push constants, but they take part in the lowering cache key, so a kernel lowered for an
+    aligned offset is never reused for an unaligned one."""
+    root = k.root
+    if root.numel % 4 or k.out.dtype.store not in _VEC4 or not _aligned(k.st) or k.st.shape != root.shape:
+        return None
+    loads: list[Node] = []
+    for n in root.toposort():
+        if n.op is Op.BUFFER:
+            if n.shape != root.shape:  # only a view reads it, at the view's coordinates
+                continue
+            loads.append(n)
+        elif n.op is Op.VIEW:
+            if n.srcs[0].op is not Op.BUFFER or not _aligned(n.arg):
+                return None
+            loads.append(n)
+        elif n.op not in ELEMENTWISE and n.op not in _LEAVES:
+            return None
+    refs = [n.arg[0] if n.op is Op.BUFFER else n.srcs[0].arg[0] for n in loads] + [k.out]
+    if any(ref.dtype.store not in _VEC4 or ref.nbytes > lim.max_storage_range for ref in refs):
+        return None
+    return loads
+
+
+def _elementwise_vec4(k: Kernel, lim: Limits, params: dict[int, int], loads: list[Node]) -> Lowered:
+    """Each invocation loads 4 consecutive elements of every input as one vec4, computes the 4 results as
+    scalars and stores them as one vec4: a quarter of the memory instructions of the scalar kernel."""
+    r = Renderer(lim.max_storage_range, params)
+    n = k.root.numel
+    nv = n // 4
+    wg = _wg(lim)
+    groups = math.ceil(nv / wg)
+    r.emit(f"int grp = {GROUP_ID};")
+    r.emit(f"if (grp >= {groups}) return;")
+    r.emit(f"int q = grp * {wg} + int(gl_LocalInvocationID.x);")
+
+    def vec_index(ref: BufferRef, offset: int, write: bool = False) -> str:
+        b = r.binding(ref, ref.dtype, write)
+        r.block_types[b] = _VEC4[ref.dtype.store]
+        off = r.offset(offset)  # aligned here; a push constant, so shift it to vec4 units in the shader
+        return f"b{b}.data[{'q' if off.render() == '0' else f'q + ({off.render()} >> 2)'}]"
+
+    with r.block(f"if (q < {nv})" if nv % wg else "if (true)"):
+        vecs = {}
+        for ld in loads:
+            ref, off = (ld.arg[0], 0) if ld.op is Op.BUFFER else (ld.srcs[0].arg[0], ld.arg.views[0].offset)
+            vecs[ld] = r.define(_VEC4[ref.dtype.store], vec_index(ref, off), "l")
+        lanes = []
+        for j in range(4):
+            r.emit(f"int g{j} = q * 4 + {j};")
+            for ld, name in vecs.items():
+                r.subst[ld] = f"{name}.{'xyzw'[j]}"
+            coords = unravel(Var(f"g{j}", j, n - 4 + j), k.root.shape)
+            lanes.append(glsl.store(k.out.dtype, r.value(k.root, coords)))
+        out_t = _VEC4[k.out.dtype.store]
+        r.emit(f"{vec_index(k.out, k.st.views[0].offset, True)} = {out_t}({', '.join(lanes)});")
+    return Lowered([_finish(r, f"E4_{n}", wg, groups, lim)], [])
+
+
 def _elementwise(k: Kernel, lim: Limits, params: dict[int, int]) -> Lowered:
+    loads = _vec4_loads(k, lim)
+    if loads is not None:
+        return _elementwise_vec4(k, lim, params, loads)
     r = Renderer(lim.max_storage_range, params)
     n = k.root.numel
     wg = _wg(lim)
@@ -147,13 +244,23 @@ def _better(rop: ReduceOp, d: DType, v: str, acc: str) -> str:
     return f"({v} {cmp} {acc})"
 
 
+def _same(d: DType, b: str, a: str) -> str:
+    """b ties with a in argmax/argmin, NaNs tying with each other (the lower index then wins, as in numpy)."""
+    return f"({b} == {a} || (isnan({b}) && isnan({a})))" if d.is_float else f"({b} == {a})"
+
+
 class _Reduction:
     """Emits one reduction over a row: per-invocation accumulate, then a shared-memory tree when grouped."""
 
-    def __init__(self, r: Renderer, node: Node, wg: int, shared: list[str]):
+    def __init__(self, r: Renderer, node: Node, wg: int, shared: list[str], lim: Limits):
         self.r, self.node, self.wg, self.shared = r, node, wg, shared
         self.rop: ReduceOp = node.arg[0]
         self.d: DType = node.srcs[0].dtype
+        # subgroup ops take 32-bit scalars (bools and int64 keep the tree); the workgroup must hold whole
+        # subgroups of any size the device may pick
+        self.subgroups = (lim.subgroup_arith and wg > 1 and wg % lim.max_subgroup == 0
+                          and self.d.glsl in ("float", "int", "uint"))
+        self.n_subgroups = -(-wg // max(lim.min_subgroup, 1))
         self.t = "uint" if self.d.kind == "b" and wg > 1 else self.d.glsl  # shared memory holds no bools
         self.acc = r.define(self.d.glsl, glsl.literal(_IDENTITY[self.rop](self.d), self.d), "acc")
         self.idx = r.define("int", "0", "ai") if self.rop in _ARG else None
@@ -167,7 +274,9 @@ class _Reduction:
 
     def finish(self) -> str:
         r, wg = self.r, self.wg
-        if wg > 1:
+        if self.subgroups:
+            res, res_i = self._subgroup_finish()
+        elif wg > 1:
             # one scratch array per element type, reused by every reduction of the kernel (each ends with a
             # barrier after its result is read), so fused reductions never add up past the shared-memory limit
             sv = f"sv_{self.t}"
@@ -192,7 +301,7 @@ class _Reduction:
                         r.emit(f"{sv}[lid] = {self._to_t(tmp)};")
                     else:
                         better = _better(self.rop, self.d, b, a)
-                        tie = f"({b} == {a} && {si}[lid + s] < {si}[lid])"
+                        tie = f"({_same(self.d, b, a)} && {si}[lid + s] < {si}[lid])"
                         with r.block(f"if ({better} || {tie})"):
                             r.emit(f"{sv}[lid] = {sv}[lid + s]; {si}[lid] = {si}[lid + s];")
                 r.emit("barrier();")
@@ -206,6 +315,62 @@ class _Reduction:
         if self.node.dtype is not self.d:
             return r.define(self.node.dtype.glsl, glsl.cast(res, self.d, self.node.dtype, r.need), "red")
         return res
+
+    def _declare(self, t: str, name: str, size: int) -> str:
+        decl = f"shared {t} {name}[{size}];"
+        if decl not in self.shared:
+            self.shared.append(decl)
+        return name
+
+    def _subgroup_step(self, v: str, i: str | None) -> tuple[str, str | None]:
+        """The reduction of (v, i) over the invocations of this subgroup, in every one of them."""
+        r, rop, d = self.r, self.rop, self.d
+        fn = {ReduceOp.SUM: "subgroupAdd", ReduceOp.PROD: "subgroupMul", ReduceOp.MAX: "subgroupMax",
+              ReduceOp.ARGMAX: "subgroupMax", ReduceOp.MIN: "subgroupMin", ReduceOp.ARGMIN: "subgroupMin"}[rop]
+        if rop in (ReduceOp.SUM, ReduceOp.PROD) or not d.is_float or rop is ReduceOp.ARGMIN:
+            # argmin's accumulators are never NaN: NaN never compares less, and the identity is +inf
+            m = r.define(d.glsl, f"{fn}({v})", "sg")
+            nan = None
+        else:
+            # subgroupMax/Min may drop a NaN as GLSL's max does, but max, min and argmax propagate it
+            nan = r.define("bool", f"subgroupMax(isnan({v}) ? 1 : 0) != 0", "sgn")
+            ident = glsl.literal(_IDENTITY[rop](d), d)
+            m = r.define(d.glsl, f"{nan} ? {glsl.literal(math.nan, d)} : {fn}(isnan({v}) ? {ident} : {v})", "sg")
+        if i is None:
+            return m, None
+        # the lowest index among the invocations holding the best value, as numpy picks the first
+        best = f"({nan} ? isnan({v}) : {v} == {m})" if nan else f"{v} == {m}"
+        return m, r.define("int", f"subgroupMin({best} ? {i} : 0x7fffffff)", "sgi")
+
+    def _subgroup_finish(self) -> tuple[str, str | None]:
+        """Each subgroup reduces with subgroup arithmetic, its first invocation leaves the partial in shared
+        memory, and the first subgroup reduces the partials: two barriers instead of one per tree level."""
+        r, d, n = self.r, self.d, self.n_subgroups
+        r.ext |= {"GL_KHR_shader_subgroup_basic", "GL_KHR_shader_subgroup_arithmetic"}
+        sv = self._declare(d.glsl, f"sg_{d.glsl}", n)
+        si = self._declare("int", "sgi_int", n) if self.idx is not None else None
+        v, i = self._subgroup_step(self.acc, self.idx)
+        with r.block("if (gl_SubgroupInvocationID == 0u)"):
+            r.emit(f"{sv}[gl_SubgroupID] = {v};" + (f" {si}[gl_SubgroupID] = {i};" if si else ""))
+        r.emit("barrier();")
+        with r.block("if (gl_SubgroupID == 0u)"):
+            acc = r.define(d.glsl, glsl.literal(_IDENTITY[self.rop](d), d), "acc")
+            idx = r.define("int", "0", "ai") if si else None
+            with r.block("for (uint s = gl_SubgroupInvocationID; s < gl_NumSubgroups; s += gl_SubgroupSize)"):
+                if si is None:
+                    r.emit(_combine(self.rop, d, acc, f"{sv}[s]"))
+                else:
+                    b, a = f"{sv}[s]", acc
+                    with r.block(f"if ({_better(self.rop, d, b, a)} || ({_same(d, b, a)} && {si}[s] < {idx}))"):
+                        r.emit(f"{acc} = {b}; {idx} = {si}[s];")
+            v, i = self._subgroup_step(acc, idx)
+            with r.block("if (gl_SubgroupInvocationID == 0u)"):
+                r.emit(f"{sv}[0] = {v};" + (f" {si}[0] = {i};" if si else ""))
+        r.emit("barrier();")
+        res = r.define(d.glsl, f"{sv}[0]", "red")
+        res_i = r.define("int", f"{si}[0]", "redi") if si else None
+        r.emit("barrier();")
+        return res, res_i
 
     def _to_t(self, x: str) -> str:
         return f"{self.t}({x})" if self.t != self.d.glsl else x
@@ -249,7 +414,7 @@ def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = 
     start, step = ("lid", wg) if grouped else ("0", 1)
     with r.block("if (true)" if grouped or rows % local == 0 else f"if (o < {rows})"):
         for red in reds:
-            acc = _Reduction(r, red, wg, shared)
+            acc = _Reduction(r, red, wg, shared, lim)
             with r.block(f"for (int r = {start}; r < {rlen}; r += {step})"):
                 acc.add(r.value(red.srcs[0], _full_coords(oc, rc, axes)), "r")
             r.subst[red] = acc.finish()
@@ -297,7 +462,7 @@ def _split(k: Kernel, red: Node, lim: Limits, params: dict[int, int]) -> Lowered
     if acc_d is not src.dtype:
         src = alu_node(Op.CAST, acc_d, src)
     partial = reduce(src, red.arg[0], axes)
-    acc = _Reduction(r, partial, wg, shared)
+    acc = _Reduction(r, partial, wg, shared, lim)
     end = r.define("int", f"min({rlen}, (part + 1) * {chunk})", "end")
     r.emit(f"int r = part * {chunk} + lid;")
     # four loads in flight per invocation before they are combined: the split reduction is bandwidth-bound

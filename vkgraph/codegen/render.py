@@ -41,6 +41,8 @@ class Renderer:
         self.param_fields: list[tuple[str, int, int]] = []  # (push field, parameter index, which of its values)
         self._param_names: dict[tuple[int, int], str] = {}
         self.need: set[str] = set()
+        self.ext: set[str] = set()  # GLSL extensions the body uses beyond those its buffer types imply
+        self.block_types: dict[int, str] = {}  # binding -> element type declared in place of its dtype's (vec4)
         self.subst: dict[Node, str] = {}
         self._scopes: list[dict] = [{}]
         self._n = 0
@@ -256,7 +258,7 @@ def header(r: Renderer, local_size: tuple[int, int, int], shared: list[str]) -> 
         ext.append("GL_EXT_shader_16bit_storage")
     if dtypes.int64 in types or any("int64_t" in line for line in r.lines):
         ext.append("GL_EXT_shader_explicit_arithmetic_types_int64")
-    out = ["#version 450"] + [f"#extension {e} : require" for e in ext]
+    out = ["#version 450"] + [f"#extension {e} : require" for e in ext + sorted(r.ext)]
     out.append("layout(local_size_x = {}, local_size_y = {}, local_size_z = {}) in;".format(*local_size))
     slot = 0
     for i, (ref, d) in enumerate(r.bindings):
@@ -264,7 +266,8 @@ def header(r: Renderer, local_size: tuple[int, int, int], shared: list[str]) -> 
         per = r.piece_elems(ref, d)
         names = [f"b{i}"] if per is None else [f"b{i}_{k}" for k in range(-(-ref.numel // per))]
         for name in names:
-            out.append(f"layout(set = 0, binding = {slot}) {access}buffer B{slot} {{ {d.store} data[]; }} {name};")
+            store = r.block_types.get(i, d.store)
+            out.append(f"layout(set = 0, binding = {slot}) {access}buffer B{slot} {{ {store} data[]; }} {name};")
             slot += 1
     if r.push:
         fields = " ".join(f"{t} {name};" for name, t, _ in r.push)
