@@ -37,7 +37,7 @@ from ..graph import (
 )
 from ..graph import alu as alu_node
 from ..schedule import Kernel
-from ..view import ShapeTracker, prod, strides_for
+from ..view import Shape, ShapeTracker, View, prod, strides_for
 from . import glsl
 from .render import MAX_PUSH_FLOATS, MAX_PUSH_OFFSETS, PUSH_BYTES, Renderer, header
 from .symbolic import Expr, Var, unravel
@@ -79,6 +79,9 @@ class Program:
     groups: tuple[int, int, int]
     push: dict[str, Any] = field(default_factory=dict)
     params: tuple[tuple[str, int, int], ...] = ()  # (push field, index in Lowered.leaves, which of its values)
+    # for a kernel whose outer extent is a run-time value: (its push field, units per outer index, units per
+    # workgroup), from which each run sets the field and the group count
+    rows: tuple[str, int, int] | None = None
 
 
 @dataclass
@@ -103,11 +106,12 @@ def fold_groups(total: int, lim: Limits) -> tuple[int, int, int]:
     return (mx, my, gz)
 
 
-def _finish(r: Renderer, name: str, local: int, groups: int, lim: Limits, shared: list[str] = ()) -> Program:
+def _finish(r: Renderer, name: str, local: int, groups: int, lim: Limits, shared: list[str] = (),
+            rows: tuple[str, int, int] | None = None) -> Program:
     body = "\n".join(r.lines)
     src = header(r, (local, 1, 1), list(shared)) + "\nvoid main() {\n" + body + "\n}\n"
     return Program(name, src, [(ref, off, n) for ref, _, off, n in r.pieces()], fold_groups(groups, lim),
-                   {n: v for n, _, v in r.push}, tuple(r.param_fields))
+                   {n: v for n, _, v in r.push}, tuple(r.param_fields), rows)
 
 
 def _wg(lim: Limits, want: int = 256) -> int:
@@ -115,6 +119,124 @@ def _wg(lim: Limits, want: int = 256) -> int:
     while wg * 2 <= min(want, lim.max_invocations):
         wg *= 2
     return wg
+
+
+# ---- a run-time outer extent -------------------------------------------------------------------------------------
+
+# The outer extent a kernel with a run-time one is rendered with: index bounds then hold for every real extent
+# (below it), so no simplification depends on the real one, and no literal of it reaches the shader.
+OUTER = (1 << 28) - 57
+_STATIC_OPS = {Op.MATMUL, Op.GATHER, Op.IOTA, Op.RAND, Op.CUSTOM, Op.CONTIGUOUS}
+
+
+@dataclass
+class _Dynamic:
+    """How to render a kernel whose outer extent (the first axis of its iteration space: the rows of a model's
+    activations) is the push constant `n_rows`. Nodes whose first axis is that extent render with OUTER there
+    (`shapes`), their views with OUTER and strides that follow from the inner sizes (`sts`); buffers whose size
+    follows the extent are `refs`. Everything else renders and keys as it is."""
+
+    rows: int
+    shapes: dict[Node, Shape]
+    sts: dict[Node, ShapeTracker]
+    refs: set[int]
+
+    def shape(self, n: Node) -> Shape:
+        return self.shapes.get(n, n.shape)
+
+    def renderer(self, r: Renderer) -> Renderer:
+        r.shapes, r.sts = self.shapes, self.sts
+        return r
+
+    def units(self, r: Renderer, per: int, per_group: int) -> tuple[str, tuple[str, int, int]]:
+        """GLSL for rows * per (the elements, vec4s or output rows the kernel covers), and Program.rows."""
+        field_ = r.push_const("int", self.rows, "n_rows")
+        return r.define("int", f"{field_} * {per}", "units"), (field_[3:], per, per_group)
+
+
+def _dynamic_view(n: Node, rows: int) -> ShapeTracker | None:
+    """The stand-in view of n (whose first axis is the rows), or None where its layout depends on the rows.
+
+    Along the rows a view either walks whole rows of a source whose first axis is the rows too (stride: the
+    source's row size) or repeats one source for every row (stride 0). With one row the stride says nothing
+    (size-1 axes have stride 0); the source's first axis decides then, and the key records the choice."""
+    if len(n.arg.views) != 1:
+        return None
+    v, src = n.arg.views[0], n.srcs[0]
+    if v.mask is not None and v.mask[0] != (0, rows):
+        return None  # a pad or crop along the rows
+    if src.shape and src.shape[0] == rows:
+        row = prod(src.shape[1:])
+        if v.strides[0] != row and rows > 1:
+            return None
+        if src.op is not Op.BUFFER:
+            # the source is indexed through its coordinates: each row of the view must stay in its source row
+            # (masked lanes are clamped to the source's size, which the rows change)
+            lo = v.offset + sum(min(0, (s - 1) * st) for s, st in zip(v.shape[1:], v.strides[1:], strict=True))
+            hi = v.offset + sum(max(0, (s - 1) * st) for s, st in zip(v.shape[1:], v.strides[1:], strict=True))
+            if v.mask is not None or lo < 0 or hi >= row:
+                return None
+        stride = row
+    elif v.strides[0] == 0:
+        stride = 0
+    else:
+        return None  # a transposed or reshaped source: its strides hold the rows
+    mask = None if v.mask is None else ((0, OUTER),) + v.mask[1:]
+    return ShapeTracker((View.make((OUTER,) + v.shape[1:], (stride,) + v.strides[1:], v.offset, mask),))
+
+
+def _dynamic(k: Kernel, nodes: list[Node], lim: Limits) -> _Dynamic | None:
+    """The stand-ins for kernel k with its outer extent as a run-time value, or None where it keeps baked shapes:
+    1-D kernels, matmuls, gathers, RNG and iota, reductions over the first axis, stores through views (setitem), views
+    whose layout depends on the rows (transposes, pads along them), buffers bound in pieces."""
+    if any(n.op in _STATIC_OPS for n in nodes):
+        return None
+    reds = [n for n in nodes if n.op is Op.REDUCE]
+    space = reds[0].srcs[0].shape if reds else k.root.shape
+    if len(space) < 2 or space[0] < 1:  # a 1-D kernel keeps its size, and its vec4 accesses where it divides by 4
+        return None
+    rows = space[0]
+    if reds and (0 in reds[0].arg[1] or any(r.srcs[0].shape != space or r.arg[1] != reds[0].arg[1] for r in reds)):
+        return None
+    root = k.root
+    if (not root.shape or root.shape[0] != rows or k.st.shape != root.shape or not k.st.is_contiguous
+            or k.out.numel != root.numel or k.out.nbytes > lim.max_storage_range):
+        return None
+    if any(n.op is Op.BUFFER and n.arg[0].nbytes > lim.max_storage_range for n in nodes):
+        return None
+    shapes: dict[Node, Shape] = {}
+    sts: dict[Node, ShapeTracker] = {}
+    refs: set[int] = set()
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.op in (Op.CONST, Op.VAR):  # no loads: only the shape stands in
+            if n.shape and n.shape[0] == rows:
+                shapes[n] = (OUTER,) + n.shape[1:]
+            continue
+        if not n.shape or n.shape[0] != rows or n.numel >= 1 << 31:
+            return None
+        shapes[n] = (OUTER,) + n.shape[1:]
+        if n.op is Op.BUFFER:
+            if n.arg[0].numel != n.numel:
+                return None
+            refs.add(id(n.arg[0]))
+            continue
+        if n.op is Op.VIEW:
+            st = _dynamic_view(n, rows)
+            if st is None:
+                return None
+            sts[n] = st
+            if st.views[0].strides[0] == 0:
+                continue  # the same source for every row: it renders and keys as it is
+        stack.extend(n.srcs)
+    if any(r not in shapes for r in reds):
+        return None
+    return _Dynamic(rows, shapes, sts, refs)
 
 
 # ---- elementwise ------------------------------------------------------------------------------------------------
@@ -132,15 +254,16 @@ def _aligned(st: ShapeTracker) -> bool:
     return v.mask is None and v.offset % 4 == 0 and v.strides == strides_for(v.shape)
 
 
-def _vec4_loads(k: Kernel, lim: Limits) -> list[Node] | None:
+def _vec4_loads(k: Kernel, lim: Limits, dyn: _Dynamic | None = None) -> list[Node] | None:
     """The load nodes (buffers, and views of buffers) of an elementwise kernel whose every access, output
     included, is a contiguous, unmasked, 4-aligned run of 32-bit elements, so that invocations can move 4 at a
     time as vec4; None when any is not (16-bit types, pads, strided views, gathers, buffers bound in pieces).
 
     View offsets are push constants, but they take part in the lowering cache key, so a kernel lowered for an
-    aligned offset is never reused for an unaligned one."""
+    aligned offset is never reused for an unaligned one. With run-time rows, each row must hold a multiple of 4."""
     root = k.root
-    if root.numel % 4 or k.out.dtype.store not in _VEC4 or not _aligned(k.st) or k.st.shape != root.shape:
+    if ((prod(root.shape[1:]) if dyn else root.numel) % 4 or k.out.dtype.store not in _VEC4 or not _aligned(k.st)
+            or k.st.shape != root.shape):
         return None
     loads: list[Node] = []
     for n in root.toposort():
@@ -149,7 +272,7 @@ def _vec4_loads(k: Kernel, lim: Limits) -> list[Node] | None:
                 continue
             loads.append(n)
         elif n.op is Op.VIEW:
-            if n.srcs[0].op is not Op.BUFFER or not _aligned(n.arg):
+            if n.srcs[0].op is not Op.BUFFER or not _aligned(dyn.sts.get(n, n.arg) if dyn else n.arg):
                 return None
             loads.append(n)
         elif n.op not in ELEMENTWISE and n.op not in _LEAVES:
@@ -160,16 +283,25 @@ def _vec4_loads(k: Kernel, lim: Limits) -> list[Node] | None:
     return loads
 
 
-def _elementwise_vec4(k: Kernel, lim: Limits, params: dict[int, int], loads: list[Node]) -> Lowered:
+def _elementwise_vec4(k: Kernel, lim: Limits, params: dict[int, int], loads: list[Node],
+                      dyn: _Dynamic | None) -> Lowered:
     """Each invocation loads 4 consecutive elements of every input as one vec4, computes the 4 results as
     scalars and stores them as one vec4: a quarter of the memory instructions of the scalar kernel."""
     r = Renderer(lim.max_storage_range, params)
-    n = k.root.numel
+    shape = dyn.shape(k.root) if dyn else k.root.shape
+    n = prod(shape)
     nv = n // 4
     wg = _wg(lim)
-    groups = math.ceil(nv / wg)
+    groups = math.ceil(k.root.numel // 4 / wg)
+    rows = None
     r.emit(f"int grp = {GROUP_ID};")
-    r.emit(f"if (grp >= {groups}) return;")
+    if dyn:
+        dyn.renderer(r)
+        total, rows = dyn.units(r, prod(shape[1:]) // 4, wg)
+        r.emit(f"if (grp >= ({total} + {wg - 1}) / {wg}) return;")
+    else:
+        total = str(nv)
+        r.emit(f"if (grp >= {groups}) return;")
     r.emit(f"int q = grp * {wg} + int(gl_LocalInvocationID.x);")
 
     def vec_index(ref: BufferRef, offset: int, write: bool = False) -> str:
@@ -178,7 +310,7 @@ def _elementwise_vec4(k: Kernel, lim: Limits, params: dict[int, int], loads: lis
         off = r.offset(offset)  # aligned here; a push constant, so shift it to vec4 units in the shader
         return f"b{b}.data[{'q' if off.render() == '0' else f'q + ({off.render()} >> 2)'}]"
 
-    with r.block(f"if (q < {nv})" if nv % wg else "if (true)"):
+    with r.block(f"if (q < {total})" if nv % wg or dyn else "if (true)"):
         vecs = {}
         for ld in loads:
             ref, off = (ld.arg[0], 0) if ld.op is Op.BUFFER else (ld.srcs[0].arg[0], ld.arg.views[0].offset)
@@ -188,33 +320,48 @@ def _elementwise_vec4(k: Kernel, lim: Limits, params: dict[int, int], loads: lis
             r.emit(f"int g{j} = q * 4 + {j};")
             for ld, name in vecs.items():
                 r.subst[ld] = f"{name}.{'xyzw'[j]}"
-            coords = unravel(Var(f"g{j}", j, n - 4 + j), k.root.shape)
+            coords = unravel(Var(f"g{j}", j, n - 4 + j), shape)
             lanes.append(glsl.store(k.out.dtype, r.value(k.root, coords)))
         out_t = _VEC4[k.out.dtype.store]
         r.emit(f"{vec_index(k.out, k.st.views[0].offset, True)} = {out_t}({', '.join(lanes)});")
-    return Lowered([_finish(r, f"E4_{n}", wg, groups, lim)], [])
+    return Lowered([_finish(r, f"E4_{_size_name(shape, dyn)}", wg, groups, lim, rows=rows)], [])
 
 
-def _elementwise(k: Kernel, lim: Limits, params: dict[int, int]) -> Lowered:
-    loads = _vec4_loads(k, lim)
+def _size_name(shape: Shape, dyn: _Dynamic | None) -> str:
+    """A program name's size part: the element count, or the row size after an n for run-time rows."""
+    return f"n{prod(shape[1:])}" if dyn else str(prod(shape))
+
+
+def _elementwise(k: Kernel, lim: Limits, params: dict[int, int], dyn: _Dynamic | None) -> Lowered:
+    loads = _vec4_loads(k, lim, dyn)
     if loads is not None:
-        return _elementwise_vec4(k, lim, params, loads)
+        return _elementwise_vec4(k, lim, params, loads, dyn)
     r = Renderer(lim.max_storage_range, params)
-    n = k.root.numel
+    shape = dyn.shape(k.root) if dyn else k.root.shape
+    n = prod(shape)
     wg = _wg(lim)
-    ept = 4 if n >= wg * 4 * 256 else 1
-    groups = math.ceil(n / (wg * ept))
+    # with run-time rows, one element per invocation at every size, so one program serves them all
+    ept = 4 if not dyn and n >= wg * 4 * 256 else 1
+    groups = math.ceil(k.root.numel / (wg * ept))
+    rows = None
     r.emit(f"int grp = {GROUP_ID};")
-    r.emit(f"if (grp >= {groups}) return;")
+    if dyn:
+        dyn.renderer(r)
+        total, rows = dyn.units(r, prod(shape[1:]), wg)
+        r.emit(f"if (grp >= ({total} + {wg - 1}) / {wg}) return;")
+    else:
+        total = str(n)
+        r.emit(f"if (grp >= {groups}) return;")
     r.emit("int lid = int(gl_LocalInvocationID.x);")
     loop = f"for (int e = 0; e < {ept}; e++)" if ept > 1 else "if (true)"
     with r.block(loop):
         base = f"(grp * {ept} + e) * {wg} + lid" if ept > 1 else f"grp * {wg} + lid"
         r.emit(f"int gid = {base};")
-        with r.block(f"if (gid < {n})" if n % (wg * ept) else "if (true)"):
-            coords = unravel(Var("gid", 0, n - 1), k.root.shape)
-            r.store(k.out, k.out.dtype, k.st, coords, r.value(k.root, coords))
-    return Lowered([_finish(r, f"E_{n}", wg, groups, lim)], [])
+        with r.block(f"if (gid < {total})" if n % (wg * ept) or dyn else "if (true)"):
+            coords = unravel(Var("gid", 0, n - 1), shape)
+            st = ShapeTracker.contiguous(shape) if dyn else k.st
+            r.store(k.out, k.out.dtype, st, coords, r.value(k.root, coords))
+    return Lowered([_finish(r, f"E_{_size_name(shape, dyn)}", wg, groups, lim, rows=rows)], [])
 
 
 # ---- reductions -------------------------------------------------------------------------------------------------
@@ -384,50 +531,72 @@ def _full_coords(o: tuple[Expr, ...], rc: tuple[Expr, ...], axes: tuple[int, ...
     return tuple(next(it) if i in axes else c for i, c in enumerate(o))
 
 
-def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = True) -> Lowered:
-    root = k.root
-    reds = [n for n in root.toposort() if n.op is Op.REDUCE]
+def _reduce_plan(k: Kernel, lim: Limits) -> tuple[bool, bool, int, int]:
+    """How kernel k's reduction runs: (split into two programs, a workgroup per row, its size, local size)."""
+    reds = [n for n in k.root.toposort() if n.op is Op.REDUCE]
     full, axes = reds[0].srcs[0].shape, reds[0].arg[1]
-    out_shape = reds[0].shape
-    rows = prod(out_shape)
-    rshape = tuple(full[a] for a in axes)
-    rlen = prod(rshape)
-    row_root = root.numel == rows
-    if allow_split and row_root and len(reds) == 1 and reds[0].arg[0] not in _ARG and rlen >= 32768 and rows < 64:
-        return _split(k, reds[0], lim, params)
+    rows = prod(reds[0].shape)
+    rlen = prod(full[a] for a in axes)
+    split = (k.root.numel == rows and len(reds) == 1 and reds[0].arg[0] not in _ARG and rlen >= 32768
+             and rows < 64)
     grouped = rlen >= 128 or rows < 256
     # few long rows (a norm over a decode batch's hidden states; sampling's fused reductions over a vocabulary,
     # which cannot split) take the widest workgroup the device allows: one workgroup per row is all the
     # parallelism there is, and fewer serial loads per invocation cut the latency (11 us -> ~3 us for 4096)
     wg = (_wg(lim, 1024) if rows <= 32 and rlen >= 2048 else _wg(lim)) if grouped else 1
-    local = wg if grouped else _wg(lim, 64)
-    groups = rows if grouped else math.ceil(rows / local)
+    return split, grouped, wg, wg if grouped else _wg(lim, 64)
+
+
+def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = True,
+            dyn: _Dynamic | None = None) -> Lowered:
+    root = k.root
+    reds = [n for n in root.toposort() if n.op is Op.REDUCE]
+    shape_of = dyn.shape if dyn else (lambda n: n.shape)
+    full, axes = shape_of(reds[0].srcs[0]), reds[0].arg[1]
+    out_shape = shape_of(reds[0])
+    rows = prod(out_shape)
+    real_rows = prod(reds[0].shape)
+    rshape = tuple(full[a] for a in axes)
+    rlen = prod(rshape)
+    row_root = root.numel == real_rows
+    split, grouped, wg, local = _reduce_plan(k, lim)
+    if allow_split and split:
+        return _split(k, reds[0], lim, params)
+    groups = real_rows if grouped else math.ceil(real_rows / local)
     r = Renderer(lim.max_storage_range, params)
     shared: list[str] = []
     r.emit(f"int grp = {GROUP_ID};")
-    r.emit(f"if (grp >= {groups}) return;")
+    prog_rows = None
+    if dyn:
+        dyn.renderer(r)
+        nrows, prog_rows = dyn.units(r, prod(out_shape[1:]), 1 if grouped else local)
+        r.emit(f"if (grp >= {nrows if grouped else f'({nrows} + {local - 1}) / {local}'}) return;")
+    else:
+        nrows = str(rows)
+        r.emit(f"if (grp >= {groups}) return;")
     r.emit("int lid = int(gl_LocalInvocationID.x);")
     r.emit("int o = grp;" if grouped else f"int o = grp * {local} + lid;")
     ovar = Var("o", 0, rows - 1)
     oc = unravel(ovar, out_shape)
     rc = unravel(Var("r", 0, rlen - 1), rshape)
     start, step = ("lid", wg) if grouped else ("0", 1)
-    with r.block("if (true)" if grouped or rows % local == 0 else f"if (o < {rows})"):
+    with r.block("if (true)" if grouped or (rows % local == 0 and not dyn) else f"if (o < {nrows})"):
         for red in reds:
             acc = _Reduction(r, red, wg, shared, lim)
             with r.block(f"for (int r = {start}; r < {rlen}; r += {step})"):
                 acc.add(r.value(red.srcs[0], _full_coords(oc, rc, axes)), "r")
             r.subst[red] = acc.finish()
+        out_st = ShapeTracker.contiguous(shape_of(root)) if dyn else k.st
         if row_root:
             with r.block("if (lid == 0)" if grouped else "if (true)"):
-                coords = unravel(ovar, root.shape)
-                r.store(k.out, k.out.dtype, k.st, coords, r.value(root, coords))
+                coords = unravel(ovar, shape_of(root))
+                r.store(k.out, k.out.dtype, out_st, coords, r.value(root, coords))
         else:
             with r.block(f"for (int r = {start}; r < {rlen}; r += {step})"):
                 coords = _full_coords(oc, rc, axes)
-                r.store(k.out, k.out.dtype, k.st, coords, r.value(root, coords))
-    name = f"R{len(reds)}_{rows}_{rlen}"
-    return Lowered([_finish(r, name, local, groups, lim, shared)], [])
+                r.store(k.out, k.out.dtype, out_st, coords, r.value(root, coords))
+    name = f"R{len(reds)}_{_size_name(out_shape, dyn)}_{rlen}"
+    return Lowered([_finish(r, name, local, groups, lim, shared, prog_rows)], [])
 
 
 def _acc_dtype(d: DType) -> DType:
@@ -576,9 +745,11 @@ def _runtime_leaves(nodes: list[Node]) -> tuple[list[Node], list[Node]]:
     return leaves, baked
 
 
-def _signature(k: Kernel, nodes: list[Node], leaves: list[Node]) -> tuple[tuple, list[BufferRef]]:
+def _signature(k: Kernel, nodes: list[Node], leaves: list[Node],
+               dyn: _Dynamic | None) -> tuple[tuple, list[BufferRef]]:
     """The kernel's structure with buffers numbered by first use and runtime leaves as placeholders, and the
-    buffers in that order."""
+    buffers in that order. With run-time rows, shapes and views are the stand-ins (OUTER for the rows) and the
+    buffers whose size follows the rows are keyed without it."""
     slots: dict[int, int] = {}
     refs: list[BufferRef] = []
     index: dict[int, int] = {}
@@ -591,14 +762,18 @@ def _signature(k: Kernel, nodes: list[Node], leaves: list[Node]) -> tuple[tuple,
             refs.append(ref)
         return slots[id(ref)]
 
+    shapes, sts, scaled = (dyn.shapes, dyn.sts, dyn.refs) if dyn else ({}, {}, set())
     for n in nodes:
         if n.op is Op.BUFFER:
-            arg = ("buf", slot(n.arg[0]), n.arg[0].numel)
+            arg = ("buf", slot(n.arg[0]), "rows" if id(n.arg[0]) in scaled else n.arg[0].numel)
         else:
-            arg = "param" if id(n) in runtime else argkey(n.arg)
+            arg = "param" if id(n) in runtime else argkey(sts.get(n, n.arg))
         index[id(n)] = len(entries)
-        entries.append((n.op, n.dtype, arg, n.shape, tuple(index[id(s)] for s in n.srcs)))
-    entries.append(("out", slot(k.out), k.out.numel, k.out.dtype, k.st))
+        entries.append((n.op, n.dtype, arg, shapes.get(n, n.shape), tuple(index[id(s)] for s in n.srcs)))
+    if dyn:
+        entries.append(("out", slot(k.out), "rows", k.out.dtype, dyn.shape(k.root)))
+    else:
+        entries.append(("out", slot(k.out), k.out.numel, k.out.dtype, k.st))
     return tuple(entries), refs
 
 
@@ -610,40 +785,56 @@ def lower(k: Kernel, lim: Limits) -> Lowered:
     """GLSL programs for kernel k, remembered by the kernel's structure so a repeated graph skips rendering.
 
     RNG seeds and counters, Variables and float constants are push constants (`Lowered.leaves`, named per
-    program in `Program.params`), so the same kernel over new such values is the same program text."""
+    program in `Program.params`), so the same kernel over new such values is the same program text. So is the
+    outer extent of elementwise and row-reduction kernels where `_dynamic` allows: one program, keyed without
+    the extent, serves every number of rows."""
     nodes = k.root.toposort()
     leaves, baked = _runtime_leaves(nodes)
-    key, refs = _signature(k, nodes, leaves)
-    key = (key, lim)
+    dyn = _dynamic(k, nodes, lim)
+    plan = None
+    if dyn is not None:
+        # the launch shape follows from the real rows, so it keys the program; split reductions keep baked shapes
+        plan = _reduce_plan(k, lim) if any(n.op is Op.REDUCE for n in nodes) else _vec4_loads(k, lim, dyn) is not None
+        # the row count needs a push-constant field of its own beside the largest offsets and values
+        fields = sum(len(runtime_values(n)) for n in leaves) + MAX_PUSH_OFFSETS + 1
+        if (isinstance(plan, tuple) and plan[0]) or 4 * fields > PUSH_BYTES:
+            dyn = plan = None
+    key, refs = _signature(k, nodes, leaves, dyn)
+    key = (key, lim, plan)
     hit = _CACHE.get(key)
     if hit is None:
-        lowered = _lower(k, lim, {id(n): i for i, n in enumerate(leaves)})
+        lowered = _lower(k, lim, {id(n): i for i, n in enumerate(leaves)}, dyn)
         lowered.leaves, lowered.baked = leaves, baked
         slot = {id(r): i for i, r in enumerate(refs)}
         if len(_CACHE) >= _CACHE_SIZE:
             del _CACHE[next(iter(_CACHE))]
         _CACHE[key] = Lowered([Program(p.name, p.src, [(slot.get(id(ref), ref), off, n) for ref, off, n in p.bindings],
-                                       p.groups, p.push, p.params) for p in lowered.programs], lowered.scratch)
+                                       p.groups, p.push, p.params, p.rows) for p in lowered.programs],
+                              lowered.scratch)
         return lowered
     progs = []
     for p in hit.programs:
-        push = p.push
-        if p.params:  # this kernel's own values in place of those the cached programs were rendered with
+        push, groups = p.push, p.groups
+        if p.params or p.rows:  # this kernel's own values in place of those the cached programs were rendered with
             push = dict(push)
             for name, i, part in p.params:
                 push[name] = runtime_values(leaves[i])[part]
+        if p.rows:  # and its own row count, which sizes the launch
+            name, per, per_group = p.rows
+            push[name] = dyn.rows
+            groups = fold_groups(-(-dyn.rows * per // per_group), lim)
         bindings = [(refs[r] if isinstance(r, int) else r, off, n) for r, off, n in p.bindings]
-        progs.append(Program(p.name, p.src, bindings, p.groups, push, p.params))
+        progs.append(Program(p.name, p.src, bindings, groups, push, p.params, p.rows))
     return Lowered(progs, hit.scratch, leaves, baked)
 
 
-def _lower(k: Kernel, lim: Limits, params: dict[int, int]) -> Lowered:
+def _lower(k: Kernel, lim: Limits, params: dict[int, int], dyn: _Dynamic | None) -> Lowered:
     """GLSL programs (one, or two for a split reduction) that compute kernel k; `params` maps the ids of its
-    runtime leaves to their positions in `Lowered.leaves`."""
+    runtime leaves to their positions in `Lowered.leaves`; `dyn`, where given, makes the rows run-time."""
     nodes = k.root.toposort()
     mms = [n for n in nodes if n.op is Op.MATMUL]
     if mms:
         return _matmul(k, mms[0], lim, params)
     if any(n.op is Op.REDUCE for n in nodes):
-        return _reduce(k, lim, params)
-    return _elementwise(k, lim, params)
+        return _reduce(k, lim, params, dyn=dyn)
+    return _elementwise(k, lim, params, dyn)

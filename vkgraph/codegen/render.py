@@ -18,7 +18,7 @@ from typing import Any
 from ..dtype import DType, dtypes
 from ..graph import ELEMENTWISE, Node, Op, runtime_values
 from ..runtime.capture import Variable
-from ..view import ShapeTracker
+from ..view import ShapeTracker, prod
 from . import glsl
 from .symbolic import Expr, Num, Var, in_range, num, ravel, unravel
 
@@ -44,6 +44,10 @@ class Renderer:
         self.ext: set[str] = set()  # GLSL extensions the body uses beyond those its buffer types imply
         self.block_types: dict[int, str] = {}  # binding -> element type declared in place of its dtype's (vec4)
         self.subst: dict[Node, str] = {}
+        # a kernel whose outer extent is a run-time value is rendered over stand-in shapes and views (see
+        # lower._Dynamic): nodes and views missing here render with their own
+        self.shapes: dict[Node, tuple[int, ...]] = {}
+        self.sts: dict[Node, ShapeTracker] = {}
         self._scopes: list[dict] = [{}]
         self._n = 0
 
@@ -194,7 +198,7 @@ class Renderer:
 
     def _compute(self, n: Node, coords: Coords) -> str:
         if n.op is Op.BUFFER:
-            return self.load(n.arg[0], n.dtype, ravel(coords, n.shape), [])
+            return self.load(n.arg[0], n.dtype, ravel(coords, self.shapes.get(n, n.shape)), [])
         if n.op is Op.VIEW:
             return self._view(n, coords)
         if n.op is Op.RAND:
@@ -219,14 +223,15 @@ class Renderer:
         raise NotImplementedError(f"{n.op.name} cannot be rendered inside this kernel")
 
     def _view(self, n: Node, coords: Coords) -> str:
-        src, st = n.srcs[0], n.arg
+        src, st = n.srcs[0], self.sts.get(n, n.arg)
         idx, valid = self.st_index(st, coords)
         if src.op is Op.BUFFER:
             return self.load(src.arg[0], src.dtype, idx + self.offset(st.views[0].offset), valid)
         if "false" in valid:
             return glsl.zero(n.dtype)
         idx = idx + num(st.views[0].offset)
-        inner = self.value(src, unravel(_clamp(idx, src.numel) if valid else idx, src.shape))
+        shape = self.shapes.get(src, src.shape)
+        inner = self.value(src, unravel(_clamp(idx, prod(shape)) if valid else idx, shape))
         if not valid:
             return inner
         return self.define(n.dtype.glsl, f"(({' && '.join(valid)}) ? {inner} : {glsl.zero(n.dtype)})")
