@@ -40,8 +40,9 @@ class Item:
     """A tensor, the same value in numpy (float64), a bound on the magnitudes that went into it, and how it
     was built (shown when an example fails)."""
 
-    def __init__(self, t: Tensor, x: np.ndarray, scale: float, desc: str):
+    def __init__(self, t: Tensor, x: np.ndarray, scale: float, desc: str, ambiguous: bool = False):
         self.t, self.x, self.scale, self.desc = t, x, scale, desc
+        self.ambiguous = ambiguous  # built on a comparison that may go either way: only shape and NaN checked
 
     def __repr__(self) -> str:
         return f"{self.desc} {self.x.shape}"
@@ -65,17 +66,15 @@ def graphs(draw, max_ops: int = 6):
             name = draw(st.sampled_from(sorted(UNARY)))
             f, g, s = UNARY[name]
             extra = SIN_ABS_ERROR if name == "sin" else 0.0
-            pool.append(Item(f(a.t), g(a.x), a.scale * s + 1 + extra, f"{name}({a.desc})"))
+            pool.append(Item(f(a.t), g(a.x), a.scale * s + 1 + extra, f"{name}({a.desc})", a.ambiguous))
         elif kind == "binary":
             same = [p for p in pool if _broadcasts(p.x.shape, a.x.shape)]
             b = same[draw(st.integers(0, len(same) - 1))]
             name = draw(st.sampled_from(sorted(BINARY)))
             f, g = BINARY[name]
             scale = a.scale * b.scale + a.scale + b.scale if name == "mul" else 2 * (a.scale + b.scale)
-            ref = g(a.x, b.x)
-            if name == "where":
-                ref, scale = _where_near_ties(a, b, ref, scale)
-            pool.append(Item(f(a.t, b.t), ref, scale, f"{name}({a.desc}, {b.desc})"))
+            ambiguous = a.ambiguous or b.ambiguous or (name == "where" and _near_tie(a, b))
+            pool.append(Item(f(a.t, b.t), g(a.x, b.x), scale, f"{name}({a.desc}, {b.desc})", ambiguous))
         elif kind == "reduce" and a.x.ndim:
             name = draw(st.sampled_from(sorted(REDUCE)))
             axis = draw(st.integers(0, a.x.ndim - 1))
@@ -83,23 +82,18 @@ def graphs(draw, max_ops: int = 6):
             fn, grows = REDUCE[name]
             t = getattr(a.t, name)(axis, keepdim=keep)
             pool.append(Item(t, fn(a.x, axis=axis, keepdims=keep), a.scale * (a.x.shape[axis] if grows else 1),
-                             f"{name}({a.desc}, {axis}, {keep})"))
+                             f"{name}({a.desc}, {axis}, {keep})", a.ambiguous))
         elif kind == "move" and a.x.ndim:
-            pool.append(_move(draw, a))
+            moved = _move(draw, a)
+            moved.ambiguous = a.ambiguous
+            pool.append(moved)
     return pool[-1], pool[draw(st.integers(0, len(pool) - 1))]
 
 
-def _where_near_ties(a: Item, b: Item, ref: np.ndarray, scale: float) -> tuple[np.ndarray, float]:
-    """`a > b` may go either way where a and b are equal within their own error bounds (b = tanh(a) near 0,
-    say): there the reference takes the midpoint of both outcomes and the bound grows by half their gap."""
-    tol = 4 * ERR * (a.scale + b.scale)
-    tie = np.abs(a.x - b.x) <= tol
-    if not tie.any():
-        return ref, scale
-    both = np.broadcast_arrays(a.x, 2 * b.x)
-    mid = (both[0] + both[1]) / 2
-    gap = np.abs(both[0] - both[1])[tie].max() / 2
-    return np.where(tie, mid, ref), scale + gap / ERR
+def _near_tie(a: Item, b: Item) -> bool:
+    """Whether `a > b` may go either way somewhere: a and b equal within their own error bounds (b = tanh(a)
+    near 0, say). Values built on such a comparison have no single right answer to compare with."""
+    return bool((np.abs(a.x - b.x) <= ERR * (a.scale + b.scale)).any())
 
 
 def _broadcasts(s1, s2) -> bool:
@@ -140,7 +134,7 @@ def _check(item: Item) -> None:
     got = item.t.numpy().astype(np.float64)
     assert got.shape == item.x.shape
     assert not np.isnan(got).any(), "NaN"
-    if got.size:
+    if got.size and not item.ambiguous:
         err = np.abs(got - item.x).max()
         bound = ERR * max(item.scale, np.abs(item.x).max(), 1.0)
         if item.t.dtype.name == "float16":
