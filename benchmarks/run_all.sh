@@ -19,6 +19,7 @@ if [ "$quick" != "--quick" ]; then
   python3 scripts/make_tiny_model.py "$out/m8b" --preset llama3-8b --gguf Q4_0,Q8_0 --random-quants > /dev/null
   run llm python3 benchmarks/bench_llm.py --gguf "$out/m8b/model-q4_0.gguf" --gguf "$out/m8b/model-q8_0.gguf"
   rm -rf "$out/m8b"
+  run profile python3 benchmarks/profile_decode.py --format Q4_0
   VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation run tests_validation \
     python3 -m pytest -q -p no:cacheprovider tests --durations=25
 fi
