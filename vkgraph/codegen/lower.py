@@ -382,11 +382,12 @@ def _combine(rop: ReduceOp, d: DType, acc: str, v: str) -> str:
 
 
 def _better(rop: ReduceOp, d: DType, v: str, acc: str) -> str:
-    """v should replace acc in argmax/argmin (NaN counts as the largest, as numpy does)."""
+    """v should replace acc in argmax/argmin (a NaN wins both, so the first NaN's index is the answer, as in
+    numpy)."""
     cmp = ">" if rop is ReduceOp.ARGMAX else "<"
     if d.kind == "b":
         v, acc = f"int({v})", f"int({acc})"
-    if d.is_float and rop is ReduceOp.ARGMAX:
+    if d.is_float:
         return f"({v} {cmp} {acc} || (isnan({v}) && !isnan({acc})))"
     return f"({v} {cmp} {acc})"
 
@@ -474,12 +475,11 @@ class _Reduction:
         r, rop, d = self.r, self.rop, self.d
         fn = {ReduceOp.SUM: "subgroupAdd", ReduceOp.PROD: "subgroupMul", ReduceOp.MAX: "subgroupMax",
               ReduceOp.ARGMAX: "subgroupMax", ReduceOp.MIN: "subgroupMin", ReduceOp.ARGMIN: "subgroupMin"}[rop]
-        if rop in (ReduceOp.SUM, ReduceOp.PROD) or not d.is_float or rop is ReduceOp.ARGMIN:
-            # argmin's accumulators are never NaN: NaN never compares less, and the identity is +inf
+        if rop in (ReduceOp.SUM, ReduceOp.PROD) or not d.is_float:
             m = r.define(d.glsl, f"{fn}({v})", "sg")
             nan = None
         else:
-            # subgroupMax/Min may drop a NaN as GLSL's max does, but max, min and argmax propagate it
+            # subgroupMax/Min may drop a NaN as GLSL's max does, but max, min, argmax and argmin propagate it
             nan = r.define("bool", f"subgroupMax(isnan({v}) ? 1 : 0) != 0", "sgn")
             ident = glsl.literal(_IDENTITY[rop](d), d)
             m = r.define(d.glsl, f"{nan} ? {glsl.literal(math.nan, d)} : {fn}(isnan({v}) ? {ident} : {v})", "sg")
