@@ -14,6 +14,7 @@ run runtime python3 benchmarks/bench_runtime.py --json "$out/runtime.json"
 run jit python3 benchmarks/bench_jit.py --steps 30
 run kernels python3 benchmarks/bench_kernels.py
 run tensor python3 benchmarks/bench_tensor.py --gpu
+run tune_matvec python3 benchmarks/tune_matvec.py
 if [ "$quick" != "--quick" ]; then
   # the same GGUF files for vkgraph and llama.cpp (when cyllama-vulkan is installed): random blocks, in seconds
   python3 scripts/make_tiny_model.py "$out/m8b" --preset llama3-8b --gguf Q4_0,Q8_0 --random-quants > /dev/null
