@@ -505,3 +505,18 @@ def test_fused_reductions_over_a_long_row_match_numpy():
     ref = e / e.sum(-1, keepdims=True)
     np.testing.assert_array_equal(got_arg, ref.argmax(-1))
     np.testing.assert_allclose(got_max, ref.max(-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_matmul_of_transposed_operands(ta, tb):
+    """Transposed (column-major) operands are tiled along their contiguous axis; results are the same."""
+    from vkgraph.codegen.lower import _column_major
+
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((70, 45)).astype(np.float32)
+    b = rng.standard_normal((45, 130)).astype(np.float32)
+    x = Tensor(np.ascontiguousarray(a.T)).T if ta else Tensor(a)
+    y = Tensor(np.ascontiguousarray(b.T)).T if tb else Tensor(b)
+    assert _column_major(x.node) == ta and _column_major(y.node) == tb
+    check(x @ y, a.astype(np.float64) @ b.astype(np.float64), 1e-5)

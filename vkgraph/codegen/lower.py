@@ -663,6 +663,18 @@ BK = 16
 TPT = 4  # results per invocation along m and along n
 
 
+def _column_major(src: Node) -> bool:
+    """Whether a matmul operand reads its last two axes column-major (a transposed view such as w.T): unit
+    stride along the next-to-last axis, through any casts."""
+    n = src
+    while n.op is Op.CAST:
+        n = n.srcs[0]
+    if n.op is not Op.VIEW or len(n.arg.views) != 1:
+        return False
+    st = n.arg.views[0].strides
+    return len(st) >= 2 and abs(st[-2]) == 1 and abs(st[-1]) > 1
+
+
 def _matmul(k: Kernel, mm: Node, lim: Limits, params: dict[int, int]) -> Lowered:
     a, b = mm.srcs
     batch = mm.shape[:-2]
@@ -701,10 +713,19 @@ def _matmul(k: Kernel, mm: Node, lim: Limits, params: dict[int, int]) -> Lowered
             r.emit(dst.format(v=v))
 
     with r.block(f"for (int k0 = 0; k0 < {k_}; k0 += {BK})"):
-        tile_load(a, "am", "ak", f"tm * {BM} + e / {BK}", f"k0 + e % {BK}", m_, k_,
-                  f"As[e % {BK}][e / {BK}] = {{v}};", BM * BK)
-        tile_load(b, "bk", "bn", f"k0 + e / {BN}", f"tn * {BN} + e % {BN}", k_, n_,
-                  f"Bs[e / {BN}][e % {BN}] = {{v}};", BK * BN)
+        # neighbouring invocations walk whichever tile axis the operand stores contiguously
+        if _column_major(a):
+            tile_load(a, "am", "ak", f"tm * {BM} + e % {BM}", f"k0 + e / {BM}", m_, k_,
+                      f"As[e / {BM}][e % {BM}] = {{v}};", BM * BK)
+        else:
+            tile_load(a, "am", "ak", f"tm * {BM} + e / {BK}", f"k0 + e % {BK}", m_, k_,
+                      f"As[e % {BK}][e / {BK}] = {{v}};", BM * BK)
+        if _column_major(b):  # x @ w.T with w stored (N, K), as Linear weights usually are
+            tile_load(b, "bk", "bn", f"k0 + e % {BK}", f"tn * {BN} + e / {BK}", k_, n_,
+                      f"Bs[e % {BK}][e / {BK}] = {{v}};", BK * BN)
+        else:
+            tile_load(b, "bk", "bn", f"k0 + e / {BN}", f"tn * {BN} + e % {BN}", k_, n_,
+                      f"Bs[e / {BN}][e % {BN}] = {{v}};", BK * BN)
         r.emit("barrier();")
         with r.block(f"for (int kk = 0; kk < {BK}; kk++)"):
             r.emit(f"{acc_d.glsl} av[{TPT}]; {acc_d.glsl} bv[{TPT}];")
