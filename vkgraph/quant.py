@@ -112,6 +112,15 @@ def dequantize(qt: QuantizedTensor) -> np.ndarray:
 
 # ---- F16 / BF16 -----------------------------------------------------------------------------------------
 
+def stack_rows(tensors: list[QuantizedTensor]) -> QuantizedTensor:
+    """Matrices of one format and row length as one [sum of rows, cols] matrix (rows are independent blocks)."""
+    fmt, cols = tensors[0].format, tensors[0].shape[1]
+    for t in tensors:
+        if t.format.name != fmt.name or t.shape[1] != cols:
+            raise ValueError(f"stack_rows: {t.format.name} {t.shape} does not match {fmt.name} rows of {cols}")
+    return QuantizedTensor(np.concatenate([t.data for t in tensors]), fmt, (sum(t.shape[0] for t in tensors), cols))
+
+
 def _quant_f16(b: np.ndarray) -> np.ndarray:
     return b.astype(np.float16).view(np.uint8)
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..dtype import dtypes
 from ..ops.paged_attention import PagedKVCache
-from ..quant import QuantizedTensor, dequantize
+from ..quant import QuantizedTensor, dequantize, stack_rows
 from ..tensor import Tensor, cat
 from .config import ModelConfig
 from .ops import ExpertLinear, QuantLinear, paged_decode, prefill_attention, write_kv
@@ -125,8 +125,7 @@ class ParallelLinear:
             self.parts = [Linear(w, b, float_dtype) for w, b in zip(weights, biases, strict=True)]
             return
         if all(quant):
-            stacked = QuantizedTensor(np.concatenate([w.data for w in weights]), weights[0].format,
-                                      (sum(self.sizes), weights[0].shape[1]))
+            stacked = stack_rows(weights)
         else:
             stacked = np.concatenate([np.asarray(w, np.float32) for w in weights])
         bias = None
@@ -200,9 +199,7 @@ class MoE:
         self.gate_up: ExpertLinear | None = None
         if self._groupable(experts):
             self.ffn_dim = experts[0].w_gate.shape[0]
-            self.gate_up = ExpertLinear([
-                QuantizedTensor(np.concatenate([e.w_gate.data, e.w_up.data]), e.w_gate.format,
-                                (2 * self.ffn_dim, e.w_gate.shape[1])) for e in experts])
+            self.gate_up = ExpertLinear([stack_rows([e.w_gate, e.w_up]) for e in experts])
             self.down = ExpertLinear([e.w_down for e in experts])
         else:
             self.experts = [MLP(e.w_gate, e.w_up, e.w_down, float_dtype) for e in experts]

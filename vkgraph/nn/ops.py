@@ -6,6 +6,7 @@ weights or cache it works on, so equal calls are shared by the graph like any ot
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..dtype import dtypes
@@ -50,9 +51,7 @@ class QuantLinear:
             raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}): input's last "
                              f"dimension is {x.shape[-1]}")
         lead = x.shape[:-1]
-        rows = 1
-        for s in lead:
-            rows *= s
+        rows = math.prod(lead)
         out_shape = (*lead, self.out_features)
         if residual is not None and residual.shape != out_shape:
             raise ValueError(f"QuantLinear residual has shape {residual.shape}, expected {out_shape}")

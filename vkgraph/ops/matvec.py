@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import kernels
-from ..quant import QuantFormat, QuantizedTensor, kernel_layout
+from ..quant import QuantFormat, QuantizedTensor, kernel_layout, stack_rows
 from ..runtime import Device
 from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
 
@@ -36,6 +36,8 @@ class DeviceWeights:
     scales: Any | None
     w_stride: int  # uvec4 words per row of body
     s_stride: int  # float16 scales per row
+    # compiled templates by launch variant (see _kernel): one lookup per call instead of the runtime's
+    kernels: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +100,33 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> 
     return MatvecConfig(wg, rows, use_subgroup)
 
 
+def _check_act_dtype(act_dtype: str) -> int:
+    """Bytes per activation of `act_dtype`; ValueError when the templates do not take it."""
+    if act_dtype not in ACT_DTYPES:
+        raise ValueError(f"act_dtype must be one of {sorted(ACT_DTYPES)}, got {act_dtype!r}")
+    return np.dtype(ACT_DTYPES[act_dtype]).itemsize
+
+
+def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, act_dtype: str, *,
+            has_bias: bool = False, has_residual: bool = False, expert_ids: bool = False) -> Any:
+    """The format's template compiled for this launch variant, cached on `weights`."""
+    key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids)
+    kern = weights.kernels.get(key)
+    if kern is None:
+        defines = {}
+        if expert_ids:
+            defines["EXPERT_IDS"] = 1
+        if act_dtype == "f16":
+            defines["A_F16"] = 1
+        if weights.format.name == "BF16":
+            defines["W_BF16"] = 1
+        spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
+                "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
+        kern = weights.kernels[key] = kernels.compile(dev, TEMPLATE[weights.format.name], spec=spec,
+                                                      defines=defines)
+    return kern
+
+
 def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_dtype: str = "f32",
            out: Any | None = None, bias: Any | None = None, residual: Any | None = None,
            config: MatvecConfig | None = None) -> Any:
@@ -107,11 +136,10 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     residual float32 [batch, N] (it may be `out` itself); y is float32. Records the dispatch; does not wait.
     """
     n, k = weights.shape
-    if act_dtype not in ACT_DTYPES:
-        raise ValueError(f"act_dtype must be one of {sorted(ACT_DTYPES)}, got {act_dtype!r}")
+    act_bytes = _check_act_dtype(act_dtype)
     if not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch} (more rows: dequantize and matmul)")
-    check_buffer("x", x, batch * k * np.dtype(ACT_DTYPES[act_dtype]).itemsize)
+    check_buffer("x", x, batch * k * act_bytes)
     if out is None:
         out = dev.alloc(batch * n * 4)
     check_buffer("out", out, batch * n * 4)
@@ -120,15 +148,8 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     if residual is not None:
         check_buffer("residual", residual, batch * n * 4)
     cfg = config or choose_config(dev, weights.format, n, k, batch)
-    defines = {}
-    if act_dtype == "f16":
-        defines["A_F16"] = 1
-    if weights.format.name == "BF16":
-        defines["W_BF16"] = 1
-    spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
-            "HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
-            "SUBGROUP": dev.info.min_subgroup_size}
-    kern = kernels.compile(dev, TEMPLATE[weights.format.name], spec=spec, defines=defines)
+    kern = _kernel(dev, weights, cfg, batch, act_dtype, has_bias=bias is not None,
+                   has_residual=residual is not None)
     groups = grid_2d(dev, -(-n // cfg.rows))
     w = weights.body
     kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, bias or w, residual or w, w], groups,
@@ -147,8 +168,7 @@ def upload_experts(dev: Device, experts: list[QuantizedTensor]) -> DeviceWeights
     for e in experts:
         if e.format.name != fmt.name or e.shape != shape:
             raise ValueError(f"experts must share format and shape: {fmt.name} {shape} vs {e.format.name} {e.shape}")
-    stacked = QuantizedTensor(np.concatenate([e.data for e in experts]), fmt, (len(experts) * shape[0], shape[1]))
-    return upload_weights(dev, stacked)
+    return upload_weights(dev, stack_rows(experts))
 
 
 def matvec_id(dev: Device, weights: DeviceWeights, n_experts: int, x: Any, ids: Any, n_pairs: int, *,
@@ -164,11 +184,10 @@ def matvec_id(dev: Device, weights: DeviceWeights, n_experts: int, x: Any, ids: 
     if n_experts < 1 or rows_all % n_experts:
         raise ValueError(f"{rows_all} stacked rows do not split into {n_experts} experts")
     n = rows_all // n_experts
-    if act_dtype not in ACT_DTYPES:
-        raise ValueError(f"act_dtype must be one of {sorted(ACT_DTYPES)}, got {act_dtype!r}")
+    act_bytes = _check_act_dtype(act_dtype)
     if n_pairs < 1 or x_div < 1 or n_pairs % x_div:
         raise ValueError(f"n_pairs ({n_pairs}) must be a positive multiple of x_div ({x_div})")
-    check_buffer("x", x, n_pairs // x_div * k * np.dtype(ACT_DTYPES[act_dtype]).itemsize)
+    check_buffer("x", x, n_pairs // x_div * k * act_bytes)
     check_buffer("ids", ids, n_pairs * 4)
     if out is None:
         out = dev.alloc(n_pairs * n * 4)
@@ -177,14 +196,7 @@ def matvec_id(dev: Device, weights: DeviceWeights, n_experts: int, x: Any, ids: 
     groups = grid_2d(dev, n_pairs * -(-n // cfg.rows))
     if groups[1] > dev.info.max_workgroup_count[1]:
         raise ValueError(f"{n_pairs} pairs of {n} rows need more workgroups than the device launches")
-    defines = {"EXPERT_IDS": 1}
-    if act_dtype == "f16":
-        defines["A_F16"] = 1
-    if weights.format.name == "BF16":
-        defines["W_BF16"] = 1
-    spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": 1, "USE_SUBGROUP": cfg.use_subgroup,
-            "HAS_BIAS": False, "HAS_RESIDUAL": False, "SUBGROUP": dev.info.min_subgroup_size}
-    kern = kernels.compile(dev, TEMPLATE[weights.format.name], spec=spec, defines=defines)
+    kern = _kernel(dev, weights, cfg, 1, act_dtype, expert_ids=True)
     w = weights.body
     kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, w, w, ids], groups,
                      push={"n_rows": n, "k": k, "w_stride": weights.w_stride, "s_stride": weights.s_stride,
