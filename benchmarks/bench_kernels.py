@@ -19,6 +19,7 @@ os.environ["VKGRAPH_PROFILE"] = "1"
 os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
 
 import numpy as np  # noqa: E402
+from common import cuda_torch, torch_time_us  # noqa: E402
 
 from vkgraph.ops import matvec as mv  # noqa: E402
 from vkgraph.ops import paged_attention as pa  # noqa: E402
@@ -158,43 +159,20 @@ def bench_decode(dev, rng, reps: int) -> None:
               f"({us:.1f} us)   torch sdpa: {_torch_sdpa(b, ctx, reps)}")
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
-
-
-def _torch_time_us(torch, fn, reps: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 def _torch_matvec(n: int, k: int, reps: int) -> str:
-    torch = _torch()
+    torch = cuda_torch()
     if torch is None:
         return "-"
     nbytes = n * k * 2
     ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(_copies(nbytes))]
     x = torch.randn(k, 1, device="cuda", dtype=torch.float16)
     it = iter(range(1 << 62))
-    us = _torch_time_us(torch, lambda: torch.matmul(ws[next(it) % len(ws)], x), reps)
+    us = torch_time_us(torch, lambda: torch.matmul(ws[next(it) % len(ws)], x), reps)
     return f"{nbytes / us / 1e3:.0f}"
 
 
 def _torch_sdpa(b: int, ctx: int, reps: int) -> str:
-    torch = _torch()
+    torch = cuda_torch()
     if torch is None:
         return "-"
     import torch.nn.functional as F
@@ -209,7 +187,7 @@ def _torch_sdpa(b: int, ctx: int, reps: int) -> str:
         k, v = kvs[next(it) % len(kvs)]
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    us = _torch_time_us(torch, run, reps)
+    us = torch_time_us(torch, run, reps)
     return f"{kv_bytes / us / 1e3:.0f} GB/s ({us:.1f} us)"
 
 

@@ -20,6 +20,7 @@ import statistics
 import time
 
 import numpy as np
+from common import cuda_torch
 
 from vkgraph.nn.config import ModelConfig, RopeScaling
 from vkgraph.nn.engine import Engine
@@ -99,13 +100,10 @@ def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt
 
 
 def bench_torch(cfg: ModelConfig, batches: list[int], decode_steps: int, prompt_len: int) -> dict | None:
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
+    torch = cuda_torch()
+    if torch is None:
         return None
-    if not torch.cuda.is_available():
-        return None
+    import torch.nn.functional as F
     dev, dt = "cuda", torch.float16
     g = torch.Generator(device=dev).manual_seed(0)
     d, hd, h, hkv, f = cfg.dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim

@@ -7,12 +7,14 @@ PyTorch's device copy (when PyTorch with CUDA is present), compile and cache tim
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
 import time
 
 import numpy as np
+from common import cuda_torch, median_time, torch_time_us
 
 from vkgraph.runtime import get_device
 from vkgraph.runtime.compiler import Compiler
@@ -40,15 +42,6 @@ layout(set = 0, binding = 1) writeonly buffer B { float b[]; };
 layout(push_constant) uniform Push { uint n; float s; } pc;
 void main() { uint i = gl_GlobalInvocationID.x; if (i < pc.n) b[i] = a[i] * pc.s; }
 """
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def bench_recording(dev) -> dict:
@@ -150,28 +143,15 @@ def bench_copy_kernel(dev, nbytes: int, wg: int, groups_per_cu: list[int]) -> di
 
 
 def torch_copy(nbytes: int) -> float | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
+    torch = cuda_torch()
+    if torch is None:
         return None
     a = torch.randint(0, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda")
     b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
+    us = torch_time_us(torch, functools.partial(b.copy_, a), 10, warmup=3)
     del a, b
     torch.cuda.empty_cache()
-    return 2 * nbytes / statistics.median(times) / 1e9
+    return 2 * nbytes / (us / 1e6) / 1e9
 
 
 def bench_compile() -> dict:

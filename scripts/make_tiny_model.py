@@ -146,7 +146,7 @@ def _encode(x: np.ndarray, qtype: str) -> np.ndarray:
 def _random_blocks(seed: int, gname: str, shape: tuple[int, ...], qtype: str) -> np.ndarray:
     """Valid Q8_0 / Q4_0 blocks drawn directly (a small float16 scale, random quants): what a speed benchmark
     needs in seconds, where quantizing billions of random floats in numpy takes minutes."""
-    block, size = {"Q8_0": (32, 34), "Q4_0": (32, 18)}[qtype]
+    block, size = quant.FORMATS[qtype].block_size, quant.FORMATS[qtype].type_size
     rng = np.random.default_rng([seed, zlib.crc32(gname.encode())])
     nblocks = int(np.prod(shape)) // block
     data = rng.integers(0, 256, (nblocks, size), dtype=np.uint8)

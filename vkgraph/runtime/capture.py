@@ -119,7 +119,7 @@ class CommandGraph:
                 writes = (False, True)
             hazard = track_hazards(allocs, writes, written, read)
             if e[0] == "dispatch":
-                key = (kernel.layout_id, tuple((a.handle, b.offset, b.size) for a, b in zip(allocs, bufs)))
+                key = (kernel.layout_id, tuple(b.key for b in bufs))  # as Queue.dispatch keys it
                 entry = q.descriptor_sets.get(key) or q._new_descriptor_set(kernel, list(bufs), allocs, key)
                 entry[2] = float("inf")  # pinned: never evicted while the graph lives
                 dynamic = any(isinstance(v, Variable) for v in _push_values(push))

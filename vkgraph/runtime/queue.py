@@ -95,6 +95,7 @@ class Queue:
         self.host_barrier = ffi.new("VkMemoryBarrier*", {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
                                                          "srcAccessMask": _WRITE,
                                                          "dstAccessMask": vk.VK_ACCESS_HOST_READ_BIT})
+        self.copy_region = ffi.new("VkBufferCopy*")
         self.descriptor_sets: dict[tuple, list] = {}  # key -> [set array, pool, last use]
         self.sets_by_buffer: dict[int, set[tuple]] = {}
         self.descriptor_pools: list[Any] = []
@@ -307,8 +308,8 @@ class Queue:
         with self.lock:
             rec = self._begin()
             self._hazards([sa, da], (False, True), rec)
-            region = ffi.new("VkBufferCopy*", {"srcOffset": src.offset + src_offset,
-                                               "dstOffset": dst.offset + dst_offset, "size": nbytes})
+            region = self.copy_region  # read during the call only: one struct serves every copy
+            region.srcOffset, region.dstOffset, region.size = src.offset + src_offset, dst.offset + dst_offset, nbytes
             lib.vkCmdCopyBuffer(rec.cmd, sa.buffer, da.buffer, 1, region)
             self.stats["copies"] += 1
             if self.capture is not None and log:
