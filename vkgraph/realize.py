@@ -246,9 +246,8 @@ def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node],
     return _Plan(n_in, [(t.dtype, t.numel) for t in sched.temps], consts, steps, outputs, tuple(baked)), refs
 
 
-def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node], params: list) -> None:
+def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node], params: list, debug: int) -> None:
     dev = get_device()
-    debug = flag("VKGRAPH_DEBUG")
     compiled = _compiled.get(dev)
     if compiled is None:
         compiled = _compiled.setdefault(dev, {})
@@ -309,7 +308,7 @@ def run(sched: Schedule) -> None:
                 inputs.append(r)
     params, param_slot = _params(sched)
     plan, refs = _plan(sched, inputs, customs, param_slot)
-    _execute(plan, refs, customs, params)
+    _execute(plan, refs, customs, params, debug)
 
 
 # schedules by graph structure (schedule.Structure): a graph scheduled before reuses its kernels and lifetimes
@@ -321,7 +320,8 @@ PLAN_STATS = {"hits": 0, "misses": 0}  # schedules reused / made (tests and benc
 def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[BufferRef]:
     """Schedule and run nodes (stored through dests where given); returns one buffer per node."""
     max_inputs = _max_inputs()
-    if flag("VKGRAPH_DEBUG") >= 1:  # the schedule is printed, so make it
+    debug = flag("VKGRAPH_DEBUG")
+    if debug >= 1:  # the schedule is printed, so make it
         sched = create_schedule(nodes, REALIZED, dests=dests, max_inputs=max_inputs)
         run(sched)
         return sched.outputs
@@ -348,7 +348,7 @@ def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[Buff
                 except (RuntimeError, StopIteration):  # another thread changed it meanwhile
                     break
             _PLANS[st.key] = plan
-    _execute(plan, refs, st.customs, st.params)
+    _execute(plan, refs, st.customs, st.params, debug)
     return [refs[i] for i in plan.outputs]
 
 

@@ -36,6 +36,7 @@ from ..graph import (
     substitute,
 )
 from ..graph import alu as alu_node
+from ..ops.common import pow2_floor
 from ..schedule import Kernel
 from ..view import Shape, ShapeTracker, View, prod, strides_for
 from . import glsl
@@ -115,10 +116,8 @@ def _finish(r: Renderer, name: str, local: int, groups: int, lim: Limits, shared
 
 
 def _wg(lim: Limits, want: int = 256) -> int:
-    wg = 1
-    while wg * 2 <= min(want, lim.max_invocations):
-        wg *= 2
-    return wg
+    """The largest power-of-two workgroup size up to `want` that the device allows."""
+    return pow2_floor(min(want, lim.max_invocations))
 
 
 # ---- a run-time outer extent -------------------------------------------------------------------------------------
@@ -239,6 +238,21 @@ def _dynamic(k: Kernel, nodes: list[Node], lim: Limits) -> _Dynamic | None:
     return _Dynamic(rows, shapes, sts, refs)
 
 
+def _launch(r: Renderer, dyn: _Dynamic | None, units: int, per_row: int, per_group: int,
+            groups: int) -> tuple[str, tuple[str, int, int] | None]:
+    """Emit `grp`, the flat workgroup index, and the early return of the workgroups past the end: past `groups`,
+    or with run-time rows past those covering rows * per_row units at per_group a workgroup. Returns GLSL for
+    the units' count (`units` when static) and Program.rows."""
+    r.emit(f"int grp = {GROUP_ID};")
+    if dyn is None:
+        r.emit(f"if (grp >= {groups}) return;")
+        return str(units), None
+    dyn.renderer(r)
+    total, rows = dyn.units(r, per_row, per_group)
+    r.emit(f"if (grp >= {total if per_group == 1 else f'({total} + {per_group - 1}) / {per_group}'}) return;")
+    return total, rows
+
+
 # ---- elementwise ------------------------------------------------------------------------------------------------
 
 
@@ -293,15 +307,7 @@ def _elementwise_vec4(k: Kernel, lim: Limits, params: dict[int, int], loads: lis
     nv = n // 4
     wg = _wg(lim)
     groups = math.ceil(k.root.numel // 4 / wg)
-    rows = None
-    r.emit(f"int grp = {GROUP_ID};")
-    if dyn:
-        dyn.renderer(r)
-        total, rows = dyn.units(r, prod(shape[1:]) // 4, wg)
-        r.emit(f"if (grp >= ({total} + {wg - 1}) / {wg}) return;")
-    else:
-        total = str(nv)
-        r.emit(f"if (grp >= {groups}) return;")
+    total, rows = _launch(r, dyn, nv, prod(shape[1:]) // 4, wg, groups)
     r.emit(f"int q = grp * {wg} + int(gl_LocalInvocationID.x);")
 
     def vec_index(ref: BufferRef, offset: int, write: bool = False) -> str:
@@ -343,15 +349,7 @@ def _elementwise(k: Kernel, lim: Limits, params: dict[int, int], dyn: _Dynamic |
     # with run-time rows, one element per invocation at every size, so one program serves them all
     ept = 4 if not dyn and n >= wg * 4 * 256 else 1
     groups = math.ceil(k.root.numel / (wg * ept))
-    rows = None
-    r.emit(f"int grp = {GROUP_ID};")
-    if dyn:
-        dyn.renderer(r)
-        total, rows = dyn.units(r, prod(shape[1:]), wg)
-        r.emit(f"if (grp >= ({total} + {wg - 1}) / {wg}) return;")
-    else:
-        total = str(n)
-        r.emit(f"if (grp >= {groups}) return;")
+    total, rows = _launch(r, dyn, n, prod(shape[1:]), wg, groups)
     r.emit("int lid = int(gl_LocalInvocationID.x);")
     loop = f"for (int e = 0; e < {ept}; e++)" if ept > 1 else "if (true)"
     with r.block(loop):
@@ -427,16 +425,8 @@ class _Reduction:
         elif wg > 1:
             # one scratch array per element type, reused by every reduction of the kernel (each ends with a
             # barrier after its result is read), so fused reductions never add up past the shared-memory limit
-            sv = f"sv_{self.t}"
-            decl = f"shared {self.t} {sv}[{wg}];"
-            if decl not in self.shared:
-                self.shared.append(decl)
-            si = None
-            if self.idx is not None:
-                si = "si_int"
-                decl = f"shared int {si}[{wg}];"
-                if decl not in self.shared:
-                    self.shared.append(decl)
+            sv = self._declare(self.t, f"sv_{self.t}", wg)
+            si = self._declare("int", "si_int", wg) if self.idx is not None else None
             to_t = f"{self.t}({self.acc})" if self.t != self.d.glsl else self.acc
             r.emit(f"{sv}[lid] = {to_t};" + (f" {si}[lid] = {self.idx};" if si else ""))
             r.emit("barrier();")
@@ -565,15 +555,7 @@ def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = 
     groups = real_rows if grouped else math.ceil(real_rows / local)
     r = Renderer(lim.max_storage_range, params)
     shared: list[str] = []
-    r.emit(f"int grp = {GROUP_ID};")
-    prog_rows = None
-    if dyn:
-        dyn.renderer(r)
-        nrows, prog_rows = dyn.units(r, prod(out_shape[1:]), 1 if grouped else local)
-        r.emit(f"if (grp >= {nrows if grouped else f'({nrows} + {local - 1}) / {local}'}) return;")
-    else:
-        nrows = str(rows)
-        r.emit(f"if (grp >= {groups}) return;")
+    nrows, prog_rows = _launch(r, dyn, rows, prod(out_shape[1:]), 1 if grouped else local, groups)
     r.emit("int lid = int(gl_LocalInvocationID.x);")
     r.emit("int o = grp;" if grouped else f"int o = grp * {local} + lid;")
     ovar = Var("o", 0, rows - 1)
