@@ -252,14 +252,17 @@ def test_new_float_constants_reuse_the_compiled_kernels():
     def graphs(k: float):
         return [t * k + (k + 1),  # elementwise
                 ((t * k).exp() * (2 * k)).sum(1),  # reduction with a producer and an epilogue
-                (t - t.max(1, keepdim=True) * k).softmax(-1),  # fused reductions walking the row again
+                # fused reductions walking the row again; the max's factor stays below 1 in size, since x - m * 3e5
+                # loses its low bits and a fused multiply-add loses different ones than numpy
+                (t - t.max(1, keepdim=True) * (k / (1 + abs(k)))).softmax(-1),
                 ((t @ tw) * k).relu() + 0.25 * k,  # matmul epilogue
                 (tl * k).sum(1) * (3 * k)]  # a split reduction: a constant in each of its two programs
 
     def refs(k: float):
         k32 = np.float32(k)
         return [x * k32 + np.float32(k + 1), np.exp(x * k32).sum(1) * np.float32(2 * k),
-                _softmax(x - x.max(1, keepdims=True) * k32), np.maximum((x @ w) * k32, 0) + np.float32(0.25 * k),
+                _softmax(x - x.max(1, keepdims=True) * np.float32(k / (1 + abs(k)))),
+                np.maximum((x @ w) * k32, 0) + np.float32(0.25 * k),
                 (long * k32).sum(1) * np.float32(3 * k)]
 
     for out in graphs(0.37):
