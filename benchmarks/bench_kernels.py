@@ -2,8 +2,10 @@
 
     python benchmarks/bench_kernels.py [--quick]
 
-GPU time comes from Vulkan timestamps (VKGRAPH_PROFILE=1, set here): the time between the ends of
-consecutive dispatches in one long serial chain, after warm-up, median of the repeats. Weights and caches are
+GPU time per call: 100 calls captured into one command graph (a barrier between consecutive ones, as they
+write the same output), replayed after warm-up with a wait each; median over the replays, divided by 100.
+The host's cost per call (tens of microseconds in Python) is outside the timing, which it was not when
+consecutive dispatches were timed one submit each. Weights and caches are
 random bits (never zeros) and cycled through enough copies to exceed the GPU's L2 cache. PyTorch (when
 importable with CUDA) is timed with CUDA events the same way: torch.matmul in float16, and
 F.scaled_dot_product_attention over contiguous float16 KV.
@@ -12,19 +14,14 @@ F.scaled_dot_product_attention over contiguous float16 KV.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 
-os.environ["VKGRAPH_PROFILE"] = "1"
-os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
+import numpy as np
+from common import cuda_torch, replay_us, torch_time_us
 
-import numpy as np  # noqa: E402
-from common import cuda_torch, torch_time_us  # noqa: E402
-
-from vkgraph.ops import matvec as mv  # noqa: E402
-from vkgraph.ops import paged_attention as pa  # noqa: E402
-from vkgraph.quant import FORMATS  # noqa: E402
-from vkgraph.runtime import get_device  # noqa: E402
+from vkgraph.ops import matvec as mv
+from vkgraph.ops import paged_attention as pa
+from vkgraph.quant import FORMATS
+from vkgraph.runtime import get_device
 
 MATVEC_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MATVEC_FORMATS = ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16"]
@@ -35,22 +32,6 @@ COPY_BYTES = 512 << 20  # cycle through copies until this many bytes: several ti
 
 def _copies(nbytes: int, cap: int = 16) -> int:
     return max(1, min(cap, -(-COPY_BYTES // nbytes)))
-
-
-def _gpu_median_us(dev, name: str, run, reps: int, warmup: int = 5) -> float:
-    """Median spacing in microseconds between the ends of consecutive `name` dispatches."""
-    prof = dev.queue.profiler
-    for _ in range(warmup):
-        run()
-    dev.synchronize()
-    prof.events.clear()
-    for _ in range(reps):
-        run()
-    dev.synchronize()
-    ends = [t1 for n, _, t1 in prof.events if n == name]
-    prof.events.clear()
-    gaps = [(b - a) / 1e3 for a, b in zip(ends, ends[1:], strict=False) if b > a]
-    return statistics.median(gaps)
 
 
 def _random_weights(dev, rng, fmt: str, n: int, k: int) -> mv.DeviceWeights:
@@ -88,7 +69,7 @@ def bench_matvec(dev, rng, reps: int) -> None:
             def run(ws=ws, x=x, y=y, it=it):
                 mv.matvec(dev, ws[next(it) % len(ws)], x, 1, out=y)
 
-            us = _gpu_median_us(dev, mv.TEMPLATE[fmt], run, reps)
+            us = replay_us(dev, run, reps)
             row.append(f"{nbytes / us / 1e3:8.0f}")
             for w in ws:
                 w.body.release()
@@ -120,7 +101,7 @@ def bench_matvec_batches(dev, rng, reps: int, shape=(14336, 4096), formats=("Q4_
                 def run(ws=ws, x=x, y=y, it=it, batch=batch, cfg=cfg):
                     mv.matvec(dev, ws[next(it) % len(ws)], x, batch, out=y, config=cfg)
 
-                us = _gpu_median_us(dev, mv.TEMPLATE[fmt], run, reps)
+                us = replay_us(dev, run, reps)
                 cells.append(f"{nbytes / us / 1e3:7.0f}" + ("*" if rows == chosen.rows else " "))
             print(f"{fmt:>6s} {batch:>5d} " + " ".join(cells))
         for w in ws:
@@ -154,7 +135,7 @@ def bench_decode(dev, rng, reps: int) -> None:
 
         tile = pa._choose_tile(dev, HQ // HKV, HEAD, "f16")
         split = pa.choose_partition(dev, b, HKV, ctx, tile)
-        us = _gpu_median_us(dev, "paged_reduce" if split else "paged_decode", run, reps)
+        us = replay_us(dev, run, reps)
         print(f"  B={b:<3d} L={ctx:<5d} split={split or 'off':>4}  {kv_bytes / us / 1e3:7.0f} GB/s  "
               f"({us:.1f} us)   torch sdpa: {_torch_sdpa(b, ctx, reps)}")
 
