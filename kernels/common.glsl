@@ -21,18 +21,15 @@ vec4 unpack_bf16x4(uvec2 w) {
 // a field at bit p becomes q * 2^p, and the caller multiplies the activation by 2^-p instead (exact, and
 // shared by every weight row). Bits 0..22 are mantissa, so fields above bit 22 are shifted down first.
 
-// The eight nibbles of w as floats, with no int-to-float conversion and no subtraction: each nibble q is
-// masked into the top of a mantissa under the exponent of 1.0, giving 1 + q/256 (lo: the low nibbles of bytes
-// 0..3, at mantissa bits 15..18) and 1 + q/16 (hi: the high nibbles, bits 19..22); one shift per byte serves
-// both, and the and-or is one instruction. Multiplied by 256 x (lo) or 16 x (hi), the sum over a run is
-// 256 (16) times the run's activation sum plus the dot product wanted: the caller subtracts the former once
-// per run. The lost low bits (8 at most, of the large term) stay far below the templates' error bound.
+// The eight nibbles of w: lo = the low nibbles of bytes 0..3, hi = the high ones, each times a power of two
+// that multiplying its activation by NIB_LO / NIB_HI undoes.
 void nibbles(uint w, out vec4 lo, out vec4 hi) {
-    const uvec4 c = uvec4(w << 15, w << 7, w >> 1, w >> 9);
-    lo = uintBitsToFloat((c & 0x00078000u) | 0x3F800000u);
-    hi = uintBitsToFloat((c & 0x00780000u) | 0x3F800000u);
+    const uint v = w >> 12;
+    lo = uintBitsToFloat(uvec4(w & 0xFu, w & 0xF00u, w & 0xF0000u, v & 0xF000u) | 0x4B000000u) - 8388608.0;
+    hi = uintBitsToFloat(uvec4(w & 0xF0u, w & 0xF000u, v & 0xF00u, v & 0xF0000u) | 0x4B000000u) - 8388608.0;
 }
-const float NIB_LO = 256.0, NIB_HI = 16.0;
+const vec4 NIB_LO = vec4(1.0, 1.0 / 256.0, 1.0 / 65536.0, 1.0 / 4096.0);
+const vec4 NIB_HI = vec4(1.0 / 16.0, 1.0 / 4096.0, 1.0 / 256.0, 1.0 / 65536.0);
 
 // The four bytes of w (each < 128) times (1, 2^8, 2^16, 1): multiply the activations by BYTES7.
 vec4 bytes7(uint w) {

@@ -19,6 +19,5 @@ float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
         nibbles(q.v[i], lo, hi);
         d4 += lo * (xv[i] * NIB_LO) + hi * (xv[4 + i] * NIB_HI);
     }
-    // hsum(d4) = NIB_LO xs[0] + NIB_HI xs[1] + the levels' dot product; levels are stored as q + 8
-    return q.d * (hsum(d4) - (NIB_LO + 8.0) * xs[0] - (NIB_HI + 8.0) * xs[1]);
+    return q.d * (hsum(d4) - 8.0 * (xs[0] + xs[1]));   // levels are stored as q + 8
 }

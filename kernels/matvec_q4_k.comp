@@ -39,6 +39,5 @@ float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
     }
     const vec2 dm = unpackHalf2x16(q.h.x);
     const vec2 a = dm.x * vec2(sc), b = dm.y * vec2(mn);
-    // hsum(d0) = NIB_LO xs[0] + the levels' dot product, hsum(d1) = NIB_HI xs[1] + ... (see nibbles)
-    return a.x * (hsum(d0) - NIB_LO * xs[0]) + a.y * (hsum(d1) - NIB_HI * xs[1]) - b.x * xs[0] - b.y * xs[1];
+    return a.x * hsum(d0) + a.y * hsum(d1) - b.x * xs[0] - b.y * xs[1];
 }
