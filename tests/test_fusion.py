@@ -117,7 +117,7 @@ def test_dispatch_counts_over_the_limit_fold_into_y_and_z(monkeypatch):
     x = data(64 * 20 + 5)
     np.testing.assert_allclose((Tensor(x) * 3).numpy(), x * 3, rtol=1e-6)
     m = data(50, 11)
-    np.testing.assert_allclose(Tensor(m).sum(1).numpy(), m.sum(1), rtol=1e-5)
+    np.testing.assert_allclose(Tensor(m).sum(1).numpy(), m.sum(1), rtol=1e-5, atol=1e-5)  # sums near 0 cancel
     a, b = data(130, 70), data(70, 200)
     np.testing.assert_allclose((Tensor(a) @ Tensor(b)).numpy(), a @ b, rtol=1e-4, atol=1e-4)
 
