@@ -25,11 +25,6 @@ WGS = (32, 64, 128, 256)
 ROWS = (1, 2, 4, 8)
 
 
-def _cfg(c) -> str:
-    wg, rows, chunk = (c.wg, c.rows, c.x_chunk) if isinstance(c, mv.MatvecConfig) else c
-    return f"(wg{wg:>3d} r{rows} x{chunk:<5d})"
-
-
 def _sweep(dev, rng, f, ws, n: int, k: int, batch: int, act: str, nbytes: int, reps: int):
     """GB/s of every (workgroup size, rows) for one shape, batch and activation dtype; the best key too."""
     xs = rng.standard_normal(batch * k).astype(np.float16 if act == "f16" else np.float32)
@@ -42,14 +37,13 @@ def _sweep(dev, rng, f, ws, n: int, k: int, batch: int, act: str, nbytes: int, r
         if wg > dev.info.max_workgroup_invocations:
             continue
         for rows in ROWS:
-            for chunk in (0, mv.x_chunk_for(dev, k, batch)):
-                cfg = mv.MatvecConfig(wg, rows, chosen.use_subgroup and wg % dev.info.subgroup_size == 0, chunk)
-                it = iter(range(1 << 62))
+            cfg = mv.MatvecConfig(wg, rows, chosen.use_subgroup and wg % dev.info.subgroup_size == 0)
+            it = iter(range(1 << 62))
 
-                def run(cfg=cfg, it=it):
-                    mv.matvec(dev, ws[next(it) % len(ws)], x, batch, act_dtype=act, out=y, config=cfg)
+            def run(cfg=cfg, it=it):
+                mv.matvec(dev, ws[next(it) % len(ws)], x, batch, act_dtype=act, out=y, config=cfg)
 
-                results[(wg, rows, chunk)] = nbytes / replay_us(dev, run, reps) / 1e3
+            results[(wg, rows)] = nbytes / replay_us(dev, run, reps) / 1e3
     x.release()
     y.release()
     return max(results, key=results.get), results, chosen
@@ -66,11 +60,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     batches = [int(b) for b in a.batches.split(",")]
     best: dict[str, dict[int, list]] = {}
-    print(f"{dev.info.name}: GB/s of weight bytes, chosen configuration vs best of {len(WGS) * len(ROWS)} "
-          "workgroup sizes and rows per workgroup, each with activations staged in shared memory (x = chunk) "
-          "and read directly (x0)")
-    print(f"{'format':>6s} {'act':>3s} {'shape':>13s} {'batch':>5s} {'chosen':>22s} {'best':>22s} "
-          f"{'best unstaged':>22s}")
+    print(f"{dev.info.name}: GB/s of weight bytes, chosen configuration vs best of {len(WGS) * len(ROWS)}")
+    print(f"{'format':>6s} {'act':>3s} {'shape':>13s} {'batch':>5s} {'chosen':>16s} {'best':>16s}")
     for fmt in a.formats.split(","):
         f = FORMATS[fmt]
         for n, k in MATVEC_SHAPES:
@@ -81,17 +72,16 @@ def main() -> None:
             for act in a.acts.split(","):
                 for batch in batches:
                     top, results, chosen = _sweep(dev, rng, f, ws, n, k, batch, act, nbytes, a.reps)
-                    mine = results.get((chosen.wg, chosen.rows, chosen.x_chunk), float("nan"))
-                    direct = max((key for key in results if not key[2]), key=results.get)
-                    print(f"{fmt:>6s} {act:>3s} {n:>6d}x{k:<6d} {batch:>5d} {mine:7.0f} {_cfg(chosen)} "
-                          f"{results[top]:7.0f} {_cfg(top)} {results[direct]:7.0f} {_cfg(direct)}", flush=True)
+                    mine = results.get((chosen.wg, chosen.rows), float("nan"))
+                    print(f"{fmt:>6s} {act:>3s} {n:>6d}x{k:<6d} {batch:>5d} {mine:7.0f} (wg{chosen.wg:>3d} "
+                          f"r{chosen.rows}) {results[top]:7.0f} (wg{top[0]:>3d} r{top[1]})", flush=True)
                     best.setdefault(f"{fmt} {act}", {}).setdefault(batch, []).append(((n, k), top,
                                                                                      round(results[top])))
             for w in ws:
                 w.body.release()
                 if w.scales is not None:
                     w.scales.release()
-    print("\nbest (wg, rows, x_chunk) per format and batch, by shape:")
+    print("\nbest (wg, rows) per format and batch, by shape:")
     for fmt, per_batch in best.items():
         print(f"  {fmt!r}: {{" + ", ".join(f"{b}: {v}" for b, v in per_batch.items()) + "},")
 

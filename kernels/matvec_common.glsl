@@ -10,13 +10,6 @@
 // into the runs' activation sums instead of subtracting them per element.
 // The per-invocation sums are reduced with subgroupAdd (USE_SUBGROUP) or a shared-memory tree.
 //
-// With XCH > 0 the activations are staged through shared memory, XCH elements of each batch row at a time:
-// the workgroup copies a chunk with coalesced loads, then every invocation reads its runs from there. Read
-// straight from global memory, an invocation's run of RUN activations fills a whole cache line, so each
-// warp-wide load touches one line per invocation. The shared copy is swizzled (vec4 index p lives at
-// p ^ ((p >> 3) & 7)) so that eight invocations reading the same offset of neighbouring runs hit eight
-// different bank groups.
-//
 // The format file defines RUN, RUNS, UNIT_ELEMS, HAS_OFFSET and `struct Unit` (a unit's raw words), then
 //   Unit load_unit(uint row, uint u)                   the loads of unit u of `row`
 //   uint x_run(uint u, uint j)                         the first element of run j of unit u
@@ -41,8 +34,6 @@ layout(constant_id = 3) const bool USE_SUBGROUP = false;  // subgroupAdd is avai
 layout(constant_id = 4) const bool HAS_BIAS = false;
 layout(constant_id = 5) const bool HAS_RESIDUAL = false;
 layout(constant_id = 6) const uint SUBGROUP = 32;     // the device's subgroup size, for the shared scratch
-layout(constant_id = 7) const uint XCH = 0;           // activations per batch row staged per chunk (0: none;
-                                                      // else a multiple of 256)
 
 #ifdef A_F16
 #define XVEC uvec2
@@ -78,21 +69,12 @@ uint pair, x_row0;  // this workgroup's pair and its activation row, set first i
 #define Y_ROW(b) (b)
 #endif
 
-vec4 global_x4(uint b, uint e) {   // four activations of row b from element e (e % 4 == 0)
+vec4 load_x4(uint b, uint e) {   // four activations of row b from element e (e % 4 == 0)
 #ifdef A_F16
     return unpack_half4(x[(X_ROW(b) * pc.k + e) >> 2]);
 #else
     return x[(X_ROW(b) * pc.k + e) >> 2];
 #endif
-}
-
-shared vec4 sx[XCH == 0 ? 1 : NB * XCH / 4];
-uint chunk0 = 0;  // the first element of the staged chunk
-
-uint swizzle(uint p) { return p ^ ((p >> 3) & 7u); }
-
-vec4 load_x4(uint b, uint e) {
-    return XCH == 0 ? global_x4(b, e) : sx[swizzle(b * (XCH / 4) + ((e - chunk0) >> 2))];
 }
 
 float scale_at(uint row, uint i) {  // float16 scale i of `row` in the scales array
@@ -113,12 +95,28 @@ void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r 
     y[Y_ROW(b) * pc.n_rows + row] = v;
 }
 
-uint row0, wrow0;  // this workgroup's first output row; its first weight row (differs with EXPERT_IDS)
-float acc[ROWS * NB];  // this invocation's partial sums (a global: arrays sized by spec constants can't be passed)
+shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * NB];
 
-// acc[r * NB + b] += the dot products of units u0..u1 of this workgroup's rows with activation row b
-void accumulate(uint u0, uint u1) {
-    for (uint u = u0 + gl_LocalInvocationID.x; u < u1; u += WG) {
+void main() {
+    const uint tid = gl_LocalInvocationID.x;
+#ifdef EXPERT_IDS
+    // pairs vary fastest, so neighbouring workgroups read the same rows, of the same expert when pairs share it
+    const uint wg_index = gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x;
+    if (wg_index >= pc.n_pairs * ((pc.n_rows + ROWS - 1) / ROWS)) return;  // grid padding (whole workgroups)
+    pair = wg_index % pc.n_pairs;
+    x_row0 = pair / pc.x_div;
+    const uint row0 = (wg_index / pc.n_pairs) * ROWS;
+    const uint wrow0 = min(ids[pair], pc.n_experts - 1) * pc.n_rows;
+#else
+    const uint row0 = (gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x) * ROWS;
+    const uint wrow0 = 0;
+#endif
+    const uint units = pc.k / UNIT_ELEMS;
+
+    float acc[ROWS * NB];
+    [[unroll]] for (uint i = 0; i < ROWS * NB; i++) acc[i] = 0.0;
+
+    for (uint u = tid; u < units; u += WG) {
         Unit q[ROWS];
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
             q[r] = load_unit(wrow0 + min(row0 + r, pc.n_rows - 1), u);  // clamped: out-of-range rows compute, never store
@@ -136,43 +134,6 @@ void accumulate(uint u0, uint u1) {
                 xs[j] = HAS_OFFSET ? hsum(s4) : 0.0;
             }
             [[unroll]] for (uint r = 0; r < ROWS; r++) acc[r * NB + b] += unit_dot(q[r], u, xv, xs);
-        }
-    }
-}
-
-shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * NB];
-
-void main() {
-    const uint tid = gl_LocalInvocationID.x;
-#ifdef EXPERT_IDS
-    // pairs vary fastest, so neighbouring workgroups read the same rows, of the same expert when pairs share it
-    const uint wg_index = gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x;
-    if (wg_index >= pc.n_pairs * ((pc.n_rows + ROWS - 1) / ROWS)) return;  // grid padding (whole workgroups)
-    pair = wg_index % pc.n_pairs;
-    x_row0 = pair / pc.x_div;
-    row0 = (wg_index / pc.n_pairs) * ROWS;
-    wrow0 = min(ids[pair], pc.n_experts - 1) * pc.n_rows;
-#else
-    row0 = (gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x) * ROWS;
-    wrow0 = 0;
-#endif
-    const uint units = pc.k / UNIT_ELEMS;
-
-    [[unroll]] for (uint i = 0; i < ROWS * NB; i++) acc[i] = 0.0;
-
-    if (XCH == 0) {
-        accumulate(0, units);
-    } else {
-        for (uint c0 = 0; c0 < pc.k; c0 += XCH) {
-            const uint len = min(XCH, pc.k - c0);
-            barrier();  // the previous chunk's readers are done
-            for (uint i = tid; i < NB * (XCH / 4); i += WG) {
-                const uint v = i % (XCH / 4);
-                if (4 * v < len) sx[swizzle(i)] = global_x4(i / (XCH / 4), c0 + 4 * v);
-            }
-            barrier();
-            chunk0 = c0;
-            accumulate(c0 / UNIT_ELEMS, (c0 + len) / UNIT_ELEMS);
         }
     }
 

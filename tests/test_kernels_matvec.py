@@ -51,21 +51,10 @@ def test_matvec_long_rows(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("act", ["f32", "f16"])
-def test_matvec_staged_activations_long_rows(fmt, act):
-    """Activations staged in chunks of 1024 over K >= 4096 (the last chunk short), 1 and 8 rows."""
-    k = 4352 if fmt in ("Q4_K", "Q6_K") else 4128
-    for batch in (1, 8):
-        _run(fmt, 37, k, batch, act, False, batch == 1, config=mv.MatvecConfig(64, 4, True, 1024))
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("config", [mv.MatvecConfig(32, 3, False), mv.MatvecConfig(64, 1, True),
-                                    mv.MatvecConfig(16, 4, True), mv.MatvecConfig(32, 3, True, 256),
-                                    mv.MatvecConfig(64, 2, False, 512)])
+                                    mv.MatvecConfig(16, 4, True)])
 def test_matvec_launch_configs(fmt, config):
-    """Both reductions (subgroupAdd and shared memory), odd rows per workgroup, a workgroup wider than K,
-    activations staged through shared memory in chunks (several, the last one short, or one partly filled)."""
+    """Both reductions (subgroupAdd and shared memory), odd rows per workgroup, a workgroup wider than K."""
     if config.use_subgroup and "arithmetic" not in device().info.subgroup_ops:
         pytest.skip("no subgroup arithmetic on this device")
     _run(fmt, 29, _k_for(fmt, 3), 2, "f32", False, True, config=config)
@@ -133,10 +122,8 @@ def test_matvec_id_fuzz(fmt, n_experts, n, blocks, tokens, slots, per_pair, act,
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_matvec_id_launch_configs(fmt):
-    """The shared-memory reduction and odd rows per workgroup, with rows past the last full workgroup; then
-    activations staged in chunks of 256."""
+    """The shared-memory reduction and odd rows per workgroup, with rows past the last full workgroup."""
     _run_id(fmt, 3, 29, _k_for(fmt, 3), 5, 2, False, config=mv.MatvecConfig(32, 3, False))
-    _run_id(fmt, 3, 29, _k_for(fmt, 3), 5, 2, False, "f16", config=mv.MatvecConfig(32, 3, True, 256))
 
 
 def test_matvec_id_2d_grid(monkeypatch):

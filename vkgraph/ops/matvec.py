@@ -49,8 +49,6 @@ class MatvecConfig:
     wg: int
     rows: int
     use_subgroup: bool
-    # activations per batch row staged through shared memory per chunk (a multiple of 256); 0: read directly
-    x_chunk: int = 0
 
 
 def upload_weights(dev: Device, qt: QuantizedTensor) -> DeviceWeights:
@@ -78,7 +76,6 @@ def upload_weights(dev: Device, qt: QuantizedTensor) -> DeviceWeights:
 PREFERRED = {"Q8_0": (64, 256, 8), "Q4_0": (64, 128, 4), "Q4_K": (64, 128, 8), "Q6_K": (64, 128, 4),
              "F16": (256, 256, 4), "BF16": (256, 256, 4)}
 LONG_K = 4096
-X_STAGE_BYTES = 16384  # shared memory for staged activations (see x_chunk_for)
 MANY_ROWS = 65536  # from here on (an output projection) Q4_0 takes 8 rows per workgroup
 # Rows per workgroup for 2, 4 and 8 activation rows, measured on an H200 at 14336x4096
 # (`bench_kernels.py --batches-only`). Each weight row reuses the activations loaded for it, so fewer rows per
@@ -103,16 +100,6 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> 
     return MatvecConfig(wg, rows, use_subgroup)
 
 
-def x_chunk_for(dev: Device, k: int, batch: int, budget: int = X_STAGE_BYTES) -> int:
-    """Activations per batch row to stage per chunk: all of K when `batch` rows of it fit in `budget` bytes
-    of shared memory (as float32), else the most that fit, in multiples of 256 (a K-quant super-block)."""
-    budget = min(budget, dev.info.max_shared_memory // 2)  # the rest for the reduction and other workgroups
-    fit = budget // (4 * batch) // 256 * 256
-    if fit == 0:
-        raise ValueError(f"{batch} activation rows do not fit the device's shared memory in chunks of 256")
-    return min(fit, -(-k // 256) * 256)
-
-
 def _check_act_dtype(act_dtype: str) -> int:
     """Bytes per activation of `act_dtype`; ValueError when the templates do not take it."""
     if act_dtype not in ACT_DTYPES:
@@ -134,8 +121,7 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
         if weights.format.name == "BF16":
             defines["W_BF16"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
-                "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size,
-                "XCH": cfg.x_chunk}
+                "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
         kern = weights.kernels[key] = kernels.compile(dev, TEMPLATE[weights.format.name], spec=spec,
                                                       defines=defines)
     return kern
