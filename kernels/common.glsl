@@ -21,12 +21,15 @@ vec4 unpack_bf16x4(uvec2 w) {
 // a field at bit p becomes q * 2^p, and the caller multiplies the activation by 2^-p instead (exact, and
 // shared by every weight row). Bits 0..22 are mantissa, so fields above bit 22 are shifted down first.
 
-// The eight nibbles of w: lo = the low nibbles of bytes 0..3, hi = the high ones, each times a power of two
-// that multiplying its activation by NIB_LO / NIB_HI undoes.
-void nibbles(uint w, out vec4 lo, out vec4 hi) {
+// The low nibbles of bytes 0..3 of w, each times a power of two that multiplying its activation by NIB_LO
+// undoes; nibbles_hi: the high nibbles, undone by NIB_HI.
+vec4 nibbles_lo(uint w) {
+    return uintBitsToFloat(uvec4(w & 0xFu, w & 0xF00u, w & 0xF0000u, (w >> 12) & 0xF000u) | 0x4B000000u)
+         - 8388608.0;
+}
+vec4 nibbles_hi(uint w) {
     const uint v = w >> 12;
-    lo = uintBitsToFloat(uvec4(w & 0xFu, w & 0xF00u, w & 0xF0000u, v & 0xF000u) | 0x4B000000u) - 8388608.0;
-    hi = uintBitsToFloat(uvec4(w & 0xF0u, w & 0xF000u, v & 0xF00u, v & 0xF0000u) | 0x4B000000u) - 8388608.0;
+    return uintBitsToFloat(uvec4(w & 0xF0u, w & 0xF000u, v & 0xF00u, v & 0xF0000u) | 0x4B000000u) - 8388608.0;
 }
 const vec4 NIB_LO = vec4(1.0, 1.0 / 256.0, 1.0 / 65536.0, 1.0 / 4096.0);
 const vec4 NIB_HI = vec4(1.0 / 16.0, 1.0 / 4096.0, 1.0 / 256.0, 1.0 / 65536.0);

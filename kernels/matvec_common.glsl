@@ -6,16 +6,19 @@
 // 16-byte loads in flight), then loads the unit's activations once per batch row and reuses them for every
 // weight row: the activations (4 or 8 bytes per weight byte for the 8- and 4-bit formats, read through L1
 // with a stride between invocations) are what bounded the kernel when they were reloaded per row.
-// A unit covers RUNS runs of RUN contiguous activations; the format folds its offsets (-8d for Q4_0, ...)
-// into the runs' activation sums instead of subtracting them per element.
+// A unit covers RUNS runs of RUN contiguous activations. Run by run, the weights of all ROWS rows are decoded
+// once and then used for every activation row: decoding is most of the work, and redoing it per activation
+// row made a batch of 8 cost nearly 8 batches of 1. Each run contributes c * dot(levels, x) + m * sum(x):
+// the format folds its offsets (-8d for Q4_0, ...) into m instead of subtracting them per element.
 // The per-invocation sums are reduced with subgroupAdd (USE_SUBGROUP) or a shared-memory tree.
 //
 // The format file defines RUN, RUNS, UNIT_ELEMS, HAS_OFFSET and `struct Unit` (a unit's raw words), then
 //   Unit load_unit(uint row, uint u)                   the loads of unit u of `row`
 //   uint x_run(uint u, uint j)                         the first element of run j of unit u
-//   float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS])
-//                                                      the unit's dot product with activations xv (run j at
-//                                                      xv[j * RUN / 4 ...]), xs[j] = sum of run j (HAS_OFFSET)
+//   vec4 run_levels(Unit q, uint j, uint i)            weights 4i..4i+3 of run j, each possibly times a power
+//                                                      of two that x_factor(j) undoes
+//   vec4 x_factor(uint j)                              per-lane factors for run j's activations
+//   vec2 run_coeffs(Unit q, uint u, uint j)            (c, m) of run j (m is read only when HAS_OFFSET)
 // Activations: float32, or float16 with -DA_F16. Output, bias and residual are float32.
 //
 // -DEXPERT_IDS (mul_mat_id): `w` holds n_experts matrices of n_rows rows each, stacked; pair p of n_pairs
@@ -82,10 +85,11 @@ float scale_at(uint row, uint i) {  // float16 scale i of `row` in the scales ar
     return half_at_u32(s[idx >> 1], idx);
 }
 
-#define XV (RUNS * RUN / 4)
 Unit load_unit(uint row, uint u);
 uint x_run(uint u, uint j);
-float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]);
+vec4 run_levels(Unit q, uint j, uint i);
+vec4 x_factor(uint j);
+vec2 run_coeffs(Unit q, uint u, uint j);
 
 void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r * NB + b
     const uint b = i % NB, row = row0 + i / NB;
@@ -121,19 +125,29 @@ void main() {
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
             q[r] = load_unit(wrow0 + min(row0 + r, pc.n_rows - 1), u);  // clamped: out-of-range rows compute, never store
         }
-        [[unroll]] for (uint b = 0; b < NB; b++) {
-            vec4 xv[XV];
-            float xs[RUNS];
-            [[unroll]] for (uint j = 0; j < RUNS; j++) {
-                const uint e = x_run(u, j);
+        [[unroll]] for (uint j = 0; j < RUNS; j++) {
+            vec4 wv[ROWS * (RUN / 4)];  // run j of every row, decoded once for all activation rows
+            vec2 cm[ROWS];
+            [[unroll]] for (uint r = 0; r < ROWS; r++) {
+                cm[r] = run_coeffs(q[r], u, j);
+                [[unroll]] for (uint i = 0; i < RUN / 4; i++) wv[r * (RUN / 4) + i] = run_levels(q[r], j, i);
+            }
+            const uint e = x_run(u, j);
+            [[unroll]] for (uint b = 0; b < NB; b++) {
+                vec4 xv[RUN / 4];
                 vec4 s4 = vec4(0.0);
                 [[unroll]] for (uint i = 0; i < RUN / 4; i++) {
-                    xv[j * (RUN / 4) + i] = load_x4(b, e + 4 * i);
-                    s4 += xv[j * (RUN / 4) + i];
+                    const vec4 v = load_x4(b, e + 4 * i);
+                    s4 += v;
+                    xv[i] = v * x_factor(j);
                 }
-                xs[j] = HAS_OFFSET ? hsum(s4) : 0.0;
+                const float xs = HAS_OFFSET ? hsum(s4) : 0.0;
+                [[unroll]] for (uint r = 0; r < ROWS; r++) {
+                    vec4 d4 = vec4(0.0);
+                    [[unroll]] for (uint i = 0; i < RUN / 4; i++) d4 += wv[r * (RUN / 4) + i] * xv[i];
+                    acc[r * NB + b] += cm[r].x * hsum(d4) + (HAS_OFFSET ? cm[r].y * xs : 0.0);
+                }
             }
-            [[unroll]] for (uint r = 0; r < ROWS; r++) acc[r * NB + b] += unit_dot(q[r], u, xv, xs);
         }
     }
 

@@ -12,10 +12,15 @@ Unit load_unit(uint row, uint u) { return Unit(w[row * pc.w_stride + u]); }
 
 uint x_run(uint u, uint j) { return u * 8; }
 
-float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
+vec4 run_levels(Unit q, uint j, uint i) {
+    const uvec2 h = i == 0 ? q.v.xy : q.v.zw;
 #ifdef W_BF16
-    return hsum(unpack_bf16x4(q.v.xy) * xv[0] + unpack_bf16x4(q.v.zw) * xv[1]);
+    return unpack_bf16x4(h);
 #else
-    return hsum(unpack_half4(q.v.xy) * xv[0] + unpack_half4(q.v.zw) * xv[1]);
+    return unpack_half4(h);
 #endif
 }
+
+vec4 x_factor(uint j) { return vec4(1.0); }
+
+vec2 run_coeffs(Unit q, uint u, uint j) { return vec2(1.0, 0.0); }

@@ -12,12 +12,8 @@ Unit load_unit(uint row, uint u) { return Unit(w[row * pc.w_stride + u], scale_a
 
 uint x_run(uint u, uint j) { return u * 32 + 16 * j; }
 
-float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
-    vec4 d4 = vec4(0.0);
-    [[unroll]] for (uint i = 0; i < 4; i++) {
-        vec4 lo, hi;
-        nibbles(q.v[i], lo, hi);
-        d4 += lo * (xv[i] * NIB_LO) + hi * (xv[4 + i] * NIB_HI);
-    }
-    return q.d * (hsum(d4) - 8.0 * (xs[0] + xs[1]));   // levels are stored as q + 8
-}
+vec4 run_levels(Unit q, uint j, uint i) { return j == 0 ? nibbles_lo(q.v[i]) : nibbles_hi(q.v[i]); }
+
+vec4 x_factor(uint j) { return j == 0 ? NIB_LO : NIB_HI; }
+
+vec2 run_coeffs(Unit q, uint u, uint j) { return vec2(q.d, -8.0 * q.d); }   // levels are stored as q + 8

@@ -18,26 +18,23 @@ Unit load_unit(uint row, uint u) {
 
 uint x_run(uint u, uint j) { return (u >> 3) * 256 + 64 * ((u & 7u) >> 1) + 16 * (u & 1u) + 32 * j; }
 
-float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
-    vec4 d0 = vec4(0.0), d1 = vec4(0.0);
-    [[unroll]] for (uint i = 0; i < 4; i++) {
-        vec4 lo, hi;
-        nibbles(q.v[i], lo, hi);
-        d0 += lo * (xv[i] * NIB_LO);
-        d1 += hi * (xv[4 + i] * NIB_HI);
-    }
-    // get_scale_min_k4 for sub-blocks 2j and 2j+1 (j = k/2): bytes 4..15 of the header are h.y, h.z, h.w
-    const uint j = (u & 7u) >> 1, sh = 16u * (j & 1u);
+vec4 run_levels(Unit q, uint j, uint i) { return j == 0 ? nibbles_lo(q.v[i]) : nibbles_hi(q.v[i]); }
+
+vec4 x_factor(uint j) { return j == 0 ? NIB_LO : NIB_HI; }
+
+// run j is sub-block 2 * (k / 2) + j: (d * scale, -dmin * min) from get_scale_min_k4; bytes 4..15 of the
+// header are h.y, h.z, h.w
+vec2 run_coeffs(Unit q, uint u, uint j) {
+    const uint p = (u & 7u) >> 1, sh = 16u * (p & 1u) + 8u * j;
     const uint y = q.h.y >> sh, z = q.h.z >> sh, x4 = q.h.w >> sh;
-    uvec2 sc, mn;
-    if (j < 2) {
-        sc = uvec2(y, y >> 8) & 63u;
-        mn = uvec2(z, z >> 8) & 63u;
+    uint sc, mn;
+    if (p < 2) {
+        sc = y & 63u;
+        mn = z & 63u;
     } else {
-        sc = (uvec2(x4, x4 >> 8) & 0xFu) | ((uvec2(y, y >> 8) >> 2) & 0x30u);
-        mn = ((uvec2(x4, x4 >> 8) >> 4) & 0xFu) | ((uvec2(z, z >> 8) >> 2) & 0x30u);
+        sc = (x4 & 0xFu) | ((y >> 2) & 0x30u);
+        mn = ((x4 >> 4) & 0xFu) | ((z >> 2) & 0x30u);
     }
     const vec2 dm = unpackHalf2x16(q.h.x);
-    const vec2 a = dm.x * vec2(sc), b = dm.y * vec2(mn);
-    return a.x * hsum(d0) + a.y * hsum(d1) - b.x * xs[0] - b.y * xs[1];
+    return vec2(dm.x * float(sc), -dm.y * float(mn));
 }

@@ -22,21 +22,21 @@ Unit load_unit(uint row, uint u) {
 
 uint x_run(uint u, uint j) { return (u >> 2) * 256 + 128 * ((u & 3u) >> 1) + 16 * (u & 1u) + 32 * j; }
 
-float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
-    vec4 d[4] = vec4[4](vec4(0.0), vec4(0.0), vec4(0.0), vec4(0.0));
-    [[unroll]] for (uint i = 0; i < 4; i++) {
-        // the four 6-bit levels of each byte position, assembled in integer lanes before one conversion
-        const uint h = q.qh[i];
-        d[0] += bytes7((q.lo[i] & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u)) * (xv[i] * BYTES7);
-        d[1] += bytes7((q.hi[i] & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u)) * (xv[4 + i] * BYTES7);
-        d[2] += bytes7(((q.lo[i] >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u)) * (xv[8 + i] * BYTES7);
-        d[3] += bytes7(((q.hi[i] >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u)) * (xv[12 + i] * BYTES7);
+// the four 6-bit levels of each byte position, assembled in integer lanes before one conversion
+vec4 run_levels(Unit q, uint j, uint i) {
+    const uint h = q.qh[i];
+    switch (j) {
+        case 0: return bytes7((q.lo[i] & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u));
+        case 1: return bytes7((q.hi[i] & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u));
+        case 2: return bytes7(((q.lo[i] >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u));
+        default: return bytes7(((q.hi[i] >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u));
     }
-    float sum = 0.0;
-    [[unroll]] for (uint j = 0; j < 4; j++) {
-        const uint bi = (u & 1u) + 2 * j;   // int8 scale of run j within this half's eight
-        const float sc = float(bitfieldExtract(int(q.sc[bi >> 2]), int(8 * (bi & 3u)), 8));
-        sum += sc * (hsum(d[j]) - 32.0 * xs[j]);   // levels are stored as q + 32
-    }
-    return q.d * sum;
+}
+
+vec4 x_factor(uint j) { return BYTES7; }
+
+vec2 run_coeffs(Unit q, uint u, uint j) {
+    const uint bi = (u & 1u) + 2 * j;   // int8 scale of run j within this half's eight
+    const float c = q.d * float(bitfieldExtract(int(q.sc[bi >> 2]), int(8 * (bi & 3u)), 8));
+    return vec2(c, -32.0 * c);   // levels are stored as q + 32
 }

@@ -12,8 +12,8 @@ Unit load_unit(uint row, uint u) { return Unit(w[row * pc.w_stride + u], scale_a
 
 uint x_run(uint u, uint j) { return u * 16; }
 
-float unit_dot(Unit q, uint u, vec4 xv[XV], float xs[RUNS]) {
-    const vec4 d4 = bytes_i8(q.v.x) * (xv[0] * I8) + bytes_i8(q.v.y) * (xv[1] * I8)
-                  + bytes_i8(q.v.z) * (xv[2] * I8) + bytes_i8(q.v.w) * (xv[3] * I8);
-    return q.d * hsum(d4);
-}
+vec4 run_levels(Unit q, uint j, uint i) { return bytes_i8(q.v[i]); }
+
+vec4 x_factor(uint j) { return I8; }
+
+vec2 run_coeffs(Unit q, uint u, uint j) { return vec2(q.d, 0.0); }
