@@ -3,7 +3,8 @@
     python benchmarks/tune_matvec.py [--formats Q8_0,Q4_0,...] [--batches 1,2,4,8] [--acts f32,f16] [--reps 20]
 
 For each format, shape (bench_kernels.MATVEC_SHAPES) and number of activation rows, every workgroup size in
-WGS and rows-per-workgroup choice in ROWS is timed as bench_kernels times it (calls replayed from a captured
+WGS and rows-per-workgroup choice in ROWS (with and without the integer dot-product path for Q8_0 and Q4_0,
+where the device has it) is timed as bench_kernels times it (calls replayed from a captured
 command graph, weights cycled past the L2). Prints GB/s of weight bytes for the chosen
 configuration (vkgraph.ops.matvec.choose_config) and the best one found, then the best per batch as a
 Python literal to compare with PREFERRED and BATCH_ROWS in vkgraph/ops/matvec.py.
@@ -25,6 +26,10 @@ WGS = (32, 64, 128, 256)
 ROWS = (1, 2, 4, 8)
 
 
+def _cfg(wg: int, rows: int, int_dot: bool) -> str:
+    return f"(wg{wg:>3d} r{rows}{' int8' if int_dot else '     '})"
+
+
 def _sweep(dev, rng, f, ws, n: int, k: int, batch: int, act: str, nbytes: int, reps: int):
     """GB/s of every (workgroup size, rows) for one shape, batch and activation dtype; the best key too."""
     xs = rng.standard_normal(batch * k).astype(np.float16 if act == "f16" else np.float32)
@@ -32,18 +37,20 @@ def _sweep(dev, rng, f, ws, n: int, k: int, batch: int, act: str, nbytes: int, r
     dev.upload(x, xs)
     y = dev.alloc(batch * n * 4)
     chosen = mv.choose_config(dev, f, n, k, batch)
+    int_dots = (False, True) if f.name in mv.INT_DOT_FORMATS and dev.info.integer_dot_product else (False,)
     results = {}
     for wg in WGS:
         if wg > dev.info.max_workgroup_invocations:
             continue
         for rows in ROWS:
-            cfg = mv.MatvecConfig(wg, rows, chosen.use_subgroup and wg % dev.info.subgroup_size == 0)
-            it = iter(range(1 << 62))
+            for int_dot in int_dots:
+                cfg = mv.MatvecConfig(wg, rows, chosen.use_subgroup and wg % dev.info.subgroup_size == 0, int_dot)
+                it = iter(range(1 << 62))
 
-            def run(cfg=cfg, it=it):
-                mv.matvec(dev, ws[next(it) % len(ws)], x, batch, act_dtype=act, out=y, config=cfg)
+                def run(cfg=cfg, it=it):
+                    mv.matvec(dev, ws[next(it) % len(ws)], x, batch, act_dtype=act, out=y, config=cfg)
 
-            results[(wg, rows)] = nbytes / replay_us(dev, run, reps) / 1e3
+                results[(wg, rows, int_dot)] = nbytes / replay_us(dev, run, reps) / 1e3
     x.release()
     y.release()
     return max(results, key=results.get), results, chosen
@@ -60,8 +67,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     batches = [int(b) for b in a.batches.split(",")]
     best: dict[str, dict[int, list]] = {}
-    print(f"{dev.info.name}: GB/s of weight bytes, chosen configuration vs best of {len(WGS) * len(ROWS)}")
-    print(f"{'format':>6s} {'act':>3s} {'shape':>13s} {'batch':>5s} {'chosen':>16s} {'best':>16s}")
+    print(f"{dev.info.name}: GB/s of weight bytes, chosen configuration vs the best workgroup size and rows per "
+          "workgroup (int8: the integer dot-product path, where the format and device have it)")
+    print(f"{'format':>6s} {'act':>3s} {'shape':>13s} {'batch':>5s} {'chosen':>21s} {'best':>21s}")
     for fmt in a.formats.split(","):
         f = FORMATS[fmt]
         for n, k in MATVEC_SHAPES:
@@ -72,16 +80,17 @@ def main() -> None:
             for act in a.acts.split(","):
                 for batch in batches:
                     top, results, chosen = _sweep(dev, rng, f, ws, n, k, batch, act, nbytes, a.reps)
-                    mine = results.get((chosen.wg, chosen.rows), float("nan"))
-                    print(f"{fmt:>6s} {act:>3s} {n:>6d}x{k:<6d} {batch:>5d} {mine:7.0f} (wg{chosen.wg:>3d} "
-                          f"r{chosen.rows}) {results[top]:7.0f} (wg{top[0]:>3d} r{top[1]})", flush=True)
+                    mine = results.get((chosen.wg, chosen.rows, chosen.int_dot), float("nan"))
+                    print(f"{fmt:>6s} {act:>3s} {n:>6d}x{k:<6d} {batch:>5d} {mine:7.0f} "
+                          f"{_cfg(chosen.wg, chosen.rows, chosen.int_dot)} {results[top]:7.0f} {_cfg(*top)}",
+                          flush=True)
                     best.setdefault(f"{fmt} {act}", {}).setdefault(batch, []).append(((n, k), top,
                                                                                      round(results[top])))
             for w in ws:
                 w.body.release()
                 if w.scales is not None:
                     w.scales.release()
-    print("\nbest (wg, rows) per format and batch, by shape:")
+    print("\nbest (wg, rows, int_dot) per format and batch, by shape:")
     for fmt, per_batch in best.items():
         print(f"  {fmt!r}: {{" + ", ".join(f"{b}: {v}" for b, v in per_batch.items()) + "},")
 

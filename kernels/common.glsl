@@ -1,5 +1,15 @@
 // Shared helpers for the templates in kernels/. Included once per kernel (the runtime's #include is "once").
 #extension GL_EXT_control_flow_attributes : require
+#ifdef INT_DOT
+// SPV_KHR_integer_dot_product through GL_EXT_spirv_intrinsics (the compilers the project can install know no
+// GLSL extension for it): dot products of four int8 lanes packed in a uint (packed-vector format 0).
+// Capabilities 6018 DotProductInput4x8BitPackedKHR, 6019 DotProductKHR; opcodes OpSDotKHR, OpSUDotKHR.
+#extension GL_EXT_spirv_intrinsics : require
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4450)
+int dot_s8(uint a, uint b, spirv_literal int packed_format);   // int8 a . int8 b
+spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4452)
+int dot_s8u8(uint a, uint b, spirv_literal int packed_format); // int8 a . uint8 b
+#endif
 
 // Element i of a float16 array stored two per uint (no 16-bit storage feature needed).
 float half_at_u32(uint word, uint i) {
@@ -48,6 +58,7 @@ vec4 bytes_i8(uint w) {
          - vec2(8388736.0, 8421376.0).xyxy;
 }
 const vec4 I8 = vec4(1.0, 1.0 / 256.0, 1.0, 1.0 / 256.0);
+
 
 float hsum(vec4 v) {
     return (v.x + v.y) + (v.z + v.w);

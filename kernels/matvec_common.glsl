@@ -21,6 +21,13 @@
 //   vec2 run_coeffs(Unit q, uint u, uint j)            (c, m) of run j (m is read only when HAS_OFFSET)
 // Activations: float32, or float16 with -DA_F16. Output, bias and residual are float32.
 //
+// -DINT_DOT (Q8_0, Q4_0): the activations come quantized to int8 per block of 32 (quantize_q8.comp: `x` holds
+// 16 int8 per uvec4, `xd` the blocks' scales, `xsum` their int8 sums) and each unit's dot product is integer
+// dot products of four int8 lanes (SPV_KHR_integer_dot_product), from the format's
+//   float unit_idot(Unit q, uvec4 xq[UNIT_ELEMS / 16], int xs)   the unit's dot product in units of xd,
+//                                                                 weight scale included
+// This computes W times the int8-quantized activations, as llama.cpp's integer path does.
+//
 // -DEXPERT_IDS (mul_mat_id): `w` holds n_experts matrices of n_rows rows each, stacked; pair p of n_pairs
 // computes y[p] = W[ids[p]] x[p / x_div] (NB = 1, no bias or residual). The weight row and its scale row are
 // offset by ids[p] * n_rows through the row passed to load_unit, so every format gets it. The binding and
@@ -38,7 +45,9 @@ layout(constant_id = 4) const bool HAS_BIAS = false;
 layout(constant_id = 5) const bool HAS_RESIDUAL = false;
 layout(constant_id = 6) const uint SUBGROUP = 32;     // the device's subgroup size, for the shared scratch
 
-#ifdef A_F16
+#if defined(INT_DOT)
+#define XVEC uvec4
+#elif defined(A_F16)
 #define XVEC uvec2
 #else
 #define XVEC vec4
@@ -51,6 +60,8 @@ layout(set = 0, binding = 3) buffer Y { float y[]; };
 layout(set = 0, binding = 4) readonly buffer Bias { float bias[]; };
 layout(set = 0, binding = 5) readonly buffer Residual { float res[]; };
 layout(set = 0, binding = 6) readonly buffer Ids { uint ids[]; };
+layout(set = 0, binding = 7) readonly buffer XD { float xd[]; };   // INT_DOT: activation block scales
+layout(set = 0, binding = 8) readonly buffer XSum { int xsum[]; }; // INT_DOT: activation block int8 sums
 
 layout(push_constant) uniform Push {
     uint n_rows;      // N
@@ -72,6 +83,7 @@ uint pair, x_row0;  // this workgroup's pair and its activation row, set first i
 #define Y_ROW(b) (b)
 #endif
 
+#ifndef INT_DOT
 vec4 load_x4(uint b, uint e) {   // four activations of row b from element e (e % 4 == 0)
 #ifdef A_F16
     return unpack_half4(x[(X_ROW(b) * pc.k + e) >> 2]);
@@ -79,6 +91,7 @@ vec4 load_x4(uint b, uint e) {   // four activations of row b from element e (e 
     return x[(X_ROW(b) * pc.k + e) >> 2];
 #endif
 }
+#endif
 
 float scale_at(uint row, uint i) {  // float16 scale i of `row` in the scales array
     uint idx = row * pc.s_stride + i;
@@ -87,9 +100,13 @@ float scale_at(uint row, uint i) {  // float16 scale i of `row` in the scales ar
 
 Unit load_unit(uint row, uint u);
 uint x_run(uint u, uint j);
+#ifdef INT_DOT
+float unit_idot(Unit q, uvec4 xq[UNIT_ELEMS / 16], int xs);
+#else
 vec4 run_levels(Unit q, uint j, uint i);
 vec4 x_factor(uint j);
 vec2 run_coeffs(Unit q, uint u, uint j);
+#endif
 
 void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r * NB + b
     const uint b = i % NB, row = row0 + i / NB;
@@ -120,6 +137,22 @@ void main() {
     float acc[ROWS * NB];
     [[unroll]] for (uint i = 0; i < ROWS * NB; i++) acc[i] = 0.0;
 
+#ifdef INT_DOT
+    for (uint u = tid; u < units; u += WG) {
+        Unit q[ROWS];
+        [[unroll]] for (uint r = 0; r < ROWS; r++) {
+            q[r] = load_unit(wrow0 + min(row0 + r, pc.n_rows - 1), u);  // clamped: out-of-range rows compute, never store
+        }
+        [[unroll]] for (uint b = 0; b < NB; b++) {
+            const uint e = X_ROW(b) * pc.k + u * UNIT_ELEMS;   // the unit's first element in the flattened x
+            uvec4 xq[UNIT_ELEMS / 16];
+            [[unroll]] for (uint i = 0; i < UNIT_ELEMS / 16; i++) xq[i] = x[(e >> 4) + i];
+            const float dx = xd[e >> 5];
+            const int xs = xsum[e >> 5];
+            [[unroll]] for (uint r = 0; r < ROWS; r++) acc[r * NB + b] += dx * unit_idot(q[r], xq, xs);
+        }
+    }
+#else
     for (uint u = tid; u < units; u += WG) {
         Unit q[ROWS];
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
@@ -150,6 +183,7 @@ void main() {
             }
         }
     }
+#endif
 
     // workgroup reduction of the ROWS * NB partial sums
     if (USE_SUBGROUP) {

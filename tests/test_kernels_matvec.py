@@ -151,3 +151,88 @@ def test_matvec_id_bad_input():
     with pytest.raises(ValueError, match="share format and shape"):
         mv.upload_experts(dev, [quant.quantize(np.ones((8, 64), np.float32), "Q8_0"),
                                 quant.quantize(np.ones((8, 64), np.float32), "Q4_0")])
+
+
+# ---- the integer dot-product path (int8-quantized activations) ----
+
+def _quantize_q8_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy model of quantize_q8.comp in float32: int8 values [rows, K] and scales per block of 32."""
+    xb = x.astype(np.float32).reshape(-1, 32)
+    d = (np.abs(xb).max(1) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.rint(xb * inv[:, None]), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), d
+
+
+def _needs_int_dot():
+    if not device().info.integer_dot_product:
+        pytest.skip("no shaderIntegerDotProduct on this device")
+
+
+def _run_int_dot(fmt, n, k, batch, act, bias, residual, rows=None, seed=0):
+    """matvec with int_dot against float64 numpy on the dequantized weights and the int8-quantized
+    activations; returns the normalised error against the unquantized activations too."""
+    dev = device()
+    rng = np.random.default_rng(seed)
+    qt = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), fmt)
+    w = qt.dequantize().astype(np.float64)
+    x = rng.standard_normal((batch, k)).astype(mv.ACT_DTYPES[act])
+    q, d = _quantize_q8_ref(x)
+    xq = (q.reshape(-1, 32).astype(np.float64) * d[:, None]).reshape(batch, k)
+    extra = np.zeros((batch, n))
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    r = rng.standard_normal((batch, n)).astype(np.float32) if residual else None
+    extra += (b if bias else 0) + (r if residual else 0)
+    cfg = mv.choose_config(dev, qt.format, n, k, batch)
+    cfg = mv.MatvecConfig(cfg.wg, rows or cfg.rows, cfg.use_subgroup, int_dot=True)
+    since = snapshot()
+    y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), batch, act_dtype=act, config=cfg,
+                  bias=None if b is None else upload(dev, b), residual=None if r is None else upload(dev, r))
+    got = dev.download(y, np.float32, (batch, n))
+    check(got, xq @ w.T + extra, since)
+    exact = x.astype(np.float64) @ w.T + extra
+    return np.linalg.norm(got - exact) / np.linalg.norm(exact)
+
+
+@pytest.mark.parametrize("fmt", mv.INT_DOT_FORMATS)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 70), blocks=st.integers(1, 40), batch=st.integers(1, 8), act=st.sampled_from(["f32", "f16"]),
+       bias=st.booleans(), residual=st.booleans(), rows=st.sampled_from([1, 3, 4, 8]), seed=st.integers(0, 1000))
+def test_matvec_int_dot_fuzz(fmt, n, blocks, batch, act, bias, residual, rows, seed):
+    _needs_int_dot()
+    _run_int_dot(fmt, n, 32 * blocks, batch, act, bias, residual, rows, seed)
+
+
+@pytest.mark.parametrize("fmt", mv.INT_DOT_FORMATS)
+def test_matvec_int_dot_long_rows(fmt):
+    """K >= 4096; against the unquantized activations the int8 rounding costs well under 1%."""
+    _needs_int_dot()
+    assert _run_int_dot(fmt, 67, 4128, 2, "f32", True, False) < 1e-2
+
+
+def test_quantize_activations_matches_numpy():
+    """int8 values (a rounding tie may land one step off), scales and block sums; zeros give scale 0."""
+    _needs_int_dot()
+    dev = device()
+    x = np.random.default_rng(3).standard_normal((3, 320)).astype(np.float32)
+    x[1, 32:64] = 0
+    since = snapshot()
+    xq, xd, xs = mv.quantize_activations(dev, upload(dev, x), 3, 320)
+    q = dev.download(xq, np.int8, (3, 320))
+    d = dev.download(xd, np.float32, (30,))
+    s = dev.download(xs, np.int32, (30,))
+    q_ref, d_ref = _quantize_q8_ref(x)
+    assert np.abs(q.astype(int) - q_ref).max() <= 1 and (q != q_ref).mean() < 0.01
+    np.testing.assert_allclose(d, d_ref, rtol=1e-6)
+    assert (s == q.reshape(-1, 32).astype(np.int32).sum(1)).all() and d[11] == 0 and (q[1, 32:64] == 0).all()
+    check(q.astype(np.float64), q_ref.astype(np.float64), since, tol=1e-2)
+
+
+def test_int_dot_bad_input():
+    dev = device()
+    qt = quant.quantize(np.ones((4, 256), np.float32), "Q4_K")
+    x = upload(dev, np.ones(256, np.float32))
+    with pytest.raises(ValueError, match="integer dot-product path takes"):
+        mv.matvec(dev, mv.upload_weights(dev, qt), x, config=mv.MatvecConfig(64, 1, False, int_dot=True))
+    with pytest.raises(ValueError, match="K % 32"):
+        mv.quantize_activations(dev, x, 1, 48)

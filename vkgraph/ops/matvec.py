@@ -23,6 +23,7 @@ TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_K": "matvec_q4_k",
 # elements one invocation handles per 16-byte load: must match UNIT_ELEMS in each template
 UNIT_ELEMS = {"Q8_0": 16, "Q4_0": 32, "Q4_K": 32, "Q6_K": 64, "F16": 8, "BF16": 8}
 ACT_DTYPES = {"f32": np.float32, "f16": np.float16}
+INT_DOT_FORMATS = ("Q8_0", "Q4_0")  # templates with an integer dot-product path (-DINT_DOT)
 MAX_BATCH = 8
 
 
@@ -49,6 +50,9 @@ class MatvecConfig:
     wg: int
     rows: int
     use_subgroup: bool
+    # Q8_0/Q4_0 only: activations quantized to int8 per block of 32 (quantize_activations), integer dot
+    # products of four int8 lanes; needs the device's shaderIntegerDotProduct
+    int_dot: bool = False
 
 
 def upload_weights(dev: Device, qt: QuantizedTensor) -> DeviceWeights:
@@ -120,6 +124,8 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             defines["A_F16"] = 1
         if weights.format.name == "BF16":
             defines["W_BF16"] = 1
+        if cfg.int_dot:
+            defines["INT_DOT"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
                 "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
         kern = weights.kernels[key] = kernels.compile(dev, TEMPLATE[weights.format.name], spec=spec,
@@ -148,14 +154,46 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     if residual is not None:
         check_buffer("residual", residual, batch * n * 4)
     cfg = config or choose_config(dev, weights.format, n, k, batch)
+    if cfg.int_dot:
+        _check_int_dot(dev, weights.format)
     kern = _kernel(dev, weights, cfg, batch, act_dtype, has_bias=bias is not None,
                    has_residual=residual is not None)
     groups = grid_2d(dev, -(-n // cfg.rows))
     w = weights.body
-    kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, bias or w, residual or w, w], groups,
+    xd = xs = w
+    if cfg.int_dot:
+        x, xd, xs = quantize_activations(dev, x, batch, k, act_dtype)
+    kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, bias or w, residual or w, w, xd, xs], groups,
                      push={"n_rows": n, "k": k, "w_stride": weights.w_stride, "s_stride": weights.s_stride,
                            "groups_x": groups[0], "n_pairs": 0, "x_div": 1, "n_experts": 1})
+    if cfg.int_dot:  # the quantized copies go back to the pool once the matvec that reads them is recorded
+        for buf in (x, xd, xs):
+            buf.release()
     return out
+
+
+def _check_int_dot(dev: Device, fmt: QuantFormat) -> None:
+    if fmt.name not in INT_DOT_FORMATS:
+        raise ValueError(f"the integer dot-product path takes {INT_DOT_FORMATS}, not {fmt.name}")
+    if not dev.info.integer_dot_product:
+        raise ValueError(f"{dev.info.name} has no shaderIntegerDotProduct; use int_dot=False")
+
+
+def quantize_activations(dev: Device, x: Any, rows: int, k: int, act_dtype: str = "f32") -> tuple[Any, Any, Any]:
+    """x [rows, K] (float32, or float16 with act_dtype="f16") to int8 per block of 32 for the integer
+    dot-product matvec: (xq: int8 [rows, K], xd: float32 scale max|x|/127 per block, xs: int32 sum of each
+    block's int8 values). K % 32 == 0. Records the dispatch; does not wait."""
+    act_bytes = _check_act_dtype(act_dtype)
+    if k % 32:
+        raise ValueError(f"activations are quantized in blocks of 32: K % 32 == 0 needed, got K={k}")
+    check_buffer("x", x, rows * k * act_bytes)
+    n_blocks = rows * k // 32
+    xq, xd, xs = dev.alloc(rows * k), dev.alloc(n_blocks * 4), dev.alloc(n_blocks * 4)
+    wg = 64
+    kern = kernels.compile(dev, "quantize_q8", spec={"WG": wg}, defines={"A_F16": 1} if act_dtype == "f16" else None)
+    groups = grid_2d(dev, -(-n_blocks // wg))
+    kernels.dispatch(dev, kern, [x, xq, xd, xs], groups, push={"n_blocks": n_blocks, "groups_x": groups[0]})
+    return xq, xd, xs
 
 
 def upload_experts(dev: Device, experts: list[QuantizedTensor]) -> DeviceWeights:
@@ -196,9 +234,17 @@ def matvec_id(dev: Device, weights: DeviceWeights, n_experts: int, x: Any, ids: 
     groups = grid_2d(dev, n_pairs * -(-n // cfg.rows))
     if groups[1] > dev.info.max_workgroup_count[1]:
         raise ValueError(f"{n_pairs} pairs of {n} rows need more workgroups than the device launches")
+    if cfg.int_dot:
+        _check_int_dot(dev, weights.format)
     kern = _kernel(dev, weights, cfg, 1, act_dtype, expert_ids=True)
     w = weights.body
-    kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, w, w, ids], groups,
+    xd = xs = w
+    if cfg.int_dot:
+        x, xd, xs = quantize_activations(dev, x, n_pairs // x_div, k, act_dtype)
+    kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, w, w, ids, xd, xs], groups,
                      push={"n_rows": n, "k": k, "w_stride": weights.w_stride, "s_stride": weights.s_stride,
                            "groups_x": groups[0], "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
+    if cfg.int_dot:
+        for buf in (x, xd, xs):
+            buf.release()
     return out

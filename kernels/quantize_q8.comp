@@ -1,0 +1,56 @@
+#version 450
+// Activations to int8 for the integer dot-product matvec (-DINT_DOT): per block of 32 elements of the
+// flattened [rows, K] input (K % 32 == 0), xq holds the 32 values round(x / d) as four int8 per uint, xd the
+// scale d = max |x| / 127 and xs the sum of the 32 int8 values (for the formats' offsets, e.g. Q4_0's 8).
+// One invocation per block. Float16 input with -DA_F16.
+#include "common.glsl"
+
+layout(local_size_x_id = 0) in;
+layout(constant_id = 0) const uint WG = 64;
+
+#ifdef A_F16
+#define XVEC uvec2
+#else
+#define XVEC vec4
+#endif
+
+layout(set = 0, binding = 0) readonly buffer X { XVEC x[]; };
+layout(set = 0, binding = 1) writeonly buffer XQ { uint xq[]; };
+layout(set = 0, binding = 2) writeonly buffer XD { float xd[]; };
+layout(set = 0, binding = 3) writeonly buffer XS { int xs[]; };
+
+layout(push_constant) uniform Push {
+    uint n_blocks;    // blocks of 32 in the input
+    uint groups_x;    // workgroups along x (blocks are spread over x and y)
+} pc;
+
+vec4 load4(uint i) {
+#ifdef A_F16
+    return unpack_half4(x[i]);
+#else
+    return x[i];
+#endif
+}
+
+void main() {
+    const uint blk = (gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x) * WG + gl_LocalInvocationID.x;
+    if (blk >= pc.n_blocks) return;
+    vec4 v[8];
+    float amax = 0.0;
+    [[unroll]] for (uint i = 0; i < 8; i++) {
+        v[i] = load4(blk * 8 + i);
+        const vec4 a = abs(v[i]);
+        amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
+    }
+    const float d = amax / 127.0;
+    const float id = d > 0.0 ? 1.0 / d : 0.0;
+    int sum = 0;
+    [[unroll]] for (uint i = 0; i < 8; i++) {
+        const ivec4 q = clamp(ivec4(roundEven(v[i] * id)), -127, 127);
+        sum += (q.x + q.y) + (q.z + q.w);
+        const uvec4 b = uvec4(q) & 0xFFu;
+        xq[blk * 8 + i] = b.x | (b.y << 8) | (b.z << 16) | (b.w << 24);
+    }
+    xd[blk] = d;
+    xs[blk] = sum;
+}
