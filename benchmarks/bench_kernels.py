@@ -52,26 +52,34 @@ def _random_weights(dev, rng, fmt: str, n: int, k: int) -> mv.DeviceWeights:
 
 
 def bench_matvec(dev, rng, reps: int) -> None:
+    # the formats, then those with an integer dot-product path through it ("int8": activations quantized to
+    # int8 per block of 32 by a kernel of their own, included in the time)
+    cols = [(f, False) for f in MATVEC_FORMATS]
+    if dev.info.integer_dot_product:
+        cols += [(f, True) for f in mv.INT_DOT_FORMATS]
     print(f"\nmatvec, batch 1, float32 activations: GB/s of weight bytes ({dev.info.name})")
-    print(f"{'shape':>14s} " + " ".join(f"{f:>8s}" for f in MATVEC_FORMATS) + f" {'torch f16':>10s}")
+    print(f"{'shape':>14s} " + " ".join(f"{f + (' int8' if dot else ''):>9s}" for f, dot in cols)
+          + f" {'torch f16':>10s}")
     for n, k in MATVEC_SHAPES:
         row = []
-        for fmt in MATVEC_FORMATS:
+        for fmt, dot in cols:
             nbytes = n * FORMATS[fmt].row_bytes(k)
             if nbytes > dev.info.max_storage_buffer_range:
-                row.append(f"{'-':>8s}")
+                row.append(f"{'-':>9s}")
                 continue
             ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
             x = dev.alloc(k * 4)
             dev.upload(x, rng.standard_normal(k).astype(np.float32))
             y = dev.alloc(n * 4)
             it = iter(range(1 << 62))
+            chosen = mv.choose_config(dev, FORMATS[fmt], n, k, 1)
+            cfg = mv.MatvecConfig(chosen.wg, chosen.rows, chosen.use_subgroup, int_dot=dot)
 
-            def run(ws=ws, x=x, y=y, it=it):
-                mv.matvec(dev, ws[next(it) % len(ws)], x, 1, out=y)
+            def run(ws=ws, x=x, y=y, it=it, cfg=cfg):
+                mv.matvec(dev, ws[next(it) % len(ws)], x, 1, out=y, config=cfg)
 
             us = replay_us(dev, run, reps)
-            row.append(f"{nbytes / us / 1e3:8.0f}")
+            row.append(f"{nbytes / us / 1e3:9.0f}")
             for w in ws:
                 w.body.release()
                 if w.scales is not None:
