@@ -92,7 +92,8 @@ def test_matvec_bad_input():
 
 
 def _run_id(fmt, n_experts, n, k, tokens, slots, per_pair, act="f32", config=None, seed=0):
-    """matvec_id against float64 numpy: ids drawn with repeats, some experts never chosen."""
+    """matvec_id against float64 numpy: ids drawn with repeats, some experts never chosen. With an int_dot
+    config the reference takes the int8-quantized activations."""
     dev = device()
     rng = np.random.default_rng(seed)
     qts = [quant.quantize(rng.standard_normal((n, k)).astype(np.float32), fmt) for _ in range(n_experts)]
@@ -101,7 +102,11 @@ def _run_id(fmt, n_experts, n, k, tokens, slots, per_pair, act="f32", config=Non
     ids = rng.integers(0, max(1, n_experts - 1), pairs).astype(np.int32)  # the last expert is never chosen
     x = rng.standard_normal((pairs if per_pair else tokens, k)).astype(mv.ACT_DTYPES[act])
     x_div = 1 if per_pair else slots
-    ref = np.stack([ws[e] @ x[p // x_div].astype(np.float64) for p, e in enumerate(ids)])
+    xr = x.astype(np.float64)
+    if config is not None and config.int_dot:
+        q, d = _quantize_q8_ref(x)
+        xr = (q.reshape(-1, 32).astype(np.float64) * d[:, None]).reshape(x.shape)
+    ref = np.stack([ws[e] @ xr[p // x_div] for p, e in enumerate(ids)])
     dw = mv.upload_experts(dev, qts)
     since = snapshot()
     y = mv.matvec_id(dev, dw, n_experts, upload(dev, x), upload(dev, ids), pairs, x_div=x_div, act_dtype=act,
@@ -226,6 +231,15 @@ def test_quantize_activations_matches_numpy():
     np.testing.assert_allclose(d, d_ref, rtol=1e-6)
     assert (s == q.reshape(-1, 32).astype(np.int32).sum(1)).all() and d[11] == 0 and (q[1, 32:64] == 0).all()
     check(q.astype(np.float64), q_ref.astype(np.float64), since, tol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", mv.INT_DOT_FORMATS)
+@pytest.mark.parametrize("per_pair", [False, True])
+def test_matvec_id_int_dot(fmt, per_pair):
+    """The expert-indexed matvec over int8-quantized activations, shared per token or one row per pair."""
+    _needs_int_dot()
+    _run_id(fmt, 4, 29, 96, 5, 2, per_pair, "f16" if per_pair else "f32",
+            config=mv.MatvecConfig(32, 3, True, int_dot=True))
 
 
 def test_int_dot_bad_input():

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +102,13 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> 
     if batch > 1:  # formats not measured: four rows, which beat one and two for both measured formats
         rows = BATCH_ROWS.get(fmt.name, {}).get(1 << (batch - 1).bit_length(), min(rows, 4))
     use_subgroup = "arithmetic" in info.subgroup_ops and wg % sg == 0
-    return MatvecConfig(wg, rows, use_subgroup)
+    return MatvecConfig(wg, rows, use_subgroup, int_dot_requested(dev, fmt))
+
+
+def int_dot_requested(dev: Device, fmt: QuantFormat) -> bool:
+    """VKGRAPH_INT_DOT=1 makes choose_config take the integer dot-product path wherever the format and device
+    have it. Off by default: it has not yet been measured faster on a GPU (docs/kernels.md)."""
+    return os.environ.get("VKGRAPH_INT_DOT") == "1" and fmt.name in INT_DOT_FORMATS and dev.info.integer_dot_product
 
 
 def _check_act_dtype(act_dtype: str) -> int:
