@@ -286,6 +286,8 @@ class Tensor:
     # ---- casts --------------------------------------------------------------------------------------------------
     def cast(self, dtype: DType | str) -> Tensor:
         d = to_dtype(dtype)
+        if d is self.dtype:  # the common case inside binary ops: no node, no check
+            return self
         _check(d)
         return Tensor(g.alu(Op.CAST, d, self.node))
 
@@ -674,6 +676,8 @@ class Tensor:
     def _expand_to(self, shape: tuple[int, ...]) -> Tensor:
         if self.shape == shape:
             return self
+        if self.node.op is Op.CONST:  # a constant of any shape is the same value everywhere
+            return Tensor(g.const(self.node.arg, self.dtype, shape))
         x = self.reshape((1,) * (len(shape) - self.ndim) + self.shape) if self.ndim < len(shape) else self
         if x.shape == shape:
             return x
