@@ -118,6 +118,15 @@ def test_pad_then_reshape_keeps_mask_across_unit_axes():
     assert len(t.views) == 1 and t.views[0].mask == ((0, 1), (1, 4), (0, 1))
 
 
+def test_a_padded_only_element_stays_padding_as_a_scalar():
+    """Found by the long fuzz run: a (1,) view of padding only, reshaped to (), read the source's element 0.
+    A 0-d view cannot hold "nothing valid", so the masked view stays below a new one."""
+    t = ShapeTracker.contiguous((2,)).pad(((1, 2),)).shrink(((4, 5),)).reshape(())
+    base = np.array([0.3, -0.7], np.float32)
+    assert evaluate(t, base) == 0
+    assert evaluate(ShapeTracker.contiguous((2,)).pad(((1, 2),)).shrink(((1, 2),)).reshape(()), base) == base[0]
+
+
 def test_contiguous_detection():
     assert View.contiguous((3, 1, 4)).is_contiguous
     assert not ShapeTracker.contiguous((3, 4)).shrink(((1, 3), (0, 4))).is_contiguous

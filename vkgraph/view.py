@@ -124,6 +124,8 @@ class View:
                                                strict=True) if s != 1]
         new = [s for s in shape if s != 1]
         if self.mask and any(m == (0, 0) for m in self.mask):
+            if not shape:  # a 0-d view has no axis to hold "nothing valid": keep this view below a new one
+                return None
             return View.make(shape, tuple(0 for _ in shape), 0, tuple((0, 0) for _ in shape))
         if [s for s, _, _ in old] == new:  # only size-1 axes come or go: carry strides and mask across
             it = iter(old)
