@@ -31,7 +31,7 @@ def _factor(n: int, draw) -> tuple[int, ...]:
     if n > 1:
         dims.append(n)
     dims.insert(draw(st.integers(0, len(dims))), 1) if draw(st.booleans()) else None
-    return tuple(dims) or (1,)
+    return tuple(dims) or draw(st.sampled_from([(1,), ()]))  # one element: a scalar too
 
 
 @st.composite
@@ -85,7 +85,7 @@ def apply_numpy(x: np.ndarray, kind: str, arg):
     if kind == "shrink":
         return x[tuple(slice(a, b) for a, b in arg)]
     if kind == "pad":
-        return np.pad(x, arg)
+        return np.pad(x, arg) if arg else x  # numpy pads no 0-d array
     if kind == "flip":
         return np.flip(x, arg) if arg else x
     return x[tuple(slice(None, None, k) for k in arg)]
