@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vkgraph.flags import flag
-from vkgraph.tensor import Tensor, realize_all
+from vkgraph.tensor import Tensor, cat, realize_all
 
 ERR = 3e-6  # the error bound: this much of the magnitudes that went into a value (Item.scale)
 # Vulkan bounds sin's error absolutely (2^-11 on [-pi, pi]), not relatively: its results carry that much more
@@ -106,7 +106,8 @@ def _broadcasts(s1, s2) -> bool:
 
 def _move(draw, a: Item) -> Item:
     x, t = a.x, a.t
-    kind = draw(st.sampled_from(["permute", "flip", "slice", "pad", "reshape", "expand"]))
+    kind = draw(st.sampled_from(["permute", "flip", "slice", "pad", "reshape", "expand", "index", "unsqueeze",
+                                 "cat", "refactor"]))
     if kind == "permute":
         order = tuple(draw(st.permutations(range(x.ndim))))
         return Item(t.permute(order), x.transpose(order), a.scale, f"permute({a.desc}, {order})")
@@ -126,8 +127,34 @@ def _move(draw, a: Item) -> Item:
         return Item(t.pad(p), np.pad(x, p), a.scale, f"pad({a.desc}, {p})")
     if kind == "reshape":
         return Item(t.reshape(-1), x.reshape(-1), a.scale, f"flat({a.desc})")
+    if kind == "index":  # an int index drops the axis (a scalar from a 1-D value)
+        i = draw(st.integers(-x.shape[0], x.shape[0] - 1))
+        return Item(t[i], x[i], a.scale, f"{a.desc}[{i}]")
+    if kind == "unsqueeze":
+        ax = draw(st.integers(0, x.ndim))
+        return Item(t.unsqueeze(ax), np.expand_dims(x, ax), a.scale, f"unsqueeze({a.desc}, {ax})")
+    if kind == "cat":  # with its own flip along the axis: two views of one value side by side
+        ax = draw(st.integers(0, x.ndim - 1))
+        return Item(cat([t, t.flip(ax)], ax), np.concatenate([x, np.flip(x, ax)], ax), a.scale,
+                    f"cat({a.desc}, flip, {ax})")
+    if kind == "refactor":  # the same elements under another factorisation of their count (up to 3 axes)
+        shape = _factorisation(draw, x.size)
+        return Item(t.reshape(shape), x.reshape(shape), a.scale, f"reshape({a.desc}, {shape})")
     shape = tuple(draw(st.integers(1, 3)) if s == 1 else s for s in x.shape)
     return Item(t.expand(shape), np.broadcast_to(x, shape), a.scale, f"expand({a.desc}, {shape})")
+
+
+def _factorisation(draw, n: int) -> tuple[int, ...]:
+    dims = []
+    while n > 1 and len(dims) < 2:
+        d = draw(st.sampled_from([d for d in range(2, n + 1) if n % d == 0]))
+        dims.append(d)
+        n //= d
+    if n > 1:
+        dims.append(n)
+    if draw(st.booleans()):
+        dims.insert(draw(st.integers(0, len(dims))), 1)
+    return tuple(dims)
 
 
 def _check(item: Item) -> None:
