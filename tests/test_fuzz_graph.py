@@ -60,7 +60,7 @@ def graphs(draw, max_ops: int = 6):
         x = rng.standard_normal(shape).astype(np.float32)
         pool.append(Item(Tensor(x), x.astype(np.float64), float(np.abs(x).max(initial=1.0)), f"in{len(pool)}"))
     for _ in range(draw(st.integers(1, max_ops))):
-        kind = draw(st.sampled_from(["unary", "binary", "binary", "reduce", "move", "move"]))
+        kind = draw(st.sampled_from(["unary", "binary", "binary", "reduce", "move", "move", "scan", "gram"]))
         a = pool[draw(st.integers(0, len(pool) - 1))]
         if kind == "unary":
             name = draw(st.sampled_from(sorted(UNARY)))
@@ -83,6 +83,15 @@ def graphs(draw, max_ops: int = 6):
             t = getattr(a.t, name)(axis, keepdim=keep)
             pool.append(Item(t, fn(a.x, axis=axis, keepdims=keep), a.scale * (a.x.shape[axis] if grows else 1),
                              f"{name}({a.desc}, {axis}, {keep})", a.ambiguous))
+        elif kind == "scan" and a.x.ndim:
+            axis = draw(st.integers(0, a.x.ndim - 1))
+            pool.append(Item(a.t.cumsum(axis), np.cumsum(a.x, axis), a.scale * a.x.shape[axis],
+                             f"cumsum({a.desc}, {axis})", a.ambiguous))
+        elif kind == "gram" and a.x.ndim:  # a @ its own transpose over the last axis (a dot product when 1-D)
+            at = a.t.transpose(-1, -2) if a.x.ndim > 1 else a.t
+            ax = np.swapaxes(a.x, -1, -2) if a.x.ndim > 1 else a.x
+            pool.append(Item(a.t @ at, a.x @ ax, a.scale * a.scale * a.x.shape[-1], f"gram({a.desc})",
+                             a.ambiguous))
         elif kind == "move" and a.x.ndim:
             moved = _move(draw, a)
             moved.ambiguous = a.ambiguous
