@@ -1,4 +1,5 @@
-"""Random expression graphs (elementwise, reductions, movement, casts) against numpy, by normalised error.
+"""Random expression graphs (elementwise, reductions, scans, matmuls, movement, casts) against numpy, by
+normalised error.
 
 The default run checks 500 graphs; `pytest -m slow tests/test_fuzz_graph.py` runs a longer search
 (VKGRAPH_FUZZ_EXAMPLES graphs, 10,000 by default).
