@@ -521,9 +521,9 @@ def _full_coords(o: tuple[Expr, ...], rc: tuple[Expr, ...], axes: tuple[int, ...
     return tuple(next(it) if i in axes else c for i, c in enumerate(o))
 
 
-def _reduce_plan(k: Kernel, lim: Limits) -> tuple[bool, bool, int, int]:
-    """How kernel k's reduction runs: (split into two programs, a workgroup per row, its size, local size)."""
-    reds = [n for n in k.root.toposort() if n.op is Op.REDUCE]
+def _reduce_plan(k: Kernel, reds: list[Node], lim: Limits) -> tuple[bool, bool, int, int]:
+    """How kernel k's reductions `reds` run: (split into two programs, a workgroup per row, its size, local
+    size)."""
     full, axes = reds[0].srcs[0].shape, reds[0].arg[1]
     rows = prod(reds[0].shape)
     rlen = prod(full[a] for a in axes)
@@ -549,7 +549,7 @@ def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = 
     rshape = tuple(full[a] for a in axes)
     rlen = prod(rshape)
     row_root = root.numel == real_rows
-    split, grouped, wg, local = _reduce_plan(k, lim)
+    split, grouped, wg, local = _reduce_plan(k, reds, lim)
     if allow_split and split:
         return _split(k, reds[0], lim, params)
     groups = real_rows if grouped else math.ceil(real_rows / local)
@@ -797,7 +797,8 @@ def lower(k: Kernel, lim: Limits) -> Lowered:
     plan = None
     if dyn is not None:
         # the launch shape follows from the real rows, so it keys the program; split reductions keep baked shapes
-        plan = _reduce_plan(k, lim) if any(n.op is Op.REDUCE for n in nodes) else _vec4_loads(k, lim, dyn) is not None
+        reds = [n for n in nodes if n.op is Op.REDUCE]
+        plan = _reduce_plan(k, reds, lim) if reds else _vec4_loads(k, lim, dyn) is not None
         # the row count needs a push-constant field of its own beside the largest offsets and values
         fields = sum(len(runtime_values(n)) for n in leaves) + MAX_PUSH_OFFSETS + 1
         if (isinstance(plan, tuple) and plan[0]) or 4 * fields > PUSH_BYTES:

@@ -124,6 +124,8 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
     key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids)
     kern = weights.kernels.get(key)
     if kern is None:
+        if cfg.int_dot:
+            _check_int_dot(dev, weights.format)
         defines = {}
         if expert_ids:
             defines["EXPERT_IDS"] = 1
@@ -161,22 +163,29 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     if residual is not None:
         check_buffer("residual", residual, batch * n * 4)
     cfg = config or choose_config(dev, weights.format, n, k, batch)
-    if cfg.int_dot:
-        _check_int_dot(dev, weights.format)
     kern = _kernel(dev, weights, cfg, batch, act_dtype, has_bias=bias is not None,
                    has_residual=residual is not None)
-    groups = grid_2d(dev, -(-n // cfg.rows))
-    w = weights.body
-    xd = xs = w
-    if cfg.int_dot:
-        x, xd, xs = quantize_activations(dev, x, batch, k, act_dtype)
-    kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, bias or w, residual or w, w, xd, xs], groups,
-                     push={"n_rows": n, "k": k, "w_stride": weights.w_stride, "s_stride": weights.s_stride,
-                           "groups_x": groups[0], "n_pairs": 0, "x_div": 1, "n_experts": 1})
-    if cfg.int_dot:  # the quantized copies go back to the pool once the matvec that reads them is recorded
-        for buf in (x, xd, xs):
-            buf.release()
+    _launch(dev, weights, cfg, kern, x, batch, act_dtype, out, grid_2d(dev, -(-n // cfg.rows)), bias=bias,
+            residual=residual)
     return out
+
+
+def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x: Any, x_rows: int, act_dtype: str,
+            out: Any, groups: tuple[int, int, int], *, bias: Any = None, residual: Any = None, ids: Any = None,
+            n_pairs: int = 0, x_div: int = 1, n_experts: int = 1) -> None:
+    """Dispatch a compiled matvec template (unused bindings get the weights); with cfg.int_dot the x_rows
+    activation rows are quantized to int8 first, and the copies released once the matvec is recorded."""
+    w = weights.body
+    acts = [x, w, w]
+    if cfg.int_dot:
+        acts = list(quantize_activations(dev, x, x_rows, weights.shape[1], act_dtype))
+    kernels.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:]],
+                     groups, push={"n_rows": weights.shape[0] // n_experts, "k": weights.shape[1],
+                                   "w_stride": weights.w_stride, "s_stride": weights.s_stride, "groups_x": groups[0],
+                                   "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
+    if cfg.int_dot:
+        for buf in acts:
+            buf.release()
 
 
 def _check_int_dot(dev: Device, fmt: QuantFormat) -> None:
@@ -241,17 +250,7 @@ def matvec_id(dev: Device, weights: DeviceWeights, n_experts: int, x: Any, ids: 
     groups = grid_2d(dev, n_pairs * -(-n // cfg.rows))
     if groups[1] > dev.info.max_workgroup_count[1]:
         raise ValueError(f"{n_pairs} pairs of {n} rows need more workgroups than the device launches")
-    if cfg.int_dot:
-        _check_int_dot(dev, weights.format)
     kern = _kernel(dev, weights, cfg, 1, act_dtype, expert_ids=True)
-    w = weights.body
-    xd = xs = w
-    if cfg.int_dot:
-        x, xd, xs = quantize_activations(dev, x, n_pairs // x_div, k, act_dtype)
-    kernels.dispatch(dev, kern, [w, weights.scales or w, x, out, w, w, ids, xd, xs], groups,
-                     push={"n_rows": n, "k": k, "w_stride": weights.w_stride, "s_stride": weights.s_stride,
-                           "groups_x": groups[0], "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
-    if cfg.int_dot:
-        for buf in (x, xd, xs):
-            buf.release()
+    _launch(dev, weights, cfg, kern, x, n_pairs // x_div, act_dtype, out, groups, ids=ids, n_pairs=n_pairs,
+            x_div=x_div, n_experts=n_experts)
     return out
