@@ -72,14 +72,15 @@ def bench_matvec(dev, rng, reps: int) -> None:
             dev.upload(x, rng.standard_normal(k).astype(np.float32))
             y = dev.alloc(n * 4)
             it = iter(range(1 << 62))
-            chosen = mv.choose_config(dev, FORMATS[fmt], n, k, 1)
-            cfg = mv.MatvecConfig(chosen.wg, chosen.rows, chosen.use_subgroup, int_dot=dot)
+            cfg = mv.choose_config(dev, FORMATS[fmt], n, k, 1, int_dot=dot)
 
             def run(ws=ws, x=x, y=y, it=it, cfg=cfg):
                 mv.matvec(dev, ws[next(it) % len(ws)], x, 1, out=y, config=cfg)
 
             us = replay_us(dev, run, reps)
             row.append(f"{nbytes / us / 1e3:9.0f}")
+            x.release()
+            y.release()
             for w in ws:
                 w.body.release()
                 if w.scales is not None:
@@ -88,12 +89,13 @@ def bench_matvec(dev, rng, reps: int) -> None:
 
 
 def bench_matvec_batches(dev, rng, reps: int, shape=(14336, 4096), formats=("Q4_0", "Q8_0")) -> None:
-    """Small-batch products: GB/s of weight bytes for 1..8 activation rows, for each rows-per-workgroup
-    choice (the chosen one marked *), to see where activation traffic starts to dominate."""
+    """Small-batch products: GB/s of weight bytes for 1..8 activation rows with the chosen configuration,
+    float activations and (where the device has it) the integer dot-product path; tune_matvec.py sweeps the
+    alternatives."""
     n, k = shape
-    print(f"\nmatvec {n}x{k}, 1-8 activation rows: GB/s of weight bytes by rows per workgroup (* = chosen)")
-    row_choices = (1, 2, 4, 8)
-    print(f"{'format':>6s} {'batch':>5s} " + " ".join(f"{'rows=' + str(r):>8s}" for r in row_choices))
+    paths = [False, True] if dev.info.integer_dot_product else [False]
+    print(f"\nmatvec {n}x{k}, 1-8 activation rows: GB/s of weight bytes, chosen configuration")
+    print(f"{'format':>6s} {'batch':>5s} " + " ".join(f"{'int8' if dot else 'float':>22s}" for dot in paths))
     for fmt in formats:
         nbytes = n * FORMATS[fmt].row_bytes(k)
         ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
@@ -101,18 +103,19 @@ def bench_matvec_batches(dev, rng, reps: int, shape=(14336, 4096), formats=("Q4_
             x = dev.alloc(batch * k * 4)
             dev.upload(x, rng.standard_normal(batch * k).astype(np.float32))
             y = dev.alloc(batch * n * 4)
-            chosen = mv.choose_config(dev, FORMATS[fmt], n, k, batch)
             cells = []
-            for rows in row_choices:
-                cfg = mv.MatvecConfig(chosen.wg, rows, chosen.use_subgroup)
+            for dot in paths:
+                cfg = mv.choose_config(dev, FORMATS[fmt], n, k, batch, int_dot=dot)
                 it = iter(range(1 << 62))
 
                 def run(ws=ws, x=x, y=y, it=it, batch=batch, cfg=cfg):
                     mv.matvec(dev, ws[next(it) % len(ws)], x, batch, out=y, config=cfg)
 
                 us = replay_us(dev, run, reps)
-                cells.append(f"{nbytes / us / 1e3:7.0f}" + ("*" if rows == chosen.rows else " "))
-            print(f"{fmt:>6s} {batch:>5d} " + " ".join(cells))
+                cells.append(f"{nbytes / us / 1e3:7.0f} (wg{cfg.wg:>3d} r{cfg.rows})")
+            print(f"{fmt:>6s} {batch:>5d} " + " ".join(f"{c:>22s}" for c in cells))
+            x.release()
+            y.release()
         for w in ws:
             w.body.release()
             if w.scales is not None:
@@ -184,7 +187,7 @@ def _torch_sdpa(b: int, ctx: int, reps: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke test)")
-    ap.add_argument("--batches-only", action="store_true", help="only the small-batch sweep")
+    ap.add_argument("--batches-only", action="store_true", help="only the small-batch table")
     args = ap.parse_args()
     dev = get_device()
     reps = 3 if args.quick else 15  # replays of 100 calls each

@@ -112,13 +112,20 @@ def gpu_case(index: int, reps: int) -> list[str]:
     return row
 
 
+ROW_MARK = "row: "  # marks the case's result among whatever else the case process prints
+
+
 def gpu(reps: int) -> None:
     """Each case in a process of its own, so that one case's allocations cannot slow the next."""
     rows = []
     for i in range(len(gpu_cases(np.random.default_rng(0)))):
         out = subprocess.run([sys.executable, __file__, "--case", str(i), "--reps", str(reps)], check=True,
                              capture_output=True, text=True).stdout
-        rows.append(tuple(json.loads(out.strip().splitlines()[-1])))
+        row, = (line for line in out.splitlines() if line.startswith(ROW_MARK))
+        rows.append(tuple(json.loads(row[len(ROW_MARK):])))
+        rest = "\n".join(line for line in out.splitlines() if not line.startswith(ROW_MARK)).strip()
+        if rest:  # e.g. the VKGRAPH_PROFILE table of the case's kernels
+            print(f"{rows[-1][0]}:\n{rest}\n")
     print(f"GPU ({get_device().info.name}); vkgraph = graph + schedule + dispatch + wait per call")
     table(rows, ("benchmark", "vkgraph", "pytorch", "ratio"))
 
@@ -135,6 +142,6 @@ if __name__ == "__main__":
     p.add_argument("--case", type=int, help="run one GPU case and print its row as JSON (used by --gpu)")
     args = p.parse_args()
     if args.case is not None:
-        print(json.dumps(gpu_case(args.case, args.reps)))
+        print(ROW_MARK + json.dumps(gpu_case(args.case, args.reps)), flush=True)
     else:
         gpu(args.reps) if args.gpu else cpu(args.n, args.reps)

@@ -1,6 +1,7 @@
 """Sweep the matvec launch parameters on this GPU and print the best per format, shape and batch.
 
     python benchmarks/tune_matvec.py [--formats Q8_0,Q4_0,...] [--batches 1,2,4,8] [--acts f32,f16] [--reps 20]
+                                     [--paths float,int8]
 
 For each format, shape (bench_kernels.MATVEC_SHAPES) and number of activation rows, every workgroup size in
 WGS and rows-per-workgroup choice in ROWS (with and without the integer dot-product path for Q8_0 and Q4_0,
@@ -30,14 +31,15 @@ def _cfg(wg: int, rows: int, int_dot: bool) -> str:
     return f"(wg{wg:>3d} r{rows}{' int8' if int_dot else '     '})"
 
 
-def _sweep(dev, rng, f, ws, n: int, k: int, batch: int, act: str, nbytes: int, reps: int):
+def _sweep(dev, rng, f, ws, n: int, k: int, batch: int, act: str, nbytes: int, reps: int, paths: set[str]):
     """GB/s of every (workgroup size, rows) for one shape, batch and activation dtype; the best key too."""
     xs = rng.standard_normal(batch * k).astype(np.float16 if act == "f16" else np.float32)
     x = dev.alloc(xs.nbytes)
     dev.upload(x, xs)
     y = dev.alloc(batch * n * 4)
     chosen = mv.choose_config(dev, f, n, k, batch)
-    int_dots = (False, True) if f.name in mv.INT_DOT_FORMATS and dev.info.integer_dot_product else (False,)
+    has_int8 = f.name in mv.INT_DOT_FORMATS and dev.info.integer_dot_product
+    int_dots = [dot for dot in (False, True) if ("int8" if dot else "float") in paths and (has_int8 or not dot)]
     results = {}
     for wg in WGS:
         if wg > dev.info.max_workgroup_invocations:
@@ -53,6 +55,8 @@ def _sweep(dev, rng, f, ws, n: int, k: int, batch: int, act: str, nbytes: int, r
                 results[(wg, rows, int_dot)] = nbytes / replay_us(dev, run, reps) / 1e3
     x.release()
     y.release()
+    if not results:
+        raise SystemExit(f"no path of {sorted(paths)} runs {f.name} here")
     return max(results, key=results.get), results, chosen
 
 
@@ -62,6 +66,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--acts", default="f32", help="activation dtypes, comma-separated (f32, f16)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--paths", default="float,int8", help="float (float activations), int8 (integer dot products)")
     a = ap.parse_args()
     dev = get_device()
     rng = np.random.default_rng(0)
@@ -79,11 +84,13 @@ def main() -> None:
             ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
             for act in a.acts.split(","):
                 for batch in batches:
-                    top, results, chosen = _sweep(dev, rng, f, ws, n, k, batch, act, nbytes, a.reps)
+                    top, results, chosen = _sweep(dev, rng, f, ws, n, k, batch, act, nbytes, a.reps,
+                                                  set(a.paths.split(",")))
                     mine = results.get((chosen.wg, chosen.rows, chosen.int_dot), float("nan"))
                     print(f"{fmt:>6s} {act:>3s} {n:>6d}x{k:<6d} {batch:>5d} {mine:7.0f} "
-                          f"{_cfg(chosen.wg, chosen.rows, chosen.int_dot)} {results[top]:7.0f} {_cfg(*top)}",
-                          flush=True)
+                          f"{_cfg(chosen.wg, chosen.rows, chosen.int_dot)} {results[top]:7.0f} {_cfg(*top)}  next: "
+                          + ", ".join(f"{results[c]:.0f} {_cfg(*c)}"
+                                      for c in sorted(results, key=results.get, reverse=True)[1:3]), flush=True)
                     best.setdefault(f"{fmt} {act}", {}).setdefault(batch, []).append(((n, k), top,
                                                                                      round(results[top])))
             for w in ws:

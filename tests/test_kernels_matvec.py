@@ -1,5 +1,8 @@
 """Matvec templates against float64 numpy on the dequantized weights, for every format."""
 
+import dataclasses
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -188,7 +191,7 @@ def _run_int_dot(fmt, n, k, batch, act, bias, residual, rows=None, seed=0):
     b = rng.standard_normal(n).astype(np.float32) if bias else None
     r = rng.standard_normal((batch, n)).astype(np.float32) if residual else None
     extra += (b if bias else 0) + (r if residual else 0)
-    cfg = mv.choose_config(dev, qt.format, n, k, batch)
+    cfg = mv.choose_config(dev, qt.format, n, k, batch, int_dot=True)
     cfg = mv.MatvecConfig(cfg.wg, rows or cfg.rows, cfg.use_subgroup, int_dot=True)
     since = snapshot()
     y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), batch, act_dtype=act, config=cfg,
@@ -240,6 +243,31 @@ def test_matvec_id_int_dot(fmt, per_pair):
     _needs_int_dot()
     _run_id(fmt, 4, 29, 96, 5, 2, per_pair, "f16" if per_pair else "f32",
             config=mv.MatvecConfig(32, 3, True, int_dot=True))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int_dot_default_follows_the_device(fmt, monkeypatch):
+    """auto: int8 activations for Q8_0/Q4_0 where the device accelerates int8 dot products; 1 and 0 force it
+    (1 still needs the instructions); any other value is an error."""
+    info = device().info
+    f = quant.FORMATS[fmt]
+    eligible = fmt in mv.INT_DOT_FORMATS
+
+    def chosen(accelerated, has_dot=True):
+        fake = SimpleNamespace(info=dataclasses.replace(info, integer_dot_product=has_dot,
+                                                        integer_dot_product_accelerated=accelerated))
+        return mv.choose_config(fake, f, 4096, 4096, 1).int_dot
+
+    monkeypatch.setenv("VKGRAPH_INT_DOT", "auto")
+    assert chosen(True) == eligible and not chosen(False) and not chosen(True, has_dot=False)
+    monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
+    assert chosen(False) == eligible and not chosen(False, has_dot=False)
+    monkeypatch.setenv("VKGRAPH_INT_DOT", "0")
+    assert not chosen(True)
+    if eligible:
+        monkeypatch.setenv("VKGRAPH_INT_DOT", "yes")
+        with pytest.raises(ValueError, match="VKGRAPH_INT_DOT must be auto, 0 or 1"):
+            chosen(True)
 
 
 def test_int_dot_bad_input():

@@ -42,6 +42,8 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_VALIDATION", int, 0, "1 enables the Khronos validation layer; messages raise errors; "
              "2 also prints each message to stderr as it arrives (for crashes inside the driver)"),
         Flag("VKGRAPH_MAX_RECORDED", int, 256, "dispatches recorded before a command buffer is submitted"),
+        Flag("VKGRAPH_INT_DOT", str, "auto", "quantized matvecs over int8 activations: auto (where the device "
+             "accelerates int8 dot products), 1 (wherever it has them) or 0 (never)"),
         Flag("VKGRAPH_FUZZ_EXAMPLES", int, 10000, "examples per long fuzz test (pytest -m slow)"),
     ]
 }

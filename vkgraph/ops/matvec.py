@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import kernels
+from ..flags import flag
 from ..quant import QuantFormat, QuantizedTensor, kernel_layout, stack_rows
 from ..runtime import Device
 from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
@@ -88,27 +88,51 @@ MANY_ROWS = 65536  # from here on (an output projection) Q4_0 takes 8 rows per w
 BATCH_ROWS = {"Q4_0": {2: 8, 4: 8, 8: 8}, "Q8_0": {2: 4, 4: 8, 8: 8}}
 
 
-def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> MatvecConfig:
-    """Launch parameters from the device and the shape (see PREFERRED)."""
+# The integer dot-product path (Q8_0, Q4_0): (invocations per workgroup up to K = 4096, beyond it, rows per
+# workgroup) by activation rows, measured on an H200 (`tune_matvec.py --paths int8`). With the weights' decoding
+# reduced to a few integer instructions, one subgroup per workgroup and few rows won at every batch.
+INT_DOT_PREFERRED = {"Q4_0": {1: (128, 128, 2), 2: (32, 64, 2), 4: (32, 32, 2), 8: (32, 64, 2)},
+                     "Q8_0": {1: (128, 128, 1), 2: (32, 64, 2), 4: (32, 64, 2), 8: (32, 32, 2)}}
+
+
+def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
+                  int_dot: bool | None = None) -> MatvecConfig:
+    """Launch parameters from the device and the shape (see PREFERRED and INT_DOT_PREFERRED). `int_dot`:
+    take the integer dot-product path or not; None leaves it to `int_dot_default`."""
     info = dev.info
     sg = info.subgroup_size
-    wg_short, wg_long, rows = PREFERRED[fmt.name]
+    if int_dot is None:
+        int_dot = int_dot_default(dev, fmt)
+    bucket = 1 << (batch - 1).bit_length()
+    if int_dot:
+        wg_short, wg_long, rows = INT_DOT_PREFERRED[fmt.name][bucket]
+    else:
+        wg_short, wg_long, rows = PREFERRED[fmt.name]
+        if fmt.name == "Q4_0" and n >= MANY_ROWS:
+            rows = 8
+        if batch > 1:  # formats not measured: four rows, which beat one and two for both measured formats
+            rows = BATCH_ROWS.get(fmt.name, {}).get(bucket, min(rows, 4))
     wg = wg_long if k > LONG_K else wg_short
-    if fmt.name == "Q4_0" and n >= MANY_ROWS:
-        rows = 8
     units = k // UNIT_ELEMS[fmt.name]
     # no wider than the row needs, at least a subgroup, within the device's limit
     wg = min(wg, max(sg, 32, 1 << (max(units, 1) - 1).bit_length()), pow2_floor(info.max_workgroup_invocations))
-    if batch > 1:  # formats not measured: four rows, which beat one and two for both measured formats
-        rows = BATCH_ROWS.get(fmt.name, {}).get(1 << (batch - 1).bit_length(), min(rows, 4))
     use_subgroup = "arithmetic" in info.subgroup_ops and wg % sg == 0
-    return MatvecConfig(wg, rows, use_subgroup, int_dot_requested(dev, fmt))
+    return MatvecConfig(wg, rows, use_subgroup, int_dot)
 
 
-def int_dot_requested(dev: Device, fmt: QuantFormat) -> bool:
-    """VKGRAPH_INT_DOT=1 makes choose_config take the integer dot-product path wherever the format and device
-    have it. Off by default: it has not yet been measured faster on a GPU (docs/kernels.md)."""
-    return os.environ.get("VKGRAPH_INT_DOT") == "1" and fmt.name in INT_DOT_FORMATS and dev.info.integer_dot_product
+def int_dot_default(dev: Device, fmt: QuantFormat) -> bool:
+    """Whether choose_config takes the integer dot-product path: for Q8_0 and Q4_0 where the device reports
+    packed 4x8-bit dot products as hardware-accelerated (measured 1.4-3.5x faster than float activations on
+    an H200, docs/kernels.md). VKGRAPH_INT_DOT=1 takes it wherever the device has the instructions at all,
+    0 never."""
+    if fmt.name not in INT_DOT_FORMATS or not dev.info.integer_dot_product:
+        return False
+    setting = flag("VKGRAPH_INT_DOT")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"VKGRAPH_INT_DOT must be auto, 0 or 1, got {setting!r}")
+    if setting == "auto":
+        return dev.info.integer_dot_product_accelerated
+    return setting == "1"
 
 
 def _check_act_dtype(act_dtype: str) -> int:

@@ -33,7 +33,7 @@ _STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFE
 _WRITE = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
 _ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT
            | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
-_MAX_IN_FLIGHT = 8
+MAX_IN_FLIGHT = 8
 _DESCRIPTOR_CACHE = 8192
 _SETS_PER_POOL = 1024
 
@@ -111,7 +111,7 @@ class Queue:
         rec = self.recording
         if rec is not None:
             return rec
-        self._retire(block=len(self.in_flight) >= _MAX_IN_FLIGHT)
+        self._retire(block=len(self.in_flight) >= MAX_IN_FLIGHT)
         sub = self.free.pop() if self.free else self._new_submission()
         check(lib.vkBeginCommandBuffer(sub.cmd, sub.begin_info), "vkBeginCommandBuffer")
         sub.seq = self.next_seq
