@@ -9,6 +9,14 @@ spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [
 int dot_s8(uint a, uint b, spirv_literal int packed_format);   // int8 a . int8 b
 spirv_instruction(extensions = ["SPV_KHR_integer_dot_product"], capabilities = [6019, 6018], id = 4452)
 int dot_s8u8(uint a, uint b, spirv_literal int packed_format); // int8 a . uint8 b
+
+// 16 lanes: int8 x . int8 w, and int8 x . uint8 w
+int dot16_s8(uvec4 x, uvec4 w) {
+    return (dot_s8(x.x, w.x, 0) + dot_s8(x.y, w.y, 0)) + (dot_s8(x.z, w.z, 0) + dot_s8(x.w, w.w, 0));
+}
+int dot16_s8u8(uvec4 x, uvec4 w) {
+    return (dot_s8u8(x.x, w.x, 0) + dot_s8u8(x.y, w.y, 0)) + (dot_s8u8(x.z, w.z, 0) + dot_s8u8(x.w, w.w, 0));
+}
 #endif
 
 // Element i of a float16 array stored two per uint (no 16-bit storage feature needed).

@@ -21,12 +21,12 @@
 //   vec2 run_coeffs(Unit q, uint u, uint j)            (c, m) of run j (m is read only when HAS_OFFSET)
 // Activations: float32, or float16 with -DA_F16. Output, bias and residual are float32.
 //
-// -DINT_DOT (Q8_0, Q4_0): the activations come quantized to int8 per block of 32 (quantize_q8.comp: `x` holds
-// 16 int8 per uvec4, `xd` the blocks' scales, `xsum` their int8 sums) and each unit's dot product is integer
-// dot products of four int8 lanes (SPV_KHR_integer_dot_product), from the format's
-//   float unit_idot(Unit q, uvec4 xq[UNIT_ELEMS / 16], int xs)   the unit's dot product in units of xd,
-//                                                                 weight scale included
-// This computes W times the int8-quantized activations, as llama.cpp's integer path does.
+// -DINT_DOT: the activations come quantized to int8 per block of 32 (quantize_q8.comp: `x` holds 16 int8 per
+// uvec4, `xd` the blocks' scales, `xsum` the int8 sums of each half block, i.e. of each run) and each run's
+// dot product is integer dot products of four int8 lanes (SPV_KHR_integer_dot_product), from the format's
+//   int run_idot(Unit q, uint j, uvec4 xq)   dot(stored levels of run j, the run's 16 int8 activations)
+// With the same (c, m) as the float path, run j adds xd * (c * run_idot + m * xsum). This computes W times
+// the int8-quantized activations, as llama.cpp's integer path does.
 //
 // -DEXPERT_IDS (mul_mat_id): `w` holds n_experts matrices of n_rows rows each, stacked; pair p of n_pairs
 // computes y[p] = W[ids[p]] x[p / x_div] (NB = 1, no bias or residual). The weight row and its scale row are
@@ -61,7 +61,7 @@ layout(set = 0, binding = 4) readonly buffer Bias { float bias[]; };
 layout(set = 0, binding = 5) readonly buffer Residual { float res[]; };
 layout(set = 0, binding = 6) readonly buffer Ids { uint ids[]; };
 layout(set = 0, binding = 7) readonly buffer XD { float xd[]; };   // INT_DOT: activation block scales
-layout(set = 0, binding = 8) readonly buffer XSum { int xsum[]; }; // INT_DOT: activation block int8 sums
+layout(set = 0, binding = 8) readonly buffer XSum { int xsum[]; }; // INT_DOT: int8 sums per 16 activations
 
 layout(push_constant) uniform Push {
     uint n_rows;      // N
@@ -100,12 +100,12 @@ float scale_at(uint row, uint i) {  // float16 scale i of `row` in the scales ar
 
 Unit load_unit(uint row, uint u);
 uint x_run(uint u, uint j);
+vec2 run_coeffs(Unit q, uint u, uint j);
 #ifdef INT_DOT
-float unit_idot(Unit q, uvec4 xq[UNIT_ELEMS / 16], int xs);
+int run_idot(Unit q, uint j, uvec4 xq);
 #else
 vec4 run_levels(Unit q, uint j, uint i);
 vec4 x_factor(uint j);
-vec2 run_coeffs(Unit q, uint u, uint j);
 #endif
 
 void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r * NB + b
@@ -143,13 +143,20 @@ void main() {
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
             q[r] = load_unit(wrow0 + min(row0 + r, pc.n_rows - 1), u);  // clamped: out-of-range rows compute, never store
         }
-        [[unroll]] for (uint b = 0; b < NB; b++) {
-            const uint e = X_ROW(b) * pc.k + u * UNIT_ELEMS;   // the unit's first element in the flattened x
-            uvec4 xq[UNIT_ELEMS / 16];
-            [[unroll]] for (uint i = 0; i < UNIT_ELEMS / 16; i++) xq[i] = x[(e >> 4) + i];
-            const float dx = xd[e >> 5];
-            const int xs = xsum[e >> 5];
-            [[unroll]] for (uint r = 0; r < ROWS; r++) acc[r * NB + b] += dx * unit_idot(q[r], xq, xs);
+        [[unroll]] for (uint j = 0; j < RUNS; j++) {
+            vec2 cm[ROWS];
+            [[unroll]] for (uint r = 0; r < ROWS; r++) cm[r] = run_coeffs(q[r], u, j);
+            const uint e0 = x_run(u, j);
+            [[unroll]] for (uint b = 0; b < NB; b++) {
+                const uint e = X_ROW(b) * pc.k + e0;   // the run's first element in the flattened x
+                const uvec4 xq = x[e >> 4];
+                const float dx = xd[e >> 5];
+                const float xs = HAS_OFFSET ? float(xsum[e >> 4]) : 0.0;
+                [[unroll]] for (uint r = 0; r < ROWS; r++) {
+                    const float t = cm[r].x * float(run_idot(q[r], j, xq));
+                    acc[r * NB + b] += dx * (HAS_OFFSET ? t + cm[r].y * xs : t);
+                }
+            }
         }
     }
 #else

@@ -19,13 +19,6 @@ vec4 x_factor(uint j) { return j == 0 ? NIB_LO : NIB_HI; }
 vec2 run_coeffs(Unit q, uint u, uint j) { return vec2(q.d, -8.0 * q.d); }   // levels are stored as q + 8
 
 #ifdef INT_DOT
-// element i of the block in the low nibble of byte i, element i + 16 in its high nibble: the low nibbles pair
-// with xq[0], the high ones with xq[1]; levels are q + 8, so 8 * (the block's int8 sum) comes off
-float unit_idot(Unit q, uvec4 xq[UNIT_ELEMS / 16], int xs) {
-    int s = -8 * xs;
-    [[unroll]] for (uint i = 0; i < 4; i++) {
-        s += dot_s8u8(xq[0][i], q.v[i] & 0x0F0F0F0Fu, 0) + dot_s8u8(xq[1][i], (q.v[i] >> 4) & 0x0F0F0F0Fu, 0);
-    }
-    return q.d * float(s);
-}
+// run 0 is the low nibbles (elements 0..15), run 1 the high ones (16..31), stored as levels q + 8
+int run_idot(Unit q, uint j, uvec4 xq) { return dot16_s8u8(xq, (q.v >> (4 * j)) & 0x0F0F0F0Fu); }
 #endif

@@ -38,3 +38,8 @@ vec2 run_coeffs(Unit q, uint u, uint j) {
     const vec2 dm = unpackHalf2x16(q.h.x);
     return vec2(dm.x * float(sc), -dm.y * float(mn));
 }
+
+#ifdef INT_DOT
+// run 0 is the low nibbles, run 1 the high ones, as in run_levels
+int run_idot(Unit q, uint j, uvec4 xq) { return dot16_s8u8(xq, (q.v >> (4 * j)) & 0x0F0F0F0Fu); }
+#endif

@@ -22,16 +22,25 @@ Unit load_unit(uint row, uint u) {
 
 uint x_run(uint u, uint j) { return (u >> 2) * 256 + 128 * ((u & 3u) >> 1) + 16 * (u & 1u) + 32 * j; }
 
-// the four 6-bit levels of each byte position, assembled in integer lanes before one conversion
-vec4 run_levels(Unit q, uint j, uint i) {
+// the 6-bit levels (stored as q + 32) of byte position i of run j, four to a uint
+uint run_bytes(Unit q, uint j, uint i) {
     const uint h = q.qh[i];
     switch (j) {
-        case 0: return bytes7((q.lo[i] & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u));
-        case 1: return bytes7((q.hi[i] & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u));
-        case 2: return bytes7(((q.lo[i] >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u));
-        default: return bytes7(((q.hi[i] >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u));
+        case 0: return (q.lo[i] & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u);
+        case 1: return (q.hi[i] & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u);
+        case 2: return ((q.lo[i] >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u);
+        default: return ((q.hi[i] >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u);
     }
 }
+
+#ifdef INT_DOT
+int run_idot(Unit q, uint j, uvec4 xq) {
+    return dot16_s8u8(xq, uvec4(run_bytes(q, j, 0), run_bytes(q, j, 1), run_bytes(q, j, 2), run_bytes(q, j, 3)));
+}
+#else
+// assembled in integer lanes before one conversion
+vec4 run_levels(Unit q, uint j, uint i) { return bytes7(run_bytes(q, j, i)); }
+#endif
 
 vec4 x_factor(uint j) { return BYTES7; }
 

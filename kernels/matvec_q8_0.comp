@@ -19,8 +19,5 @@ vec4 x_factor(uint j) { return I8; }
 vec2 run_coeffs(Unit q, uint u, uint j) { return vec2(q.d, 0.0); }
 
 #ifdef INT_DOT
-float unit_idot(Unit q, uvec4 xq[UNIT_ELEMS / 16], int xs) {
-    return q.d * float((dot_s8(q.v.x, xq[0].x, 0) + dot_s8(q.v.y, xq[0].y, 0))
-                     + (dot_s8(q.v.z, xq[0].z, 0) + dot_s8(q.v.w, xq[0].w, 0)));
-}
+int run_idot(Unit q, uint j, uvec4 xq) { return dot16_s8(xq, q.v); }
 #endif

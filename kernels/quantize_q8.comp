@@ -1,7 +1,8 @@
 #version 450
 // Activations to int8 for the integer dot-product matvec (-DINT_DOT): per block of 32 elements of the
 // flattened [rows, K] input (K % 32 == 0), xq holds the 32 values round(x / d) as four int8 per uint, xd the
-// scale d = max |x| / 127 and xs the sum of the 32 int8 values (for the formats' offsets, e.g. Q4_0's 8).
+// scale d = max |x| / 127 and xs the sums of its two halves' int8 values (a matvec run is 16 activations; the
+// formats fold their offsets, e.g. Q4_0's 8, into a multiple of the run's sum).
 // One invocation per block. Float16 input with -DA_F16.
 #include "common.glsl"
 
@@ -44,13 +45,14 @@ void main() {
     }
     const float d = amax / 127.0;
     const float id = d > 0.0 ? 1.0 / d : 0.0;
-    int sum = 0;
+    int sum[2] = int[2](0, 0);
     [[unroll]] for (uint i = 0; i < 8; i++) {
         const ivec4 q = clamp(ivec4(roundEven(v[i] * id)), -127, 127);
-        sum += (q.x + q.y) + (q.z + q.w);
+        sum[i / 4] += (q.x + q.y) + (q.z + q.w);
         const uvec4 b = uvec4(q) & 0xFFu;
         xq[blk * 8 + i] = b.x | (b.y << 8) | (b.z << 16) | (b.w << 24);
     }
     xd[blk] = d;
-    xs[blk] = sum;
+    xs[2 * blk] = sum[0];
+    xs[2 * blk + 1] = sum[1];
 }

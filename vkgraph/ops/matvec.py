@@ -24,7 +24,7 @@ TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_K": "matvec_q4_k",
 # elements one invocation handles per 16-byte load: must match UNIT_ELEMS in each template
 UNIT_ELEMS = {"Q8_0": 16, "Q4_0": 32, "Q4_K": 32, "Q6_K": 64, "F16": 8, "BF16": 8}
 ACT_DTYPES = {"f32": np.float32, "f16": np.float16}
-INT_DOT_FORMATS = ("Q8_0", "Q4_0")  # templates with an integer dot-product path (-DINT_DOT)
+INT_DOT_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")  # templates with an integer dot-product path (-DINT_DOT)
 MAX_BATCH = 8
 
 
@@ -51,7 +51,7 @@ class MatvecConfig:
     wg: int
     rows: int
     use_subgroup: bool
-    # Q8_0/Q4_0 only: activations quantized to int8 per block of 32 (quantize_activations), integer dot
+    # INT_DOT_FORMATS only: activations quantized to int8 per block of 32 (quantize_activations), integer dot
     # products of four int8 lanes; needs the device's shaderIntegerDotProduct
     int_dot: bool = False
 
@@ -88,11 +88,13 @@ MANY_ROWS = 65536  # from here on (an output projection) Q4_0 takes 8 rows per w
 BATCH_ROWS = {"Q4_0": {2: 8, 4: 8, 8: 8}, "Q8_0": {2: 4, 4: 8, 8: 8}}
 
 
-# The integer dot-product path (Q8_0, Q4_0): (invocations per workgroup up to K = 4096, beyond it, rows per
+# The integer dot-product path: (invocations per workgroup up to K = 4096, beyond it, rows per
 # workgroup) by activation rows, measured on an H200 (`tune_matvec.py --paths int8`). With the weights' decoding
 # reduced to a few integer instructions, one subgroup per workgroup and few rows won at every batch.
 INT_DOT_PREFERRED = {"Q4_0": {1: (128, 128, 2), 2: (32, 64, 2), 4: (32, 32, 2), 8: (32, 64, 2)},
-                     "Q8_0": {1: (128, 128, 1), 2: (32, 64, 2), 4: (32, 64, 2), 8: (32, 32, 2)}}
+                     "Q8_0": {1: (128, 128, 1), 2: (32, 64, 2), 4: (32, 64, 2), 8: (32, 32, 2)},
+                     "Q4_K": {1: (128, 128, 2), 2: (32, 64, 2), 4: (32, 32, 2), 8: (32, 64, 2)},
+                     "Q6_K": {1: (128, 128, 2), 2: (32, 64, 2), 4: (32, 32, 2), 8: (32, 64, 2)}}
 
 
 def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
@@ -121,7 +123,7 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
 
 
 def int_dot_default(dev: Device, fmt: QuantFormat) -> bool:
-    """Whether choose_config takes the integer dot-product path: for Q8_0 and Q4_0 where the device reports
+    """Whether choose_config takes the integer dot-product path: for INT_DOT_FORMATS where the device reports
     packed 4x8-bit dot products as hardware-accelerated (measured 1.4-3.5x faster than float activations on
     an H200, docs/kernels.md). VKGRAPH_INT_DOT=1 takes it wherever the device has the instructions at all,
     0 never."""
@@ -221,14 +223,14 @@ def _check_int_dot(dev: Device, fmt: QuantFormat) -> None:
 
 def quantize_activations(dev: Device, x: Any, rows: int, k: int, act_dtype: str = "f32") -> tuple[Any, Any, Any]:
     """x [rows, K] (float32, or float16 with act_dtype="f16") to int8 per block of 32 for the integer
-    dot-product matvec: (xq: int8 [rows, K], xd: float32 scale max|x|/127 per block, xs: int32 sum of each
-    block's int8 values). K % 32 == 0. Records the dispatch; does not wait."""
+    dot-product matvec: (xq: int8 [rows, K], xd: float32 scale max|x|/127 per block, xs: int32 sum of the
+    int8 values of each half block, 16 values). K % 32 == 0. Records the dispatch; does not wait."""
     act_bytes = _check_act_dtype(act_dtype)
     if k % 32:
         raise ValueError(f"activations are quantized in blocks of 32: K % 32 == 0 needed, got K={k}")
     check_buffer("x", x, rows * k * act_bytes)
     n_blocks = rows * k // 32
-    xq, xd, xs = dev.alloc(rows * k), dev.alloc(n_blocks * 4), dev.alloc(n_blocks * 4)
+    xq, xd, xs = dev.alloc(rows * k), dev.alloc(n_blocks * 4), dev.alloc(n_blocks * 8)
     wg = 64
     kern = kernels.compile(dev, "quantize_q8", spec={"WG": wg}, defines={"A_F16": 1} if act_dtype == "f16" else None)
     groups = grid_2d(dev, -(-n_blocks // wg))
