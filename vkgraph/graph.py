@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import struct
 import weakref
+from _weakref import _remove_dead_weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -52,6 +53,10 @@ class Op(Enum):
     CUSTOM = auto()  # arg: CustomOp — a hand-written kernel (see docs/tensor.md)
     CONTIGUOUS = auto()  # its source, stored in a buffer of its own (a forced kernel boundary)
 
+    # members are singletons: hashing by identity is C-fast (Enum's own hashes the name, in Python), and every
+    # node key and schedule key hashes ops
+    __hash__ = object.__hash__
+
 
 class ReduceOp(Enum):
     SUM = auto()
@@ -60,6 +65,8 @@ class ReduceOp(Enum):
     MIN = auto()
     ARGMAX = auto()
     ARGMIN = auto()
+
+    __hash__ = object.__hash__  # as Op's
 
 
 UNARY = {Op.NEG, Op.NOT, Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.TANH, Op.SQRT, Op.RSQRT, Op.RECIP,
@@ -114,10 +121,11 @@ class BufferRef:
 class Node:
     """One op of the graph. Build with `node()` (or the helpers below), never directly."""
 
-    __slots__ = ("op", "dtype", "srcs", "arg", "shape", "__weakref__")
+    # akey: argkey(arg), made once here since node keys, realized-node keys and schedule keys all use it
+    __slots__ = ("op", "dtype", "srcs", "arg", "shape", "akey", "__weakref__")
 
-    def __init__(self, op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape):
-        self.op, self.dtype, self.srcs, self.arg, self.shape = op, dtype, srcs, arg, shape
+    def __init__(self, op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape, akey: Any):
+        self.op, self.dtype, self.srcs, self.arg, self.shape, self.akey = op, dtype, srcs, arg, shape, akey
 
     @property
     def numel(self) -> int:
@@ -147,18 +155,31 @@ class Node:
         return order
 
 
-_interned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# node key -> weak reference to the node; a plain dict of KeyedRefs (a WeakValueDictionary's get and set run in
+# Python, and every node built goes through both)
+_interned: dict[tuple, weakref.KeyedRef] = {}
+
+
+def _forget(ref: weakref.KeyedRef, _remove: Callable = _remove_dead_weakref) -> None:
+    _remove(_interned, ref.key)  # only if the entry is still this dead reference, not a node interned since
+
+
+_PLAIN = frozenset({type(None), int, bool, str, ShapeTracker})  # args that key as themselves (the common ones)
 
 
 def argkey(arg: Any) -> Any:
     # floats key by their bits so 0.0 and -0.0 stay apart and nan equals nan
+    t = type(arg)
+    if t in _PLAIN:
+        return arg
     if isinstance(arg, float):
-        return ("f", struct.pack("<d", arg))
+        return ("f", _pack_double(arg))
     if isinstance(arg, tuple):
-        return tuple(argkey(a) for a in arg)
+        return tuple([argkey(a) for a in arg])
     return arg
 
 
+_pack_double = struct.Struct("<d").pack
 _MIN_NORMAL = 2.0**-126  # the smallest normal float32
 
 
@@ -183,11 +204,13 @@ def runtime_values(n: Node) -> tuple:
 
 
 def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape) -> Node:
-    key = (op, dtype, tuple(id(s) for s in srcs), argkey(arg), shape)
-    n = _interned.get(key)
+    akey = argkey(arg)
+    key = (op, dtype, tuple([id(s) for s in srcs]), akey, shape)
+    ref = _interned.get(key)
+    n = ref() if ref is not None else None
     if n is None or n.srcs != srcs:
-        n = Node(op, dtype, srcs, arg, shape)
-        _interned[key] = n
+        n = Node(op, dtype, srcs, arg, shape, akey)
+        _interned[key] = weakref.KeyedRef(n, _forget, key)
     return n
 
 

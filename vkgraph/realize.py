@@ -38,16 +38,25 @@ class _Realized:
     def __init__(self) -> None:
         self._map: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._version: dict[tuple, int] = {}
-        # ids of the first source of every live entry (0: an entry without sources), a cheap filter before the
-        # key is built; it may hold ids of dead nodes (a wasted lookup), never lack a live entry's
-        self._first: set[int] = set()
+        # id of the first source of every live entry -> a weak reference to that source (None: entries without
+        # sources), a cheap filter before the key is built: ids of dead nodes are reused by new ones, so the
+        # reference tells a live source from a newcomer at its address. It may hold entries that died (a wasted
+        # lookup), never lack a live one.
+        self._first: dict[int, weakref.ref | None] = {}
 
     @staticmethod
     def _key(n: Node) -> tuple:
-        return (n.op, n.dtype, argkey(n.arg), n.shape, tuple(weakref.ref(s) for s in n.srcs))
+        return (n.op, n.dtype, n.akey, n.shape, tuple([weakref.ref(s) for s in n.srcs]))
+
+    def _candidate(self, n: Node) -> bool:
+        if not n.srcs:
+            return n.op is not Op.BUFFER and 0 in self._first
+        src = n.srcs[0]
+        ref = self._first.get(id(src))
+        return ref is not None and ref() is src
 
     def get(self, n: Node) -> BufferRef | None:
-        if n.op is Op.BUFFER or (id(n.srcs[0]) if n.srcs else 0) not in self._first:
+        if not self._candidate(n):
             return None
         key = self._key(n)
         ref = self._map.get(key)
@@ -70,16 +79,23 @@ class _Realized:
         key = self._key(n)
         self._map[key] = ref
         self._version[key] = ref.version
-        self._first.add(id(n.srcs[0]) if n.srcs else 0)
+        if n.srcs:
+            self._first[id(n.srcs[0])] = key[4][0]
+        else:
+            self._first[0] = None
         if len(self._version) > 2 * len(self._map) + 64:  # forget versions of entries that died
             self._version = {k: v for k, v in self._version.items() if k in self._map}
         if len(self._first) > 2 * len(self._map) + 64:
-            first = set()
-            for k in list(self._map.keys()):
-                src = k[4][0]() if k[4] else None
-                if src is not None or not k[4]:
-                    first.add(id(src) if k[4] else 0)
-            self._first = first
+            self._first = self._live_first()
+
+    def _live_first(self) -> dict[int, weakref.ref | None]:
+        first: dict[int, weakref.ref | None] = {}
+        for k in list(self._map.keys()):
+            if not k[4]:
+                first[0] = None
+            elif (src := k[4][0]()) is not None:
+                first[id(src)] = k[4][0]
+        return first
 
 
 REALIZED = _Realized()

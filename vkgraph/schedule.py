@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .graph import BufferRef, Node, Op, argkey, buffer, runtime_values, substitute
+from .graph import BufferRef, Node, Op, buffer, runtime_values, substitute
 from .view import ShapeTracker, View, prod, strides_for
 
 
@@ -170,7 +170,7 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
                 params.extend(values)
                 entries.append((op, n.dtype, "param", n.shape))
             else:
-                entries.append((op, n.dtype, argkey(n.arg), n.shape, tuple(index[id(s)] for s in n.srcs)))
+                entries.append((op, n.dtype, n.akey, n.shape, tuple([index[id(s)] for s in n.srcs])))
     dkey = tuple(None if d is None else (slot(d[0]), d[0].dtype, d[0].numel, d[1]) for d in (dests or ()))
     key = (tuple(entries), tuple(index[id(t)] for t in targets), dkey, extra) if ok else None
     return Structure(key, inputs, customs, memo, params, param_slot)
