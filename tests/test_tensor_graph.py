@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from vkgraph import graph as g
 from vkgraph.dtype import dtypes
 from vkgraph.graph import Op, ReduceOp
+from vkgraph.tensor import Tensor
 
 f32, i8 = dtypes.float32, dtypes.int8
 
@@ -27,7 +30,7 @@ def test_constant_folding_uses_the_dtype():
     assert wrapped.arg == -56
     assert g.alu(Op.IDIV, i8, g.const(-7, i8), g.const(2, i8)).arg == -4
     assert g.alu(Op.CMPLT, dtypes.bool, g.const(1, i8), g.const(2, i8)).arg is True
-    assert g.alu(Op.CAST, dtypes.float16, g.const(1 / 3, f32)).arg == float(__import__("numpy").float16(1 / 3))
+    assert g.alu(Op.CAST, dtypes.float16, g.const(1 / 3, f32)).arg == float(np.float16(1 / 3))
 
 
 def test_identities_fold_away():
@@ -58,3 +61,22 @@ def test_substitute_rebuilds_through_the_builders():
     y = g.alu(Op.ADD, f32, x, g.const(1.0, f32, (3,)))
     z = g.substitute(y, {x: g.const(2.0, f32, (3,))})
     assert z.op is Op.CONST and z.arg == 3.0
+
+
+def test_interned_nodes_leave_the_table_when_they_die():
+    x = g.alu(Op.CAST, f32, g.iota(7))
+    before = len(g._interned)
+    y = g.alu(Op.EXP, f32, x)
+    assert len(g._interned) == before + 1
+    del y
+    assert len(g._interned) == before
+    assert g.alu(Op.EXP, f32, x).srcs == (x,)  # built again after its entry went
+
+
+def test_scalar_operands_build_the_nodes_of_the_general_path():
+    x = Tensor(g.iota(4)).float().reshape(2, 2)
+    assert (x * 0.5).node is (x * np.float32(0.5)).node  # a numpy scalar takes the general path
+    assert (2 - x).node is x.__rsub__(np.int32(2)).node
+    ints = Tensor(g.iota(4)).cast(i8)
+    assert (ints + 300).node is (ints + np.int64(300)).node  # wraps in the tensor's dtype both ways
+    assert (ints / 2).node is (ints / np.int64(2)).node  # true division computes in float32

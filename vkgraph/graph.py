@@ -155,12 +155,18 @@ class Node:
         return order
 
 
-# node key -> weak reference to the node; a plain dict of KeyedRefs (a WeakValueDictionary's get and set run in
-# Python, and every node built goes through both)
-_interned: dict[tuple, weakref.KeyedRef] = {}
+class _InternRef(weakref.ref):
+    """A weak reference that knows its key in the intern table (weakref.KeyedRef, but made without Python-level
+    __new__ and __init__: every node built makes one)."""
+
+    __slots__ = ("key",)
 
 
-def _forget(ref: weakref.KeyedRef, _remove: Callable = _remove_dead_weakref) -> None:
+# node key -> weak reference to the node; a plain dict, as a WeakValueDictionary's get and set run in Python
+_interned: dict[tuple, _InternRef] = {}
+
+
+def _forget(ref: _InternRef, _remove: Callable = _remove_dead_weakref) -> None:
     _remove(_interned, ref.key)  # only if the entry is still this dead reference, not a node interned since
 
 
@@ -210,7 +216,8 @@ def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape) 
     n = ref() if ref is not None else None
     if n is None or n.srcs != srcs:
         n = Node(op, dtype, srcs, arg, shape, akey)
-        _interned[key] = weakref.KeyedRef(n, _forget, key)
+        ref = _interned[key] = _InternRef(n, _forget)
+        ref.key = key
     return n
 
 
@@ -307,7 +314,10 @@ def _is_const(n: Node, value: Any) -> bool:
 
 
 def _fold(op: Op, dtype: DType, srcs: tuple[Node, ...]) -> Node | None:
-    if all(s.op is Op.CONST for s in srcs) and op is not Op.BITCAST:
+    n_const = sum(s.op is Op.CONST for s in srcs)
+    if n_const == 0 and op is not Op.CAST:  # every rule below needs a constant source, except a no-op cast
+        return None
+    if n_const == len(srcs) and op is not Op.BITCAST:
         with np.errstate(all="ignore"):
             value = NUMPY_OPS[op](*[np.array(s.arg, s.dtype.np if not s.dtype.is_float else np.float32)
                                     for s in srcs], dtype)

@@ -128,7 +128,7 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
     slots: dict[int, int] = {}
     inputs: list[BufferRef] = []
     customs: list[Node] = []
-    index: dict[int, int] = {}
+    index: dict[Node, int] = {}  # nodes hash by identity
     entries: list[tuple] = []
     params: list = []
     param_slot: dict[int, int] = {}
@@ -141,38 +141,54 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
             inputs.append(ref)
         return i
 
-    def stop(n: Node) -> bool:
-        return n.op is Op.BUFFER or get(n) is not None
-
     BUF, CUSTOM, CONT = Op.BUFFER, Op.CUSTOM, Op.CONTIGUOUS
+    seen: set[Node] = set()
     for t in targets:
-        for n in t.toposort(stop):
-            if id(n) in index:
+        # the walk of Node.toposort (sources first), stopping at buffers and realized nodes, in one pass: each
+        # node is looked up in `realized` once and entered as it completes
+        stack: list[tuple[Node, bool]] = [(t, False)]
+        pop, push = stack.pop, stack.append
+        while stack:
+            n, done = pop()
+            if done:
+                index[n] = len(entries)
+                if n.op is CUSTOM:  # the kernel is the node's own (called at run time); its arg keys nothing here
+                    entries.append((CUSTOM, n.dtype, ("custom", len(customs)), n.shape,
+                                    tuple([index[s] for s in n.srcs])))
+                    customs.append(n)
+                else:
+                    entries.append((n.op, n.dtype, n.akey, n.shape, tuple([index[s] for s in n.srcs])))
                 continue
-            index[id(n)] = len(entries)
+            if n in seen:
+                continue
+            seen.add(n)
             op = n.op
             if op is BUF:
                 ref = n.arg[0]
                 if n.arg[1] != ref.version:
                     raise RuntimeError(_STALE)
+                index[n] = len(entries)
                 entries.append((op, n.dtype, ("buf", slot(ref), ref.dtype, ref.numel), n.shape))
                 continue
             ref = get(n)
             if ref is not None:
                 if op is CUSTOM or op is CONT:  # the scheduler looks below these even when realized
                     ok = False
+                index[n] = len(entries)
                 entries.append((op, n.dtype, ("realized", slot(ref), ref.dtype, ref.numel), n.shape))
-            elif op is CUSTOM:  # the kernel is the node's own (called at run time); its arg keys nothing here
-                entries.append((op, n.dtype, ("custom", len(customs)), n.shape, tuple(index[id(s)] for s in n.srcs)))
-                customs.append(n)
-            elif not n.srcs and (values := runtime_values(n)):
-                param_slot[id(n)] = len(params)
-                params.extend(values)
-                entries.append((op, n.dtype, "param", n.shape))
+            elif not n.srcs and op is not CUSTOM:
+                index[n] = len(entries)
+                if values := runtime_values(n):
+                    param_slot[id(n)] = len(params)
+                    params.extend(values)
+                    entries.append((op, n.dtype, "param", n.shape))
+                else:
+                    entries.append((op, n.dtype, n.akey, n.shape, ()))
             else:
-                entries.append((op, n.dtype, n.akey, n.shape, tuple([index[id(s)] for s in n.srcs])))
+                push((n, True))
+                stack.extend([(s, False) for s in reversed(n.srcs) if s not in seen])
     dkey = tuple(None if d is None else (slot(d[0]), d[0].dtype, d[0].numel, d[1]) for d in (dests or ()))
-    key = (tuple(entries), tuple(index[id(t)] for t in targets), dkey, extra) if ok else None
+    key = (tuple(entries), tuple(index[t] for t in targets), dkey, extra) if ok else None
     return Structure(key, inputs, customs, memo, params, param_slot)
 
 

@@ -15,13 +15,14 @@ from typing import Any
 import numpy as np
 
 from . import graph as g
-from .dtype import DType, dtypes, least_float, result_type, to_dtype
+from .dtype import DType, dtypes, least_float, promote_scalar, result_type, to_dtype
 from .graph import Node, Op, ReduceOp
 from .realize import allocate, assign, download, realize, require_dtype, upload
 from .runtime import Variable
 from .view import ShapeTracker
 
 Scalar = int | float | bool
+_PY_SCALARS = (int, float, bool)  # exact types (numpy scalars take the general path)
 _rng = {"seed": 0, "counter": 0}
 
 
@@ -64,6 +65,8 @@ def _axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
 
 
 def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    if all(s == shapes[0] for s in shapes):
+        return tuple(shapes[0])
     nd = max(len(s) for s in shapes)
     padded = [(1,) * (nd - len(s)) + tuple(s) for s in shapes]
     out = []
@@ -413,6 +416,10 @@ class Tensor:
 
     def _bin(self, other: Tensor | Scalar, op: Op, reverse: bool = False, out: DType | None = None,
              kinds: str = "biuf", compute: Callable[[DType], DType] | None = None) -> Tensor:
+        if type(other) in _PY_SCALARS:
+            d = promote_scalar(self.dtype, other)
+            if compute is None or compute(d) is d:
+                return self._bin_scalar(other, d, op, reverse, out, kinds)
         a, b = _operands(self, other)
         weak = 0 if isinstance(other, Variable) else other  # a Variable promotes like a Python int
         d = result_type(a.dtype, b.dtype) if isinstance(other, Tensor) else result_type(self.dtype, weak)
@@ -426,6 +433,16 @@ class Tensor:
             a, b = b, a
         shape = broadcast_shape(a.shape, b.shape)
         return Tensor(g.alu(op, out or d, a._expand_to(shape).node, b._expand_to(shape).node))
+
+    def _bin_scalar(self, value: Scalar, d: DType, op: Op, reverse: bool, out: DType | None, kinds: str) -> Tensor:
+        """_bin with a Python scalar whose dtype d is the operation's: the constant is made at self's shape at once
+        (the same node the general path reaches through a 0-d constant and its broadcast)."""
+        _check(d)
+        if d.kind not in kinds:
+            raise TypeError(f"{op.name.lower()} is not defined for {d} operands")
+        x = self.cast(d).node
+        k = g.const(value, d, x.shape)
+        return Tensor(g.alu(op, out or d, *((k, x) if reverse else (x, k))))
 
     def add(self, o: Tensor | Scalar) -> Tensor:
         return self._bin(o, Op.ADD)

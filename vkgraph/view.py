@@ -10,6 +10,7 @@ contiguous view stacks on top, and codegen turns the stack into one index expres
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ class View:
 
     @staticmethod
     def contiguous(shape: Shape) -> View:
-        return View(tuple(shape), strides_for(shape), 0, None)
+        return _contiguous_view(tuple(shape))
 
     @staticmethod
     def make(shape: Shape, strides: tuple[int, ...], offset: int = 0, mask: Mask | None = None) -> View:
@@ -186,7 +187,7 @@ class ShapeTracker:
 
     @staticmethod
     def contiguous(shape: Shape) -> ShapeTracker:
-        return ShapeTracker((View.contiguous(tuple(shape)),))
+        return _contiguous_tracker(tuple(shape))
 
     @property
     def shape(self) -> Shape:
@@ -251,3 +252,15 @@ def _unravel(idx: int, shape: Shape) -> list[int]:
         out.append(idx % s if s else 0)
         idx = idx // s if s else 0
     return list(reversed(out))
+
+
+# views are immutable, so the contiguous ones are shared (every movement op on a node that is not a view starts
+# from one)
+@functools.lru_cache(maxsize=4096)
+def _contiguous_view(shape: Shape) -> View:
+    return View(shape, strides_for(shape), 0, None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_tracker(shape: Shape) -> ShapeTracker:
+    return ShapeTracker((_contiguous_view(shape),))
