@@ -12,7 +12,8 @@
 // the format folds its offsets (-8d for Q4_0, ...) into m instead of subtracting them per element.
 // The per-invocation sums are reduced with subgroupAdd (USE_SUBGROUP) or a shared-memory tree.
 //
-// The format file defines RUN, RUNS, UNIT_ELEMS, HAS_OFFSET and `struct Unit` (a unit's raw words), then
+// The format file defines RUN, RUNS, UNIT_ELEMS, HAS_OFFSET, HAS_MIN (INT_DOT, below) and `struct Unit` (a
+// unit's raw words), then
 //   Unit load_unit(uint row, uint u)                   the loads of unit u of `row`
 //   uint x_run(uint u, uint j)                         the first element of run j of unit u
 //   vec4 run_levels(Unit q, uint j, uint i)            weights 4i..4i+3 of run j, each possibly times a power
@@ -24,9 +25,12 @@
 // -DINT_DOT: the activations come quantized to int8 per block of 32 (quantize_q8.comp: `x` holds 16 int8 per
 // uvec4, `xd` the blocks' scales, `xsum` the int8 sums of each half block, i.e. of each run) and each run's
 // dot product is integer dot products of four int8 lanes (SPV_KHR_integer_dot_product), from the format's
-//   int run_idot(Unit q, uint j, uvec4 xq)   dot(stored levels of run j, the run's 16 int8 activations)
-// With the same (c, m) as the float path, run j adds xd * (c * run_idot + m * xsum). This computes W times
-// the int8-quantized activations, as llama.cpp's integer path does.
+//   int run_idot(Unit q, uint j, uvec4 xq, int xs)   dot(levels of run j, the run's 16 int8 activations xq),
+//                                                    a constant offset of the stored levels taken off through
+//                                                    their sum xs, exactly, in integers
+// and the same (c, m) as the float path: run j adds xd * c * run_idot, plus xd * m * xs where the format's m
+// is a minimum of its own (HAS_MIN: Q4_K). This computes W times the int8-quantized activations, as
+// llama.cpp's integer path does.
 //
 // -DEXPERT_IDS (mul_mat_id): `w` holds n_experts matrices of n_rows rows each, stacked; pair p of n_pairs
 // computes y[p] = W[ids[p]] x[p / x_div] (NB = 1, no bias or residual). The weight row and its scale row are
@@ -102,7 +106,7 @@ Unit load_unit(uint row, uint u);
 uint x_run(uint u, uint j);
 vec2 run_coeffs(Unit q, uint u, uint j);
 #ifdef INT_DOT
-int run_idot(Unit q, uint j, uvec4 xq);
+int run_idot(Unit q, uint j, uvec4 xq, int xs);
 #else
 vec4 run_levels(Unit q, uint j, uint i);
 vec4 x_factor(uint j);
@@ -151,10 +155,10 @@ void main() {
                 const uint e = X_ROW(b) * pc.k + e0;   // the run's first element in the flattened x
                 const uvec4 xq = x[e >> 4];
                 const float dx = xd[e >> 5];
-                const float xs = HAS_OFFSET ? float(xsum[e >> 4]) : 0.0;
+                const int xs = HAS_OFFSET ? xsum[e >> 4] : 0;
                 [[unroll]] for (uint r = 0; r < ROWS; r++) {
-                    const float t = cm[r].x * float(run_idot(q[r], j, xq));
-                    acc[r * NB + b] += dx * (HAS_OFFSET ? t + cm[r].y * xs : t);
+                    const float t = cm[r].x * float(run_idot(q[r], j, xq, xs));
+                    acc[r * NB + b] += dx * (HAS_MIN ? t + cm[r].y * float(xs) : t);
                 }
             }
         }

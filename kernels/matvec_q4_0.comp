@@ -5,6 +5,7 @@
 #define RUNS 2
 #define UNIT_ELEMS 32
 #define HAS_OFFSET true
+#define HAS_MIN false
 struct Unit { uvec4 v; float d; };
 #include "matvec_common.glsl"
 
@@ -20,5 +21,7 @@ vec2 run_coeffs(Unit q, uint u, uint j) { return vec2(q.d, -8.0 * q.d); }   // l
 
 #ifdef INT_DOT
 // run 0 is the low nibbles (elements 0..15), run 1 the high ones (16..31), stored as levels q + 8
-int run_idot(Unit q, uint j, uvec4 xq) { return dot16_s8u8(xq, (q.v >> (4 * j)) & 0x0F0F0F0Fu); }
+int run_idot(Unit q, uint j, uvec4 xq, int xs) {
+    return dot16_s8u8(xq, (q.v >> (4 * j)) & 0x0F0F0F0Fu) - 8 * xs;
+}
 #endif

@@ -8,6 +8,7 @@
 #define RUNS 2
 #define UNIT_ELEMS 32
 #define HAS_OFFSET true
+#define HAS_MIN true
 struct Unit { uvec4 h; uvec4 v; };
 #include "matvec_common.glsl"
 
@@ -41,5 +42,5 @@ vec2 run_coeffs(Unit q, uint u, uint j) {
 
 #ifdef INT_DOT
 // run 0 is the low nibbles, run 1 the high ones, as in run_levels
-int run_idot(Unit q, uint j, uvec4 xq) { return dot16_s8u8(xq, (q.v >> (4 * j)) & 0x0F0F0F0Fu); }
+int run_idot(Unit q, uint j, uvec4 xq, int xs) { return dot16_s8u8(xq, (q.v >> (4 * j)) & 0x0F0F0F0Fu); }
 #endif

@@ -6,6 +6,7 @@
 #define RUNS 4
 #define UNIT_ELEMS 64
 #define HAS_OFFSET true
+#define HAS_MIN false
 struct Unit { uvec4 lo, hi, qh; uvec2 sc; float d; };
 #include "matvec_common.glsl"
 
@@ -34,8 +35,9 @@ uint run_bytes(Unit q, uint j, uint i) {
 }
 
 #ifdef INT_DOT
-int run_idot(Unit q, uint j, uvec4 xq) {
-    return dot16_s8u8(xq, uvec4(run_bytes(q, j, 0), run_bytes(q, j, 1), run_bytes(q, j, 2), run_bytes(q, j, 3)));
+int run_idot(Unit q, uint j, uvec4 xq, int xs) {   // levels are stored as q + 32
+    return dot16_s8u8(xq, uvec4(run_bytes(q, j, 0), run_bytes(q, j, 1), run_bytes(q, j, 2), run_bytes(q, j, 3)))
+         - 32 * xs;
 }
 #else
 // assembled in integer lanes before one conversion

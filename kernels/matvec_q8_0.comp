@@ -5,6 +5,7 @@
 #define RUNS 1
 #define UNIT_ELEMS 16
 #define HAS_OFFSET false
+#define HAS_MIN false
 struct Unit { uvec4 v; float d; };
 #include "matvec_common.glsl"
 
@@ -19,5 +20,5 @@ vec4 x_factor(uint j) { return I8; }
 vec2 run_coeffs(Unit q, uint u, uint j) { return vec2(q.d, 0.0); }
 
 #ifdef INT_DOT
-int run_idot(Unit q, uint j, uvec4 xq) { return dot16_s8(xq, q.v); }
+int run_idot(Unit q, uint j, uvec4 xq, int xs) { return dot16_s8(xq, q.v); }
 #endif

@@ -107,8 +107,7 @@ def _run_id(fmt, n_experts, n, k, tokens, slots, per_pair, act="f32", config=Non
     x_div = 1 if per_pair else slots
     xr = x.astype(np.float64)
     if config is not None and config.int_dot:
-        q, d = _quantize_q8_ref(x)
-        xr = (q.reshape(-1, 32).astype(np.float64) * d[:, None]).reshape(x.shape)
+        xr = _device_quantized(dev, x)
     ref = np.stack([ws[e] @ xr[p // x_div] for p, e in enumerate(ids)])
     dw = mv.upload_experts(dev, qts)
     since = snapshot()
@@ -172,6 +171,21 @@ def _quantize_q8_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(x.shape), d
 
 
+def _device_quantized(dev, x: np.ndarray) -> np.ndarray:
+    """x as the integer path sees it (float64): quantized by quantize_q8 itself, whose rounding may differ
+    from numpy's by one step where the device's reciprocal is not correctly rounded (checked on its own in
+    test_quantize_activations_matches_numpy)."""
+    rows, k = x.shape
+    act = "f16" if x.dtype == np.float16 else "f32"
+    xbuf = upload(dev, x)
+    xq, xd, xs = mv.quantize_activations(dev, xbuf, rows, k, act)
+    q = dev.download(xq, np.int8, (rows * k // 32, 32)).astype(np.float64)
+    d = dev.download(xd, np.float32, (rows * k // 32, 1))
+    for buf in (xbuf, xq, xd, xs):
+        buf.release()
+    return (q * d).reshape(rows, k)
+
+
 def _needs_int_dot():
     if not device().info.integer_dot_product:
         pytest.skip("no shaderIntegerDotProduct on this device")
@@ -185,8 +199,7 @@ def _run_int_dot(fmt, n, k, batch, act, bias, residual, rows=None, seed=0):
     qt = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), fmt)
     w = qt.dequantize().astype(np.float64)
     x = rng.standard_normal((batch, k)).astype(mv.ACT_DTYPES[act])
-    q, d = _quantize_q8_ref(x)
-    xq = (q.reshape(-1, 32).astype(np.float64) * d[:, None]).reshape(batch, k)
+    xq = _device_quantized(dev, x)
     extra = np.zeros((batch, n))
     b = rng.standard_normal(n).astype(np.float32) if bias else None
     r = rng.standard_normal((batch, n)).astype(np.float32) if residual else None
