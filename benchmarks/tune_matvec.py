@@ -4,7 +4,7 @@
                                      [--paths float,int8]
 
 For each format, shape (bench_kernels.MATVEC_SHAPES) and number of activation rows, every workgroup size in
-WGS and rows-per-workgroup choice in ROWS (with and without the integer dot-product path for Q8_0 and Q4_0,
+WGS and rows-per-workgroup choice in ROWS (with and without the integer dot-product path for mv.INT_DOT_FORMATS,
 where the device has it) is timed as bench_kernels times it (calls replayed from a captured
 command graph, weights cycled past the L2). Prints GB/s of weight bytes for the chosen
 configuration (vkgraph.ops.matvec.choose_config) and the best one found, then the best per batch as a

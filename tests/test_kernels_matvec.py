@@ -262,7 +262,7 @@ def test_matvec_id_int_dot(fmt, per_pair):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_int_dot_default_follows_the_device(fmt, monkeypatch):
-    """auto: int8 activations for Q8_0/Q4_0 where the device accelerates int8 dot products; 1 and 0 force it
+    """auto: int8 activations for INT_DOT_FORMATS where the device accelerates int8 dot products; 1 and 0 force it
     (1 still needs the instructions); any other value is an error."""
     info = device().info
     f = quant.FORMATS[fmt]
