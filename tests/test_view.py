@@ -149,3 +149,15 @@ def test_index_expressions_fold():
     assert ((x // 5) // 2).render() == "(x/10)"
     assert ((x % 6) % 3).render() == "(x%3)"
     assert (x * 0 + 7).render() == "7"
+
+
+def test_remembered_movements_match_fresh_ones():
+    tr = ShapeTracker.contiguous((4, 1)).expand((4, 6))
+    again = ShapeTracker.contiguous((4, 1)).expand((4, 6))
+    assert again == tr and hash(again) == hash(tr)
+    assert tr.permute((1, 0)) is again.permute((1, 0))  # one remembered result for equal trackers
+    assert tr.reshape([24]) == tr.reshape((24,))  # an unhashable argument is moved, not remembered
+    with pytest.raises(ValueError):
+        tr.reshape((5, 5))
+    with pytest.raises(ValueError):
+        tr.reshape((5, 5))  # errors are raised each time, never remembered

@@ -211,7 +211,7 @@ def runtime_values(n: Node) -> tuple:
 
 def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape) -> Node:
     akey = argkey(arg)
-    key = (op, dtype, tuple([id(s) for s in srcs]), akey, shape)
+    key = (op, dtype, tuple(map(id, srcs)), akey, shape)
     ref = _interned.get(key)
     n = ref() if ref is not None else None
     if n is None or n.srcs != srcs:
@@ -288,7 +288,7 @@ def custom(op: CustomOp, srcs: tuple[Node, ...], dtype: DType, shape: Shape) -> 
 def alu(op: Op, dtype: DType, *srcs: Node) -> Node:
     """An elementwise node, folded when its sources are constants or the op is an identity."""
     shape = srcs[0].shape
-    if any(s.shape != shape for s in srcs):
+    if not all([s.shape == shape for s in srcs]):
         raise ValueError(f"{op.name}: sources of shapes {[s.shape for s in srcs]} (broadcast them first)")
     folded = _fold(op, dtype, srcs)
     if folded is not None:
@@ -314,7 +314,7 @@ def _is_const(n: Node, value: Any) -> bool:
 
 
 def _fold(op: Op, dtype: DType, srcs: tuple[Node, ...]) -> Node | None:
-    n_const = sum(s.op is Op.CONST for s in srcs)
+    n_const = [s.op for s in srcs].count(Op.CONST)
     if n_const == 0 and op is not Op.CAST:  # every rule below needs a constant source, except a no-op cast
         return None
     if n_const == len(srcs) and op is not Op.BITCAST:

@@ -143,6 +143,7 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
 
     BUF, CUSTOM, CONT = Op.BUFFER, Op.CUSTOM, Op.CONTIGUOUS
     seen: set[Node] = set()
+    at = index.__getitem__
     for t in targets:
         # the walk of Node.toposort (sources first), stopping at buffers and realized nodes, in one pass: each
         # node is looked up in `realized` once and entered as it completes
@@ -154,10 +155,10 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
                 index[n] = len(entries)
                 if n.op is CUSTOM:  # the kernel is the node's own (called at run time); its arg keys nothing here
                     entries.append((CUSTOM, n.dtype, ("custom", len(customs)), n.shape,
-                                    tuple([index[s] for s in n.srcs])))
+                                    tuple(map(at, n.srcs))))
                     customs.append(n)
                 else:
-                    entries.append((n.op, n.dtype, n.akey, n.shape, tuple([index[s] for s in n.srcs])))
+                    entries.append((n.op, n.dtype, n.akey, n.shape, tuple(map(at, n.srcs))))
                 continue
             if n in seen:
                 continue
@@ -186,7 +187,9 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
                     entries.append((op, n.dtype, n.akey, n.shape, ()))
             else:
                 push((n, True))
-                stack.extend([(s, False) for s in reversed(n.srcs) if s not in seen])
+                for s in reversed(n.srcs):
+                    if s not in seen:
+                        push((s, False))
     dkey = tuple(None if d is None else (slot(d[0]), d[0].dtype, d[0].numel, d[1]) for d in (dests or ()))
     key = (tuple(entries), tuple(index[t] for t in targets), dkey, extra) if ok else None
     return Structure(key, inputs, customs, memo, params, param_slot)

@@ -68,13 +68,13 @@ def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     if all(s == shapes[0] for s in shapes):
         return tuple(shapes[0])
     nd = max(len(s) for s in shapes)
-    padded = [(1,) * (nd - len(s)) + tuple(s) for s in shapes]
-    out = []
-    for dims in zip(*padded, strict=True):
-        sizes = {d for d in dims if d != 1}
-        if len(sizes) > 1:
-            raise ValueError(f"shapes {' and '.join(str(tuple(s)) for s in shapes)} do not broadcast")
-        out.append(sizes.pop() if sizes else 1)
+    out = [1] * nd
+    for s in shapes:
+        for i, d in enumerate(s, nd - len(s)):
+            if d != 1 and d != out[i]:
+                if out[i] != 1:
+                    raise ValueError(f"shapes {' and '.join(str(tuple(s)) for s in shapes)} do not broadcast")
+                out[i] = d
     return tuple(out)
 
 
@@ -288,8 +288,10 @@ class Tensor:
 
     # ---- casts --------------------------------------------------------------------------------------------------
     def cast(self, dtype: DType | str) -> Tensor:
+        if dtype is self.node.dtype:  # the common case inside binary ops: no node, no check
+            return self
         d = to_dtype(dtype)
-        if d is self.dtype:  # the common case inside binary ops: no node, no check
+        if d is self.dtype:
             return self
         _check(d)
         return Tensor(g.alu(Op.CAST, d, self.node))

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 Shape = tuple[int, ...]
 Mask = tuple[tuple[int, int], ...]
@@ -181,9 +183,34 @@ def _reshape_strides(old: list[int], ostr: list[int], new: list[int]) -> list[in
     return out
 
 
+def _memo(move: Callable[[ShapeTracker, Any], ShapeTracker]) -> Callable[[ShapeTracker, Any], ShapeTracker]:
+    """A movement remembered by (tracker, argument): trackers are immutable and equal ones move alike, and a
+    program's graph repeats the same movements at every call. Unhashable arguments (lists) are not remembered."""
+    cached = functools.lru_cache(maxsize=4096)(move)
+
+    @functools.wraps(move)
+    def moved(self: ShapeTracker, arg: Any) -> ShapeTracker:
+        try:
+            hash(arg)
+        except TypeError:
+            return move(self, arg)
+        return cached(self, arg)
+
+    return moved
+
+
 @dataclass(frozen=True)
 class ShapeTracker:
     views: tuple[View, ...]
+
+    def __hash__(self) -> int:
+        # remembered: schedule and lowering keys hash every tracker of a graph at each call, and the generated
+        # hash recomputes each view's
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(self.views)
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @staticmethod
     def contiguous(shape: Shape) -> ShapeTracker:
@@ -205,6 +232,7 @@ class ShapeTracker:
     def _top(self, view: View) -> ShapeTracker:
         return ShapeTracker(self.views[:-1] + (view,))
 
+    @_memo
     def reshape(self, shape: Shape) -> ShapeTracker:
         shape = tuple(int(s) for s in shape)
         if prod(shape) != self.numel:
@@ -214,21 +242,27 @@ class ShapeTracker:
             return self._top(merged)
         return ShapeTracker(self.views + (View.contiguous(shape),))
 
+    @_memo
     def permute(self, order: tuple[int, ...]) -> ShapeTracker:
         return self._top(self.views[-1].permute(order))
 
+    @_memo
     def expand(self, shape: Shape) -> ShapeTracker:
         return self._top(self.views[-1].expand(tuple(shape)))
 
+    @_memo
     def shrink(self, bounds: tuple[tuple[int, int], ...]) -> ShapeTracker:
         return self._top(self.views[-1].shrink(bounds))
 
+    @_memo
     def pad(self, pads: tuple[tuple[int, int], ...]) -> ShapeTracker:
         return self._top(self.views[-1].pad(pads))
 
+    @_memo
     def flip(self, axes: tuple[int, ...]) -> ShapeTracker:
         return self._top(self.views[-1].flip(axes))
 
+    @_memo
     def step(self, steps: tuple[int, ...]) -> ShapeTracker:
         return self._top(self.views[-1].step(steps))
 
