@@ -48,15 +48,14 @@ class _Realized:
     def _key(n: Node) -> tuple:
         return (n.op, n.dtype, n.akey, n.shape, tuple([weakref.ref(s) for s in n.srcs]))
 
-    def _candidate(self, n: Node) -> bool:
-        if not n.srcs:
-            return n.op is not Op.BUFFER and 0 in self._first
-        src = n.srcs[0]
-        ref = self._first.get(id(src))
-        return ref is not None and ref() is src
-
     def get(self, n: Node) -> BufferRef | None:
-        if not self._candidate(n):
+        # the first-source filter inline: the scheduler asks for every node of every graph it keys
+        if n.srcs:
+            src = n.srcs[0]
+            first = self._first.get(id(src))
+            if first is None or first() is not src:
+                return None
+        elif n.op is Op.BUFFER or 0 not in self._first:
             return None
         key = self._key(n)
         ref = self._map.get(key)

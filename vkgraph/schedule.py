@@ -79,6 +79,12 @@ class _Memo(Mapping):
         ref = e[1]
         return default if ref is None else ref
 
+    def lookup(self, n: Node) -> BufferRef | None:
+        """get for a node not yet asked about (a walk that visits each node once): no memo lookup first."""
+        ref = self.inner.get(n)
+        self.memo[id(n)] = (n, ref)
+        return ref
+
     def __contains__(self, n: object) -> bool:
         return self.get(n) is not None
 
@@ -124,7 +130,7 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
               dests: list[tuple[BufferRef, ShapeTracker] | None] | None = None, extra: tuple = ()) -> Structure:
     """The structural key of scheduling `targets` (see `Structure`); raises on stale buffers as create_schedule."""
     memo = realized if isinstance(realized, _Memo) else _Memo(realized)
-    get = memo.get
+    get = memo.lookup if not memo.memo else memo.get
     slots: dict[int, int] = {}
     inputs: list[BufferRef] = []
     customs: list[Node] = []
