@@ -166,8 +166,10 @@ class _InternRef(weakref.ref):
 _interned: dict[tuple, _InternRef] = {}
 
 
-def _forget(ref: _InternRef, _remove: Callable = _remove_dead_weakref) -> None:
-    _remove(_interned, ref.key)  # only if the entry is still this dead reference, not a node interned since
+def _forget(ref: _InternRef, _remove: Callable = _remove_dead_weakref, _table: dict = _interned) -> None:
+    # bound as defaults, so nodes dying at interpreter exit still find them; removes the entry only if it is
+    # still this dead reference, not a node interned since
+    _remove(_table, ref.key)
 
 
 _PLAIN = frozenset({type(None), int, bool, str, ShapeTracker})  # args that key as themselves (the common ones)
