@@ -51,40 +51,50 @@ def _random_weights(dev, rng, fmt: str, n: int, k: int) -> mv.DeviceWeights:
     return mv.DeviceWeights(f, (n, k), body, scales, body_row // 16, s_stride)
 
 
+def _matvec_row(dev, rng, cols: list[tuple[str, bool]], n: int, k: int, reps: int) -> list[str]:
+    """GB/s of weight bytes of each (format, integer path) column for one shape, chosen configuration."""
+    row = []
+    for fmt, dot in cols:
+        nbytes = n * FORMATS[fmt].row_bytes(k)
+        if nbytes > dev.info.max_storage_buffer_range:
+            row.append(f"{'-':>9s}")
+            continue
+        ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
+        x = dev.alloc(k * 4)
+        dev.upload(x, rng.standard_normal(k).astype(np.float32))
+        y = dev.alloc(n * 4)
+        it = iter(range(1 << 62))
+        cfg = mv.choose_config(dev, FORMATS[fmt], n, k, 1, int_dot=dot)
+
+        def run(ws=ws, x=x, y=y, it=it, cfg=cfg):
+            mv.matvec(dev, ws[next(it) % len(ws)], x, 1, out=y, config=cfg)
+
+        us = replay_us(dev, run, reps)
+        row.append(f"{nbytes / us / 1e3:9.0f}")
+        x.release()
+        y.release()
+        for w in ws:
+            w.body.release()
+            if w.scales is not None:
+                w.scales.release()
+    return row
+
+
 def bench_matvec(dev, rng, reps: int) -> None:
     # the formats, then those with an integer dot-product path through it ("int8": activations quantized to
     # int8 per block of 32 by a kernel of their own, included in the time)
     cols = [(f, False) for f in MATVEC_FORMATS]
     if dev.info.integer_dot_product:
         cols += [(f, True) for f in mv.INT_DOT_FORMATS]
+    # an untimed pass over the first shape, compiling every column's kernels: timed right after their
+    # compiles, the first row's integer-path columns ran 2-3x slower on the H200 than the same configurations
+    # timed again in one process (the GPU likely clocked down while the host compiled)
+    _matvec_row(dev, rng, cols, *MATVEC_SHAPES[0], 2)
     print(f"\nmatvec, batch 1, float32 activations: GB/s of weight bytes ({dev.info.name})")
     print(f"{'shape':>14s} " + " ".join(f"{f + (' int8' if dot else ''):>9s}" for f, dot in cols)
           + f" {'torch f16':>10s}")
     for n, k in MATVEC_SHAPES:
-        row = []
-        for fmt, dot in cols:
-            nbytes = n * FORMATS[fmt].row_bytes(k)
-            if nbytes > dev.info.max_storage_buffer_range:
-                row.append(f"{'-':>9s}")
-                continue
-            ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
-            x = dev.alloc(k * 4)
-            dev.upload(x, rng.standard_normal(k).astype(np.float32))
-            y = dev.alloc(n * 4)
-            it = iter(range(1 << 62))
-            cfg = mv.choose_config(dev, FORMATS[fmt], n, k, 1, int_dot=dot)
-
-            def run(ws=ws, x=x, y=y, it=it, cfg=cfg):
-                mv.matvec(dev, ws[next(it) % len(ws)], x, 1, out=y, config=cfg)
-
-            us = replay_us(dev, run, reps)
-            row.append(f"{nbytes / us / 1e3:9.0f}")
-            x.release()
-            y.release()
-            for w in ws:
-                w.body.release()
-                if w.scales is not None:
-                    w.scales.release()
+        row = _matvec_row(dev, rng, cols, n, k, reps)
         print(f"{n:>6d}x{k:<7d} " + " ".join(row) + f" {_torch_matvec(n, k, TORCH_REPS):>10s}")
 
 
