@@ -82,9 +82,10 @@ PREFERRED = {"Q8_0": (64, 256, 8), "Q4_0": (64, 128, 4), "Q4_K": (64, 128, 8), "
              "F16": (256, 256, 4), "BF16": (256, 256, 4)}
 LONG_K = 4096
 MANY_ROWS = 65536  # from here on (an output projection) Q4_0 takes 8 rows per workgroup
-# Rows per workgroup for 2, 4 and 8 activation rows, measured on an H200 at 14336x4096
-# (`bench_kernels.py --batches-only`). Each weight row reuses the activations loaded for it, so fewer rows per
-# workgroup multiply the activation traffic: at batch 8 (Q4_0) one row ran at 70 GB/s, four at 214, eight at 272.
+# Rows per workgroup for 2, 4 and 8 activation rows, measured on an H200 at 14336x4096 (a rows sweep;
+# `tune_matvec.py --paths float` repeats it). Each weight row reuses the activations loaded for it, so fewer rows
+# per workgroup multiply the activation traffic: at batch 8 (Q4_0) one row ran at 70 GB/s, four at 214, eight
+# at 272.
 BATCH_ROWS = {"Q4_0": {2: 8, 4: 8, 8: 8}, "Q8_0": {2: 4, 4: 8, 8: 8}}
 
 
