@@ -11,6 +11,8 @@ import os
 import struct
 import tempfile
 import threading
+from collections.abc import Callable
+from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +56,7 @@ class Kernel:
         self.push_size = iface.push_size
         self._push = iface.push_struct()
         self.push_pack = self._push.pack
+        self.push_from_dict = _dict_packer(self.push_names, self.push_pack)
         self._push_types = tuple(f.type for f in iface.push_fields)
 
     def pack_push(self, push: Any) -> bytes:
@@ -82,6 +85,15 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"Kernel({self.name}, local_size={self.local_size}, bindings={self.num_bindings})"
+
+
+def _dict_packer(names: tuple[str, ...], pack: Callable[..., bytes]) -> Callable[[dict], bytes]:
+    """Packs a dict holding exactly `names` (the caller checks its length) in declaration order, prepared once
+    per kernel; a missing name raises KeyError, a value of the wrong type struct.error."""
+    if len(names) <= 1:  # itemgetter of one name returns the value, not a 1-tuple; of none, fails
+        return lambda push: pack(*[push[name] for name in names])
+    get = itemgetter(*names)
+    return lambda push: pack(*get(push))
 
 
 class PipelineManager:

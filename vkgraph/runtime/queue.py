@@ -146,6 +146,11 @@ class Queue:
                 data = kernel.push_pack(*push)
             except struct.error:
                 data = kernel.pack_push(push)  # raises with a message naming the fields
+        elif type(push) is dict and push and len(push) == len(kernel.push_names):
+            try:
+                data = kernel.push_from_dict(push)
+            except (KeyError, struct.error):
+                data = kernel.pack_push(push)  # raises with a message naming the fields
         else:
             data = kernel.pack_push(push) if (push or kernel.push_names) else b""
         if gx == 0 or gy == 0 or gz == 0:
