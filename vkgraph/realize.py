@@ -10,6 +10,7 @@ lowering, and runs the remembered plan (programs, buffer lifetimes) with its own
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .codegen import Limits, lower
+from .codegen import Limits, Program, lower
 from .dtype import DType, dtypes
 from .flags import flag
 from .graph import BufferRef, Node, Op, argkey, runtime_values
@@ -177,18 +178,19 @@ class _Plan:
     """A schedule lowered to programs, with every buffer a slot: inputs (numbered as in `Structure`), then the
     schedule's own buffers (made afresh at each run), then lowering scratch (shared by every run).
 
-    steps: per schedule item, (programs as (src, name, binding slots, groups, push, params), scratch slots, frees)
-    for a kernel, or (None, (custom position, out slot, input slots), frees) for a custom call. A program's params
-    are (push field, position in the graph's runtime values): fields to fill at each run. baked: (position,
-    value) of runtime values the programs hold as literals (over the push budget); a graph whose values differ
-    there cannot use this plan."""
+    steps: per schedule item, (programs as (src, name, binding slots, groups, push), scratch slots, frees) for a
+    kernel, or (None, (custom position, out slot, input slots), frees) for a custom call. A program's push is
+    `_push_fields`: values in declaration order and the fields to fill at each run from the graph's runtime
+    values. baked: (position, value) of runtime values the programs hold as literals (over the push budget); a
+    graph whose values differ there cannot use this plan."""
 
-    __slots__ = ("n_in", "temps", "consts", "steps", "outputs", "baked")
+    __slots__ = ("n_in", "temps", "consts", "steps", "outputs", "baked", "used")
 
     def __init__(self, n_in: int, temps: list[tuple[DType, int]], consts: list[BufferRef], steps: list[tuple],
                  outputs: list[int], baked: tuple):
         self.n_in, self.temps, self.consts, self.steps, self.outputs = n_in, temps, consts, steps, outputs
         self.baked = baked
+        self.used = 0  # when the schedule cache last handed it out (its least recently used goes first)
 
 
 class _Uncacheable(Exception):
@@ -254,11 +256,18 @@ def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node],
         leaves = [value_slot(n) for n in lowered.leaves]
         baked += [(value_slot(n), argkey(n.arg)) for n in lowered.baked]
         progs = tuple((p.src, p.name, tuple((slot(ref, id(ref) in scratch), off, n) for ref, off, n in p.bindings),
-                       p.groups, p.push or None, tuple((name, leaves[i] + part) for name, i, part in p.params))
-                      for p in lowered.programs)
+                       p.groups, _push_fields(p, leaves)) for p in lowered.programs)
         steps.append((progs, tuple(slot(r, True) for r in lowered.scratch), fr))
     outputs = [slot(r) for r in sched.outputs]
     return _Plan(n_in, [(t.dtype, t.numel) for t in sched.temps], consts, steps, outputs, tuple(baked)), refs
+
+
+def _push_fields(p: Program, leaves: list[int]) -> tuple[tuple[str, ...], tuple, tuple[tuple[int, int], ...]]:
+    """p's push constants as (names, values, fill): values in declaration order (what dispatch packs without
+    looking up names), fill as (position in values, position in the graph's runtime values) to set at each run."""
+    names = tuple(p.push)
+    pos = {name: j for j, name in enumerate(names)}
+    return names, tuple(p.push.values()), tuple((pos[name], leaves[i] + part) for name, i, part in p.params)
 
 
 def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node], params: list, debug: int) -> None:
@@ -278,13 +287,14 @@ def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node], params: li
             node.arg.fn(dev, out_ref.buf, [r.buf for r in in_refs])
             _count(node.arg.name)
         else:
-            for src, name, bindings, groups, push, fill in progs:
+            for src, name, bindings, groups, (fields, push, fill) in progs:
                 if fill:  # this graph's RNG counters, Variables and float constants
-                    push = dict(push)
-                    for field_name, i in fill:
-                        push[field_name] = params[i]
+                    push = list(push)
+                    for j, i in fill:
+                        push[j] = params[i]
+                    push = tuple(push)
                 if debug >= 3:
-                    print(f"--- {name} groups={groups} push={push or {}}\n{src}")
+                    print(f"--- {name} groups={groups} push={dict(zip(fields, push))}\n{src}")
                 brefs = [refs[b[0]] for b in bindings]
                 for ref in brefs:  # memory first: out-of-memory is the error to report
                     if ref.buf is None:
@@ -292,6 +302,8 @@ def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node], params: li
                 kern = compiled.get(src)
                 if kern is None:
                     kern = compiled[src] = dev.kernel(src, name=name)
+                    if kern.push_names != fields:  # the values are packed by position
+                        raise AssertionError(f"{name}: push fields {fields} are declared as {kern.push_names}")
                 bufs = [ref.buf if b[2] is None else ref.buf.view(b[1], b[2]) for ref, b in zip(brefs, bindings)]
                 dispatch(kern, bufs, groups=groups, push=push)
                 if counting:
@@ -329,7 +341,18 @@ def run(sched: Schedule) -> None:
 # schedules by graph structure (schedule.Structure): a graph scheduled before reuses its kernels and lifetimes
 _PLANS: dict[tuple, _Plan] = {}
 _PLANS_SIZE = 128
+_USES = itertools.count(1)
 PLAN_STATS = {"hits": 0, "misses": 0}  # schedules reused / made (tests and benchmarks read these)
+
+
+def _evict_plans() -> None:
+    """Make room in the schedule cache by dropping its least recently used plans (a scan, on misses only)."""
+    while len(_PLANS) >= _PLANS_SIZE:
+        try:
+            oldest = min(_PLANS.items(), key=lambda kv: kv[1].used)[0]
+        except (RuntimeError, ValueError):  # another thread changed it meanwhile
+            break
+        _PLANS.pop(oldest, None)
 
 
 def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[BufferRef]:
@@ -341,11 +364,11 @@ def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[Buff
         run(sched)
         return sched.outputs
     st = structure(nodes, REALIZED, dests, (limits(), max_inputs))
-    plan = _PLANS.pop(st.key, None) if st.key is not None else None
+    plan = _PLANS.get(st.key) if st.key is not None else None
     if plan is not None and any(argkey(st.params[i]) != v for i, v in plan.baked):
         plan = None  # it compiled in other values of float constants (more than push constants hold)
     if plan is not None:
-        _PLANS[st.key] = plan  # most recently used last
+        plan.used = next(_USES)  # a use count, not a reinsertion: a hit hashes the key once
         refs = st.inputs + [BufferRef(d, n) for d, n in plan.temps] + plan.consts
         PLAN_STATS["hits"] += 1
     else:
@@ -357,11 +380,8 @@ def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[Buff
             run(sched)
             return sched.outputs
         if st.key is not None:
-            while len(_PLANS) >= _PLANS_SIZE:
-                try:
-                    _PLANS.pop(next(iter(_PLANS)), None)
-                except (RuntimeError, StopIteration):  # another thread changed it meanwhile
-                    break
+            _evict_plans()
+            plan.used = next(_USES)
             _PLANS[st.key] = plan
     _execute(plan, refs, st.customs, st.params, debug)
     return [refs[i] for i in plan.outputs]
