@@ -19,8 +19,8 @@ if [ "$quick" != "--quick" ]; then
   # the same GGUF files for vkgraph and llama.cpp (when cyllama-vulkan is installed): random blocks, in seconds
   python3 scripts/make_tiny_model.py "$out/m8b" --preset llama3-8b --gguf Q4_0,Q8_0 --random-quants > /dev/null
   run llm python3 benchmarks/bench_llm.py --gguf "$out/m8b/model-q4_0.gguf" --gguf "$out/m8b/model-q8_0.gguf"
-  # the same through the integer dot-product matvec (int8 activations), vkgraph alone
-  VKGRAPH_INT_DOT=1 run llm_int8 python3 benchmarks/bench_llm.py --no-peers \
+  # the same with float activations in the quantized matvecs (no integer dot products), vkgraph alone
+  VKGRAPH_INT_DOT=0 run llm_float python3 benchmarks/bench_llm.py --no-peers \
     --gguf "$out/m8b/model-q4_0.gguf" --gguf "$out/m8b/model-q8_0.gguf"
   rm -rf "$out/m8b"
   run profile python3 benchmarks/profile_decode.py --format Q4_0
