@@ -14,6 +14,7 @@ F.scaled_dot_product_attention over contiguous float16 KV.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import numpy as np
 from common import cuda_torch, replay_us, torch_time_us
@@ -51,6 +52,24 @@ def _random_weights(dev, rng, fmt: str, n: int, k: int) -> mv.DeviceWeights:
     return mv.DeviceWeights(f, (n, k), body, scales, body_row // 16, s_stride)
 
 
+def _release_weights(ws: list[mv.DeviceWeights]) -> None:
+    for w in ws:
+        w.body.release()
+        if w.scales is not None:
+            w.scales.release()
+
+
+def matvec_us(dev, ws: list[mv.DeviceWeights], x, y, batch: int, cfg: mv.MatvecConfig, reps: int,
+              act: str = "f32") -> float:
+    """GPU microseconds per matvec with `cfg` (replay_us), each call reading the next of the weight copies `ws`."""
+    calls = itertools.count()
+
+    def run() -> None:
+        mv.matvec(dev, ws[next(calls) % len(ws)], x, batch, act_dtype=act, out=y, config=cfg)
+
+    return replay_us(dev, run, reps)
+
+
 def _matvec_row(dev, rng, cols: list[tuple[str, bool]], n: int, k: int, reps: int) -> list[str]:
     """GB/s of weight bytes of each (format, integer path) column for one shape, chosen configuration."""
     row = []
@@ -63,20 +82,11 @@ def _matvec_row(dev, rng, cols: list[tuple[str, bool]], n: int, k: int, reps: in
         x = dev.alloc(k * 4)
         dev.upload(x, rng.standard_normal(k).astype(np.float32))
         y = dev.alloc(n * 4)
-        it = iter(range(1 << 62))
-        cfg = mv.choose_config(dev, FORMATS[fmt], n, k, 1, int_dot=dot)
-
-        def run(ws=ws, x=x, y=y, it=it, cfg=cfg):
-            mv.matvec(dev, ws[next(it) % len(ws)], x, 1, out=y, config=cfg)
-
-        us = replay_us(dev, run, reps)
+        us = matvec_us(dev, ws, x, y, 1, mv.choose_config(dev, FORMATS[fmt], n, k, 1, int_dot=dot), reps)
         row.append(f"{nbytes / us / 1e3:9.0f}")
         x.release()
         y.release()
-        for w in ws:
-            w.body.release()
-            if w.scales is not None:
-                w.scales.release()
+        _release_weights(ws)
     return row
 
 
@@ -116,20 +126,12 @@ def bench_matvec_batches(dev, rng, reps: int, shape=(14336, 4096), formats=("Q4_
             cells = []
             for dot in paths:
                 cfg = mv.choose_config(dev, FORMATS[fmt], n, k, batch, int_dot=dot)
-                it = iter(range(1 << 62))
-
-                def run(ws=ws, x=x, y=y, it=it, batch=batch, cfg=cfg):
-                    mv.matvec(dev, ws[next(it) % len(ws)], x, batch, out=y, config=cfg)
-
-                us = replay_us(dev, run, reps)
+                us = matvec_us(dev, ws, x, y, batch, cfg, reps)
                 cells.append(f"{nbytes / us / 1e3:7.0f} (wg{cfg.wg:>3d} r{cfg.rows})")
             print(f"{fmt:>6s} {batch:>5d} " + " ".join(f"{c:>22s}" for c in cells))
             x.release()
             y.release()
-        for w in ws:
-            w.body.release()
-            if w.scales is not None:
-                w.scales.release()
+        _release_weights(ws)
 
 
 def bench_decode(dev, rng, reps: int) -> None:
@@ -149,7 +151,7 @@ def bench_decode(dev, rng, reps: int) -> None:
         dev.upload(lens, np.full(b, ctx, np.int32))
         dev.upload(q, rng.standard_normal(b * HQ * HEAD).astype(np.float32))
         out = dev.alloc(b * HQ * HEAD * 4)
-        it = iter(range(1 << 62))
+        it = itertools.count()
 
         def run(caches=caches, tb=tb, lens=lens, q=q, out=out, it=it, b=b, ctx=ctx):
             pa.paged_decode(dev, caches[next(it) % len(caches)], q, tb, lens, num_seqs=b, num_heads=HQ,
@@ -169,7 +171,7 @@ def _torch_matvec(n: int, k: int, reps: int) -> str:
     nbytes = n * k * 2
     ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(_copies(nbytes))]
     x = torch.randn(k, 1, device="cuda", dtype=torch.float16)
-    it = iter(range(1 << 62))
+    it = itertools.count()
     us = torch_time_us(torch, lambda: torch.matmul(ws[next(it) % len(ws)], x), reps)
     return f"{nbytes / us / 1e3:.0f}"
 
@@ -184,7 +186,7 @@ def _torch_sdpa(b: int, ctx: int, reps: int) -> str:
     q = torch.randn(b, HQ, 1, HEAD, device="cuda", dtype=torch.float16)
     kvs = [(torch.randn(b, HKV, ctx, HEAD, device="cuda", dtype=torch.float16),
             torch.randn(b, HKV, ctx, HEAD, device="cuda", dtype=torch.float16)) for _ in range(_copies(kv_bytes, 8))]
-    it = iter(range(1 << 62))
+    it = itertools.count()
 
     def run():
         k, v = kvs[next(it) % len(kvs)]

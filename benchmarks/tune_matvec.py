@@ -16,8 +16,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from bench_kernels import MATVEC_SHAPES, _copies, _random_weights
-from common import replay_us
+from bench_kernels import MATVEC_SHAPES, _copies, _random_weights, _release_weights, matvec_us
 
 from vkgraph.ops import matvec as mv
 from vkgraph.quant import FORMATS
@@ -47,12 +46,7 @@ def _sweep(dev, rng, f, ws, n: int, k: int, batch: int, act: str, nbytes: int, r
         for rows in ROWS:
             for int_dot in int_dots:
                 cfg = mv.MatvecConfig(wg, rows, chosen.use_subgroup and wg % dev.info.subgroup_size == 0, int_dot)
-                it = iter(range(1 << 62))
-
-                def run(cfg=cfg, it=it):
-                    mv.matvec(dev, ws[next(it) % len(ws)], x, batch, act_dtype=act, out=y, config=cfg)
-
-                results[(wg, rows, int_dot)] = nbytes / replay_us(dev, run, reps) / 1e3
+                results[(wg, rows, int_dot)] = nbytes / matvec_us(dev, ws, x, y, batch, cfg, reps, act) / 1e3
     x.release()
     y.release()
     if not results:
@@ -93,10 +87,7 @@ def main() -> None:
                                       for c in sorted(results, key=results.get, reverse=True)[1:3]), flush=True)
                     best.setdefault(f"{fmt} {act}", {}).setdefault(batch, []).append(((n, k), top,
                                                                                      round(results[top])))
-            for w in ws:
-                w.body.release()
-                if w.scales is not None:
-                    w.scales.release()
+            _release_weights(ws)
     print("\nbest (wg, rows, int_dot) per format and batch, by shape:")
     for fmt, per_batch in best.items():
         print(f"  {fmt!r}: {{" + ", ".join(f"{b}: {v}" for b, v in per_batch.items()) + "},")

@@ -67,7 +67,6 @@ vec4 bytes_i8(uint w) {
 }
 const vec4 I8 = vec4(1.0, 1.0 / 256.0, 1.0, 1.0 / 256.0);
 
-
 float hsum(vec4 v) {
     return (v.x + v.y) + (v.z + v.w);
 }

@@ -151,17 +151,16 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
     key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids)
     kern = weights.kernels.get(key)
     if kern is None:
+        defines = {}
         if cfg.int_dot:
             _check_int_dot(dev, weights.format)
-        defines = {}
+            defines["INT_DOT"] = 1
         if expert_ids:
             defines["EXPERT_IDS"] = 1
         if act_dtype == "f16":
             defines["A_F16"] = 1
         if weights.format.name == "BF16":
             defines["W_BF16"] = 1
-        if cfg.int_dot:
-            defines["INT_DOT"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
                 "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
         kern = weights.kernels[key] = kernels.compile(dev, TEMPLATE[weights.format.name], spec=spec,
