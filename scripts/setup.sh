@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up vkgraph on a Debian 12 machine as root: system packages that are missing, then a virtual
-# environment in .venv with vkgraph installed (editable) with its test extras. Safe to run again.
+# environment in .venv with vkgraph installed (editable) with its test extras. Safe to run again: a second run
+# installs nothing unless pyproject.toml changed (or the environment lost vkgraph) and prints nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need=()
@@ -14,6 +15,15 @@ if ((${#need[@]})); then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-[ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+fi
+# the stamp records what was installed: pyproject.toml's hash and this checkout's path
+stamp=.venv/.vkgraph-installed
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $PWD"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] \
+   || ! .venv/bin/python -c "import importlib.metadata as m; m.distribution('vkgraph')" >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  echo "$want" >"$stamp"
+fi

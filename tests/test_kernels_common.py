@@ -2,7 +2,7 @@
 
 `check` compares a result with a float64 numpy reference by normalised error (||got - ref|| / ||ref||) and
 marks every template dispatched since `snapshot()` as checked; test_kernels_zz_coverage.py then asserts
-that every template in kernels/ was registered, dispatched and checked.
+that every template in vkgraph/templates/glsl/ was registered, dispatched and checked.
 """
 
 from collections import Counter
@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from vkgraph import kernels
+from vkgraph import templates
 
 CHECKED: set[str] = set()
 TOL = 5e-4
@@ -23,7 +23,7 @@ def device():
 
 
 def snapshot() -> Counter:
-    return Counter(kernels.DISPATCHES)
+    return Counter(templates.DISPATCHES)
 
 
 def normalised_error(got: np.ndarray, ref: np.ndarray) -> float:
@@ -37,7 +37,7 @@ def normalised_error(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 def check(got: np.ndarray, ref: np.ndarray, since: Counter, tol: float = TOL) -> None:
-    used = set(kernels.DISPATCHES - since)
+    used = set(templates.DISPATCHES - since)
     assert used, "nothing was dispatched"
     err = normalised_error(got, ref)
     assert err <= tol, f"normalised error {err:.3g} > {tol} (templates {sorted(used)})"

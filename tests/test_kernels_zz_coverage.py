@@ -1,4 +1,4 @@
-"""Every template file in kernels/ is registered, dispatched by a test and compared with numpy.
+"""Every template file in vkgraph/templates/glsl/ is registered, dispatched by a test and compared with numpy.
 
 Marked `last` so it runs after the other template tests, whose records it reads. When
 those tests are not part of the session (a single file was selected), it skips rather than guess.
@@ -9,17 +9,16 @@ import os
 import pytest
 import test_kernels_common as common
 
-from vkgraph import kernels
-from vkgraph.runtime.pipeline import kernel_include_dirs
+from vkgraph import templates
 
 pytestmark = pytest.mark.last
 
 
 def test_every_file_is_registered():
-    files = {p.stem for p in kernel_include_dirs()[0].glob("*.comp")}
+    files = {p.stem for p in templates.GLSL_DIR.glob("*.comp")}
     assert files, "no templates found"
-    assert files == set(kernels.templates())
-    for t in kernels.templates().values():
+    assert files == set(templates.registry())
+    for t in templates.registry().values():
         assert t.interface.bindings, f"{t.name} declares no bindings"
 
 
@@ -31,8 +30,8 @@ def test_every_template_dispatched_and_checked(request):
                                                                                         "test_kernels_common.py"}
     if not template_tests <= ran:
         pytest.skip(f"needs the template tests in this session; not selected: {sorted(template_tests - ran)}")
-    names = set(kernels.templates())
-    never_dispatched = sorted(n for n in names if kernels.DISPATCHES[n] == 0)
+    names = set(templates.registry())
+    never_dispatched = sorted(n for n in names if templates.DISPATCHES[n] == 0)
     never_checked = sorted(names - common.CHECKED)
     assert not never_dispatched, f"templates no test dispatched: {never_dispatched}"
     assert not never_checked, f"templates never compared with numpy: {never_checked}"

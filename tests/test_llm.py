@@ -71,7 +71,7 @@ def test_int8_activations_stay_close_to_the_reference(models, kind, monkeypatch)
     stay within the int8 rounding's reach of the float reference (about 1-2% of the largest logit here).
     (Not asserted for MoE: there the rounding can flip a near-tied routing choice, which moves that token's
     logits by ~10%; the expert-indexed kernel's int8 path is checked exactly in test_kernels_matvec.)"""
-    from vkgraph import kernels
+    from vkgraph import templates
     from vkgraph.runtime import get_device
 
     if not get_device().info.integer_dot_product:
@@ -83,11 +83,11 @@ def test_int8_activations_stay_close_to_the_reference(models, kind, monkeypatch)
     cache = RefCache()
     want = ref.forward(prompt, cache)
     n = len(prompt)
-    before = kernels.DISPATCHES["quantize_q8"]
+    before = templates.DISPATCHES["quantize_q8"]
     step = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
                       cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
     got = model(Tensor(np.array(prompt, np.int32)), step).numpy()
-    assert kernels.DISPATCHES["quantize_q8"] > before
+    assert templates.DISPATCHES["quantize_q8"] > before
     assert nerr(got, want) < 3e-2
     tok = int(np.argmax(want[-1]))
     for pos in range(n, n + 4):
@@ -297,7 +297,7 @@ def test_quantized_moe_runs_only_the_chosen_experts(n_experts):
 
     from reference_llama import moe
 
-    from vkgraph import kernels, quant
+    from vkgraph import quant, templates
     from vkgraph.nn.layers import MoE
     from vkgraph.nn.weights import ExpertWeights
 
@@ -314,9 +314,9 @@ def test_quantized_moe_runs_only_the_chosen_experts(n_experts):
     for tokens in (3, 70):
         x = rng.standard_normal((tokens, dim)).astype(np.float32)
         r = rng.standard_normal((tokens, dim)).astype(np.float32)
-        before = Counter(kernels.DISPATCHES)
+        before = Counter(templates.DISPATCHES)
         got = layer(Tensor(x), Tensor(r)).numpy()
-        matvecs = {n: c for n, c in (kernels.DISPATCHES - before).items() if n.startswith("matvec")}
+        matvecs = {n: c for n, c in (templates.DISPATCHES - before).items() if n.startswith("matvec")}
         assert matvecs == {"matvec_q8_0": 2}
         assert nerr(got, r + moe(x.astype(np.float64), router, deq, top_k)) < 5e-4
 

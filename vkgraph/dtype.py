@@ -19,8 +19,8 @@ Promotion (``result_type``) follows numpy where numpy has a type for the answer:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
-import ml_dtypes
 import numpy as np
 
 
@@ -29,7 +29,7 @@ class DType:
     name: str
     itemsize: int
     kind: str  # "b" bool, "i" signed integer, "u" unsigned integer, "f" float
-    np: np.dtype
+    np_name: str  # the numpy dtype's name (`np` resolves it on first use)
     store: str  # GLSL type of a buffer element
     glsl: str  # GLSL type values are computed in
 
@@ -38,6 +38,16 @@ class DType:
 
     def __reduce__(self):  # pickles by name so identity survives
         return (_by_name, (self.name,))
+
+    @cached_property
+    def np(self) -> np.dtype:
+        """The numpy dtype; bfloat16's comes from ml_dtypes, imported here on first use rather than with vkgraph
+        (it takes most of a second)."""
+        if self.np_name == "bfloat16":
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(self.np_name)
 
     @property
     def is_float(self) -> bool:
@@ -55,17 +65,17 @@ class DType:
 class dtypes:
     """The dtypes vkgraph knows, as attributes: ``dtypes.float32`` and so on."""
 
-    bool = DType("bool", 1, "b", np.dtype(np.bool_), "uint8_t", "bool")
-    int8 = DType("int8", 1, "i", np.dtype(np.int8), "int8_t", "int")
-    uint8 = DType("uint8", 1, "u", np.dtype(np.uint8), "uint8_t", "uint")
-    int16 = DType("int16", 2, "i", np.dtype(np.int16), "int16_t", "int")
-    uint16 = DType("uint16", 2, "u", np.dtype(np.uint16), "uint16_t", "uint")
-    int32 = DType("int32", 4, "i", np.dtype(np.int32), "int", "int")
-    uint32 = DType("uint32", 4, "u", np.dtype(np.uint32), "uint", "uint")
-    int64 = DType("int64", 8, "i", np.dtype(np.int64), "int64_t", "int64_t")
-    float16 = DType("float16", 2, "f", np.dtype(np.float16), "float16_t", "float")
-    bfloat16 = DType("bfloat16", 2, "f", np.dtype(ml_dtypes.bfloat16), "uint16_t", "float")
-    float32 = DType("float32", 4, "f", np.dtype(np.float32), "float", "float")
+    bool = DType("bool", 1, "b", "bool", "uint8_t", "bool")
+    int8 = DType("int8", 1, "i", "int8", "int8_t", "int")
+    uint8 = DType("uint8", 1, "u", "uint8", "uint8_t", "uint")
+    int16 = DType("int16", 2, "i", "int16", "int16_t", "int")
+    uint16 = DType("uint16", 2, "u", "uint16", "uint16_t", "uint")
+    int32 = DType("int32", 4, "i", "int32", "int", "int")
+    uint32 = DType("uint32", 4, "u", "uint32", "uint", "uint")
+    int64 = DType("int64", 8, "i", "int64", "int64_t", "int64_t")
+    float16 = DType("float16", 2, "f", "float16", "float16_t", "float")
+    bfloat16 = DType("bfloat16", 2, "f", "bfloat16", "uint16_t", "float")
+    float32 = DType("float32", 4, "f", "float32", "float", "float")
 
     default_float = float32
     default_int = int32
@@ -79,7 +89,7 @@ ALL: tuple[DType, ...] = (dtypes.bool, dtypes.int8, dtypes.uint8, dtypes.int16, 
                           dtypes.uint32, dtypes.int64, dtypes.float16, dtypes.bfloat16, dtypes.float32)
 _NAMES = {d.name: d for d in ALL} | {"half": dtypes.float16, "float": dtypes.float32, "int": dtypes.int32,
                                      "long": dtypes.int64, "bf16": dtypes.bfloat16}
-_NP = {d.np: d for d in ALL}
+_NP = {d.np_name: d for d in ALL}  # by name: building numpy dtypes here would import ml_dtypes
 
 
 def _by_name(name: str) -> DType:
@@ -104,8 +114,9 @@ def to_dtype(x: DType | str | np.dtype | type) -> DType:
         raise TypeError(f"unknown dtype {x!r}; known: {', '.join(d.name for d in ALL)}") from e
     if npd == np.float64:
         return dtypes.float32
-    if npd in _NP:
-        return _NP[npd]
+    d = _NP.get(npd.name)
+    if d is not None and npd == d.np:
+        return d
     raise TypeError(f"numpy dtype {npd} has no vkgraph equivalent; known: {', '.join(d.name for d in ALL)}")
 
 

@@ -1,1 +1,1 @@
-"""Python entry points that dispatch the hand-tuned templates in kernels/ over runtime Buffers."""
+"""Python entry points that dispatch the hand-tuned templates (vkgraph/templates) over runtime Buffers."""

@@ -2,7 +2,7 @@
 
 The matvec templates read each weight byte once per call, which is what a decode step wants; with many
 activation rows (a prefill) a matmul reads the weights once per tile instead, so the weights are expanded to
-float16 first (`kernels/dequant_f16.comp`). The values are bit-exact to
+float16 first (`vkgraph/templates/glsl/dequant_f16.comp`). The values are bit-exact to
 `vkgraph.quant.dequantize(qt).astype(np.float16)`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import kernels
+from .. import templates
 from ..runtime import Device
 from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
 from .matvec import UNIT_ELEMS, DeviceWeights
@@ -53,10 +53,10 @@ def dequantize_f16(dev: Device, weights: DeviceWeights, out: Any | None = None) 
         out = dev.alloc(nbytes)
     check_buffer("out", out, nbytes)
     wg = min(WG, pow2_floor(dev.info.max_workgroup_invocations))
-    kern = kernels.compile(dev, "dequant_f16", spec={"WG": wg}, defines={f"W_{fmt}": 1})
+    kern = templates.compile(dev, "dequant_f16", spec={"WG": wg}, defines={f"W_{fmt}": 1})
     groups = grid_2d(dev, -(-n * (k // unit) // wg))
     w = weights.body
-    kernels.dispatch(dev, kern, [w, weights.scales or w, out], groups,
+    templates.dispatch(dev, kern, [w, weights.scales or w, out], groups,
                      push={"n_rows": n, "k": k, "w_stride": weights.w_stride, "s_stride": weights.s_stride,
                            "groups_x": groups[0]})
     return out

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import kernels
+from .. import templates
 from ..flags import flag
 from ..quant import QuantFormat, QuantizedTensor, kernel_layout, stack_rows
 from ..runtime import Device
@@ -163,7 +163,7 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             defines["W_BF16"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
                 "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
-        kern = weights.kernels[key] = kernels.compile(dev, TEMPLATE[weights.format.name], spec=spec,
+        kern = weights.kernels[key] = templates.compile(dev, TEMPLATE[weights.format.name], spec=spec,
                                                       defines=defines)
     return kern
 
@@ -205,7 +205,7 @@ def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x
     acts = [x, w, w]
     if cfg.int_dot:
         acts = list(quantize_activations(dev, x, x_rows, weights.shape[1], act_dtype))
-    kernels.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:]],
+    templates.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:]],
                      groups, push={"n_rows": weights.shape[0] // n_experts, "k": weights.shape[1],
                                    "w_stride": weights.w_stride, "s_stride": weights.s_stride, "groups_x": groups[0],
                                    "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
@@ -232,9 +232,9 @@ def quantize_activations(dev: Device, x: Any, rows: int, k: int, act_dtype: str 
     n_blocks = rows * k // 32
     xq, xd, xs = dev.alloc(rows * k), dev.alloc(n_blocks * 4), dev.alloc(n_blocks * 8)
     wg = 64
-    kern = kernels.compile(dev, "quantize_q8", spec={"WG": wg}, defines={"A_F16": 1} if act_dtype == "f16" else None)
+    kern = templates.compile(dev, "quantize_q8", spec={"WG": wg}, defines={"A_F16": 1} if act_dtype == "f16" else None)
     groups = grid_2d(dev, -(-n_blocks // wg))
-    kernels.dispatch(dev, kern, [x, xq, xd, xs], groups, push={"n_blocks": n_blocks, "groups_x": groups[0]})
+    templates.dispatch(dev, kern, [x, xq, xd, xs], groups, push={"n_blocks": n_blocks, "groups_x": groups[0]})
     return xq, xd, xs
 
 

@@ -24,18 +24,6 @@ from .vk import NULL, Keep, check, ffi, lib, vk
 if TYPE_CHECKING:
     from .device import Device
 
-KERNELS_DIR = Path(__file__).resolve().parent.parent.parent / "kernels"
-
-
-def kernel_include_dirs() -> list[Path]:
-    """Where `#include` looks: the source tree's kernels/ folder, else the installed package data."""
-    if KERNELS_DIR.is_dir():
-        return [KERNELS_DIR]
-    from importlib.resources import files
-
-    return [Path(str(files("vkgraph.kernels_data")))]
-
-
 class Kernel:
     """A compute pipeline ready to dispatch."""
 
@@ -136,7 +124,7 @@ class PipelineManager:
         if prepared is None:
             from .compiler import with_defines
 
-            dirs = [Path(d) for d in (include_dirs or [])] + kernel_include_dirs()
+            dirs = [Path(d) for d in (include_dirs or [])]
             expanded = expand_includes(source, dirs)
             iface = parse_interface(with_defines(expanded, defines))
             spirv = self.device.compiler.compile(expanded, defines, target=_target(self.device))
