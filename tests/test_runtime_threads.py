@@ -78,3 +78,25 @@ def test_tensor_graphs_from_two_threads():
     errors = errors_of(work, (0,), (1,))
     assert not errors, errors[0]
     assert len(results) == 2
+
+
+def test_split_reductions_of_one_structure_from_two_threads():
+    """A large sum lowers to a split reduction with a scratch buffer; two threads running the same cached plan
+    on different data must each get their own scratch (they shared the plan's, and read each other's partials)."""
+    from vkgraph import Tensor
+    from vkgraph.realize import count_kernels
+
+    n = 1 << 18
+    with count_kernels() as c:
+        Tensor(np.ones(n, np.float32)).sum().numpy()
+    assert c.count == 2, "the sum no longer splits: the test would not reach the shared scratch"
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(25):
+            x = rng.random(n).astype(np.float32) + 10 * seed
+            got = Tensor(x).sum().numpy()
+            np.testing.assert_allclose(got, x.astype(np.float64).sum(), rtol=1e-4)
+
+    errors = errors_of(work, (0,), (1,), (2,))
+    assert not errors, errors[0]

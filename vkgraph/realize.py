@@ -11,6 +11,7 @@ lowering, and runs the remembered plan (programs, buffer lifetimes) with its own
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +45,7 @@ class _Realized:
         # reference tells a live source from a newcomer at its address. It may hold entries that died (a wasted
         # lookup), never lack a live one.
         self._first: dict[int, weakref.ref | None] = {}
+        self._lock = threading.Lock()  # add() rebuilds its dicts; readers only look up single keys
 
     @staticmethod
     def _key(n: Node) -> tuple:
@@ -76,6 +78,10 @@ class _Realized:
     def add(self, n: Node, ref: BufferRef) -> None:
         if n.op is Op.BUFFER:
             return
+        with self._lock:
+            self._add(n, ref)
+
+    def _add(self, n: Node, ref: BufferRef) -> None:
         key = self._key(n)
         self._map[key] = ref
         self._version[key] = ref.version
@@ -176,7 +182,8 @@ def _release(ref: BufferRef) -> None:
 
 class _Plan:
     """A schedule lowered to programs, with every buffer a slot: inputs (numbered as in `Structure`), then the
-    schedule's own buffers (made afresh at each run), then lowering scratch (shared by every run).
+    schedule's own buffers, then lowering scratch (both made afresh at each run: a plan is shared by every thread
+    that runs a graph of its structure, so it holds no buffer).
 
     steps: per schedule item, (programs as (src, name, binding slots, groups, push), scratch slots, frees) for a
     kernel, or (None, (custom position, out slot, input slots), frees) for a custom call. A program's push is
@@ -184,11 +191,11 @@ class _Plan:
     values. baked: (position, value) of runtime values the programs hold as literals (over the push budget); a
     graph whose values differ there cannot use this plan."""
 
-    __slots__ = ("n_in", "temps", "consts", "steps", "outputs", "baked", "used")
+    __slots__ = ("n_in", "temps", "steps", "outputs", "baked", "used")
 
-    def __init__(self, n_in: int, temps: list[tuple[DType, int]], consts: list[BufferRef], steps: list[tuple],
-                 outputs: list[int], baked: tuple):
-        self.n_in, self.temps, self.consts, self.steps, self.outputs = n_in, temps, consts, steps, outputs
+    def __init__(self, n_in: int, temps: list[tuple[DType, int]], steps: list[tuple], outputs: list[int],
+                 baked: tuple):
+        self.n_in, self.temps, self.steps, self.outputs = n_in, temps, steps, outputs
         self.baked = baked
         self.used = 0  # when the schedule cache last handed it out (its least recently used goes first)
 
@@ -214,25 +221,26 @@ def _params(sched: Schedule) -> tuple[list, dict[int, int]]:
 
 def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node],
           param_slot: dict[int, int]) -> tuple[_Plan, list[BufferRef]]:
-    """sched as a plan over slots, and the buffers of this schedule in slot order."""
+    """sched as a plan over slots, and the buffers of this schedule in slot order (lowering scratch as fresh
+    BufferRefs: the lowering cache hands the same scratch refs to every kernel of its shape, in any thread)."""
     slots = {id(r): i for i, r in enumerate(inputs)}
     for t in sched.temps:
         if id(t) not in slots:
             slots[id(t)] = len(slots)
     n_in = len(inputs)
     refs = list(inputs) + sched.temps
-    consts: list[BufferRef] = []
+    scratch_specs: list[tuple[DType, int]] = []
     custom_pos = {id(n): i for i, n in enumerate(customs)}
     lim = limits()
 
-    def slot(ref: BufferRef, const: bool = False) -> int:
+    def slot(ref: BufferRef, scratch: bool = False) -> int:
         i = slots.get(id(ref))
         if i is None:
-            if not const:
+            if not scratch:
                 raise _Uncacheable
             i = slots[id(ref)] = len(refs)
-            refs.append(ref)
-            consts.append(ref)
+            refs.append(BufferRef(ref.dtype, ref.numel))
+            scratch_specs.append((ref.dtype, ref.numel))
         return i
 
     def value_slot(n: Node) -> int:
@@ -259,7 +267,8 @@ def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node],
                        p.groups, _push_fields(p, leaves)) for p in lowered.programs)
         steps.append((progs, tuple(slot(r, True) for r in lowered.scratch), fr))
     outputs = [slot(r) for r in sched.outputs]
-    return _Plan(n_in, [(t.dtype, t.numel) for t in sched.temps], consts, steps, outputs, tuple(baked)), refs
+    temps = [(t.dtype, t.numel) for t in sched.temps] + scratch_specs
+    return _Plan(n_in, temps, steps, outputs, tuple(baked)), refs
 
 
 def _push_fields(p: Program, leaves: list[int]) -> tuple[tuple[str, ...], tuple, tuple[tuple[int, int], ...]]:
@@ -369,7 +378,7 @@ def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[Buff
         plan = None  # it compiled in other values of float constants (more than push constants hold)
     if plan is not None:
         plan.used = next(_USES)  # a use count, not a reinsertion: a hit hashes the key once
-        refs = st.inputs + [BufferRef(d, n) for d, n in plan.temps] + plan.consts
+        refs = st.inputs + [BufferRef(d, n) for d, n in plan.temps]
         PLAN_STATS["hits"] += 1
     else:
         PLAN_STATS["misses"] += 1
