@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import gc
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,12 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_model(out: Path) -> Path:
-    import importlib.util
+    from vkgraph.nn import tiny_model as mk
 
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
-    mk = importlib.util.module_from_spec(spec)
-    sys.modules["make_tiny_model"] = mk
-    spec.loader.exec_module(mk)
     return mk.write_model(out, mk.tiny_config(), gguf_types=("Q8_0",))["Q8_0"]
 
 

@@ -10,8 +10,6 @@ fused, compiled and cached, steps captured and replayed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 from vkgraph.generate import main as generate
@@ -21,10 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_tiny_model(out: Path) -> dict[str, Path]:
-    spec = importlib.util.spec_from_file_location("make_tiny_model", ROOT / "scripts" / "make_tiny_model.py")
-    mk = importlib.util.module_from_spec(spec)
-    sys.modules["make_tiny_model"] = mk
-    spec.loader.exec_module(mk)
+    from vkgraph.nn import tiny_model as mk
+
     return mk.write_model(out, mk.tiny_config(), gguf_types=("Q8_0",))
 
 

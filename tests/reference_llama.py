@@ -6,7 +6,7 @@ layout (the one the loader guarantees) and `ModelConfig.rope_inv_freq` for RoPE 
 included). Supports GQA, q/k/v biases, RMSNorm, SwiGLU and the Mixtral mixture of experts (router softmax,
 top-k, renormalised weights).
 
-`tiny_model_writer()` hands tests scripts/make_tiny_model.py, which writes the models this reference runs.
+`vkgraph.nn.tiny_model` writes the models this reference runs.
 """
 
 from __future__ import annotations
@@ -146,17 +146,3 @@ class ReferenceLlama:
             out.append(int(np.argmax(logits[-1])))
             logits = self.forward([out[-1]], cache)
         return out
-
-
-def tiny_model_writer():
-    """scripts/make_tiny_model.py as a module (scripts/ is not a package)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "make_tiny_model"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]

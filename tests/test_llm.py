@@ -2,8 +2,9 @@
 
 import numpy as np
 import pytest
-from reference_llama import RefCache, ReferenceLlama, tiny_model_writer
+from reference_llama import RefCache, ReferenceLlama
 
+from vkgraph.nn import tiny_model
 from vkgraph.nn.config import RopeScaling
 from vkgraph.nn.engine import Engine
 from vkgraph.nn.layers import StepInputs
@@ -18,7 +19,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    mk = tiny_model_writer()
+    mk = tiny_model
     dense = mk.write_model(tmp_path_factory.mktemp("dense"), mk.tiny_config(), gguf_types=("Q8_0", "Q4_0"))
     moe = mk.write_model(tmp_path_factory.mktemp("moe"), mk.tiny_config(n_experts=4, n_experts_per_tok=2),
                          gguf_types=("Q8_0",))
@@ -217,7 +218,7 @@ def test_stop_string_cuts_the_text(models):
 def test_speculative_greedy_output_equals_plain_greedy(models, tmp_path):
     from vkgraph.nn.speculative import SpeculativeDecoder
 
-    mk = tiny_model_writer()
+    mk = tiny_model
     other = mk.write_model(tmp_path / "draft", mk.tiny_config(n_layers=1), seed=5, gguf_types=())["hf"]
     w, target = build(models["float32"])
     prompt = [5, 17, 42, 99, 7, 3]
@@ -234,7 +235,7 @@ def test_speculative_sampling_keeps_the_target_distribution(models, tmp_path):
     """With the rejection rule, the first generated token's distribution is the target's, whatever the draft."""
     from vkgraph.nn.speculative import SpeculativeDecoder, _probs
 
-    mk = tiny_model_writer()
+    mk = tiny_model
     other = mk.write_model(tmp_path / "draft", mk.tiny_config(n_layers=1), seed=9, gguf_types=())["hf"]
     w, target = build(models["float32"])
     draft = build(other)[1]

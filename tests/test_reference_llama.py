@@ -7,8 +7,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-from reference_llama import RefCache, ReferenceLlama, attention, moe, rope, swiglu, tiny_model_writer
+from reference_llama import RefCache, ReferenceLlama, attention, moe, rope, swiglu
 
+from vkgraph.nn import tiny_model
 from vkgraph.nn.config import RopeScaling
 from vkgraph.nn.weights import ExpertWeights, load_weights
 
@@ -22,7 +23,7 @@ def nerr(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    mk = tiny_model_writer()
+    mk = tiny_model
     dense = mk.write_model(tmp_path_factory.mktemp("dense"), mk.tiny_config(), gguf_types=("F32", "Q8_0", "Q4_0"))
     moe_cfg = mk.tiny_config(n_experts=4, n_experts_per_tok=2)
     moe_paths = mk.write_model(tmp_path_factory.mktemp("moe"), moe_cfg, gguf_types=("F32", "Q8_0"))
@@ -64,7 +65,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 
 def test_llama3_scaling_divides_low_frequencies_only():
-    cfg = tiny_model_writer().tiny_config(rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
+    cfg = tiny_model.tiny_config(rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64))
     plain = dataclasses.replace(cfg, rope_scaling=None).rope_inv_freq()
     ratio = plain / cfg.rope_inv_freq()
     wavelen = 2 * np.pi / plain

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from reference_llama import tiny_model_writer
 
+from vkgraph.nn import tiny_model as mk
 from vkgraph.nn.config import UnsupportedModelError
 from vkgraph.nn.tokenizer import Tokenizer
 
-mk = tiny_model_writer()
 TEXTS = ["Hello world! The capital of France is Paris.", "  spaces\tand\nnewlines  ", "ünïcödé, 日本語 and 😀🚀",
          "numbers 1234567 3.14", "<|eot_id|> inside text", ""]
 

@@ -10,8 +10,8 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
-from reference_llama import tiny_model_writer
 
+from vkgraph.nn import tiny_model as mk
 from vkgraph.nn.config import ModelConfig, ModelFormatError, RopeScaling, UnsupportedModelError
 from vkgraph.nn.weights import (
     MissingTensorError,
@@ -25,7 +25,6 @@ from vkgraph.nn.weights import (
 )
 from vkgraph.quant import QuantizedTensor, quantize
 
-mk = tiny_model_writer()
 SEED = 0
 # per-type bound on |loaded - original| relative to the tensor's max |value| (quantization error)
 TYPE_TOL = {"F32": 0.0, "F16": 1e-3, "BF16": 8e-3, "Q8_0": 1e-2, "Q4_0": 0.15}

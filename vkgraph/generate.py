@@ -1,6 +1,11 @@
 """`python -m vkgraph.generate --model PATH --prompt "..."`: stream a completion and report tokens per second.
 
-PATH is a .gguf file or a Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
+PATH is a .gguf file, a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or one
+.safetensors file inside such a directory.
+
+Every error a user can cause (a missing or corrupt file, an unsupported type or architecture, an argument that
+cannot work) is one line on stderr and exit code 2; `--debug` shows the traceback. Arguments are checked before
+anything loads, and whether the prompts fit the context and the KV cache before the weights go to the device.
 """
 
 from __future__ import annotations
@@ -8,51 +13,130 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
+from typing import NoReturn
 
-from .nn.engine import Engine
-from .nn.llama import LlamaModel
+from .nn.config import ModelFormatError
+from .nn.kv_cache import OutOfKVBlocks
 from .nn.sampling import SamplingParams
-from .nn.tokenizer import Tokenizer
-from .nn.weights import load_weights
-from .runtime import get_device
+from .runtime import OutOfDeviceMemory
+
+PROG = "python -m vkgraph.generate"
+BLOCK_SIZE = 16  # tokens per KV cache block (LlamaModel's default)
+
+
+class UsageError(Exception):
+    """An argument, or a combination of arguments and model, that cannot work."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m vkgraph.generate", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="a .gguf file or a Hugging Face model directory")
+    ap = _Parser(prog=PROG, description=__doc__.split("\n")[0],
+                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", required=True,
+                    help="a .gguf file, a Hugging Face model directory, or a .safetensors file inside one")
     ap.add_argument("--prompt", action="append", required=True, help="repeat for several prompts (one batch)")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("--repetition-penalty", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is none")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--quantize", choices=["Q8_0", "Q4_0"], help="quantize float weights on load")
-    ap.add_argument("--kv-dtype", choices=["f16", "f32"], default="f16")
+    ap.add_argument("--kv-dtype", choices=["f16", "f32"], default="f16", help="KV cache element type")
     ap.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks of 16 tokens")
     ap.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
     ap.add_argument("--draft", help="a draft model (same vocabulary) for speculative decoding of one prompt")
     ap.add_argument("--speculate", type=int, default=4, help="draft tokens per round with --draft")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return ap
+
+
+def check_args(a: argparse.Namespace) -> SamplingParams:
+    """Everything that can be told from the arguments alone; raises UsageError."""
+    for name, value, low in (("--max-tokens", a.max_tokens, 1), ("--num-blocks", a.num_blocks, 1),
+                             ("--speculate", a.speculate, 1), ("--max-context", a.max_context, 1)):
+        if value is not None and value < low:
+            raise UsageError(f"{name} must be at least {low}, got {value}")
+    if a.draft and len(a.prompt) != 1:
+        raise UsageError(f"--draft decodes one prompt at a time, got {len(a.prompt)}")
+    try:
+        params = SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.repetition_penalty)
+    except ValueError as e:
+        raise UsageError("--" + str(e).replace("_", "-")) from None  # each message starts with the parameter
+    from pathlib import Path
+
+    for flag, path in (("--model", a.model), ("--draft", a.draft)):
+        if path is not None and not Path(path).exists():
+            raise UsageError(f"{flag}: no such file or directory: {path}")
+    return params
+
+
+def check_fit(prompt_lens: list[int], max_tokens: int, max_ctx: int, num_blocks: int, extra: int = 0) -> None:
+    """Refuse prompts that cannot fit: each within the context, all of them at once within the KV cache.
+
+    A sequence holds its prompt and every generated token but the last (`extra`: tokens a speculative round
+    may hold beyond that)."""
+    for n in prompt_lens:
+        if n + max_tokens + extra > max_ctx:
+            raise UsageError(f"a prompt of {n} tokens + --max-tokens {max_tokens}"
+                             f"{f' + {extra} speculative' if extra else ''} exceeds the context of {max_ctx} "
+                             f"tokens (--max-context)")
+    need = sum(-(-(n + max_tokens - 1 + extra) // BLOCK_SIZE) for n in prompt_lens)
+    if need > num_blocks:
+        raise UsageError(f"the prompts and --max-tokens {max_tokens} need {need} KV cache blocks of {BLOCK_SIZE} "
+                         f"tokens; --num-blocks is {num_blocks}")
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    try:
+        params = check_args(a)
+        return _run(a, params)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except (UsageError, OSError, ModelFormatError, OutOfKVBlocks, OutOfDeviceMemory, ValueError) as e:
+        if a.debug:
+            traceback.print_exc()
+        msg = " ".join(str(e).split()) or type(e).__name__
+        hint = "" if a.debug or isinstance(e, UsageError) else " (--debug shows the traceback)"
+        print(f"{PROG}: error: {msg}{hint}", file=sys.stderr)
+        return 2
+
+
+def _run(a: argparse.Namespace, params: SamplingParams) -> int:
+    from .nn.engine import Engine
+    from .nn.llama import LlamaModel
+    from .nn.tiny_model import is_random_model
+    from .nn.tokenizer import Tokenizer
+    from .nn.weights import load_weights
+    from .runtime import get_device
+
     t0 = time.perf_counter()
-    weights = load_weights(a.model, quantize=a.quantize, progress=sys.stderr.isatty())
     tokenizer = Tokenizer.load(a.model)
+    weights = load_weights(a.model, quantize=a.quantize, progress=sys.stderr.isatty())
     cfg = weights.config
     max_ctx = a.max_context or cfg.max_seq_len
-    model = LlamaModel(weights, num_blocks=a.num_blocks, kv_dtype=a.kv_dtype, max_blocks_per_seq=-(-max_ctx // 16))
+    extra = a.speculate + 1 if a.draft else 0
+    check_fit([len(tokenizer.encode(p)) for p in a.prompt], a.max_tokens, max_ctx, a.num_blocks, extra)
+    if is_random_model(a.model):
+        print(f"[vkgraph] {a.model} is vkgraph's demo model: its weights are random, so its text is noise",
+              file=sys.stderr)
+    model = LlamaModel(weights, num_blocks=a.num_blocks, kv_dtype=a.kv_dtype,
+                       max_blocks_per_seq=-(-max_ctx // BLOCK_SIZE))
     dev = get_device()
+    print(f"[vkgraph] {cfg.arch} dim {cfg.dim} x {cfg.n_layers} layers, vocab {cfg.vocab_size}, on {dev.info.name}; "
+          f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     if a.draft:
         return _speculative(a, model, tokenizer, max_ctx)
     engine = Engine(model, tokenizer, seed=a.seed)
-    print(f"[vkgraph] {cfg.arch} dim {cfg.dim} x {cfg.n_layers} layers, vocab {cfg.vocab_size}, on {dev.info.name}; "
-          f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
-    params = SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p, a.repetition_penalty)
     for p in a.prompt:
         engine.add_request(p, params, max_tokens=a.max_tokens, stop=a.stop)
     single = len(a.prompt) == 1
@@ -83,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _speculative(a: argparse.Namespace, model: LlamaModel, tokenizer: Tokenizer, max_ctx: int) -> int:
+def _speculative(a: argparse.Namespace, model, tokenizer, max_ctx: int) -> int:
+    from .nn.llama import LlamaModel
     from .nn.speculative import SpeculativeDecoder
+    from .nn.weights import load_weights
 
-    if len(a.prompt) != 1:
-        raise SystemExit("--draft decodes one prompt at a time")
     draft = LlamaModel(load_weights(a.draft, quantize=a.quantize, progress=False), num_blocks=a.num_blocks,
-                       kv_dtype=a.kv_dtype, max_blocks_per_seq=-(-max_ctx // 16))
+                       kv_dtype=a.kv_dtype, max_blocks_per_seq=-(-max_ctx // BLOCK_SIZE))
     sd = SpeculativeDecoder(model, draft, k=a.speculate, seed=a.seed)
     params = SamplingParams(a.temperature)
     stream = tokenizer.stream()

@@ -57,9 +57,12 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
-        """From a .gguf file, a tokenizer.json, or a model directory holding one."""
+        """From a .gguf file, a tokenizer.json, or a model directory holding one (or a weights file inside it,
+        such as model.safetensors, as `load_weights` takes)."""
         p = Path(path)
-        return cls.from_gguf(p) if p.suffix == ".gguf" else cls.from_file(p)
+        if p.suffix == ".gguf":
+            return cls.from_gguf(p)
+        return cls.from_file(p.parent if p.is_file() and p.suffix != ".json" else p)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:

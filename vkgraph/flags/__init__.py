@@ -78,6 +78,3 @@ def table() -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4] for r in rows)
 
-
-if __name__ == "__main__":
-    print(table())

@@ -1,0 +1,142 @@
+"""The command line: user errors are one line on stderr and exit code 2 (before anything loads where the
+arguments alone tell), `--debug` shows the traceback, `--help` shows defaults, a .safetensors file works as
+--model, and the random demo model says so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vkgraph import generate
+from vkgraph.nn import tiny_model as mk
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return mk.write_model(tmp_path_factory.mktemp("cli"), mk.tiny_config(n_layers=1), gguf_types=("Q8_0",))
+
+
+def run_cli(*args: str, module: str = "vkgraph.generate") -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("python -m vkgraph.generate: error: "), err
+    return lines[0]
+
+
+def in_process(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        rc = generate.main(list(args))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--max-tokens", "-1"], "--max-tokens must be at least 1"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--max-context", "0"], "--max-context must be at least 1"),
+    (["--num-blocks", "0"], "--num-blocks must be at least 1"),
+    (["--top-p", "2"], "--top-p must be in (0, 1]"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--max-tokens", "ten"], "invalid int value"),
+    (["--quantize", "Q3_X"], "invalid choice"),
+    (["--prompt", "b", "--draft", "{hf}"], "--draft decodes one prompt at a time"),
+])
+def test_bad_arguments_refused_before_loading(tiny, capsys, monkeypatch, args, words):
+    def no_load(*a, **k):
+        raise AssertionError("loaded a model for arguments that cannot work")
+
+    monkeypatch.setattr("vkgraph.nn.weights.load_weights", no_load)
+    args = [a.format(hf=tiny["hf"]) for a in args]
+    rc, out, err = in_process(capsys, "--model", str(tiny["Q8_0"]), "--prompt", "a", *args)
+    assert rc == 2 and out == ""
+    assert words in one_error_line(err)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--num-blocks", "1", "--max-tokens", "40"], "need 3 KV cache blocks of 16 tokens; --num-blocks is 1"),
+    (["--max-context", "8", "--max-tokens", "10"], "exceeds the context of 8 tokens"),
+    (["--prompt", "b", "--num-blocks", "2", "--max-tokens", "20"], "need 4 KV cache blocks"),
+])
+def test_prompts_that_cannot_fit_refused_before_streaming(tiny, capsys, monkeypatch, args, words):
+    def no_model(*a, **k):
+        raise AssertionError("built a model for prompts that cannot fit")
+
+    monkeypatch.setattr("vkgraph.nn.llama.LlamaModel", no_model)
+    rc, out, err = in_process(capsys, "--model", str(tiny["Q8_0"]), "--prompt", "Hello", *args)
+    assert rc == 2 and out == ""
+    assert words in one_error_line(err)
+
+
+def test_fit_counts_the_last_token_as_unstored():
+    generate.check_fit([16], 1, 64, 1)  # 16 prompt tokens + one generated, never written back: one block
+    with pytest.raises(generate.UsageError):
+        generate.check_fit([16], 2, 64, 1)
+
+
+def test_missing_and_corrupt_files(tiny, tmp_path, capsys):
+    rc, out, err = in_process(capsys, "--model", str(tmp_path / "none.gguf"), "--prompt", "a")
+    assert rc == 2 and "no such file" in one_error_line(err)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(200))
+    rc, out, err = in_process(capsys, "--model", str(bad), "--prompt", "a")
+    assert rc == 2 and "bad.gguf" in one_error_line(err)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny["Q8_0"].read_bytes()[:-1000])
+    rc, out, err = in_process(capsys, "--model", str(cut), "--prompt", "a")
+    assert rc == 2 and "truncated" in one_error_line(err)
+
+
+def test_unsupported_architecture_named(tiny, tmp_path, capsys):
+    import json
+    import shutil
+
+    cfg = json.loads((tiny["hf"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"model_type": "gpt2"}))
+    shutil.copy(tiny["hf"] / "tokenizer.json", tmp_path)
+    shutil.copy(tiny["hf"] / "model.safetensors", tmp_path)
+    rc, out, err = in_process(capsys, "--model", str(tmp_path), "--prompt", "a")
+    assert rc == 2 and "'gpt2'" in one_error_line(err)
+
+
+def test_help_shows_defaults(capsys):
+    rc, out, _ = in_process(capsys, "--help")
+    assert rc == 0
+    assert "(default: 64)" in out and "(default: 512)" in out and "(default: f16)" in out
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(100))
+    plain = run_cli("--model", str(bad), "--prompt", "a")
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr
+    one_error_line(plain.stderr)
+    debug = run_cli("--model", str(bad), "--prompt", "a", "--debug")
+    assert debug.returncode == 2 and "Traceback (most recent call last)" in debug.stderr
+
+
+def test_safetensors_file_as_model_and_random_weights_said(tiny):
+    r = run_cli("--model", str(tiny["hf"] / "model.safetensors"), "--prompt", "Hello", "--max-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("Hello")
+    note = r.stderr.index("weights are random")
+    assert note < r.stderr.index("[vkgraph] prompt:")  # said before the completion's report
+
+
+def test_flags_module_runs_without_runpy_warning():
+    r = run_cli(module="vkgraph.flags")
+    assert r.returncode == 0 and "VKGRAPH_DEVICE" in r.stdout
+    assert "RuntimeWarning" not in r.stderr, r.stderr
