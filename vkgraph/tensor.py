@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from . import autograd
 from . import graph as g
 from .dtype import DType, dtypes, least_float, promote_scalar, result_type, to_dtype
 from .graph import Node, Op, ReduceOp
@@ -187,8 +188,39 @@ class Tensor:
         """The same values in a buffer of their own when realized (a kernel boundary in the graph)."""
         return Tensor(g.contiguous(self.node))
 
+    # ---- autograd (vkgraph/autograd.py) -------------------------------------------------------------------------
     def detach(self) -> Tensor:
+        """The same values, cut from the graph: no gradient flows through the result."""
+        return autograd.detach(self)
+
+    @property
+    def requires_grad(self) -> bool:
+        return autograd.requires_grad(self)
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        autograd.set_requires_grad(self, flag)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        """Make this tensor a leaf whose gradient `backward()` accumulates in `.grad` (it is realized now)."""
+        autograd.set_requires_grad(self, requires_grad)
         return self
+
+    @property
+    def is_leaf(self) -> bool:
+        return autograd.is_leaf(self)
+
+    @property
+    def grad(self) -> Tensor | None:
+        return autograd.get_grad(self)
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        autograd.set_grad(self, value)
+
+    def backward(self, gradient: Tensor | None = None) -> None:
+        """Accumulate the gradient of this tensor into the .grad of each leaf its graph reaches."""
+        autograd.backward(self, gradient)
 
     # ---- creation -----------------------------------------------------------------------------------------------
     @staticmethod
@@ -946,7 +978,9 @@ def realize_all(*tensors: Tensor) -> None:
         return
     refs = realize([t.node for t in todo])
     for t, ref in zip(todo, refs, strict=True):
-        t.node = g.buffer(ref, ref.version, t.dtype, t.shape)
+        node = g.buffer(ref, ref.version, t.dtype, t.shape)
+        autograd.on_realize(t.node, node)
+        t.node = node
 
 
 def where(cond: Tensor, x: Tensor | Scalar, y: Tensor | Scalar) -> Tensor:
