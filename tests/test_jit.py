@@ -3,9 +3,10 @@ import gc
 import numpy as np
 import pytest
 
+from vkgraph import Variable
 from vkgraph.jit import jit
 from vkgraph.realize import count_kernels
-from vkgraph.runtime import CaptureError, Variable, get_device
+from vkgraph.runtime import CaptureError, get_device
 from vkgraph.runtime.queue import MAX_IN_FLIGHT
 from vkgraph.tensor import Tensor, custom
 

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 from glsl_samples import AXPB
 
+from vkgraph import Variable
 from vkgraph.runtime import VkgraphError
-from vkgraph.runtime.capture import Variable
 
 
 def _chain(dev, k, x, out, n, pos):

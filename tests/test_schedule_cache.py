@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import vkgraph.realize as realize_mod
-from vkgraph.runtime import Variable, get_device
+from vkgraph import Variable
+from vkgraph.runtime import get_device
 from vkgraph.tensor import Tensor, custom, realize_all
 
 rng = np.random.default_rng(7)

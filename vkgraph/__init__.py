@@ -6,8 +6,9 @@
 """
 
 from .dtype import DType, dtypes
+from .graph import Variable
 from .jit import jit
-from .runtime import CaptureError, CompileError, DeviceError, OutOfDeviceMemory, Variable, VkgraphError, get_device
+from .runtime import CaptureError, CompileError, DeviceError, OutOfDeviceMemory, VkgraphError, get_device
 from .tensor import Tensor, cat, custom, manual_seed, realize_all, stack, where
 
 __all__ = [

@@ -29,7 +29,7 @@ class Op(Enum):
     CONST = auto()  # arg: the value, broadcast over `shape`
     RAND = auto()  # arg: (seed, counter) — uniform float32 in [0, 1), counter-based
     IOTA = auto()  # int32 0, 1, ..., n-1 along its one axis
-    VAR = auto()  # arg: a runtime Variable — an int32 scalar read from a push constant at each dispatch
+    VAR = auto()  # arg: a Variable — an int32 scalar read from a push constant at each dispatch
     # movement: arg is a ShapeTracker over the source's shape
     VIEW = auto()
     # unary
@@ -223,11 +223,36 @@ def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape) 
     return n
 
 
+class Variable:
+    """A named integer that changes between calls without changing the graph (a position, a context length).
+
+    Symbolic: a graph node (`Op.VAR`) stands for it, kernels read its value as a push constant at each dispatch,
+    and a captured command graph reads it again at each replay (it is a `runtime.capture.LiveValue`)."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value: int = 0) -> None:
+        self.name = name
+        self.value = int(value)
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __int__(self) -> int:
+        return self.value
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __repr__(self) -> str:
+        return f"Variable({self.name}={self.value})"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # builders
 
 
-def var(variable: Any) -> Node:
+def var(variable: Variable) -> Node:
     """A scalar int32 whose value is the Variable's at each dispatch (and at each replay of a capture)."""
     return _make(Op.VAR, dtypes.int32, (), variable, ())
 

@@ -25,8 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from .graph import BufferRef
-from .runtime import CaptureError, CommandGraph, Variable, get_device
+from .graph import BufferRef, Variable
+from .runtime import CaptureError, CommandGraph, get_device
 from .tensor import Tensor, realize_all
 
 _CAPTURE_DEPTH = 0

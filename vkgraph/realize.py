@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .codegen import Limits, Program, lower
-from .dtype import DType, dtypes
+from .dtype import DType
 from .flags import flag
 from .graph import BufferRef, Node, Op, argkey, runtime_values
-from .runtime import UnsupportedFeature, get_device
+from .runtime import get_device
 from .schedule import CustomCall, Schedule, create_schedule, structure
 from .view import ShapeTracker
 
@@ -146,11 +146,6 @@ def limits() -> Limits:
     return lim
 
 
-_FEATURE = {1: "storage_8bit", 2: "storage_16bit"}
-# arithmetic in the dtype itself (bfloat16 is computed in float32, so it needs storage only)
-_ARITH = {"float16": "float16", "int8": "int8", "uint8": "int8", "int16": "int16", "uint16": "int16"}
-
-
 def _max_inputs() -> int:
     # half the device's bindings: the output, and inputs bound in pieces over maxStorageBufferRange, need room
     return max(4, limits().max_buffers // 2)
@@ -158,15 +153,7 @@ def _max_inputs() -> int:
 
 def require_dtype(dtype: DType) -> None:
     """Raise UnsupportedFeature if this device cannot store or compute `dtype`."""
-    info = get_device().info
-    if dtype is dtypes.int64 and not info.int64:
-        raise UnsupportedFeature(f"int64 tensors need shaderInt64, which {info.name} lacks; use int32")
-    feat = _FEATURE.get(dtype.itemsize)
-    if feat and not getattr(info, feat):
-        raise UnsupportedFeature(f"{dtype} tensors need {feat}, which {info.name} lacks")
-    arith = _ARITH.get(dtype.name)
-    if arith and not getattr(info, arith):
-        raise UnsupportedFeature(f"{dtype} tensors need the shader feature {arith}, which {info.name} lacks")
+    get_device().info.require_scalar(dtype.name)
 
 
 def _ensure(dev, ref: BufferRef) -> None:

@@ -17,9 +17,8 @@ import numpy as np
 from . import autograd
 from . import graph as g
 from .dtype import DType, dtypes, least_float, promote_scalar, result_type, to_dtype
-from .graph import Node, Op, ReduceOp
+from .graph import Node, Op, ReduceOp, Variable
 from .realize import allocate, assign, download, realize, require_dtype, upload
-from .runtime import Variable
 from .view import ShapeTracker
 
 Scalar = int | float | bool

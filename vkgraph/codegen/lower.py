@@ -36,7 +36,6 @@ from ..graph import (
     substitute,
 )
 from ..graph import alu as alu_node
-from ..ops.common import pow2_floor
 from ..schedule import Kernel
 from ..view import Shape, ShapeTracker, View, prod, strides_for
 from . import glsl
@@ -117,7 +116,7 @@ def _finish(r: Renderer, name: str, local: int, groups: int, lim: Limits, shared
 
 def _wg(lim: Limits, want: int = 256) -> int:
     """The largest power-of-two workgroup size up to `want` that the device allows."""
-    return pow2_floor(min(want, lim.max_invocations))
+    return 1 << (max(min(want, lim.max_invocations), 1).bit_length() - 1)
 
 
 # ---- a run-time outer extent -------------------------------------------------------------------------------------

@@ -16,8 +16,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..dtype import DType, dtypes
-from ..graph import ELEMENTWISE, Node, Op, runtime_values
-from ..runtime.capture import Variable
+from ..graph import ELEMENTWISE, Node, Op, Variable, runtime_values
 from ..view import ShapeTracker, prod
 from . import glsl
 from .symbolic import Expr, Num, Var, in_range, num, ravel, unravel

@@ -1,6 +1,6 @@
 """The Vulkan runtime: device, buffer pool, compiler, pipelines, dispatch queue. Knows nothing of tensors."""
 
-from .capture import CommandGraph, Variable
+from .capture import CommandGraph, LiveValue
 from .device import Device, DeviceInfo, get_device, reset_device
 from .errors import (
     CaptureError,
@@ -18,6 +18,6 @@ from .pipeline import Kernel
 
 __all__ = [
     "Buffer", "BufferView", "CaptureError", "CommandGraph", "CompileError", "Device", "DeviceError", "DeviceInfo",
-    "DeviceLost", "DeviceTimeout", "Kernel", "KernelInterfaceError", "OutOfDeviceMemory", "UnsupportedFeature",
-    "Variable", "VkgraphError", "get_device", "reset_device", "size_class",
+    "DeviceLost", "DeviceTimeout", "Kernel", "KernelInterfaceError", "LiveValue", "OutOfDeviceMemory",
+    "UnsupportedFeature", "VkgraphError", "get_device", "reset_device", "size_class",
 ]

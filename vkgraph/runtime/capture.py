@@ -2,17 +2,17 @@
 
 While a capture is open the queue runs every dispatch as usual and also logs it. Closing the capture records
 the log into a command buffer that is kept, not recycled. A replay submits that command buffer again; only
-when a `Variable` used in push constants changed value is it recorded again first (a loop of raw calls, no
-lookups). The graph owns every allocation it touches that no live Buffer holds (the intermediates it released
-back to the pool during capture), so nothing outside can reuse that memory while the graph lives; those
-intermediates already shared memory inside the graph wherever their lifetimes did not overlap, because the
-pool handed a released allocation to the next request.
+when a live value (`LiveValue`, e.g. a `vkgraph.Variable`) used in push constants changed value is it recorded
+again first (a loop of raw calls, no lookups). The graph owns every allocation it touches that no live Buffer
+holds (the intermediates it released back to the pool during capture), so nothing outside can reuse that memory
+while the graph lives; those intermediates already shared memory inside the graph wherever their lifetimes did
+not overlap, because the pool handed a released allocation to the next request.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from . import faults
 from .errors import DeviceError, VkgraphError
@@ -27,27 +27,14 @@ _STAGE_COMPUTE = vk.VK_SHADER_STAGE_COMPUTE_BIT
 _STAGES = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
 
 
-class Variable:
-    """A named integer that changes between replays (a position, a context length). Pass it as a push
-    constant value; `graph.replay()` uses its value at that moment."""
+@runtime_checkable
+class LiveValue(Protocol):
+    """A push-constant value read again at each replay (`vkgraph.Variable` is one): packed through `__index__`,
+    compared through `value` to know when the graph must be recorded again."""
 
-    __slots__ = ("name", "value")
+    value: int
 
-    def __init__(self, name: str, value: int = 0) -> None:
-        self.name = name
-        self.value = int(value)
-
-    def __index__(self) -> int:
-        return self.value
-
-    def __int__(self) -> int:
-        return self.value
-
-    def __float__(self) -> float:
-        return float(self.value)
-
-    def __repr__(self) -> str:
-        return f"Variable({self.name}={self.value})"
+    def __index__(self) -> int: ...
 
 
 class CaptureLog:
@@ -77,7 +64,7 @@ class CommandGraph:
         self.allocs: list[Allocation] = []
         seen: set[int] = set()
         written: set[int] = set()
-        self.variables: list[Variable] = []
+        self.variables: list[LiveValue] = []
         self._prepared: list[tuple] = []
         for e in self.entries:
             bufs = e[2] if e[0] == "dispatch" else (e[1], e[3])
@@ -90,7 +77,7 @@ class CommandGraph:
                 if w:
                     written.add(a.handle)
             if e[0] == "dispatch":
-                self.variables += [v for v in _push_values(e[4]) if isinstance(v, Variable)
+                self.variables += [v for v in _push_values(e[4]) if isinstance(v, LiveValue)
                                    and v not in self.variables]
         self.written = written
         self.owned = queue.device.memory.pool.adopt(self.allocs)
@@ -122,7 +109,7 @@ class CommandGraph:
                 key = (kernel.layout_id, tuple(b.key for b in bufs))  # as Queue.dispatch keys it
                 entry = q.descriptor_sets.get(key) or q._new_descriptor_set(kernel, list(bufs), allocs, key)
                 entry[2] = float("inf")  # pinned: never evicted while the graph lives
-                dynamic = any(isinstance(v, Variable) for v in _push_values(push))
+                dynamic = any(isinstance(v, LiveValue) for v in _push_values(push))
                 self._prepared.append(("dispatch", hazard, kernel, entry, groups, push, dynamic,
                                        kernel.pack_push(push) if kernel.push_names else b""))
             else:

@@ -74,6 +74,19 @@ class DeviceInfo:
     unified_memory: bool
     heaps: list[tuple[int, bool]] = field(default_factory=list)
 
+    def require_scalar(self, name: str) -> None:
+        """Raise UnsupportedFeature if buffers of this scalar type (as numpy names it: "int64", "float16",
+        "bfloat16", ...) cannot be stored or computed with on this device. bfloat16 is computed in float32, so it
+        needs 16-bit storage only."""
+        if name == "int64" and not self.int64:
+            raise UnsupportedFeature(f"int64 tensors need shaderInt64, which {self.name} lacks; use int32")
+        storage = _STORAGE_FEATURE.get(_SCALAR_BYTES.get(name, 4))
+        if storage and not getattr(self, storage):
+            raise UnsupportedFeature(f"{name} tensors need {storage}, which {self.name} lacks")
+        arith = _ARITH_FEATURE.get(name)
+        if arith and not getattr(self, arith):
+            raise UnsupportedFeature(f"{name} tensors need the shader feature {arith}, which {self.name} lacks")
+
     def rows(self) -> list[tuple[str, str]]:
         out = []
         for k, v in self.__dict__.items():
@@ -85,6 +98,12 @@ class DeviceInfo:
                 v = f"{v} ({v / 2**20:.0f} MiB)"
             out.append((k, str(v)))
         return out
+
+
+_SCALAR_BYTES = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2}
+_STORAGE_FEATURE = {1: "storage_8bit", 2: "storage_16bit"}
+# arithmetic in the type itself
+_ARITH_FEATURE = {"float16": "float16", "int8": "int8", "uint8": "int8", "int16": "int16", "uint16": "int16"}
 
 
 class Device:

@@ -1,0 +1,132 @@
+"""The layers of docs/architecture.md, checked on the source: which unit of vkgraph may import which.
+
+Data flows Tensor -> graph -> schedule -> codegen -> runtime. Each compiler stage imports only the stages before
+it (the types of its input), the runtime imports nothing above it, and the drivers (realize, tensor, jit) join
+stages to the runtime. Imports are read with ast, lazy ones inside functions included; those under
+`if TYPE_CHECKING:` (annotations only) are not imports at run time and are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import vkgraph
+
+PKG = Path(vkgraph.__file__).resolve().parent
+
+# unit -> the units it may import. A unit is a top-level module or subpackage of vkgraph; "vkgraph" is the
+# package's own __init__ (the public API).
+ALLOWED: dict[str, set[str]] = {
+    "flags": set(),
+    "dtype": set(),
+    "view": set(),
+    "quant": set(),
+    "runtime": {"flags"},
+    "graph": {"dtype", "view"},
+    "schedule": {"graph", "view", "dtype"},
+    "codegen": {"schedule", "graph", "view", "dtype"},
+    "templates": {"runtime"},
+    "ops": {"templates", "runtime", "quant", "flags"},
+    "realize": {"codegen", "schedule", "graph", "view", "dtype", "runtime", "flags"},
+    "tensor": {"realize", "graph", "view", "dtype"},
+    "jit": {"tensor", "realize", "graph", "runtime"},
+    "nn": {"jit", "tensor", "ops", "quant", "runtime", "dtype"},
+    "generate": {"nn", "runtime"},
+    "info": {"runtime"},
+    "vkgraph": {"dtype", "graph", "jit", "runtime", "tensor"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (PKG.parent / rel).with_suffix(".py").is_file() or (PKG.parent / rel / "__init__.py").is_file()
+
+
+def imports_of(path: Path, source: str | None = None) -> set[str]:
+    """The vkgraph modules `path` (or `source` read as if it were that file) imports at run time."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            if isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                for n in node.orelse:
+                    self.visit(n)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "vkgraph")
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "vkgraph":
+                return
+            for a in node.names:  # `from . import x` names a module; `from .m import f` names m
+                sub = f"{module}.{a.name}"
+                found.add(sub if _is_module(sub) else module)
+
+    Visitor().visit(ast.parse(path.read_text() if source is None else source, str(path)))
+    return found
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "vkgraph"
+
+
+def _edges() -> dict[str, set[str]]:
+    return {_module_name(p): imports_of(p) for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_every_unit_is_placed():
+    units = {unit(m) for m in _edges()}
+    assert units <= set(ALLOWED), f"place these in ALLOWED (and in docs/architecture.md): {units - set(ALLOWED)}"
+
+
+def test_units_import_only_the_layers_they_build_on():
+    bad = []
+    for module, deps in _edges().items():
+        u = unit(module)
+        for d in deps:
+            if unit(d) != u and unit(d) not in ALLOWED.get(u, set()):
+                bad.append(f"{module} imports {d}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_allowed_imports_have_no_cycle():
+    state: dict[str, int] = {}
+
+    def visit(u: str, path: list[str]) -> None:
+        if state.get(u) == 1:
+            raise AssertionError(f"cycle: {' -> '.join(path + [u])}")
+        if state.get(u) == 2:
+            return
+        state[u] = 1
+        for d in sorted(ALLOWED[u]):
+            visit(d, path + [u])
+        state[u] = 2
+
+    for u in ALLOWED:
+        visit(u, [])
+
+
+def test_a_forbidden_import_is_seen():
+    """The checker itself: a lazy import of the runtime inside a codegen function counts, one under
+    TYPE_CHECKING does not."""
+    probe = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..runtime import Device\n"
+             "def f():\n    from ..runtime.vk import lib\n    from . import glsl\n")
+    assert imports_of(PKG / "codegen" / "lower.py", probe) == {"vkgraph.runtime.vk", "vkgraph.codegen.glsl"}
