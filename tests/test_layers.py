@@ -36,6 +36,8 @@ ALLOWED: dict[str, set[str]] = {
     "info": {"runtime"},
     "vkgraph": {"dtype", "graph", "jit", "runtime", "tensor"},
 }
+# modules that are part of another unit (autograd is the Tensor API's gradient half; each imports the other)
+PART_OF = {"autograd": "tensor"}
 
 
 def _module_name(path: Path) -> str:
@@ -85,7 +87,8 @@ def imports_of(path: Path, source: str | None = None) -> set[str]:
 
 def unit(module: str) -> str:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "vkgraph"
+    name = parts[1] if len(parts) > 1 else "vkgraph"
+    return PART_OF.get(name, name)
 
 
 def _edges() -> dict[str, set[str]]:
