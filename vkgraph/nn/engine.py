@@ -21,10 +21,10 @@ from .kv_cache import KVCacheManager, OutOfKVBlocks
 from .layers import StepInputs
 from .llama import LlamaModel
 from .sampling import SamplingParams, SamplingTensors, sample
-from .tokenizer import Tokenizer
+from .tokenizer import IncrementalDecoder, Tokenizer
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     id: int
     prompt: list[int]
@@ -34,23 +34,63 @@ class Request:
     stop_strings: tuple[str, ...]
     output: list[int] = field(default_factory=list)
     text: str = ""
-    finished: str | None = None  # "stop", "length" or "abort" once done
+    finished: str | None = None  # "stop", "length", "abort" or "error" once done
     cached_prompt_tokens: int = 0
     text_cut: bool = False  # a stop string ended the text
+    preemptions: int = 0  # times its KV blocks were taken back and its tokens recomputed later
+    error: str | None = None  # why it finished with "error"
+
+    def tokens(self) -> list[int]:
+        """What its KV cache holds once computed: the prompt and every generated token."""
+        return self.prompt + self.output
 
 
 @dataclass
 class Event:
-    """One streamed piece of output."""
+    """One streamed piece of output. `token` is None only in the event of a request finished by an error."""
 
     request_id: int
-    token: int
+    token: int | None
     text: str
     finished: str | None
 
 
+@dataclass
+class _Mark:
+    """A request's state between steps, to roll a failed step back to."""
+
+    req: Request
+    n_output: int
+    text: str
+    finished: str | None
+    text_cut: bool
+    preemptions: int
+    decoder: tuple[IncrementalDecoder, tuple[int, int, int]] | None
+
+
+@dataclass
+class _Before:
+    """The queues, counters and pending error events before a step."""
+
+    running: list[Request]
+    waiting: list[Request]
+    stats: dict[str, int]
+    failed: list[Event]
+
+
 class Engine:
-    """Serve many requests on one model. `generate()` streams; `step()` advances every request by a token."""
+    """Serve many requests on one model. `generate()` streams; `step()` advances every request by a token.
+
+    Scheduling, each step: every running request first gets a KV slot for the token it sampled last; when blocks
+    run out the newest running request is preempted (its blocks freed, it goes back to the front of the queue
+    and is recomputed from its prompt and generated tokens when admitted again, as vLLM's recompute mode does;
+    greedy output is unchanged). Waiting requests are admitted only in steps without preemption, while blocks
+    last. A request whose prompt and max_tokens could never fit the whole pool is refused by `add_request`.
+
+    `step()` is transactional: if anything raises inside it (a device error, a KeyboardInterrupt), every request
+    is put back to its state before the step (KV blocks returned; running ones are requeued and recomputed),
+    except that on an `Exception` the requests that took part in the step finish with "error" (reported by an
+    event at the next step) so a failure that repeats cannot loop forever. Then the exception propagates."""
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
                  prefix_caching: bool = True, seed: int = 0, max_prefill_tokens: int = 4096) -> None:
@@ -63,8 +103,11 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.ids = itertools.count()
-        self.decoders: dict[int, object] = {}
-        self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "decode_tokens": 0, "decode_steps": 0}
+        self.decoders: dict[int, IncrementalDecoder] = {}
+        self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "decode_tokens": 0, "decode_steps": 0,
+                      "preemptions": 0, "recomputed_tokens": 0, "failed_steps": 0}
+        self._failed: list[Event] = []  # error events of requests a failed step finished, for the next step
+        self._marks: list[_Mark] = []  # the state before this step of each request it has touched
         manual_seed(seed)
         self._decode = jit(self._decode_step, max_entries=16)
 
@@ -74,9 +117,16 @@ class Engine:
         ids = self._encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if len(ids) + max_tokens > self.model.max_context:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
                              f"of {self.model.max_context} tokens")
+        # the last token is never written to the cache, so a request holds at most len + max_tokens - 1 slots
+        need = self.kv.blocks_for(len(ids) + max_tokens - 1)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} needs {need} KV blocks, more "
+                             f"than the whole cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
         if max(ids) >= self.vocab or min(ids) < 0:
             raise ValueError(f"token ids must be in [0, {self.vocab})")
         eos = set(stop_token_ids if stop_token_ids is not None else
@@ -93,9 +143,11 @@ class Engine:
                     r.finished = "abort"
                     if r.id in self.kv.seqs:
                         self.kv.free_sequence(r.id)
+        self.decoders.pop(request_id, None)
+        self._failed = [e for e in self._failed if e.request_id != request_id]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._failed)
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None,
                  **kwargs: object) -> Iterator[Event]:
@@ -107,38 +159,81 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        events = self._admit()
-        if self.running:
-            events += self._decode_running()
-        return events
+        before = _Before(list(self.running), list(self.waiting), dict(self.stats), list(self._failed))
+        self._marks = []
+        try:  # everything up to handing the events back: an interrupt anywhere in it rolls the step back
+            self._marks = [self._mark(r) for r in self.running]  # and each request the step takes from the queue
+            events = self._failed
+            if not self._reserve_running():  # no preemption: there is room to admit
+                events = events + self._admit()
+                self._reserve_running()  # the first tokens of those admitted (room was reserved for them)
+            if self.running:
+                events = events + self._decode_running()
+            self._failed = []
+            return events
+        except BaseException as e:
+            self._roll_back(before, e)
+            raise
+
+    def _reserve_running(self) -> bool:
+        """Give every running request a KV slot for its last sampled token, oldest first, preempting the newest
+        running request while blocks are short. Returns whether it preempted any."""
+        preempted = False
+        for r in list(self.running):
+            while r in self.running and self.kv.context_len(r.id) < len(r.prompt) + len(r.output):
+                try:
+                    self.kv.append_tokens(r.id, r.output[-1:])
+                except OutOfKVBlocks:
+                    self._preempt(self.running[-1])
+                    preempted = True
+        return preempted
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free_sequence(req.id)
+        self.waiting.insert(0, req)  # preempted newest first, so the oldest ends at the front
+        req.preemptions += 1
+        self.stats["preemptions"] += 1
 
     def _admit(self) -> list[Event]:
-        """Admit waiting requests while KV blocks and batch rows last, and prefill them in one forward pass."""
+        """Admit waiting requests while KV blocks and batch rows last, and prefill them in one forward pass.
+        A request returning from preemption is prefilled with its generated tokens and continues."""
         admitted: list[tuple[Request, int]] = []
         pending_tokens = 0
+        first_token_blocks = 0  # blocks the admitted requests' first sampled tokens will need
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             req = self.waiting[0]
-            if admitted and pending_tokens + len(req.prompt) > self.max_prefill_tokens:
+            tokens = req.tokens()
+            if admitted and pending_tokens + len(tokens) > self.max_prefill_tokens:
                 break
+            grows = len(tokens) % self.kv.block_size == 0 and len(req.output) + 1 < req.max_tokens
             try:
-                cached = self.kv.add_sequence(req.id, req.prompt)
+                cached = self.kv.add_sequence(req.id, tokens, reserve=first_token_blocks + grows)
             except OutOfKVBlocks:
-                if not self.running and not admitted:
-                    raise  # nothing will ever free a block: the request cannot fit at all
+                if not self.running and not admitted:  # blocks held outside this engine; never free here
+                    self._marks.append(self._mark(req))
+                    self.waiting.pop(0)
+                    self._fail(req, f"needs more KV blocks than are free ({self.kv.num_free_blocks})")
+                    continue
                 break  # wait for running requests to finish
+            self._marks.append(self._mark(req))
             self.waiting.pop(0)
-            req.cached_prompt_tokens = cached
-            self.stats["prompt_tokens"] += len(req.prompt)
-            self.stats["cached_prompt_tokens"] += cached
-            pending_tokens += len(req.prompt) - cached
+            first_token_blocks += grows
+            if req.output:
+                self.stats["recomputed_tokens"] += len(tokens) - cached
+            else:
+                req.cached_prompt_tokens = cached
+                self.stats["prompt_tokens"] += len(tokens)
+                self.stats["cached_prompt_tokens"] += cached
+            pending_tokens += len(tokens) - cached
             admitted.append((req, cached))
         if not admitted:
             return []
         reqs = [r for r, _ in admitted]
         logits = self._prefill(reqs, continue_cached=any(c for _, c in admitted))
-        for r in reqs:
-            self.kv.mark_computed(r.id)
         tokens = self._sample(logits, reqs)
+        for r in reqs:  # after the pass ran: only KV actually written may enter the prefix cache
+            self.kv.mark_computed(r.id)
         events = []
         for r, t in zip(reqs, tokens):
             self.running.append(r)
@@ -214,12 +309,15 @@ class Engine:
 
     # ---- output and stopping ------------------------------------------------------------------------------
     def _emit(self, req: Request, token: int) -> Event:
+        """Record a sampled token. Its KV slot is reserved at the start of the next step (`_reserve_running`)."""
         req.output.append(token)
         self.stats["decode_tokens"] += 1
         piece = ""
         dec = None
         if self.tokenizer is not None:
-            dec = self.decoders.setdefault(req.id, self.tokenizer.stream())
+            dec = self.decoders.get(req.id)
+            if dec is None:
+                dec = self.decoders[req.id] = self.tokenizer.stream()
             piece = dec.push(token)
             req.text += piece
         if token in req.stop_ids:
@@ -240,9 +338,55 @@ class Engine:
             self.running.remove(req)
             self.kv.free_sequence(req.id)
             self.decoders.pop(req.id, None)
-        else:
-            self.kv.append_tokens(req.id, [token])
         return Event(req.id, token, piece, req.finished)
+
+    def _fail(self, req: Request, why: str) -> None:
+        """Finish a request that is in no queue with an error, reported by an event at the next step."""
+        req.finished, req.error = "error", why
+        if req.id in self.kv.seqs:
+            self.kv.free_sequence(req.id)
+        self.decoders.pop(req.id, None)
+        self._failed.append(Event(req.id, None, "", "error"))
+
+    # ---- rolling a failed step back -----------------------------------------------------------------------------
+    def _mark(self, req: Request) -> _Mark:
+        dec = self.decoders.get(req.id)
+        return _Mark(req, len(req.output), req.text, req.finished, req.text_cut, req.preemptions,
+                     None if dec is None else (dec, dec.mark()))
+
+    def _roll_back(self, before: _Before, exc: BaseException) -> None:
+        """Put every request back to its state before the step, as waiting (its KV recomputed on admission); on an
+        Exception, finish those the step touched with an error instead."""
+        for m in self._marks:
+            r = m.req
+            del r.output[m.n_output:]
+            r.text, r.finished, r.text_cut, r.preemptions = m.text, m.finished, m.text_cut, m.preemptions
+            if m.decoder is None:
+                self.decoders.pop(r.id, None)
+            else:  # a request that finished in the step had its decoder dropped: bring it back
+                dec, point = m.decoder
+                dec.rewind(point)
+                self.decoders[r.id] = dec
+        self.stats.update(before.stats)
+        self.stats["failed_steps"] += 1
+        self._failed = before.failed
+        queue = before.running + before.waiting
+        try:
+            for r in queue:
+                if r.id in self.kv.seqs:
+                    self.kv.free_sequence(r.id)
+            self.kv.check_invariants()
+        except Exception:  # interrupted inside the cache manager: start its books afresh
+            self.kv.reset()
+        touched = {id(m.req) for m in self._marks}
+        self._marks = []
+        why = f"{type(exc).__name__}: {exc}"
+        self.running, self.waiting = [], []
+        for r in queue:
+            if isinstance(exc, Exception) and id(r) in touched:
+                self._fail(r, why)
+            else:
+                self.waiting.append(r)
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -160,9 +160,11 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int]) -> int:
+    def add_sequence(self, seq_id: Hashable, prompt: Sequence[int], *, reserve: int = 0) -> int:
         """Reserve blocks for a prompt; returns how many leading prompt tokens are already in the cache (a
-        multiple of block_size, at most len(prompt) - 1 so the last token is always computed for its logits)."""
+        multiple of block_size, at most len(prompt) - 1 so the last token is always computed for its logits).
+        `reserve`: free blocks that must remain afterwards (room a scheduler has promised to others), or
+        `OutOfKVBlocks` is raised and nothing changes."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
         if not prompt:
@@ -178,8 +180,8 @@ class KVCacheManager:
                 hits.append(b)
         need = self.blocks_for(len(prompt)) - len(hits)
         free_after_hits = self.pool.num_free - sum(self.pool.ref_count[b] == 0 for b in hits)
-        if need > free_after_hits:
-            raise OutOfKVBlocks(need, free_after_hits)
+        if need + reserve > free_after_hits:
+            raise OutOfKVBlocks(need + reserve, free_after_hits)
         for b in hits:
             self.pool.acquire(b)
         seq.blocks = hits + self.pool.allocate(need)
@@ -227,6 +229,12 @@ class KVCacheManager:
         """Release a finished (or preempted) sequence's blocks; hashed ones stay hittable until evicted."""
         seq = self.seqs.pop(seq_id)
         self.pool.release(seq.blocks[::-1])
+
+    def reset(self) -> None:
+        """Drop every sequence and the prefix index: all blocks free. The way back to balanced books after an
+        interruption left them half updated (a scheduler then recomputes its sequences)."""
+        self.pool = BlockPool(self.pool.num_blocks)
+        self.seqs.clear()
 
     # ---- views for the forward pass --------------------------------------------------------------------------
 

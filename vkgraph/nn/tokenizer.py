@@ -143,6 +143,15 @@ class IncrementalDecoder:
         self.prefix = self.read = len(self.ids)
         return text[len(done):]
 
+    def mark(self) -> tuple[int, int, int]:
+        """A point to `rewind` to (ids are only ever appended, so three counters hold the whole state)."""
+        return len(self.ids), self.prefix, self.read
+
+    def rewind(self, mark: tuple[int, int, int]) -> None:
+        """Forget every push and flush since `mark` (a generation step that was rolled back)."""
+        n, self.prefix, self.read = mark
+        del self.ids[n:]
+
 
 def _hf_special_ids(d: Path, tok: Any) -> tuple[int | None, list[int]]:
     bos: int | None = None
