@@ -69,7 +69,7 @@ def test_bad_arguments_refused_before_loading(tiny, capsys, monkeypatch, args, w
 @pytest.mark.parametrize("args, words", [
     (["--num-blocks", "1", "--max-tokens", "40"], "need 3 KV cache blocks of 16 tokens; --num-blocks is 1"),
     (["--max-context", "8", "--max-tokens", "10"], "exceeds the context of 8 tokens"),
-    (["--prompt", "b", "--num-blocks", "2", "--max-tokens", "20"], "need 4 KV cache blocks"),
+    (["--prompt", "b", "--num-blocks", "1", "--max-tokens", "20"], "need 2 KV cache blocks"),
 ])
 def test_prompts_that_cannot_fit_refused_before_streaming(tiny, capsys, monkeypatch, args, words):
     def no_model(*a, **k):

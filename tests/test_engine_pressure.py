@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from reference_llama import tiny_model_writer
 
+from vkgraph.nn import tiny_model as mk
 from vkgraph.nn.engine import Engine
 from vkgraph.nn.llama import LlamaModel
 from vkgraph.nn.tokenizer import Tokenizer
@@ -21,7 +21,6 @@ PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11, 9, 8, 7, 6, 5, 4, 3, 2, 20, 21, 22, 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    mk = tiny_model_writer()
     return mk.write_model(tmp_path_factory.mktemp("pressure"), mk.tiny_config(), gguf_types=())["hf"]
 
 
@@ -221,3 +220,47 @@ def test_keyboard_interrupt_at_any_line_of_a_step(weights, alone):
 @pytest.mark.slow
 def test_keyboard_interrupt_at_any_line_of_a_step_long(weights, alone):
     _interrupt_anywhere(weights, alone, 300)
+
+
+# ---- the command line ----------------------------------------------------------------------------------------------
+
+def test_command_line_prompts_that_together_outgrow_the_pool(model_dir, capsys):
+    """Each prompt fits the 2 blocks alone, both together do not: the second waits or is preempted, and both
+    texts come out whole."""
+    from vkgraph import generate
+
+    rc = generate.main(["--model", str(model_dir), "--prompt", "Hello", "--prompt", "The lazy dog",
+                        "--num-blocks", "2", "--max-tokens", "20"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("--- ") == 2
+    for p in ("Hello", "The lazy dog"):
+        assert len(generate_texts(out)[p]) > len(p)
+
+
+def test_command_line_ctrl_c_keeps_the_output_so_far(model_dir, capsys, monkeypatch):
+    from vkgraph import generate
+
+    real, calls = Engine.step, [0]
+
+    def step(self):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    rc = generate.main(["--model", str(model_dir), "--prompt", "Hello", "--prompt", "The lazy dog",
+                        "--max-tokens", "20"])
+    out = capsys.readouterr().out
+    assert rc == 130
+    texts = generate_texts(out)
+    assert all(len(texts[p]) > len(p) for p in ("Hello", "The lazy dog"))  # three steps' text, printed
+
+
+def generate_texts(out: str) -> dict[str, str]:
+    """The multi-prompt output of the command line: prompt -> its text."""
+    texts = {}
+    for part in out.split("--- ")[1:]:
+        head, _, body = part.partition("\n")
+        texts[head.strip("'\"")] = body.rstrip("\n")
+    return texts

@@ -79,7 +79,8 @@ def check_args(a: argparse.Namespace) -> SamplingParams:
 
 
 def check_fit(prompt_lens: list[int], max_tokens: int, max_ctx: int, num_blocks: int, extra: int = 0) -> None:
-    """Refuse prompts that cannot fit: each within the context, all of them at once within the KV cache.
+    """Refuse prompts that cannot fit: each within the context and, alone, within the KV cache (the engine
+    preempts and later recomputes requests when several together outgrow it).
 
     A sequence holds its prompt and every generated token but the last (`extra`: tokens a speculative round
     may hold beyond that)."""
@@ -88,10 +89,10 @@ def check_fit(prompt_lens: list[int], max_tokens: int, max_ctx: int, num_blocks:
             raise UsageError(f"a prompt of {n} tokens + --max-tokens {max_tokens}"
                              f"{f' + {extra} speculative' if extra else ''} exceeds the context of {max_ctx} "
                              f"tokens (--max-context)")
-    need = sum(-(-(n + max_tokens - 1 + extra) // BLOCK_SIZE) for n in prompt_lens)
+    need = max(-(-(n + max_tokens - 1 + extra) // BLOCK_SIZE) for n in prompt_lens)
     if need > num_blocks:
-        raise UsageError(f"the prompts and --max-tokens {max_tokens} need {need} KV cache blocks of {BLOCK_SIZE} "
-                         f"tokens; --num-blocks is {num_blocks}")
+        raise UsageError(f"the longest prompt and --max-tokens {max_tokens} need {need} KV cache blocks of "
+                         f"{BLOCK_SIZE} tokens; --num-blocks is {num_blocks}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,18 +146,20 @@ def _run(a: argparse.Namespace, params: SamplingParams) -> int:
     first: dict[int, float] = {}
     texts: dict[int, str] = {}
     t_start = time.perf_counter()
-    while engine.has_work():
-        for ev in engine.step():
-            first.setdefault(ev.request_id, time.perf_counter())
-            texts[ev.request_id] = texts.get(ev.request_id, "") + ev.text
-            if single:
-                print(ev.text, end="", flush=True)
+    try:
+        while engine.has_work():
+            for ev in engine.step():
+                first.setdefault(ev.request_id, time.perf_counter())
+                texts[ev.request_id] = texts.get(ev.request_id, "") + ev.text
+                if single:
+                    print(ev.text, end="", flush=True)
+    finally:  # on Ctrl-C too: what was generated is printed
+        if single:
+            print()
+        else:
+            for i, p in enumerate(a.prompt):
+                print(f"--- {p!r}\n{p}{texts.get(i, '')}")
     t_end = time.perf_counter()
-    if single:
-        print()
-    else:
-        for i, p in enumerate(a.prompt):
-            print(f"--- {p!r}\n{p}{texts.get(i, '')}")
     s = engine.stats
     t_prefill = max(first.values()) - t_start if first else 0.0
     decode_tokens = s["decode_tokens"] - len(first)
