@@ -48,7 +48,11 @@ def test_promotion_of_16_bit_floats_and_weak_scalars():
     assert promote(dtypes.bfloat16, dtypes.int8) is dtypes.bfloat16
     assert promote(dtypes.bfloat16, dtypes.int32) is dtypes.float32
     assert result_type(dtypes.float16, 2.5) is dtypes.float16
-    assert result_type(dtypes.int8, 1000) is dtypes.int8
+    assert result_type(dtypes.int8, 100) is dtypes.int8
+    with pytest.raises(OverflowError, match="1000 out of bounds for int8"):  # numpy 2's rule
+        result_type(dtypes.int8, 1000)
+    assert result_type(dtypes.bool, 2**31) is dtypes.int64  # a Python int takes int64 where it needs it
+    assert result_type(1, 2**40) is dtypes.int64
     assert result_type(dtypes.int8, 0.5) is dtypes.float32
     assert result_type(dtypes.bool, 1) is dtypes.int32
     assert result_type(dtypes.uint8, True) is dtypes.uint8

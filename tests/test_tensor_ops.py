@@ -13,8 +13,10 @@ rng = np.random.default_rng(0)
 F16_TOL = {np.dtype(np.float32): 1e-6, np.dtype(np.float16): 2e-3, np.dtype(ml_dtypes.bfloat16): 1.6e-2}
 
 
-def check(out, ref, tol: float | None = None, dtype=None) -> None:
-    """Shape, dtype and values by normalised error; NaN only where the reference has NaN."""
+def check(out, ref, tol: float | None = None, dtype=None, terms: float | None = None) -> None:
+    """Shape, dtype and values by normalised error; NaN only where the reference has NaN. `terms`: the magnitude
+    of what was summed into the values (e.g. sum of |x|), when that is larger than the values themselves (see
+    tests/numerics.py)."""
     got = out.numpy() if isinstance(out, Tensor) else np.asarray(out)
     ref = np.asarray(ref)
     assert got.shape == ref.shape, (got.shape, ref.shape)
@@ -30,7 +32,7 @@ def check(out, ref, tol: float | None = None, dtype=None) -> None:
     ok = fin & ~np.isinf(r64)
     if not ok.any():
         return
-    err = np.abs(g64[ok] - r64[ok]).max() / max(np.abs(r64[ok]).max(), 1e-30)
+    err = np.abs(g64[ok] - r64[ok]).max() / max(np.abs(r64[ok]).max(), terms or 0.0, 1e-30)
     tol = F16_TOL.get(got.dtype, 1e-6) if tol is None else tol
     assert err <= tol, f"normalised error {err:.3g} > {tol:.3g}"
 
@@ -217,7 +219,9 @@ def test_reductions(op, axis, keepdim):
     else:
         ref = getattr(np, op)(x.astype(np.float64) if op not in ("any", "all") else x, **kw)
     ref = np.asarray(ref).astype(out.dtype.np)
-    check(out, ref, 1e-5 if op == "prod" else 2e-6)  # a product's rounding grows with its length (555 here)
+    # signed terms can cancel to near 0 (a mean of 555 normals): bound sums and means by their terms' magnitude
+    terms = getattr(np, op)(np.abs(x.astype(np.float64)), **kw).max() if op in ("sum", "mean") else None
+    check(out, ref, 1e-5 if op == "prod" else 2e-6, terms=terms)  # a product's rounding grows with its length
 
 
 @pytest.mark.parametrize("dt", [np.float16, ml_dtypes.bfloat16, np.int8, np.int32, np.uint8, np.bool_])
@@ -250,17 +254,17 @@ def test_long_reduction_splits_into_two_kernels():
     with count_kernels() as c:
         out = Tensor(x).sum().numpy()
     assert c.count == 2, c.names
-    check(out, x.astype(np.float64).sum().astype(np.float32), 1e-5)
+    check(out, x.astype(np.float64).sum().astype(np.float32), 1e-5, terms=np.abs(x).sum())
     check(Tensor(x).max(), x.max(), 0)
-    check(Tensor(x.reshape(2, -1)).mean(1), x.reshape(2, -1).mean(1), 1e-5)
+    check(Tensor(x.reshape(2, -1)).mean(1), x.reshape(2, -1).mean(1), 1e-5, terms=np.abs(x).mean())
 
 
 def test_cumsum_and_zero_size():
     x = randn(4, 9)
     check(Tensor(x).cumsum(1), np.cumsum(x, 1), 2e-6)
     check(Tensor(x).cumsum(0), np.cumsum(x, 0), 2e-6)
-    check(Tensor(np.arange(10, dtype=np.int8)).cumsum(0), np.cumsum(np.arange(10)).astype(np.int32), 0)
-    check(Tensor(np.zeros((3, 0), np.int16)).cumsum(1), np.zeros((3, 0), np.int32), 0, np.int32)
+    check(Tensor(np.arange(10, dtype=np.int8)).cumsum(0), np.cumsum(np.arange(10, dtype=np.int8)), 0, np.int64)
+    check(Tensor(np.zeros((3, 0), np.int16)).cumsum(1), np.zeros((3, 0), np.int64), 0, np.int64)
     z = np.zeros((0, 3), np.float32)
     check(Tensor(z).sum(0), z.sum(0), 0)
     check(Tensor(z).sum(1), z.sum(1), 0)
@@ -281,11 +285,12 @@ def test_cumsum_long_and_inner_axes(shape, axis):
 
 def test_cumsum_dtypes_exact():
     wide = rng.integers(-2**31, 2**31, size=(3, 40_000), dtype=np.int64).astype(np.int32)
-    check(Tensor(wide).cumsum(1), np.cumsum(wide, 1, dtype=np.int32), 0, np.int32)  # wraps as numpy does
+    check(Tensor(wide).cumsum(1), np.cumsum(wide, 1), 0, np.int64)  # numpy's int64 accumulator
+    check(Tensor(wide).cumsum(1, dtype='int32'), np.cumsum(wide, 1, dtype=np.int32), 0, np.int32)  # wraps alike
     small = rng.integers(0, 256, size=(20_000, 2), dtype=np.uint8)
-    check(Tensor(small).cumsum(0), np.cumsum(small, 0, dtype=np.uint32), 0, np.uint32)
+    check(Tensor(small).cumsum(0), np.cumsum(small, 0).astype(np.int64), 0, np.int64)  # numpy: uint64
     b = rng.random(5000) < 0.5
-    check(Tensor(b).cumsum(0), np.cumsum(b, dtype=np.int32), 0, np.int32)
+    check(Tensor(b).cumsum(0), np.cumsum(b), 0, np.int64)
     h = randn(3000, dtype=np.float16)
     check(Tensor(h).cumsum(0), np.cumsum(h.astype(np.float64)), 2e-3, np.float16)
     special = np.array([1, -0.0, np.inf, 2, -np.inf, 3] + [1] * 40 + [np.nan, 1], np.float32)
@@ -479,7 +484,7 @@ def test_tensors_over_128_mib():
     y = (t * 2 + 1).realize()
     check(y[-7:], x[-7:] * 2 + 1)
     check(y[: n // 2].reshape(-1, 2)[5:9], (x[: n // 2] * 2 + 1).reshape(-1, 2)[5:9])
-    check(t.sum(), x.astype(np.float64).sum().astype(np.float32), 1e-4)
+    check(t.sum(), x.astype(np.float64).sum().astype(np.float32), 1e-4, terms=np.abs(x).sum(dtype=np.float64))
     check(t.max(), x.max(), 0)
     y[n - 2:] = 0.5
     got = y.numpy()

@@ -13,7 +13,9 @@ Promotion (``result_type``) follows numpy where numpy has a type for the answer:
   float64, would widen).
 - float16 with bfloat16 gives float32.
 - Python scalars are weak: ``t + 1`` keeps t's dtype, ``int_tensor * 0.5`` gives float32, ``bool_tensor + 1``
-  gives int32. Python floats default to float32, ints to int32.
+  gives int32. Python floats default to float32, ints to int32, or int64 where the value needs it. As in
+  numpy 2, a Python int that does not fit an integer tensor's dtype raises OverflowError (``int32_t + 2**31``),
+  except in comparisons, whose answer is then known (``int32_t < 2**40`` is all True).
 """
 
 from __future__ import annotations
@@ -153,12 +155,33 @@ def promote(a: DType, b: DType) -> DType:
     return _promote_ints(a, b)
 
 
+def fits(value: int, d: DType) -> bool:
+    """Whether the integer value is one of d's (d an integer or bool dtype)."""
+    return min_value(d) <= value <= max_value(d)
+
+
+def int_dtype(value: int) -> DType:
+    """The dtype a Python int takes on its own: int32, int64 where it needs it (numpy 2 takes int64 for every
+    int; vkgraph keeps 32 bits where they hold the value, as GPUs compute them faster)."""
+    if fits(value, dtypes.int32):
+        return dtypes.int32
+    if fits(value, dtypes.int64):
+        return dtypes.int64
+    raise OverflowError(f"Python integer {value} does not fit int64, the widest integer vkgraph has")
+
+
+def check_fits(value: int, d: DType) -> None:
+    """OverflowError, as numpy 2's, where a Python int is not a value of the integer dtype d."""
+    if d.is_int and not fits(value, d):
+        raise OverflowError(f"Python integer {value} out of bounds for {d.name}")
+
+
 def scalar_dtype(value: object) -> DType:
     """The dtype a Python scalar takes on its own."""
     if isinstance(value, (bool, np.bool_)):
         return dtypes.bool
     if isinstance(value, (int, np.integer)):
-        return to_dtype(value.dtype) if isinstance(value, np.integer) else dtypes.default_int
+        return to_dtype(value.dtype) if isinstance(value, np.integer) else int_dtype(value)
     if isinstance(value, (float, np.floating)):
         return to_dtype(value.dtype) if isinstance(value, np.floating) else dtypes.default_float
     raise TypeError(f"{type(value).__name__} is not a number")
@@ -169,7 +192,10 @@ def promote_scalar(t: DType, value: object) -> DType:
     if isinstance(value, (bool, np.bool_)):
         return t
     if isinstance(value, (int, np.integer)):
-        return dtypes.default_int if t.kind == "b" else t
+        if t.kind == "b":
+            return int_dtype(int(value))
+        check_fits(int(value), t)
+        return t
     if isinstance(value, (float, np.floating)):
         return t if t.is_float else dtypes.default_float
     raise TypeError(f"cannot combine a tensor with {type(value).__name__}")
@@ -178,8 +204,11 @@ def promote_scalar(t: DType, value: object) -> DType:
 def result_type(*args: DType | object) -> DType:
     """Promote any mix of dtypes (strong) and Python scalars (weak)."""
     strong = [a for a in args if isinstance(a, DType)]
-    if not strong:
-        strong = [scalar_dtype(args[0])]
+    if not strong:  # scalars alone: each takes its own dtype (a Python int the one that holds it)
+        out = scalar_dtype(args[0])
+        for a in args[1:]:
+            out = promote(out, scalar_dtype(a))
+        return out
     out = strong[0]
     for d in strong[1:]:
         out = promote(out, d)

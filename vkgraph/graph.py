@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .dtype import DType, dtypes
+from .dtype import DType, check_fits, dtypes
 from .view import Shape, ShapeTracker
 
 
@@ -331,6 +331,9 @@ def _normalize(value: Any, dtype: DType) -> Any:
     if dtype.kind == "b":
         return bool(value)
     if dtype.is_int:
+        if isinstance(value, (int, np.integer)):  # an integer constant must be one of the dtype's values
+            check_fits(int(value), dtype)
+            return int(value)
         return int(np.array(value).astype(dtype.np))
     return float(np.float32(value)) if dtype is dtypes.float32 else float(np.array(value, np.float32).astype(
         dtype.np).astype(np.float32))

@@ -151,6 +151,15 @@ def _max_inputs() -> int:
     return max(4, limits().max_buffers // 2)
 
 
+def has_dtype(dtype: DType) -> bool:
+    """Whether this device can store and compute `dtype`."""
+    try:
+        require_dtype(dtype)
+    except UnsupportedFeature:
+        return False
+    return True
+
+
 def require_dtype(dtype: DType) -> None:
     """Raise UnsupportedFeature if this device cannot store or compute `dtype`."""
     get_device().info.require_scalar(dtype.name)

@@ -16,9 +16,20 @@ import numpy as np
 
 from . import autograd
 from . import graph as g
-from .dtype import DType, dtypes, least_float, promote_scalar, result_type, to_dtype
+from .dtype import (
+    DType,
+    check_fits,
+    dtypes,
+    fits,
+    int_dtype,
+    least_float,
+    promote,
+    promote_scalar,
+    result_type,
+    to_dtype,
+)
 from .graph import Node, Op, ReduceOp, Variable
-from .realize import allocate, assign, download, realize, require_dtype, upload
+from .realize import allocate, assign, download, has_dtype, realize, require_dtype, upload
 from .view import ShapeTracker
 
 Scalar = int | float | bool
@@ -55,6 +66,17 @@ def _axis(axis: int, ndim: int) -> int:
     return axis % ndim if ndim else 0
 
 
+def _reduce_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    """The axes a reduction runs over. A 0-d tensor takes axis 0 or -1 (or a tuple of them) as numpy's sum and
+    PyTorch's reductions do: the scalar reduced over no axis."""
+    if ndim == 0 and axis is not None:
+        for a in ((axis,) if isinstance(axis, int) else axis):
+            if a not in (0, -1):
+                raise IndexError(f"axis {a} is out of range for a tensor of 0 dimensions")
+        return ()
+    return _axes(axis, ndim)
+
+
 def _axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
     if axis is None:
         return tuple(range(ndim))
@@ -85,11 +107,23 @@ def _infer_dtype(arr: np.ndarray, data: Any) -> DType:
         return to_dtype(arr.dtype)
     if arr.dtype.kind == "b":
         return dtypes.bool
-    if arr.dtype.kind in "iu":
-        return dtypes.default_int
+    if arr.dtype.kind in "iu" or (arr.dtype.kind == "O" and arr.size and _all_ints(arr)):
+        lo, hi = _int_bounds(arr)  # Python ints: int32, or int64 where a value needs it
+        return dtypes.default_int if lo is None else promote(int_dtype(lo), int_dtype(hi))
     if arr.dtype.kind == "f" or arr.size == 0:
         return dtypes.default_float
     raise TypeError(f"cannot make a tensor from {type(data).__name__} of {arr.dtype}")
+
+
+def _all_ints(arr: np.ndarray) -> bool:
+    return all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in arr.flat)
+
+
+def _int_bounds(arr: np.ndarray) -> tuple[int | None, int | None]:
+    """The least and greatest of an array of integers (Python ints of any size in an object array)."""
+    if not arr.size:
+        return None, None
+    return int(arr.min()), int(arr.max())
 
 
 class Tensor:
@@ -118,6 +152,14 @@ class Tensor:
             return
         arr = np.asarray(data)
         d = want or _infer_dtype(arr, data)
+        if not isinstance(data, np.ndarray | np.generic) and (
+                arr.dtype.kind in "iu" or arr.dtype.kind == "O" and arr.size and _all_ints(arr)):
+            if d.is_int:  # Python ints must be values of the dtype (numpy 2's OverflowError), never wrapped
+                for v in _int_bounds(arr):
+                    if v is not None:
+                        check_fits(v, d)
+            if arr.dtype.kind in "uO":  # uint64 or ints past it, each in range of d now
+                arr = np.array(arr.tolist(), dtype=d.np)
         if arr.dtype.kind not in "biuf" and arr.dtype != dtypes.bfloat16.np:
             raise TypeError(f"cannot make a tensor of numpy dtype {arr.dtype}")
         ref = upload(arr.astype(d.np, copy=False), d)
@@ -252,10 +294,21 @@ class Tensor:
             start, stop = 0, start
         if step == 0:
             raise ValueError("arange: step must not be zero")
-        n = max(0, math.ceil((stop - start) / step))
-        d = to_dtype(dtype) if dtype is not None else result_type(start, stop, step)
+        ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+                   for v in (start, stop, step))
+        n = max(0, -((start - stop) // step) if ints else math.ceil((stop - start) / step))
+        last = start + (n - 1) * step if n else start
+        if dtype is not None:
+            d = to_dtype(dtype)
+        else:  # integers: int32, or int64 where the values need it
+            d = promote(int_dtype(int(start)), int_dtype(int(last))) if ints else result_type(start, stop, step)
         if d.kind == "b":
             raise TypeError("arange of bool")
+        if ints and d.is_int:
+            check_fits(int(start), d)
+            check_fits(int(last), d)
+        if n == 1:
+            return Tensor.full((1,), start, d)
         i = Tensor(g.iota(n))
         if d.is_float:
             return (i.cast(dtypes.float32) * float(step) + float(start)).cast(d)
@@ -451,6 +504,8 @@ class Tensor:
 
     def _bin(self, other: Tensor | Scalar, op: Op, reverse: bool = False, out: DType | None = None,
              kinds: str = "biuf", compute: Callable[[DType], DType] | None = None) -> Tensor:
+        if type(other) is int and out is dtypes.bool and self.dtype.is_int and not fits(other, self.dtype):
+            return self._compare_out_of_range(other, op, reverse)
         if type(other) in _PY_SCALARS:
             d = promote_scalar(self.dtype, other)
             if compute is None or compute(d) is d:
@@ -468,6 +523,13 @@ class Tensor:
             a, b = b, a
         shape = broadcast_shape(a.shape, b.shape)
         return Tensor(g.alu(op, out or d, a._expand_to(shape).node, b._expand_to(shape).node))
+
+    def _compare_out_of_range(self, value: int, op: Op, reverse: bool) -> Tensor:
+        """A comparison with a Python int no value of self's dtype equals: known without looking (numpy 2 answers
+        these too, where arithmetic with such an int raises OverflowError)."""
+        above = value > 0  # past the dtype's maximum (else below its minimum)
+        known = {Op.CMPEQ: False, Op.CMPNE: True}.get(op, above != reverse)  # x < v, x <= v; v < x, v <= x
+        return Tensor.full(self.shape, known, dtypes.bool)
 
     def _bin_scalar(self, value: Scalar, d: DType, op: Op, reverse: bool, out: DType | None, kinds: str) -> Tensor:
         """_bin with a Python scalar whose dtype d is the operation's: the constant is made at self's shape at once
@@ -500,9 +562,19 @@ class Tensor:
         return self._bin(o, Op.MOD, kinds="iuf")
 
     def pow(self, o: Tensor | Scalar) -> Tensor:
+        """self ** o with C's (numpy's) special values for floats. Integers to a negative power raise ValueError
+        as in numpy where the exponent is known as the graph is built (a Python int or a constant); inside an
+        integer tensor a negative exponent gives 1 / base^-o truncated (1 for 1, +-1 for -1, else 0)."""
         if isinstance(o, (int, float)) and not isinstance(o, bool) and o == 2:
             return self * self
-        return self._bin(o, Op.POW, kinds="iuf")
+        out = self._bin(o, Op.POW, kinds="iuf")
+        _check_int_exponent(out, out.node.srcs[1] if out.node.op is Op.POW else None)
+        return out
+
+    def __rpow__(self, o: Scalar) -> Tensor:
+        out = self._bin(o, Op.POW, True, kinds="iuf")
+        _check_int_exponent(out, out.node.srcs[1] if out.node.op is Op.POW else None)
+        return out
 
     def maximum(self, o: Tensor | Scalar) -> Tensor:
         return self._bin(o, Op.MAX)
@@ -535,7 +607,6 @@ class Tensor:
     def __mod__(self, o): return self.mod(o)  # noqa: E704
     def __rmod__(self, o): return self._bin(o, Op.MOD, True, kinds="iuf")  # noqa: E704
     def __pow__(self, o): return self.pow(o)  # noqa: E704
-    def __rpow__(self, o): return self._bin(o, Op.POW, True, kinds="iuf")  # noqa: E704
     def __matmul__(self, o): return self.matmul(o)  # noqa: E704
     def __rmatmul__(self, o): return _as_tensor(o, self).matmul(self)  # noqa: E704
     def __and__(self, o): return self._bin(o, Op.AND, kinds="biu")  # noqa: E704
@@ -569,17 +640,20 @@ class Tensor:
     lt, le, gt, ge, eq, ne = __lt__, __le__, __gt__, __ge__, __eq__, __ne__
 
     # ---- reductions ---------------------------------------------------------------------------------------------
-    def _reduce(self, rop: ReduceOp, axis: Any, keepdim: bool, dtype: DType | None = None) -> Tensor:
-        axes = _axes(axis, self.ndim)
+    def _reduce(self, rop: ReduceOp, axis: Any, keepdim: bool, dtype: DType | None = None,
+                empty: Scalar | None = None) -> Tensor:
+        """One reduction node; `empty` fills the result where a reduced axis has no elements (None: raise, as
+        numpy's max and min do)."""
+        axes = _reduce_axes(axis, self.ndim)
         x = self if dtype is None else self.cast(dtype)
         if x.dtype in (dtypes.float16, dtypes.bfloat16):  # accumulate and combine in float32
-            return x.float()._reduce(rop, axes, keepdim).cast(x.dtype)
+            return x.float()._reduce(rop, axes, keepdim, empty=empty).cast(x.dtype)
         kept = tuple(1 if i in axes else s for i, s in enumerate(x.shape))
         out_shape = kept if keepdim else tuple(s for i, s in enumerate(x.shape) if i not in axes)
         if any(x.shape[a] == 0 for a in axes):
-            if rop in (ReduceOp.SUM, ReduceOp.PROD):
-                return Tensor.full(out_shape, 0 if rop is ReduceOp.SUM else 1, x.dtype)
-            raise ValueError(f"{rop.name.lower()} over a zero-size axis has no identity")
+            if empty is None:
+                raise ValueError(f"zero-size array to reduction operation {rop.name.lower()} which has no identity")
+            return Tensor.full(out_shape, empty, x.dtype)
         real = tuple(a for a in axes if x.shape[a] != 1)
         if not real:
             return x.reshape(out_shape)
@@ -588,16 +662,34 @@ class Tensor:
 
     def sum(self, axis: Any = None, keepdim: bool = False, dim: Any = None, dtype: DType | str | None = None
             ) -> Tensor:
-        """Sum; bool and narrow integers accumulate as int32 (numpy uses int64)."""
+        """Sum; bool and integers accumulate in int64 as numpy's do, where the device has int64 (see
+        `_sum_dtype`)."""
         axis = dim if dim is not None else axis
         d = to_dtype(dtype) if dtype is not None else _sum_dtype(self.dtype)
-        return self._reduce(ReduceOp.SUM, axis, keepdim, d)
+        return self._reduce(ReduceOp.SUM, axis, keepdim, d, empty=0)
 
     def prod(self, axis: Any = None, keepdim: bool = False, dim: Any = None, dtype: DType | str | None = None
              ) -> Tensor:
+        """Product; integers accumulate as in `sum`. A float product is the true product's IEEE class: NaN where
+        a NaN is present or a zero meets an infinity, an infinity where one is present, a zero where one is,
+        with the sign of the count of negative factors; only products of finite non-zero values are multiplied
+        out (a tree of partial products, which would otherwise turn an underflowed partial times an infinity
+        into NaN)."""
         axis = dim if dim is not None else axis
         d = to_dtype(dtype) if dtype is not None else _sum_dtype(self.dtype)
-        return self._reduce(ReduceOp.PROD, axis, keepdim, d)
+        x = self.cast(d)
+        if not d.is_float:
+            return x._reduce(ReduceOp.PROD, axis, keepdim, empty=1)
+        f = x.cast(dtypes.float32)
+        a = f.abs()
+        is_inf, is_zero = a == float("inf"), a == 0.0
+        p = (is_inf | is_zero).where(1.0, a)._reduce(ReduceOp.PROD, axis, keepdim, empty=1)
+        negative = f.bitcast(dtypes.int32) < 0  # the sign bit: -0.0 counts, as it does in IEEE products
+        sign = negative.where(-1.0, 1.0)._reduce(ReduceOp.PROD, axis, keepdim, empty=1)  # exact: +-1 only
+        any_inf, any_zero = is_inf.any(axis, keepdim), is_zero.any(axis, keepdim)
+        special = any_inf.where(any_zero.where(float("nan"), float("inf")), any_zero.where(0.0, p))
+        out = p.isnan().where(p, special)
+        return (sign < 0).where(-out, out).cast(d)
 
     def max(self, axis: Any = None, keepdim: bool = False, dim: Any = None) -> Tensor:
         return self._reduce(ReduceOp.MAX, dim if dim is not None else axis, keepdim)
@@ -606,27 +698,33 @@ class Tensor:
         return self._reduce(ReduceOp.MIN, dim if dim is not None else axis, keepdim)
 
     def any(self, axis: Any = None, keepdim: bool = False, dim: Any = None) -> Tensor:
-        return self.bool()._reduce(ReduceOp.MAX, dim if dim is not None else axis, keepdim)
+        return self.bool()._reduce(ReduceOp.MAX, dim if dim is not None else axis, keepdim, empty=False)
 
     def all(self, axis: Any = None, keepdim: bool = False, dim: Any = None) -> Tensor:
-        return self.bool()._reduce(ReduceOp.MIN, dim if dim is not None else axis, keepdim)
+        return self.bool()._reduce(ReduceOp.MIN, dim if dim is not None else axis, keepdim, empty=True)
 
     def mean(self, axis: Any = None, keepdim: bool = False, dim: Any = None) -> Tensor:
+        """Mean (NaN over an empty axis, as numpy's)."""
         axis = dim if dim is not None else axis
-        n = math.prod(self.shape[a] for a in _axes(axis, self.ndim))
+        n = math.prod(self.shape[a] for a in _reduce_axes(axis, self.ndim))
         out_d = least_float(self.dtype)
-        s = self.cast(dtypes.float32)._reduce(ReduceOp.SUM, axis, keepdim)
+        s = self.cast(dtypes.float32)._reduce(ReduceOp.SUM, axis, keepdim, empty=0)
         return (s * (1.0 / n if n else float("nan"))).cast(out_d)
 
     def var(self, axis: Any = None, keepdim: bool = False, correction: int = 1, dim: Any = None) -> Tensor:
-        """Variance with Bessel's correction by default (as PyTorch; numpy's default is correction=0)."""
+        """Variance with Bessel's correction by default (as PyTorch; numpy's default is correction=0). Where
+        n <= correction the sum of squares is divided by zero, as in numpy and PyTorch: inf, or NaN where the
+        sum is 0 (one element, say) or NaN."""
         axis = dim if dim is not None else axis
-        n = math.prod(self.shape[a] for a in _axes(axis, self.ndim))
+        n = math.prod(self.shape[a] for a in _reduce_axes(axis, self.ndim))
         x = self.cast(dtypes.float32)
         dev = x - x.mean(axis, keepdim=True)
-        s = (dev * dev)._reduce(ReduceOp.SUM, axis, keepdim)
-        return (s * (1.0 / max(n - correction, 0) if n - correction > 0 else float("nan"))).cast(
-            least_float(self.dtype))
+        s = (dev * dev)._reduce(ReduceOp.SUM, axis, keepdim, empty=0)
+        if n - correction > 0:
+            out = s * (1.0 / (n - correction))
+        else:
+            out = (s > 0.0).where(float("inf"), float("nan"))
+        return out.cast(least_float(self.dtype))
 
     def std(self, axis: Any = None, keepdim: bool = False, correction: int = 1, dim: Any = None) -> Tensor:
         return self.var(axis, keepdim, correction, dim).sqrt()
@@ -635,9 +733,12 @@ class Tensor:
         if axis is None:
             out = self.reshape(-1)._arg(rop, 0, False)
             return out.reshape((1,) * self.ndim) if keepdim else out
+        if self.ndim == 0:
+            _reduce_axes(axis, 0)  # checks the axis
+            return self.reshape(1)._arg(rop, 0, False).reshape(())
         a = _axis(axis, self.ndim)
         if self.shape[a] == 0:
-            raise ValueError(f"{rop.name.lower()} over a zero-size axis")
+            raise ValueError(f"attempt to get {rop.name.lower()} of an empty sequence")
         x = self.float() if self.dtype in (dtypes.float16, dtypes.bfloat16) else self
         node = g.reduce(x.node, rop, (a,), dtypes.int32)
         out = Tensor(node)
@@ -651,20 +752,30 @@ class Tensor:
         return self._arg(ReduceOp.ARGMIN, dim if dim is not None else axis, keepdim)
 
     def logsumexp(self, axis: Any = None, keepdim: bool = False, dim: Any = None) -> Tensor:
+        """log(sum(exp(x))), -inf over an empty axis (as scipy's and PyTorch's)."""
         axis = dim if dim is not None else axis
+        axes = _reduce_axes(axis, self.ndim)
+        out_d = least_float(self.dtype)
+        if any(self.shape[a] == 0 for a in axes):
+            return self.cast(out_d)._reduce(ReduceOp.MAX, axes, keepdim, empty=float("-inf"))
         x = self.cast(dtypes.float32)
-        m = x.max(axis, keepdim=True)
+        m = x.max(axes, keepdim=True)
         m = (m.abs() == float("inf")).where(0.0, m)  # all -inf (or inf) rows: avoid inf - inf
-        out = (x - m).exp().sum(axis, keepdim=True).log() + m
+        out = (x - m).exp().sum(axes, keepdim=True).log() + m
         if not keepdim:
-            out = out.reshape(tuple(s for i, s in enumerate(self.shape) if i not in _axes(axis, self.ndim)))
-        return out.cast(least_float(self.dtype))
+            out = out.reshape(tuple(s for i, s in enumerate(self.shape) if i not in axes))
+        return out.cast(out_d)
 
-    def cumsum(self, axis: int = 0, dim: int | None = None) -> Tensor:
-        """Inclusive prefix sum along an axis: bool and narrow integers accumulate as in `sum`, 16-bit floats in
-        float32 (rounded once at the end). Work is linear in the axis's length (see `_scan`)."""
-        a = _axis(dim if dim is not None else axis, self.ndim)
-        acc = _sum_dtype(self.dtype)
+    def cumsum(self, axis: int = 0, dim: int | None = None, dtype: DType | str | None = None) -> Tensor:
+        """Inclusive prefix sum along an axis: bool and integers accumulate as in `sum` (or in `dtype`), 16-bit
+        floats in float32 (rounded once at the end). Work is linear in the axis's length (see `_scan`). A 0-d
+        tensor gives one element of shape (1,), as numpy's does."""
+        axis = dim if dim is not None else axis
+        if self.ndim == 0:
+            _reduce_axes(axis, 0)  # checks the axis
+            return self.reshape(1).cumsum(0, dtype=dtype)
+        a = _axis(axis, self.ndim)
+        acc = to_dtype(dtype) if dtype is not None else _sum_dtype(self.dtype)
         x = self.cast(dtypes.float32 if acc in (dtypes.float16, dtypes.bfloat16) else acc)
         if self.shape[a] == 0:
             return self.cast(acc)
@@ -675,16 +786,23 @@ class Tensor:
         return Tensor(g.movement(self.node, fn))
 
     def reshape(self, *shape: Any) -> Tensor:
+        """The same elements in a new shape, given as sizes or one tuple/list of them (PyTorch's forms); one size
+        may be -1, inferred from the others."""
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        shape = tuple(int(s) for s in shape)
+        shape = _sizes(shape, "reshape")
+        if any(s < -1 for s in shape):
+            raise ValueError(f"reshape {shape}: invalid size {min(shape)} (sizes are >= 0, or -1 for one inferred)")
         if shape.count(-1) > 1:
-            raise ValueError(f"reshape {shape}: at most one -1")
+            raise ValueError(f"reshape {shape}: only one size can be inferred (-1)")
         if -1 in shape:
             known = math.prod(s for s in shape if s != -1)
-            if known == 0 or self.numel() % known:
-                raise ValueError(f"cannot reshape {self.shape} to {shape}")
+            if known == 0:
+                raise ValueError(f"cannot reshape {self.shape} ({self.numel()} elements) to {shape}: the -1 could "
+                                 "be any size")
+            if self.numel() % known:
+                raise ValueError(f"cannot reshape {self.shape} ({self.numel()} elements) to {shape}")
             shape = tuple(self.numel() // known if s == -1 else s for s in shape)
-        if math.prod(shape) != self.numel() or any(s < 0 for s in shape):
+        if math.prod(shape) != self.numel():
             raise ValueError(f"cannot reshape {self.shape} ({self.numel()} elements) to {shape}")
         if shape == self.shape:
             return self
@@ -818,11 +936,13 @@ class Tensor:
         n = self.shape[_axis(dim, self.ndim)]
         return self.split(max(1, math.ceil(n / chunks)), dim)
 
-    def cat(self, *others: Tensor, dim: int = 0) -> Tensor:
-        return cat([self, *others], dim)
+    def cat(self, *others: Any, dim: int = 0) -> Tensor:
+        """x.cat(y, z, dim=d), or Tensor.cat((x, y, z), d) as PyTorch's torch.cat."""
+        return cat(*_seq_and_dim(self, others, dim, "cat"))
 
-    def stack(self, *others: Tensor, dim: int = 0) -> Tensor:
-        return stack([self, *others], dim)
+    def stack(self, *others: Any, dim: int = 0) -> Tensor:
+        """x.stack(y, z, dim=d), or Tensor.stack((x, y, z), d) as PyTorch's torch.stack."""
+        return stack(*_seq_and_dim(self, others, dim, "stack"))
 
     # ---- indexing -----------------------------------------------------------------------------------------------
     def __getitem__(self, idx: Any) -> Tensor:
@@ -897,7 +1017,7 @@ class Tensor:
         elif m * n < 4096 or m < 16 or n < 16:  # thin products: a row reduction beats 64x64 tiles
             acc = dtypes.float32 if d.is_float else d
             prod = a.cast(acc).unsqueeze(-2) * b.cast(acc).transpose(-1, -2).unsqueeze(-3)
-            out = prod.sum(-1).cast(d)
+            out = prod.sum(-1, dtype=acc).cast(d)
         else:
             out = Tensor(g.matmul(a.node, b.node, d))
         if self.ndim == 1:
@@ -915,12 +1035,18 @@ class Tensor:
 
     def softmax(self, axis: int = -1, dim: int | None = None) -> Tensor:
         axis = dim if dim is not None else axis
+        _reduce_axes(axis, self.ndim)  # checks the axis
+        if self.numel() == 0:
+            return self.cast(least_float(self.dtype))
         x = self.cast(dtypes.float32)
         e = (x - x.max(axis, keepdim=True)).exp()
         return (e / e.sum(axis, keepdim=True)).cast(least_float(self.dtype))
 
     def log_softmax(self, axis: int = -1, dim: int | None = None) -> Tensor:
         axis = dim if dim is not None else axis
+        _reduce_axes(axis, self.ndim)  # checks the axis
+        if self.numel() == 0:
+            return self.cast(least_float(self.dtype))
         x = self.cast(dtypes.float32)
         m = x - x.max(axis, keepdim=True)
         return (m - m.exp().sum(axis, keepdim=True).log()).cast(least_float(self.dtype))
@@ -1001,8 +1127,7 @@ def where(cond: Tensor, x: Tensor | Scalar, y: Tensor | Scalar) -> Tensor:
 
 def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
     """Concatenate along dim: each input padded into place, summed in one fused kernel."""
-    if not tensors:
-        raise ValueError("cat of no tensors")
+    tensors = _tensor_list(tensors, "cat")
     ref = tensors[0]
     d = _axis(dim, ref.ndim)
     for t in tensors:
@@ -1022,8 +1147,8 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
 
 
 def stack(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
-    if not tensors:
-        raise ValueError("stack of no tensors")
+    """Join tensors of one shape along a new axis dim."""
+    tensors = _tensor_list(tensors, "stack")
     d = _axis(dim, tensors[0].ndim + 1)
     if any(t.shape != tensors[0].shape for t in tensors):
         raise ValueError(f"stack: shapes {[t.shape for t in tensors]} differ")
@@ -1051,7 +1176,12 @@ def _check(d: DType) -> None:
 
 
 def _sum_dtype(d: DType) -> DType:
-    if d.kind == "b" or (d.is_int and d.itemsize < 4):
+    """The accumulator of sum, prod and cumsum: numpy's int64 for bool and every integer (unsigned ones too,
+    where numpy has uint64 and vkgraph has not: equal values below 2^63) where the device has int64; else
+    int32 (uint32 for unsigned), which wraps past 2^31 (2^32)."""
+    if d.kind == "b" or d.is_int:
+        if has_dtype(dtypes.int64):
+            return dtypes.int64
         return dtypes.int32 if d.kind != "u" else dtypes.uint32
     return d
 
@@ -1079,15 +1209,52 @@ def _scan(x: Tensor, a: int) -> Tensor:
     i, j = Tensor(g.iota(c)).reshape(c, 1), Tensor(g.iota(c)).reshape(1, c)
     tri = (j <= i).reshape(1, c, c).expand(m, c, c).reshape(m * c, c).shrink([(0, n), None])
     tri = tri.reshape((1,) * len(pre) + (n, c) + (1,) * len(post))
-    local = tri.where(own, 0).sum(a + 1)
+    local = tri.where(own, 0).sum(a + 1, dtype=x.dtype)
     if m == 1:
         return local
     # the inclusive scan of the chunk totals, (pre, m, post), in a buffer of its own: the scheduler then fuses
     # this level's chunk scans with the add below instead of storing them apart
-    before = _scan(chunks.sum(a + 1), a).contiguous()
+    before = _scan(chunks.sum(a + 1, dtype=x.dtype), a).contiguous()
     before = before.pad([(0, 0)] * len(pre) + [(1, -1)] + [(0, 0)] * len(post))  # shifted: exclusive
     spread = before.unsqueeze(a + 1).expand(pre + (m, c) + post).reshape(pre + (m * c,) + post)
     return local + spread.shrink([None] * len(pre) + [(0, n)] + [None] * len(post))
+
+
+def _sizes(shape: tuple, what: str) -> tuple[int, ...]:
+    """Sizes as ints: Python and numpy integers only (a float, a bool or None is a TypeError, as in PyTorch)."""
+    out = []
+    for s in shape:
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"{what}: sizes must be integers, got {s!r} in {shape}")
+        out.append(int(s))
+    return tuple(out)
+
+
+def _tensor_list(tensors: Any, what: str) -> list[Tensor]:
+    if isinstance(tensors, Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"{what} takes a sequence (list or tuple) of tensors, got {type(tensors).__name__}")
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"{what} of no tensors")
+    bad = [type(t).__name__ for t in tensors if not isinstance(t, Tensor)]
+    if bad:
+        raise TypeError(f"{what} takes tensors, got {', '.join(bad)}")
+    return tensors
+
+
+def _seq_and_dim(first: Any, others: tuple, dim: int, what: str) -> tuple[list[Tensor], int]:
+    """The tensors and axis of Tensor.cat/stack called on a tensor (x.stack(y, z)) or on a sequence, as
+    PyTorch's functions are (Tensor.stack((x, y), 1))."""
+    if isinstance(first, Tensor):
+        return [first, *others], dim
+    if len(others) > 1 or (others and not isinstance(others[0], (int, np.integer))):
+        raise TypeError(f"Tensor.{what}(tensors, dim): takes one sequence of tensors and an axis")
+    return first, int(others[0]) if others else dim
+
+
+def _check_int_exponent(out: Tensor, exponent: Node | None) -> None:
+    if out.dtype.is_int and exponent is not None and exponent.op is Op.CONST and exponent.arg < 0:
+        raise ValueError("Integers to negative integer powers are not allowed.")
 
 
 def _as_bool(x: Any) -> Any:

@@ -33,16 +33,25 @@ float bf2f(uint b) { return uintBitsToFloat(b << 16); }""",
   uint m = floatBitsToUint(a);
   return uintBitsToFloat(sign | ((m + 0xfffu + ((m >> 13) & 1u)) & 0xffffe000u));
 }""",
-    "fpow": """float fpow(float a, float b) {
-  if (b == 0.0) return 1.0;
+    "fpow": """float fpow(float a, float b) {  // C's powf (numpy's) at every special value
+  const float INF = uintBitsToFloat(0x7f800000u);
+  if (b == 0.0 || a == 1.0) return 1.0;  // even for a NaN
   if (isnan(a) || isnan(b)) return uintBitsToFloat(0x7fc00000u);
-  if (a == 0.0) return b < 0.0 ? uintBitsToFloat(0x7f800000u) : 0.0;
-  if (a < 0.0) {
-    if (b != floor(b)) return uintBitsToFloat(0x7fc00000u);
-    float r = exp2(b * log2(-a));
-    return mod(b, 2.0) == 1.0 ? -r : r;
+  if (isinf(b)) return abs(a) == 1.0 ? 1.0 : ((abs(a) > 1.0) == (b > 0.0) ? INF : 0.0);
+  bool odd = floor(b) == b && mod(b, 2.0) == 1.0;  // an odd integer (every float past 2^24 is even)
+  bool neg = (floatBitsToUint(a) >> 31) != 0u;  // -0.0 included
+  if (a == 0.0 || isinf(a)) {  // +-0 and +-inf: 0 or inf by the sign of b (and of a for an odd b)
+    float m = (a == 0.0) == (b < 0.0) ? INF : 0.0;
+    return odd && neg ? -m : m;
   }
-  return exp2(b * log2(a));
+  if (neg && floor(b) != b) return uintBitsToFloat(0x7fc00000u);
+  // |a|^b as exp2(b * log2|a|), with subnormal |a| and results scaled by 2^24 (exact) around log2 and exp2,
+  // which some drivers compute only for normal numbers
+  float m = abs(a);
+  float l = m < 1.17549435e-38 ? log2(m * 16777216.0) - 24.0 : log2(m);
+  float e = b * l;
+  float r = e < -126.0 ? exp2(e + 24.0) * 5.9604644775390625e-08 : exp2(e);
+  return neg && odd ? -r : r;
 }""",
     "erf": """float erf_(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7
   float t = 1.0 / (1.0 + 0.3275911 * abs(x));
@@ -76,7 +85,8 @@ _INT_HELPERS = {
     "umod": "T imod_T(T a, T b) { return b == Z ? Z : a % b; }",
     "ipow": """T ipow_T(T a, T b) {
   T r = O;
-  if (b < Z) return Z;
+  // a negative exponent (numpy raises for those it sees; a tensor's are seen only here): 1 / a^-b truncated
+  if (b < Z) return a == O ? O : (a == Z - O ? ((b & O) != Z ? Z - O : O) : Z);
   while (b > Z) { if ((b & O) != Z) r *= a; a *= a; b >>= O; }
   return r;
 }""",
@@ -223,6 +233,16 @@ def bitcast(x: str, src: DType, dst: DType, need: set[str]) -> str:
     return _from_bits(_to_bits(x, src, need), dst, need)
 
 
+def shift(op: Op, dtype: DType, s: DType, a: str, b: str) -> str:
+    """a << b or a >> b as numpy's: a count past the width (or negative) shifts every bit out, leaving 0, or -1
+    for a negative a shifted right (GLSL leaves such counts undefined)."""
+    in_range = f"{b} < {literal(s.bits, s)}" if s.kind == "u" else f"({b} >= {zero(s)} && {b} < {literal(s.bits, s)})"
+    if op is Op.SHL:
+        return f"({in_range} ? {wrap(dtype, f'({a} << {b})')} : {zero(s)})"
+    out_of_range = zero(s) if s.kind == "u" else f"({a} < {zero(s)} ? {literal(-1, s)} : {zero(s)})"
+    return f"({in_range} ? ({a} >> {b}) : {out_of_range})"
+
+
 _FLOAT_UNARY = {Op.EXP: "exp", Op.EXP2: "exp2", Op.LOG: "log", Op.LOG2: "log2", Op.SIN: "sin", Op.COS: "cos",
                 Op.SQRT: "sqrt", Op.RSQRT: "inversesqrt", Op.FLOOR: "floor", Op.CEIL: "ceil",
                 Op.ROUND: "roundEven", Op.TRUNC: "trunc"}
@@ -269,6 +289,8 @@ def alu(op: Op, dtype: DType, srcs: list[DType], args: list[str], need: set[str]
         return f"({a} || {b})" if op in (Op.ADD, Op.MAX) else f"({a} && {b})"
     if op in _BITWISE:
         return f"({a} {_BITWISE[op][1 if s.kind == 'b' else 0]} {b})"
+    if op in (Op.SHL, Op.SHR) and s.is_int:
+        return shift(op, dtype, s, a, b)
     if op in _INFIX:
         e = f"({a} {_INFIX[op]} {b})"
         return wrap(dtype, e) if op in (Op.ADD, Op.SUB, Op.MUL, Op.SHL) else e

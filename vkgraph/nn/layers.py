@@ -222,7 +222,7 @@ class MoE:
         mine, other = probs.unsqueeze(-1), probs.unsqueeze(-2)  # (t, e, 1) against (t, 1, e)
         idx = Tensor.arange(e, dtype=dtypes.int32)
         earlier = idx.reshape(1, 1, e) < idx.reshape(1, e, 1)
-        return ((other > mine) | ((other == mine) & earlier)).cast(dtypes.int32).sum(-1)
+        return ((other > mine) | ((other == mine) & earlier)).cast(dtypes.int32).sum(-1, dtype=dtypes.int32)
 
     def routing(self, x: Tensor) -> Tensor:
         """(tokens, experts) weights: softmax probabilities of the top_k experts, renormalised; zero elsewhere."""
@@ -236,7 +236,8 @@ class MoE:
         e, k = probs.shape[-1], self.top_k
         # ranks are a permutation of 0..e-1 per token, so each slot matches exactly one expert
         hit = self._rank(probs).unsqueeze(1) == Tensor.arange(k, dtype=dtypes.int32).reshape(1, k, 1)  # (t, k, e)
-        ids = (hit.cast(dtypes.int32) * Tensor.arange(e, dtype=dtypes.int32).reshape(1, 1, e)).sum(-1)
+        slots = hit.cast(dtypes.int32) * Tensor.arange(e, dtype=dtypes.int32).reshape(1, 1, e)
+        ids = slots.sum(-1, dtype=dtypes.int32)
         w = (hit.float() * probs.unsqueeze(1)).sum(-1)
         return ids, w / w.sum(-1, keepdim=True)
 

@@ -88,7 +88,7 @@ def sample(logits: Tensor, s: SamplingTensors, presence: Tensor, uniform: Tensor
         lo, hi = z.min(-1, keepdim=True), top
         for _ in range(_BISECT):
             mid = (lo + hi) * 0.5
-            ok = (z >= mid).cast(dtypes.int32).sum(-1, keepdim=True) >= s.top_k
+            ok = (z >= mid).cast(dtypes.int32).sum(-1, keepdim=True, dtype=dtypes.int32) >= s.top_k
             lo, hi = where(ok, mid, lo), where(ok, hi, mid)
         keep = keep & (z >= lo)
     if s.use_top_p:  # the smallest set of most likely tokens with mass >= top_p: threshold by bisection
