@@ -23,7 +23,7 @@ from .codegen import Limits, Program, lower
 from .dtype import DType
 from .flags import flag
 from .graph import BufferRef, Node, Op, argkey, runtime_values
-from .runtime import get_device
+from .runtime import UnsupportedFeature, get_device
 from .schedule import CustomCall, Schedule, create_schedule, structure
 from .view import ShapeTracker
 

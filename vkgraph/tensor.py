@@ -670,26 +670,23 @@ class Tensor:
 
     def prod(self, axis: Any = None, keepdim: bool = False, dim: Any = None, dtype: DType | str | None = None
              ) -> Tensor:
-        """Product; integers accumulate as in `sum`. A float product is the true product's IEEE class: NaN where
-        a NaN is present or a zero meets an infinity, an infinity where one is present, a zero where one is,
-        with the sign of the count of negative factors; only products of finite non-zero values are multiplied
-        out (a tree of partial products, which would otherwise turn an underflowed partial times an infinity
-        into NaN)."""
+        """Product; integers accumulate as in `sum`. A float product holding an infinity is the true product's:
+        NaN where a NaN or a zero is present too, else an infinity with the sign of the count of negative factors.
+        (A tree of partial products, as the device multiplies, would make NaN of an underflowed partial times an
+        infinity, where numpy's sequential product and the true one are infinite.)"""
         axis = dim if dim is not None else axis
         d = to_dtype(dtype) if dtype is not None else _sum_dtype(self.dtype)
         x = self.cast(d)
+        p = x._reduce(ReduceOp.PROD, axis, keepdim, empty=1)
         if not d.is_float:
-            return x._reduce(ReduceOp.PROD, axis, keepdim, empty=1)
+            return p
         f = x.cast(dtypes.float32)
-        a = f.abs()
-        is_inf, is_zero = a == float("inf"), a == 0.0
-        p = (is_inf | is_zero).where(1.0, a)._reduce(ReduceOp.PROD, axis, keepdim, empty=1)
-        negative = f.bitcast(dtypes.int32) < 0  # the sign bit: -0.0 counts, as it does in IEEE products
+        any_inf = (f.abs() == float("inf")).any(axis, keepdim)
+        zero_or_nan = ((f == 0.0) | f.isnan()).any(axis, keepdim)
+        negative = f.bitcast(dtypes.int32) < 0  # the sign bit
         sign = negative.where(-1.0, 1.0)._reduce(ReduceOp.PROD, axis, keepdim, empty=1)  # exact: +-1 only
-        any_inf, any_zero = is_inf.any(axis, keepdim), is_zero.any(axis, keepdim)
-        special = any_inf.where(any_zero.where(float("nan"), float("inf")), any_zero.where(0.0, p))
-        out = p.isnan().where(p, special)
-        return (sign < 0).where(-out, out).cast(d)
+        infinite = zero_or_nan.where(float("nan"), (sign < 0).where(float("-inf"), float("inf")))
+        return any_inf.where(infinite.cast(d), p)
 
     def max(self, axis: Any = None, keepdim: bool = False, dim: Any = None) -> Tensor:
         return self._reduce(ReduceOp.MAX, dim if dim is not None else axis, keepdim)
