@@ -36,7 +36,16 @@ def test_constant_folding_uses_the_dtype():
 def test_identities_fold_away():
     x = g.alu(Op.CAST, f32, g.iota(4))
     zero, one = g.const(0.0, f32, (4,)), g.const(1.0, f32, (4,))
-    assert g.alu(Op.ADD, f32, x, zero) is x
+    neg_zero = g.const(-0.0, f32, (4,))
+    # IEEE: x + -0.0 and x - 0.0 are x for every x; x + 0.0 and x - -0.0 are not (x = -0.0 gives 0.0)
+    assert g.alu(Op.ADD, f32, x, neg_zero) is x and g.alu(Op.ADD, f32, neg_zero, x) is x
+    assert g.alu(Op.SUB, f32, x, zero) is x
+    assert g.alu(Op.ADD, f32, x, zero).op is Op.ADD and g.alu(Op.ADD, f32, zero, x).op is Op.ADD
+    assert g.alu(Op.SUB, f32, x, neg_zero).op is Op.SUB
+    assert g.alu(Op.ADD, dtypes.int32, g.iota(4), g.const(0, dtypes.int32, (4,))) is g.iota(4)
+    # x // 1 is floor(x) for floats (nan for inf), x for integers
+    assert g.alu(Op.IDIV, f32, x, one).op is Op.IDIV
+    assert g.alu(Op.IDIV, dtypes.int32, g.iota(4), g.const(1, dtypes.int32, (4,))) is g.iota(4)
     assert g.alu(Op.MUL, f32, one, x) is x
     assert g.alu(Op.CAST, f32, x) is x
     i = g.iota(4)

@@ -343,6 +343,11 @@ def _is_const(n: Node, value: Any) -> bool:
     return n.op is Op.CONST and n.arg == value and not (isinstance(n.arg, float) and math.isnan(n.arg))
 
 
+def _zero_keeps(op: Op, zero: Node) -> bool:
+    """Adding (op ADD) or subtracting (SUB) the constant zero leaves every value of its dtype as it was."""
+    return not zero.dtype.is_float or math.copysign(1.0, zero.arg) == (-1.0 if op is Op.ADD else 1.0)
+
+
 def _fold(op: Op, dtype: DType, srcs: tuple[Node, ...]) -> Node | None:
     n_const = [s.op for s in srcs].count(Op.CONST)
     if n_const == 0 and op is not Op.CAST:  # every rule below needs a constant source, except a no-op cast
@@ -359,11 +364,13 @@ def _fold(op: Op, dtype: DType, srcs: tuple[Node, ...]) -> Node | None:
     if len(srcs) == 2:
         a, b = srcs
         same = a.dtype is dtype
-        if op in (Op.ADD, Op.SUB) and _is_const(b, 0) and same:
+        # IEEE: x + -0.0 and x - 0.0 are x for every x, but -0.0 + 0.0 is 0.0; x // 1 is floor(x) (nan for inf)
+        if op in (Op.ADD, Op.SUB) and _is_const(b, 0) and same and _zero_keeps(op, b):
             return a
-        if op is Op.ADD and _is_const(a, 0) and b.dtype is dtype:
+        if op is Op.ADD and _is_const(a, 0) and b.dtype is dtype and _zero_keeps(op, a):
             return b
-        if op in (Op.MUL, Op.DIV, Op.IDIV) and _is_const(b, 1) and same and dtype.kind != "b":
+        if (op in (Op.MUL, Op.DIV) or op is Op.IDIV and not dtype.is_float) and _is_const(b, 1) and same \
+                and dtype.kind != "b":
             return a
         if op is Op.MUL and _is_const(a, 1) and b.dtype is dtype and dtype.kind != "b":
             return b

@@ -48,9 +48,9 @@ float bf2f(uint b) { return uintBitsToFloat(b << 16); }""",
   // |a|^b as exp2(b * log2|a|), with subnormal |a| and results scaled by 2^24 (exact) around log2 and exp2,
   // which some drivers compute only for normal numbers
   float m = abs(a);
-  float l = m < 1.17549435e-38 ? log2(m * 16777216.0) - 24.0 : log2(m);
-  float e = b * l;
-  float r = e < -126.0 ? exp2(e + 24.0) * 5.9604644775390625e-08 : exp2(e);
+  precise float l = m < 1.17549435e-38 ? log2(m * 16777216.0) - 24.0 : log2(m);
+  precise float e = b * l;
+  precise float r = e < -126.0 ? exp2(e + 24.0) * 5.9604644775390625e-08 : exp2(e);
   return neg && odd ? -r : r;
 }""",
     "erf": """float erf_(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7
@@ -99,6 +99,26 @@ def int_helper(kind: str, glsl_type: str) -> tuple[str, str]:
     src = _INT_HELPERS[kind].replace("_T", "_" + glsl_type).replace("T ", glsl_type + " ")
     src = src.replace("Z", zero).replace("O", one)
     return f"{ {'udiv': 'idiv', 'umod': 'imod'}.get(kind, kind)}_{glsl_type}", src
+
+
+# SPIR-V float controls for 32-bit floats, by DeviceInfo.float_controls name, as GL_EXT_spirv_intrinsics
+# declarations (capability, execution mode): IEEE zeros, infinities and NaN kept through every optimisation, and
+# subnormals kept rather than flushed, as numpy computes
+FLOAT_MODES = {
+    "signed_zero_inf_nan_preserve": "spirv_execution_mode(capabilities = [4466], 4461, 32);",
+    "denorm_preserve": "spirv_execution_mode(capabilities = [4464], 4459, 32);",
+}
+_MIN_NORMAL = 2.0**-126
+
+
+def is_special(value: float) -> bool:
+    """Zero (either sign), infinite, NaN or subnormal in float32: the values compilers fold their own way."""
+    v = float(value)
+    return not math.isfinite(v) or abs(v) < _MIN_NORMAL
+
+
+def float_bits(value: float) -> int:
+    return int(np.array(value, np.float32).view(np.uint32))
 
 
 def literal(value: object, dtype: DType) -> str:

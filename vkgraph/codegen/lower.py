@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dtype import DType, dtypes, max_value, min_value
+from ..flags import flag
 from ..graph import (
     ELEMENTWISE,
     BufferRef,
@@ -39,7 +40,7 @@ from ..graph import alu as alu_node
 from ..schedule import Kernel
 from ..view import Shape, ShapeTracker, View, prod, strides_for
 from . import glsl
-from .render import MAX_PUSH_FLOATS, MAX_PUSH_OFFSETS, PUSH_BYTES, Renderer, header
+from .render import MAX_PUSH_FLOATS, MAX_PUSH_OFFSETS, PUSH_BYTES, RESERVED_FIELDS, Renderer, header
 from .symbolic import Expr, Var, unravel
 
 GROUP_ID = "int(gl_WorkGroupID.x + gl_NumWorkGroups.x * (gl_WorkGroupID.y + gl_NumWorkGroups.y * gl_WorkGroupID.z))"
@@ -58,6 +59,11 @@ class Limits:
     subgroup_arith: bool = False
     min_subgroup: int = 1
     max_subgroup: int = 1
+    # IEEE results as numpy's (VKGRAPH_IEEE, on by default): float temporaries marked `precise` and special float
+    # constants hidden from the compiler (render.Renderer), and the float controls of glsl.FLOAT_MODES that the
+    # device honours
+    precise: bool = True
+    float_modes: tuple[str, ...] = ()
 
     # Drivers such as NVIDIA's report ~2^32 bindings per stage; a fused kernel never profits from more than
     # a few dozen, and descriptor sets that large cost more to write than the extra kernel launch.
@@ -65,10 +71,13 @@ class Limits:
 
     @staticmethod
     def from_info(info: object) -> Limits:
+        ieee = bool(flag("VKGRAPH_IEEE"))
+        modes = tuple(m for m in glsl.FLOAT_MODES if m in info.float_controls) if ieee else ()
         return Limits(int(info.max_workgroup_invocations), tuple(int(x) for x in info.max_workgroup_count),
                       int(info.max_shared_memory), int(info.max_storage_buffer_range),
                       min(int(info.max_storage_buffers), Limits.BINDING_CAP),
-                      "arithmetic" in info.subgroup_ops, int(info.min_subgroup_size), int(info.max_subgroup_size))
+                      "arithmetic" in info.subgroup_ops, int(info.min_subgroup_size), int(info.max_subgroup_size),
+                      ieee, modes)
 
 
 @dataclass
@@ -112,6 +121,10 @@ def _finish(r: Renderer, name: str, local: int, groups: int, lim: Limits, shared
     src = header(r, (local, 1, 1), list(shared)) + "\nvoid main() {\n" + body + "\n}\n"
     return Program(name, src, [(ref, off, n) for ref, _, off, n in r.pieces()], fold_groups(groups, lim),
                    {n: v for n, _, v in r.push}, tuple(r.param_fields), rows)
+
+
+def _renderer(lim: Limits, params: dict[int, int]) -> Renderer:
+    return Renderer(lim.max_storage_range, params, lim.precise, lim.float_modes)
 
 
 def _wg(lim: Limits, want: int = 256) -> int:
@@ -300,7 +313,7 @@ def _elementwise_vec4(k: Kernel, lim: Limits, params: dict[int, int], loads: lis
                       dyn: _Dynamic | None) -> Lowered:
     """Each invocation loads 4 consecutive elements of every input as one vec4, computes the 4 results as
     scalars and stores them as one vec4: a quarter of the memory instructions of the scalar kernel."""
-    r = Renderer(lim.max_storage_range, params)
+    r = _renderer(lim, params)
     shape = dyn.shape(k.root) if dyn else k.root.shape
     n = prod(shape)
     nv = n // 4
@@ -341,7 +354,7 @@ def _elementwise(k: Kernel, lim: Limits, params: dict[int, int], dyn: _Dynamic |
     loads = _vec4_loads(k, lim, dyn)
     if loads is not None:
         return _elementwise_vec4(k, lim, params, loads, dyn)
-    r = Renderer(lim.max_storage_range, params)
+    r = _renderer(lim, params)
     shape = dyn.shape(k.root) if dyn else k.root.shape
     n = prod(shape)
     wg = _wg(lim)
@@ -552,7 +565,7 @@ def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = 
     if allow_split and split:
         return _split(k, reds[0], lim, params)
     groups = real_rows if grouped else math.ceil(real_rows / local)
-    r = Renderer(lim.max_storage_range, params)
+    r = _renderer(lim, params)
     shared: list[str] = []
     nrows, prog_rows = _launch(r, dyn, rows, prod(out_shape[1:]), 1 if grouped else local, groups)
     r.emit("int lid = int(gl_LocalInvocationID.x);")
@@ -599,7 +612,7 @@ def _split(k: Kernel, red: Node, lim: Limits, params: dict[int, int]) -> Lowered
     wg = _wg(lim)
     acc_d = _acc_dtype(red.srcs[0].dtype)
     scratch = BufferRef(acc_d, rows * parts)
-    r = Renderer(lim.max_storage_range, params)
+    r = _renderer(lim, params)
     shared: list[str] = []
     r.emit(f"int grp = {GROUP_ID};")
     r.emit(f"if (grp >= {rows * parts}) return;")
@@ -667,7 +680,7 @@ def _matmul(k: Kernel, mm: Node, lim: Limits, params: dict[int, int]) -> Lowered
     t = mm.dtype.glsl
     acc_d = _acc_dtype(mm.dtype)
     shared = [f"shared {acc_d.glsl} As[{BK}][{BM}];", f"shared {acc_d.glsl} Bs[{BK}][{BN}];"]
-    r = Renderer(lim.max_storage_range, params)
+    r = _renderer(lim, params)
     zero = glsl.zero(acc_d)
     r.emit(f"int grp = {GROUP_ID};")
     r.emit(f"if (grp >= {groups}) return;")
@@ -735,7 +748,7 @@ def _runtime_leaves(nodes: list[Node]) -> tuple[list[Node], list[Node]]:
     make equal choices."""
     cand = [n for n in nodes if not n.srcs and runtime_values(n)]
     fixed = sum(4 * len(runtime_values(n)) for n in cand if n.op is not Op.CONST)
-    budget = min(MAX_PUSH_FLOATS, (PUSH_BYTES - 4 * MAX_PUSH_OFFSETS - fixed) // 4)
+    budget = min(MAX_PUSH_FLOATS, (PUSH_BYTES - 4 * (MAX_PUSH_OFFSETS + RESERVED_FIELDS) - fixed) // 4)
     leaves, baked = [], []
     for n in cand:
         if n.op is Op.CONST:
@@ -799,7 +812,7 @@ def lower(k: Kernel, lim: Limits) -> Lowered:
         reds = [n for n in nodes if n.op is Op.REDUCE]
         plan = _reduce_plan(k, reds, lim) if reds else _vec4_loads(k, lim, dyn) is not None
         # the row count needs a push-constant field of its own beside the largest offsets and values
-        fields = sum(len(runtime_values(n)) for n in leaves) + MAX_PUSH_OFFSETS + 1
+        fields = sum(len(runtime_values(n)) for n in leaves) + MAX_PUSH_OFFSETS + RESERVED_FIELDS + 1
         if (isinstance(plan, tuple) and plan[0]) or 4 * fields > PUSH_BYTES:
             dyn = plan = None
     key, refs = _signature(k, nodes, leaves, dyn)

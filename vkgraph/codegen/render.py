@@ -25,11 +25,19 @@ Coords = tuple[Expr, ...]
 PUSH_BYTES = 128  # the push-constant space every Vulkan device offers (maxPushConstantsSize's minimum)
 MAX_PUSH_OFFSETS = 12  # further offsets are baked in
 MAX_PUSH_FLOATS = 8  # float constants of a kernel past this, or past what PUSH_BYTES leaves, are literals
+ZERO_FIELD = "z"  # the push-constant zero that hides special float constants (Renderer.special_float)
+RESERVED_FIELDS = 1  # push-constant fields a kernel may need besides offsets, values and rows: ZERO_FIELD
 
 
 class Renderer:
-    def __init__(self, max_range: int = 1 << 62, params: dict[int, int] | None = None) -> None:
+    def __init__(self, max_range: int = 1 << 62, params: dict[int, int] | None = None, precise: bool = False,
+                 float_modes: tuple[str, ...] = ()) -> None:
         self.lines: list[str] = []
+        # IEEE results as numpy's: float temporaries are `precise` (the driver may neither fold, reorder nor fuse
+        # their arithmetic), special float constants are opaque to the compiler, and the shader asks for the
+        # float controls in float_modes (see glsl.FLOAT_MODES)
+        self.precise, self.float_modes = precise, float_modes
+        self._zero: str | None = None
         self.depth = 1
         self.max_range = max_range  # bytes one binding may cover; larger buffers are bound in pieces
         self.bindings: list[tuple[object, DType]] = []  # (BufferRef, dtype) in order of first use
@@ -60,7 +68,7 @@ class Renderer:
 
     def define(self, gtype: str, expr: str, prefix: str = "v") -> str:
         name = self.tmp(prefix)
-        self.emit(f"{gtype} {name} = {expr};")
+        self.emit(f"{'precise ' if self.precise and gtype == 'float' else ''}{gtype} {name} = {expr};")
         return name
 
     @contextmanager
@@ -101,6 +109,15 @@ class Renderer:
                 self.param_fields.append((f"{prefix}{len(self.push)}", self.params[id(n)], part))
             ref = self._param_names[(id(n), part)] = self.push_const(gtype, runtime_values(n)[part], prefix)
         return ref
+
+    def special_float(self, value: float) -> str:
+        """A float constant the shader compiler cannot see: drivers fold literal arithmetic with zeros, infinities,
+        NaN and subnormals against IEEE (`x * 0.0` is 0 for an infinite x, `0.0 / 0.0` garbage on lavapipe), even
+        under `precise` and SignedZeroInfNanPreserve; OR-ing the bits with a push-constant zero keeps the value
+        and hides it. One field (ZERO_FIELD) serves every such constant of the kernel."""
+        if self._zero is None:
+            self._zero = self.push_const("uint", 0, ZERO_FIELD)
+        return f"uintBitsToFloat({self._zero} | {glsl.float_bits(value):#x}u)"
 
     def offset(self, value: int) -> Expr:
         if value == 0:
@@ -186,7 +203,11 @@ class Renderer:
         if n in self.subst:
             return self.subst[n]
         if n.op is Op.CONST:
-            return self.param(n, 0, "float", "f") if id(n) in self.params else glsl.literal(n.arg, n.dtype)
+            if id(n) in self.params:
+                return self.param(n, 0, "float", "f")
+            if self.precise and n.dtype.is_float and glsl.is_special(n.arg):
+                return self.special_float(n.arg)
+            return glsl.literal(n.arg, n.dtype)
         key = (n, tuple(c.render() for c in coords))
         for scope in reversed(self._scopes):
             if key in scope:
@@ -262,7 +283,10 @@ def header(r: Renderer, local_size: tuple[int, int, int], shared: list[str]) -> 
         ext.append("GL_EXT_shader_16bit_storage")
     if dtypes.int64 in types or any("int64_t" in line for line in r.lines):
         ext.append("GL_EXT_shader_explicit_arithmetic_types_int64")
+    if r.float_modes:
+        ext.append("GL_EXT_spirv_intrinsics")
     out = ["#version 450"] + [f"#extension {e} : require" for e in ext + sorted(r.ext)]
+    out += [glsl.FLOAT_MODES[m] for m in r.float_modes]
     out.append("layout(local_size_x = {}, local_size_y = {}, local_size_z = {}) in;".format(*local_size))
     slot = 0
     for i, (ref, d) in enumerate(r.bindings):

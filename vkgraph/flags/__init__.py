@@ -38,6 +38,8 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_PROFILE", int, 0, "1 records GPU timestamps per dispatch; table at exit, Chrome trace"),
         Flag("VKGRAPH_PROFILE_FILE", str, "vkgraph.trace.json", "where VKGRAPH_PROFILE writes the Chrome trace"),
         Flag("VKGRAPH_TIMEOUT_S", float, 60.0, "seconds to wait on a fence before raising a timeout"),
+        Flag("VKGRAPH_IEEE", int, 1, "1 keeps generated float arithmetic IEEE as numpy's (precise temporaries, "
+             "hidden special constants, the device's float controls); 0 lets the driver fold and fuse it"),
         Flag("VKGRAPH_DEBUG", int, 0, "1 prints the schedule, 3 also prints generated GLSL"),
         Flag("VKGRAPH_VALIDATION", int, 0, "1 enables the Khronos validation layer; messages raise errors; "
              "2 also prints each message to stderr as it arrives (for crashes inside the driver)"),

@@ -73,6 +73,9 @@ class DeviceInfo:
     timestamps: bool
     unified_memory: bool
     heaps: list[tuple[int, bool]] = field(default_factory=list)
+    # float controls the device honours for 32-bit floats (VkPhysicalDeviceVulkan12Properties):
+    # "signed_zero_inf_nan_preserve", "denorm_preserve"
+    float_controls: frozenset[str] = frozenset()
 
     def require_scalar(self, name: str) -> None:
         """Raise UnsupportedFeature if buffers of this scalar type (as numpy names it: "int64", "float16",
@@ -353,7 +356,8 @@ def _query_info(physical: Any) -> DeviceInfo:
     has13 = api_version >= (1, 3, 0)
     p13 = k.struct("VkPhysicalDeviceVulkan13Properties")
     dot = k.struct("VkPhysicalDeviceShaderIntegerDotProductProperties", pNext=p13 if has13 else NULL)
-    p11 = k.struct("VkPhysicalDeviceVulkan11Properties", pNext=dot if has13 else NULL)
+    p12 = k.struct("VkPhysicalDeviceVulkan12Properties", pNext=dot if has13 else NULL)
+    p11 = k.struct("VkPhysicalDeviceVulkan11Properties", pNext=p12)
     m4 = k.struct("VkPhysicalDeviceMaintenance4Properties", pNext=p11)
     p2 = k.struct("VkPhysicalDeviceProperties2", pNext=m4 if has13 else p11)
     lib.vkGetPhysicalDeviceProperties2(physical, p2)
@@ -401,6 +405,9 @@ def _query_info(physical: Any) -> DeviceInfo:
         min_storage_offset_alignment=lim.minStorageBufferOffsetAlignment,
         timestamp_period=lim.timestampPeriod, timestamps=bool(lim.timestampComputeAndGraphics),
         unified_memory=unified, heaps=heaps,
+        float_controls=frozenset(name for name, bit in (
+            ("signed_zero_inf_nan_preserve", p12.shaderSignedZeroInfNanPreserveFloat32),
+            ("denorm_preserve", p12.shaderDenormPreserveFloat32)) if bit),
     )
 
 
