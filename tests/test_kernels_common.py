@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from vkgraph import templates
+from vkgraph import quant, templates
 
 CHECKED: set[str] = set()
 TOL = 5e-4
@@ -55,3 +55,10 @@ def test_normalised_error_rejects_nan_and_scales():
     assert normalised_error(ref, ref) == 0
     assert normalised_error(np.array([1, 1, 1, np.nan]), ref) == float("inf")
     assert normalised_error(ref * 1.001, ref) == pytest.approx(1e-3)
+
+
+def weights(x: np.ndarray, fmt: str, seed: int = 0) -> quant.QuantizedTensor:
+    """x quantized to fmt, or for a format without a quantizer random valid blocks of x's shape."""
+    if fmt in quant.QUANTIZERS:
+        return quant.quantize(x, fmt)
+    return quant.random_blocks(np.random.default_rng(seed), fmt, *x.shape)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_kernels_common import check, device, snapshot, upload
+from test_kernels_common import check, device, snapshot, upload, weights
 
 from vkgraph import quant
 from vkgraph.ops import common
@@ -28,7 +28,7 @@ def _weights(fmt: str, n: int, k: int, seed: int, random_bits: bool) -> quant.Qu
     f = quant.FORMATS[fmt]
     if random_bits:
         return quant.QuantizedTensor(rng.integers(0, 256, (n, f.row_bytes(k)), dtype=np.uint8), f, (n, k))
-    return quant.quantize((rng.standard_normal((n, k)) * 4).astype(np.float32), fmt)
+    return weights((rng.standard_normal((n, k)) * 4).astype(np.float32), fmt, seed)
 
 
 def _run(qt: quant.QuantizedTensor) -> None:
@@ -59,7 +59,7 @@ def test_dequant_fuzz(fmt, n, blocks, random_bits, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequant_long_rows(fmt):
     """More units in a row than invocations in a workgroup."""
-    _run(_weights(fmt, 5, 4352 if fmt in ("Q4_K", "Q6_K") else 8224, 1, False))
+    _run(_weights(fmt, 5, 4352 if quant.FORMATS[fmt].block_size == 256 else 8224, 1, False))
 
 
 def test_dequant_many_rows():

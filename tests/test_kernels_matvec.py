@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_kernels_common import check, device, snapshot, upload
+from test_kernels_common import check, device, snapshot, upload, weights
 
 from vkgraph import quant
 from vkgraph.ops import matvec as mv
@@ -23,7 +23,7 @@ def _k_for(fmt: str, blocks: int) -> int:
 def _run(fmt, n, k, batch, act, bias, residual, config=None, seed=0):
     dev = device()
     rng = np.random.default_rng(seed)
-    qt = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), fmt)
+    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, seed)
     w = qt.dequantize().astype(np.float64)
     x = rng.standard_normal((batch, k)).astype(mv.ACT_DTYPES[act])
     ref = x.astype(np.float64) @ w.T
@@ -50,7 +50,7 @@ def test_matvec_fuzz(fmt, n, blocks, batch, act, bias, residual, seed):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_matvec_long_rows(fmt):
     """K >= 4096 and a row count that is not a multiple of the rows per workgroup."""
-    _run(fmt, 67, 4352 if fmt in ("Q4_K", "Q6_K") else 4128, 3, "f32", True, False)
+    _run(fmt, 67, 4352 if quant.FORMATS[fmt].block_size == 256 else 4128, 3, "f32", True, False)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -99,7 +99,7 @@ def _run_id(fmt, n_experts, n, k, tokens, slots, per_pair, act="f32", config=Non
     config the reference takes the int8-quantized activations."""
     dev = device()
     rng = np.random.default_rng(seed)
-    qts = [quant.quantize(rng.standard_normal((n, k)).astype(np.float32), fmt) for _ in range(n_experts)]
+    qts = [weights(rng.standard_normal((n, k)).astype(np.float32), fmt, seed + e) for e in range(n_experts)]
     ws = [q.dequantize().astype(np.float64) for q in qts]
     pairs = tokens * slots
     ids = rng.integers(0, max(1, n_experts - 1), pairs).astype(np.int32)  # the last expert is never chosen
@@ -196,7 +196,7 @@ def _run_int_dot(fmt, n, k, batch, act, bias, residual, rows=None, seed=0):
     activations; returns the normalised error against the unquantized activations too."""
     dev = device()
     rng = np.random.default_rng(seed)
-    qt = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), fmt)
+    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, seed)
     w = qt.dequantize().astype(np.float64)
     x = rng.standard_normal((batch, k)).astype(mv.ACT_DTYPES[act])
     xq = _device_quantized(dev, x)
@@ -230,7 +230,7 @@ def test_matvec_int_dot_fuzz(fmt, n, blocks, batch, act, bias, residual, rows, s
 def test_matvec_int_dot_long_rows(fmt):
     """K >= 4096; against the unquantized activations the int8 rounding costs well under 1%."""
     _needs_int_dot()
-    assert _run_int_dot(fmt, 67, 4352 if fmt in ("Q4_K", "Q6_K") else 4128, 2, "f32", True, False) < 1e-2
+    assert _run_int_dot(fmt, 67, 4352 if quant.FORMATS[fmt].block_size == 256 else 4128, 2, "f32", True, False) < 1e-2
 
 
 def test_quantize_activations_matches_numpy():

@@ -10,14 +10,17 @@ from hypothesis import strategies as st
 from vkgraph import quant
 
 ALL = sorted(quant.FORMATS)
-# gguf implements quantization only for these; Q4_K and Q6_K it can only dequantize
-GGUF_QUANTIZES = ["BF16", "F16", "Q4_0", "Q8_0"]
+# gguf implements quantization only for these; the K-quants and IQ formats it can only dequantize
+GGUF_QUANTIZES = ["BF16", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 # worst error of an element relative to its block's largest magnitude: half a quantization step plus the
 # rounding of the float16 scales (Q4_0's asymmetric range clips the opposite extreme by one full step)
+# (Q4_1/Q5_1: half a step of a range up to twice the largest magnitude, plus float16 rounding of d and the minimum)
 ROUNDTRIP_TOL = {"F16": 2 ** -11, "BF16": 2 ** -8, "Q8_0": 0.5 / 127 + 2 ** -10, "Q4_0": 1 / 8 + 2 ** -10,
-                 "Q4_K": 0.11, "Q6_K": 0.06}
+                 "Q4_1": 1 / 15 + 2 ** -6, "Q5_0": 1 / 16 + 2 ** -10, "Q5_1": 1 / 31 + 2 ** -6, "Q4_K": 0.11,
+                 "Q6_K": 0.06}
 # float16 scales and values go subnormal below 2**-14: their absolute spacing 2**-24 times the largest level
 ROUNDTRIP_ATOL = {"F16": 2 ** -25, "BF16": 0.0, "Q8_0": 128 * 2 ** -24, "Q4_0": 16 * 2 ** -24,
+                  "Q4_1": 32 * 2 ** -24, "Q5_0": 32 * 2 ** -24, "Q5_1": 64 * 2 ** -24,
                   "Q4_K": 64 * 16 * 2 ** -24, "Q6_K": 128 * 32 * 2 ** -24}
 
 
@@ -71,7 +74,7 @@ def test_dequantize_matches_gguf_on_random_bits(name, data):
     np.testing.assert_array_equal(ours.view(np.uint32), np.asarray(ref, np.float32).view(np.uint32))
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", quant.QUANTIZERS)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_roundtrip_error(name, data):
@@ -84,7 +87,7 @@ def test_roundtrip_error(name, data):
     xb, yb = x.reshape(-1, bs), y.reshape(-1, bs)
     amax = np.abs(xb).max(axis=1, keepdims=True)
     assert np.all(np.abs(yb - xb) <= ROUNDTRIP_TOL[name] * amax + ROUNDTRIP_ATOL[name])
-    if name != "Q4_K":  # Q4_K has an offset (min) per sub-block, so zero need not decode to zero
+    if name not in ("Q4_K", "Q4_1", "Q5_1"):  # these have an offset (a minimum), so zero need not decode to zero
         assert np.all(y[x == 0] == 0)
 
 
@@ -120,7 +123,19 @@ def test_from_raw_and_errors():
         quant.quantize(np.ones((2, 48), np.float32), "Q4_0")
     with pytest.raises(ValueError, match="unknown weight format"):
         quant.quantize(x, "Q5_9")
+    with pytest.raises(ValueError, match="no quantizer for IQ4_XS"):
+        quant.quantize(np.ones((1, 256), np.float32), "IQ4_XS")
     with pytest.raises(ValueError, match="2-D"):
         quant.quantize(np.ones(64, np.float32), "Q8_0")
     with pytest.raises(ValueError, match="expected"):
         quant.QuantizedTensor.from_raw(qt.data.tobytes()[:-1], "Q8_0", (2, 64))
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n not in ("F16", "BF16")])
+def test_random_blocks_are_finite_and_exact_to_gguf(name):
+    """random_blocks (tests and benchmarks of formats without a quantizer) gives finite values gguf agrees on."""
+    qt = quant.random_blocks(np.random.default_rng(3), name, 3, quant.FORMATS[name].block_size * 2)
+    y = qt.dequantize()
+    assert np.isfinite(y).all() and 0.01 < np.abs(y).mean() < 100
+    ref = gq.dequantize(qt.data, _ggml(name)).reshape(qt.shape)
+    np.testing.assert_array_equal(y, ref)

@@ -201,9 +201,31 @@ def test_unsupported_architecture(dense, tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    paths = mk.write_model(tmp_path, mk.tiny_config(n_layers=1), gguf_types=("Q5_0",), safetensors=False)
-    with pytest.raises(UnsupportedTensorTypeError, match="Q5_0"):
-        load_weights(paths["Q5_0"], progress=False)
+    """A type vkgraph has no format for is named with the tensor that uses it."""
+    cfg = mk.tiny_config(dim=256, ffn_dim=256, head_dim=64, n_layers=1)
+    paths = mk.write_model(tmp_path, cfg, gguf_types=("IQ2_XXS",), safetensors=False)
+    with pytest.raises(UnsupportedTensorTypeError, match=r"token_embd.weight is IQ2_XXS"):
+        load_weights(paths["IQ2_XXS"], progress=False)
+
+
+def test_more_formats_load(tmp_path):
+    """Q4_1, Q5_0, Q5_1 (quantized here) decode close to the generator's values; the formats nothing here quantizes
+    (random blocks in the file) load as their blocks, bit for bit."""
+    from gguf import GGUFReader
+
+    cfg = mk.tiny_config(dim=256, ffn_dim=256, n_heads=4, n_kv_heads=2, head_dim=64, n_layers=1)
+    types = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "IQ4_NL", "IQ4_XS")
+    paths = mk.write_model(tmp_path, cfg, seed=SEED, gguf_types=types, safetensors=False)
+    for qtype, tol in (("Q4_1", 0.1), ("Q5_0", 0.05), ("Q5_1", 0.05)):
+        w = load_weights(paths[qtype], progress=False)
+        assert w.layers[0].wk.format.name == qtype
+        assert_matches_generator(w, tol)
+    for qtype in types[3:]:
+        w = load_weights(paths[qtype], progress=False)
+        raw = {t.name: t for t in GGUFReader(paths[qtype]).tensors}["blk.0.ffn_down.weight"]
+        assert w.layers[0].w_down.format.name == qtype
+        stored = np.asarray(raw.data).view(np.uint8).reshape(-1)
+        np.testing.assert_array_equal(w.layers[0].w_down.data.reshape(-1), stored)
 
 
 @pytest.mark.parametrize("kind", ["F32", "hf"])

@@ -1,13 +1,18 @@
-"""GGUF weight formats in numpy: Q8_0, Q4_0, Q4_K, Q6_K, F16 and BF16, bit for bit as ggml stores them.
+"""GGUF weight formats in numpy, bit for bit as ggml stores them: F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K,
+Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS.
 
 A `QuantizedTensor` holds a 2-D weight matrix as the raw GGUF blocks of its rows plus the format, so weights
 read from a GGUF file keep their bits. `quantize` and `dequantize` are the numpy references the kernels are
-checked against. Q8_0, Q4_0 and BF16 quantize exactly as `gguf.quants` does; Q4_K and Q6_K follow llama.cpp's
-reference quantizers (`quantize_row_q4_K_ref`, `quantize_row_q6_K_ref`), which `gguf` does not implement.
+checked against; every format dequantizes bit for bit as `gguf.quants` does. Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
+BF16 quantize exactly as `gguf.quants` does; Q4_K and Q6_K follow llama.cpp's reference quantizers
+(`quantize_row_q4_K_ref`, `quantize_row_q6_K_ref`), which `gguf` does not implement. Q2_K, Q3_K, Q5_K, IQ4_NL
+and IQ4_XS have no quantizer here (GGUF files bring their blocks); `random_blocks` makes valid blocks of any
+format for tests and benchmarks.
 
-`kernel_layout` is the one-time repack the matvec templates read: each block's float16 scale `d` moves into a
-separate array so that the rest of every block is a whole number of 16-byte words (34-, 18- and 210-byte
-blocks cannot be read with 16-byte loads). It moves bytes only; `from_kernel_layout` restores the blocks.
+`kernel_layout` is the one-time repack the matvec templates read: a few bytes of each block (its float16 scales,
+and for Q5_0/Q5_1/IQ4_XS the bits that do not fit) move into a separate array so that the rest of every block is
+a whole number of 16-byte words (34-, 18-, 22-, 210-byte blocks cannot be read with 16-byte loads); Q3_K's
+110-byte blocks are padded to 112 instead. `from_kernel_layout` restores the blocks.
 """
 
 from __future__ import annotations
@@ -39,8 +44,16 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat("BF16", 1, 2),
         QuantFormat("Q8_0", 32, 34),
         QuantFormat("Q4_0", 32, 18),
+        QuantFormat("Q4_1", 32, 20),
+        QuantFormat("Q5_0", 32, 22),
+        QuantFormat("Q5_1", 32, 24),
+        QuantFormat("Q2_K", QK_K, 84),
+        QuantFormat("Q3_K", QK_K, 110),
         QuantFormat("Q4_K", QK_K, 144),
+        QuantFormat("Q5_K", QK_K, 176),
         QuantFormat("Q6_K", QK_K, 210),
+        QuantFormat("IQ4_NL", 32, 18),
+        QuantFormat("IQ4_XS", QK_K, 136),
     ]
 }
 
@@ -99,6 +112,8 @@ def quantize(x: np.ndarray, fmt: str | QuantFormat) -> QuantizedTensor:
         raise ValueError(f"quantize expects a 2-D matrix, got shape {x.shape}")
     rows, cols = x.shape
     f.row_bytes(cols)
+    if f.name not in _QUANTIZE:
+        raise ValueError(f"no quantizer for {f.name} (files bring their own blocks); quantizers: {sorted(_QUANTIZE)}")
     blocks = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, f.block_size)
     raw = _QUANTIZE[f.name](blocks)
     return QuantizedTensor(raw.reshape(rows, -1), f, (rows, cols))
@@ -343,16 +358,174 @@ def _dequant_q6_k(b: np.ndarray) -> np.ndarray:
     return ((d * sc)[:, :, None] * q).reshape(nb, QK_K)
 
 
+# ---- Q4_1: f16 d, f16 m, 16 bytes of nibbles (as Q4_0): x = d q + m -------------------------------------------
+
+def _f16(b: np.ndarray, off: int) -> np.ndarray:
+    """The float16 at byte `off` of each block, as float32 (n, 1)."""
+    return b[:, off:off + 2].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 levels: element i in the low nibble of byte i, element i + 16 in its high nibble."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=1)
+
+
+def _quant_min_max(b: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """gguf's Q4_1/Q5_1 quantizer: (d, min, q) with q in [0, levels]."""
+    mx, mn = b.max(axis=1, keepdims=True), b.min(axis=1, keepdims=True)
+    d = (mx - mn) / np.float32(levels)
+    q = np.trunc((b - mn) * _inverse(d) + np.float32(0.5)).astype(np.uint8).clip(0, levels)
+    return d, mn, q
+
+
+def _quant_q4_1(b: np.ndarray) -> np.ndarray:
+    d, mn, q = _quant_min_max(b, 15)
+    return np.concatenate([d.astype(np.float16).view(np.uint8), mn.astype(np.float16).view(np.uint8),
+                           q[:, :16] | (q[:, 16:] << 4)], axis=1)
+
+
+def _dequant_q4_1(b: np.ndarray) -> np.ndarray:
+    return _f16(b, 0) * _nibbles(b[:, 4:]).astype(np.float32) + _f16(b, 2)
+
+
+# ---- Q5_0 / Q5_1: f16 d (, f16 m), 4 bytes of fifth bits (bit i: element i), 16 bytes of nibbles ---------------
+
+def _pack5(q: np.ndarray) -> np.ndarray:
+    qh = np.packbits((q >> 4).reshape(-1, 1, 32), axis=-1, bitorder="little").reshape(-1, 4)
+    return np.concatenate([qh, (q[:, :16] & 0xF) | (q[:, 16:] << 4)], axis=1)
+
+
+def _levels5(b: np.ndarray, off: int) -> np.ndarray:
+    """The 32 five-bit levels of blocks whose fifth bits start at byte `off`."""
+    qh = b[:, off:off + 4].copy().view(np.uint32)
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _nibbles(b[:, off + 4:off + 20]) | (high << 4)
+
+
+def _quant_q5_0(b: np.ndarray) -> np.ndarray:
+    imax = np.abs(b).argmax(axis=1)[:, None]
+    d = (np.take_along_axis(b, imax, axis=1) / np.float32(-16)).astype(np.float32)
+    q = np.trunc(b * _inverse(d) + np.float32(16.5)).astype(np.uint8).clip(0, 31)
+    return np.concatenate([d.astype(np.float16).view(np.uint8), _pack5(q)], axis=1)
+
+
+def _dequant_q5_0(b: np.ndarray) -> np.ndarray:
+    return _f16(b, 0) * (_levels5(b, 2).astype(np.int8) - np.int8(16)).astype(np.float32)
+
+
+def _quant_q5_1(b: np.ndarray) -> np.ndarray:
+    d, mn, q = _quant_min_max(b, 31)
+    return np.concatenate([d.astype(np.float16).view(np.uint8), mn.astype(np.float16).view(np.uint8), _pack5(q)],
+                          axis=1)
+
+
+def _dequant_q5_1(b: np.ndarray) -> np.ndarray:
+    return _f16(b, 0) * _levels5(b, 4).astype(np.float32) + _f16(b, 2)
+
+
+# ---- Q2_K: 16 bytes of 4-bit scale|min pairs, 64 bytes of 2-bit levels, f16 d, f16 dmin ---------------------------
+
+def _crumbs(qs: np.ndarray, bits: int) -> np.ndarray:
+    """K-quant low bits: (n, 64) bytes -> (n, 256) levels; element 128 h + 32 s + l is field s of byte 32 h + l."""
+    n = qs.shape[0]
+    shifts = np.arange(0, 8, bits, dtype=np.uint8).reshape(1, 1, -1, 1)
+    return ((qs.reshape(n, -1, 1, 32) >> shifts) & ((1 << bits) - 1)).reshape(n, QK_K)
+
+
+def _dequant_q2_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    sc = b[:, :16]
+    dl = (_f16(b, 80) * (sc & 0xF).astype(np.float32))[:, :, None]
+    ml = (_f16(b, 82) * (sc >> 4).astype(np.float32))[:, :, None]
+    q = _crumbs(b[:, 16:80], 2).reshape(n, 16, 16).astype(np.float32)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+# ---- Q3_K: 32 bytes of high bits, 64 bytes of 2-bit levels, 12 bytes of 6-bit scales, f16 d ------------------------
+
+def _q3_k_scales(sc: np.ndarray) -> np.ndarray:
+    """16 signed 6-bit scales from 12 bytes: low nibbles in bytes 0..7, two high bits each in bytes 8..11."""
+    low = np.concatenate([sc[:, :8] & 0xF, sc[:, :8] >> 4], axis=1)
+    high = np.concatenate([(sc[:, 8:12] >> s) & 3 for s in (0, 2, 4, 6)], axis=1)
+    return ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)
+
+
+def _dequant_q3_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    dl = (_f16(b, 108) * _q3_k_scales(b[:, 96:108]))[:, :, None]
+    low = _crumbs(b[:, 32:96], 2).astype(np.int8)
+    hbit = ((b[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1).reshape(n, QK_K)
+    q = (low - ((hbit ^ 1) << 2).astype(np.int8)).astype(np.float32)  # a clear high bit subtracts 4
+    return (dl * q.reshape(n, 16, 16)).reshape(n, QK_K)
+
+
+# ---- Q5_K: f16 d, f16 dmin, 12 bytes of scales/mins (as Q4_K), 32 bytes of fifth bits, 128 bytes of nibbles -------
+
+def _dequant_q5_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    sc, m = _q4_k_scale_min(b[:, 4:16])
+    d = (_f16(b, 0) * sc.astype(np.float32))[:, :, None]
+    dm = (_f16(b, 2) * m.astype(np.float32))[:, :, None]
+    qs = b[:, 48:].reshape(n, 4, 1, 32)
+    low = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(n, 8, 32)
+    high = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return (d * (low | (high << 4)).astype(np.float32) - dm).reshape(n, QK_K)
+
+
+# ---- IQ4_NL: f16 d, 16 bytes of nibbles indexing a fixed non-linear table; IQ4_XS: super-blocks of eight -----------
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def _dequant_iq4_nl(b: np.ndarray) -> np.ndarray:
+    return _f16(b, 0) * IQ4_VALUES[_nibbles(b[:, 2:])].astype(np.float32)
+
+
+def _dequant_iq4_xs(b: np.ndarray) -> np.ndarray:
+    """f16 d, 2 bytes of scales' high bits (2 per sub-block), 4 bytes of their low nibbles, 8 x 16 bytes."""
+    n = b.shape[0]
+    sh = b[:, 2:4].copy().view(np.uint16)
+    high = ((sh >> np.arange(0, 16, 2, dtype=np.uint16)) & 3).astype(np.uint8)
+    low = np.stack([b[:, 4:8] & 0xF, b[:, 4:8] >> 4], axis=2).reshape(n, 8)
+    dl = (_f16(b, 0) * ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32))[:, :, None]
+    qs = b[:, 8:].reshape(n * 8, 16)
+    return (dl * IQ4_VALUES[_nibbles(qs)].astype(np.float32).reshape(n, 8, 32)).reshape(n, QK_K)
+
+
 _QUANTIZE = {"F16": _quant_f16, "BF16": _quant_bf16, "Q8_0": _quant_q8_0, "Q4_0": _quant_q4_0,
-             "Q4_K": _quant_q4_k, "Q6_K": _quant_q6_k}
+             "Q4_1": _quant_q4_1, "Q5_0": _quant_q5_0, "Q5_1": _quant_q5_1, "Q4_K": _quant_q4_k, "Q6_K": _quant_q6_k}
 _DEQUANTIZE = {"F16": _dequant_f16, "BF16": _dequant_bf16, "Q8_0": _dequant_q8_0, "Q4_0": _dequant_q4_0,
-               "Q4_K": _dequant_q4_k, "Q6_K": _dequant_q6_k}
+               "Q4_1": _dequant_q4_1, "Q5_0": _dequant_q5_0, "Q5_1": _dequant_q5_1, "Q2_K": _dequant_q2_k,
+               "Q3_K": _dequant_q3_k, "Q4_K": _dequant_q4_k, "Q5_K": _dequant_q5_k, "Q6_K": _dequant_q6_k,
+               "IQ4_NL": _dequant_iq4_nl, "IQ4_XS": _dequant_iq4_xs}
+QUANTIZERS = tuple(_QUANTIZE)
+
+# byte offsets of each block's float16 scales (d, and m or dmin): `random_blocks` writes finite values there
+_F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
+               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def random_blocks(rng: np.random.Generator, fmt: str | QuantFormat, rows: int, cols: int,
+                  d_range: tuple[float, float] = (0.005, 0.045)) -> QuantizedTensor:
+    """Valid blocks of any quantized format: random levels, scales and bits, with finite float16 scales drawn
+    from d_range (values stay moderate). For tests and speed benchmarks of formats without a quantizer."""
+    f = get_format(fmt)
+    data = rng.integers(0, 256, (rows * f.row_bytes(cols) // f.type_size, f.type_size), dtype=np.uint8)
+    lo, hi = d_range
+    for off in _F16_FIELDS[f.name]:
+        d = (rng.random(data.shape[0], dtype=np.float32) * np.float32(hi - lo) + np.float32(lo)).astype(np.float16)
+        data[:, off:off + 2] = d.view(np.uint8).reshape(-1, 2)
+    return QuantizedTensor(data.reshape(rows, -1), f, (rows, cols))
 
 
 # ---- the matvec templates' layout ------------------------------------------------------------------
 
-# (offset of the f16 scale d inside a block, or None when the block needs no split)
-_SCALE_OFFSET = {"Q8_0": 0, "Q4_0": 0, "Q6_K": 208, "Q4_K": None, "F16": None, "BF16": None}
+# (offset, length) of the bytes of a block that move to the side array, or None when the block needs no split
+SPLIT = {"Q8_0": (0, 2), "Q4_0": (0, 2), "Q4_1": (0, 4), "Q5_0": (0, 6), "Q5_1": (0, 8), "Q2_K": (80, 4),
+         "Q6_K": (208, 2), "IQ4_NL": (0, 2), "IQ4_XS": (0, 8), "Q3_K": None, "Q4_K": None, "Q5_K": None,
+         "F16": None, "BF16": None}
+# zero bytes appended to each block so that blocks are whole 16-byte words
+BLOCK_PAD = {"Q3_K": 2}
 
 # F16/BF16 rows are padded to a multiple of this many elements so every row starts on a 16-byte boundary
 ROW_ALIGN_ELEMS = 8
@@ -366,12 +539,14 @@ def kernel_layout(qt: QuantizedTensor) -> tuple[np.ndarray, np.ndarray | None]:
         pad = -cols % ROW_ALIGN_ELEMS
         body = np.pad(qt.data.view(np.uint16), ((0, 0), (0, pad))).view(np.uint8) if pad else qt.data
         return np.ascontiguousarray(body), None
-    off = _SCALE_OFFSET[name]
-    if off is None:
-        return qt.data, None
     blocks = qt.data.reshape(rows, -1, qt.format.type_size)
-    scales = np.ascontiguousarray(blocks[:, :, off:off + 2]).reshape(rows, -1)
-    body = np.ascontiguousarray(np.delete(blocks, [off, off + 1], axis=2)).reshape(rows, -1)
+    if name in BLOCK_PAD:
+        return np.ascontiguousarray(np.pad(blocks, ((0, 0), (0, 0), (0, BLOCK_PAD[name])))).reshape(rows, -1), None
+    if SPLIT[name] is None:
+        return qt.data, None
+    off, n = SPLIT[name]
+    scales = np.ascontiguousarray(blocks[:, :, off:off + n]).reshape(rows, -1)
+    body = np.ascontiguousarray(np.delete(blocks, np.arange(off, off + n), axis=2)).reshape(rows, -1)
     return body, scales
 
 
@@ -382,11 +557,14 @@ def from_kernel_layout(body: np.ndarray, scales: np.ndarray | None, fmt: str | Q
     rows, cols = shape
     if f.name in ("F16", "BF16"):
         return QuantizedTensor(np.ascontiguousarray(body.view(np.uint16)[:, :cols]).view(np.uint8), f, shape)
-    off = _SCALE_OFFSET[f.name]
-    if off is None:
-        return QuantizedTensor(body, f, shape)
     nblk = cols // f.block_size
-    b = body.reshape(rows, nblk, f.type_size - 2)
-    s = scales.reshape(rows, nblk, 2)
+    if f.name in BLOCK_PAD:
+        raw = body.reshape(rows, nblk, -1)[:, :, :f.type_size]
+        return QuantizedTensor(np.ascontiguousarray(raw).reshape(rows, -1), f, shape)
+    if SPLIT[f.name] is None:
+        return QuantizedTensor(body, f, shape)
+    off, n = SPLIT[f.name]
+    b = body.reshape(rows, nblk, f.type_size - n)
+    s = scales.reshape(rows, nblk, n)
     raw = np.concatenate([b[:, :, :off], s, b[:, :, off:]], axis=2)
     return QuantizedTensor(raw.reshape(rows, -1), f, shape)

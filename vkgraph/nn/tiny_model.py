@@ -153,28 +153,35 @@ def _encode(x: np.ndarray, qtype: str) -> np.ndarray:
         return x
     if qtype == "F16":
         return x.astype(np.float16)
-    if qtype in ("Q4_K", "Q6_K"):  # gguf.quants cannot quantize K-quants; vkgraph.quant can
+    if qtype in quant.QUANTIZERS:  # gguf.quants cannot quantize K-quants; vkgraph.quant can
         return quant.quantize(x.reshape(-1, x.shape[-1]), qtype).data.reshape(*x.shape[:-1], -1)
-    return quants.quantize(x, GGMLQuantizationType[qtype])
+    try:
+        return quants.quantize(x, GGMLQuantizationType[qtype])
+    except NotImplementedError:  # nothing here quantizes it: random blocks of its size (for loader tests)
+        return _random_blocks(zlib.crc32(x.tobytes()), qtype, x.shape, qtype)
 
 
 def _random_blocks(seed: int, gname: str, shape: tuple[int, ...], qtype: str) -> np.ndarray:
-    """Valid Q8_0 / Q4_0 blocks drawn directly (a small float16 scale, random quants): what a speed benchmark
-    needs in seconds, where quantizing billions of random floats in numpy takes minutes."""
-    block, size = quant.FORMATS[qtype].block_size, quant.FORMATS[qtype].type_size
+    """Valid blocks drawn directly (small float16 scales, random quants; `quant.random_blocks`): what a speed
+    benchmark needs in seconds, where quantizing billions of random floats in numpy takes minutes. Types vkgraph
+    does not know get random bytes of their size."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     rng = np.random.default_rng([seed, zlib.crc32(gname.encode())])
-    nblocks = int(np.prod(shape)) // block
-    data = rng.integers(0, 256, (nblocks, size), dtype=np.uint8)
-    scales = (rng.random(nblocks, dtype=np.float32) * 0.01 + 0.001).astype(np.float16)
-    data[:, :2] = scales.view(np.uint8).reshape(nblocks, 2)
-    return data.reshape(*shape[:-1], shape[-1] // block * size)
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    if qtype in quant.FORMATS:
+        data = quant.random_blocks(rng, qtype, rows, cols, d_range=(0.001, 0.011)).data  # stable over 32 layers
+    else:
+        data = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
+    return data.reshape(*shape[:-1], cols // block * size)
 
 
 def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str, tuple[int, ...]]],
                  qtype: str, random_quants: bool = False) -> np.ndarray:
     """One GGUF tensor (experts stacked on a leading axis), permuted and quantized as llama.cpp stores it.
     Encoded chunk by chunk, so only the encoded tensor and one float chunk are in memory at once."""
-    if random_quants and qtype in ("Q8_0", "Q4_0"):
+    if random_quants and qtype in quant.FORMATS and quant.FORMATS[qtype].block_size > 1:
         shape = parts[0][1] if len(parts) == 1 else (len(parts), *parts[0][1])
         return _random_blocks(seed, gname, shape, qtype)
     pieces = []
@@ -191,7 +198,7 @@ def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str,
 def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, progress: bool = False,
                random_quants: bool = False) -> None:
     """Stream a GGUF file: all tensor infos first, then each tensor generated, quantized and written in turn.
-    random_quants: Q8_0/Q4_0 matrices are random blocks rather than quantized random floats (benchmarks)."""
+    random_quants: quantized matrices are random blocks rather than quantized random floats (benchmarks)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
     from tqdm import tqdm
 
@@ -209,7 +216,8 @@ def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, prog
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(LlamaFileType[{"F32": "ALL_F32", "Q4_K": "MOSTLY_Q4_K_M"}.get(qtype, f"MOSTLY_{qtype}")])
+    w.add_file_type(LlamaFileType[{"F32": "ALL_F32", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M",
+                                  "Q5_K": "MOSTLY_Q5_K_M"}.get(qtype, f"MOSTLY_{qtype}")])
     if qtype not in ("F32", "F16", "BF16"):
         w.add_quantization_version(2)
     if cfg.is_moe:
@@ -292,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
                         ("--vocab", "vocab_size"), ("--experts", "n_experts"),
                         ("--experts-per-tok", "n_experts_per_tok")):
         ap.add_argument(flag, dest=field, type=int)
-    ap.add_argument("--random-quants", action="store_true", help="Q8_0/Q4_0 matrices as random blocks, written "
+    ap.add_argument("--random-quants", action="store_true", help="quantized matrices as random blocks, written "
                                                                   "in seconds (for speed benchmarks)")
     ap.add_argument("--rope-scaling", choices=("none", "linear", "llama3"))
     ap.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")

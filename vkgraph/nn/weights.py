@@ -1,7 +1,7 @@
 """Load a Llama-family model's weights from safetensors (Hugging Face names) or GGUF (llama.cpp names).
 
 Files are memory-mapped: float tensors come back as read-only numpy views of the file (float32, float16 or
-ml_dtypes.bfloat16, as stored), GGUF's quantized tensors (Q8_0, Q4_0, Q4_K, Q6_K) as `vkgraph.quant.
+ml_dtypes.bfloat16, as stored), GGUF's quantized tensors (every format of vkgraph.quant) as `vkgraph.quant.
 QuantizedTensor`s over the file's blocks. Nothing is read until used, except where a tensor must be rearranged
 (see RoPE below) or quantized on load.
 
@@ -248,7 +248,7 @@ def _open_safetensors(f: Path) -> tuple[np.memmap, dict[str, Any]]:
 # ---- GGUF -----------------------------------------------------------------------------------------------------
 
 _GGUF_FLOAT = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
-_GGUF_QUANT = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+_GGUF_QUANT = tuple(n for n in quant.FORMATS if n not in _GGUF_FLOAT)
 
 _GGUF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",

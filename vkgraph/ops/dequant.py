@@ -11,13 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from .. import templates
+from ..quant import BLOCK_PAD, SPLIT
 from ..runtime import Device
 from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
 from .matvec import UNIT_ELEMS, DeviceWeights
 
 WG = 256
-# formats whose f16 block scale `d` was moved out of the blocks into `scales` (vkgraph.quant.kernel_layout)
-_SPLIT_SCALES = {"Q8_0", "Q4_0", "Q6_K"}
 
 
 def dequantize_f16(dev: Device, weights: DeviceWeights, out: Any | None = None) -> Any:
@@ -38,12 +37,13 @@ def dequantize_f16(dev: Device, weights: DeviceWeights, out: Any | None = None) 
         raise ValueError(f"dequantize_f16: {fmt} needs K % {unit} == 0, got K={k}")
     nbytes = n * k * 2
     check_binding_range(dev, f"dequantized {fmt} weights {weights.shape}", nbytes)
-    if (weights.scales is not None) != (fmt in _SPLIT_SCALES):
-        raise ValueError(f"dequantize_f16: {fmt} weights {'need' if fmt in _SPLIT_SCALES else 'have no'} "
-                         "a separate scales buffer")
+    split = SPLIT[fmt]  # bytes of each block moved to the scales buffer (vkgraph.quant.kernel_layout)
+    if (weights.scales is not None) != (split is not None):
+        raise ValueError(f"dequantize_f16: {fmt} weights {'need' if split else 'have no'} a separate scales buffer")
     blocks = k // weights.format.block_size
-    row_bytes = weights.format.row_bytes(k) - (2 * blocks if fmt in _SPLIT_SCALES else 0)
-    if weights.w_stride * 16 < row_bytes or (weights.scales is not None and weights.s_stride < blocks):
+    moved = split[1] if split else 0
+    row_bytes = weights.format.row_bytes(k) + blocks * (BLOCK_PAD.get(fmt, 0) - moved)
+    if weights.w_stride * 16 < row_bytes or (weights.scales is not None and weights.s_stride * 2 < blocks * moved):
         raise ValueError(f"dequantize_f16: strides ({weights.w_stride} words, {weights.s_stride} scales) are too "
                          f"small for {fmt} rows of K={k}")
     check_buffer("weights.body", weights.body, n * weights.w_stride * 16)

@@ -19,10 +19,13 @@ from ..quant import QuantFormat, QuantizedTensor, kernel_layout, stack_rows
 from ..runtime import Device
 from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
 
-TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_K": "matvec_q4_k", "Q6_K": "matvec_q6_k",
+TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_1": "matvec_q4_1", "Q5_0": "matvec_q5_0",
+            "Q5_1": "matvec_q5_1", "Q2_K": "matvec_q2_k", "Q3_K": "matvec_q3_k", "Q4_K": "matvec_q4_k",
+            "Q5_K": "matvec_q5_k", "Q6_K": "matvec_q6_k", "IQ4_NL": "matvec_iq4_nl", "IQ4_XS": "matvec_iq4_xs",
             "F16": "matvec_f16", "BF16": "matvec_f16"}
 # elements one invocation handles per 16-byte load: must match UNIT_ELEMS in each template
-UNIT_ELEMS = {"Q8_0": 16, "Q4_0": 32, "Q4_K": 32, "Q6_K": 64, "F16": 8, "BF16": 8}
+UNIT_ELEMS = {"Q8_0": 16, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q2_K": 64, "Q3_K": 64, "Q4_K": 32,
+              "Q5_K": 32, "Q6_K": 64, "IQ4_NL": 32, "IQ4_XS": 32, "F16": 8, "BF16": 8}
 ACT_DTYPES = {"f32": np.float32, "f16": np.float16}
 INT_DOT_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")  # templates with an integer dot-product path (-DINT_DOT)
 MAX_BATCH = 8
@@ -80,6 +83,10 @@ def upload_weights(dev: Device, qt: QuantizedTensor) -> DeviceWeights:
 # them; the 4-bit formats are bound by decoding, where few threads per row with few rows won.
 PREFERRED = {"Q8_0": (64, 256, 8), "Q4_0": (64, 128, 4), "Q4_K": (64, 128, 8), "Q6_K": (64, 128, 4),
              "F16": (256, 256, 4), "BF16": (256, 256, 4)}
+# formats not measured yet take the measured format their blocks resemble (bench_kernels.py measures them)
+for _f, _like in (("Q4_1", "Q4_0"), ("Q5_0", "Q4_0"), ("Q5_1", "Q4_0"), ("IQ4_NL", "Q4_0"), ("IQ4_XS", "Q4_0"),
+                  ("Q5_K", "Q4_K"), ("Q2_K", "Q6_K"), ("Q3_K", "Q6_K")):
+    PREFERRED[_f] = PREFERRED[_like]
 LONG_K = 4096
 MANY_ROWS = 65536  # from here on (an output projection) Q4_0 takes 8 rows per workgroup
 # Rows per workgroup for 2, 4 and 8 activation rows, measured on an H200 at 14336x4096 (a rows sweep;

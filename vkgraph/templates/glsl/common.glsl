@@ -67,6 +67,19 @@ vec4 bytes_i8(uint w) {
 }
 const vec4 I8 = vec4(1.0, 1.0 / 256.0, 1.0, 1.0 / 256.0);
 
+// Four bits (bit i: byte i) moved to bit 0 of each byte: ORed into levels as their high bit after a shift.
+uint spread4(uint hb) {
+    return (hb & 1u) | ((hb & 2u) << 7) | ((hb & 4u) << 14) | ((hb & 8u) << 21);
+}
+
+// IQ4_NL's and IQ4_XS's non-linear levels (ggml's kvalues_iq4nl), indexed by the nibbles of four bytes.
+const float IQ4_VALUES[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
+                                       1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+vec4 iq4_levels(uint nib) {   // nib: four nibbles, one in the low half of each byte
+    return vec4(IQ4_VALUES[nib & 15u], IQ4_VALUES[(nib >> 8) & 15u], IQ4_VALUES[(nib >> 16) & 15u],
+                IQ4_VALUES[nib >> 24]);
+}
+
 float hsum(vec4 v) {
     return (v.x + v.y) + (v.z + v.w);
 }

@@ -102,6 +102,11 @@ float scale_at(uint row, uint i) {  // float16 scale i of `row` in the scales ar
     return half_at_u32(s[idx >> 1], idx);
 }
 
+uint half_bits(uint row, uint i) {  // the raw 16 bits of entry i of `row` in the scales array
+    const uint idx = row * pc.s_stride + i;
+    return (s[idx >> 1] >> (16u * (idx & 1u))) & 0xFFFFu;
+}
+
 Unit load_unit(uint row, uint u);
 uint x_run(uint u, uint j);
 vec2 run_coeffs(Unit q, uint u, uint j);

@@ -1,0 +1,29 @@
+#version 450
+// y = W x for Q5_1 weights in the kernel layout: per row K/32 blocks of 16 bytes of low nibbles in `w` (as Q4_0),
+// and per block four 16-bit entries in `s`: float16 d and m, then the 32 fifth bits (bit i: element i); an element
+// is d q + m.
+#define RUN 16
+#define RUNS 2
+#define UNIT_ELEMS 32
+#define HAS_OFFSET true
+#define HAS_MIN true
+struct Unit { uvec4 v; uint qh; vec2 dm; };
+#include "matvec_common.glsl"
+
+// s_stride (four entries a block) is even: a block's entries are two uints
+Unit load_unit(uint row, uint u) {
+    const uint base = ((row * pc.s_stride) >> 1) + 2 * u;
+    return Unit(w[row * pc.w_stride + u], s[base + 1], unpackHalf2x16(s[base]));
+}
+
+uint x_run(uint u, uint j) { return u * 32 + 16 * j; }
+
+uint run_bytes(Unit q, uint j, uint i) {
+    return ((q.v[i] >> (4 * j)) & 0x0F0F0F0Fu) | (spread4((q.qh >> (16 * j + 4 * i)) & 0xFu) << 4);
+}
+
+vec4 run_levels(Unit q, uint j, uint i) { return bytes7(run_bytes(q, j, i)); }
+
+vec4 x_factor(uint j) { return BYTES7; }
+
+vec2 run_coeffs(Unit q, uint u, uint j) { return q.dm; }
