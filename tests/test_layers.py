@@ -19,22 +19,23 @@ PKG = Path(vkgraph.__file__).resolve().parent
 # package's own __init__ (the public API).
 ALLOWED: dict[str, set[str]] = {
     "flags": set(),
+    "caches": set(),
     "dtype": set(),
-    "view": set(),
+    "view": {"caches"},
     "quant": set(),
-    "runtime": {"flags"},
+    "runtime": {"flags", "caches"},
     "graph": {"dtype", "view"},
     "schedule": {"graph", "view", "dtype"},
-    "codegen": {"schedule", "graph", "view", "dtype"},
+    "codegen": {"schedule", "graph", "view", "dtype", "caches"},
     "templates": {"runtime"},
     "ops": {"templates", "runtime", "quant", "flags"},
-    "realize": {"codegen", "schedule", "graph", "view", "dtype", "runtime", "flags"},
+    "realize": {"codegen", "schedule", "graph", "view", "dtype", "runtime", "flags", "caches"},
     "tensor": {"realize", "graph", "view", "dtype"},
-    "jit": {"tensor", "realize", "graph", "runtime"},
+    "jit": {"tensor", "realize", "graph", "runtime", "caches"},
     "nn": {"jit", "tensor", "ops", "quant", "runtime", "dtype"},
     "generate": {"nn", "runtime"},
     "info": {"runtime"},
-    "vkgraph": {"dtype", "graph", "jit", "runtime", "tensor"},
+    "vkgraph": {"caches", "dtype", "graph", "jit", "runtime", "tensor"},
 }
 # modules that are part of another unit (autograd is the Tensor API's gradient half; each imports the other)
 PART_OF = {"autograd": "tensor"}

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from numerics import assert_close_to_terms
 
+import vkgraph
 import vkgraph.realize as realize_mod
 from vkgraph import Variable
 from vkgraph.runtime import get_device
@@ -24,13 +25,17 @@ def data(*shape):
 
 
 class Hits:
+    """Plans reused and made in a block (vkgraph.stats()'s "plans" cache)."""
+
     def __enter__(self):
-        self.h0, self.m0 = realize_mod.PLAN_STATS["hits"], realize_mod.PLAN_STATS["misses"]
+        s = vkgraph.stats()["caches"]["plans"]
+        self.h0, self.m0 = s["hits"], s["misses"]
         return self
 
     def __exit__(self, *exc):
-        self.hits = realize_mod.PLAN_STATS["hits"] - self.h0
-        self.misses = realize_mod.PLAN_STATS["misses"] - self.m0
+        s = vkgraph.stats()["caches"]["plans"]
+        self.hits = s["hits"] - self.h0
+        self.misses = s["misses"] - self.m0
 
 
 def f(x, w, b):
@@ -236,14 +241,14 @@ class Compiles:
     def __enter__(self):
         dev = get_device()
         s = dev.compiler.stats
-        self.c0, self.p0 = s.misses + s.disk_hits + s.memory_hits, len(dev.pipelines.kernels)
+        self.c0, self.p0 = s.misses + s.disk_hits + s.memory_hits, dev.pipelines.built
         return self
 
     def __exit__(self, *exc):
         dev = get_device()
         s = dev.compiler.stats
         self.compiles = s.misses + s.disk_hits + s.memory_hits - self.c0
-        self.pipelines = len(dev.pipelines.kernels) - self.p0
+        self.pipelines = dev.pipelines.built - self.p0
 
 
 def test_new_float_constants_reuse_the_compiled_kernels():

@@ -21,10 +21,10 @@ What is frozen at capture, and what is not (docs/jit.md says more):
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from .caches import LRU
 from .graph import BufferRef, Variable
 from .runtime import CaptureError, CommandGraph, get_device
 from .tensor import Tensor, realize_all
@@ -48,8 +48,9 @@ class Jit:
     def __init__(self, fn: Callable[..., Any], max_entries: int = 8) -> None:
         self.fn = fn
         self.max_entries = max_entries
-        self.seen: set[tuple] = set()
-        self.cache: OrderedDict[tuple, _Captured] = OrderedDict()
+        # keys called once (the next call captures); bounded like the captures, an evicted key runs eagerly again
+        self.seen: LRU[tuple, bool] = LRU("jit keys", 8 * max_entries)
+        self.cache: LRU[tuple, _Captured] = LRU("jit captures", max_entries, on_evict=_destroy)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -59,10 +60,9 @@ class Jit:
         key = _key(args, kwargs)
         hit = self.cache.get(key)
         if hit is not None:
-            self.cache.move_to_end(key)
             return self._replay(hit, tensors)
-        if key not in self.seen:
-            self.seen.add(key)
+        if self.seen.get(key) is None:
+            self.seen.put(key, True)
             out = self.fn(*args, **kwargs)
             realize_all(*_tensors_in(out))
             return out
@@ -90,10 +90,7 @@ class Jit:
             _CAPTURE_DEPTH -= 1
         graph = dev.queue.end_capture()
         entry = _Captured(graph, [s.node.arg[0] for s in slots], out, [t.node.arg[0] for t in outs])
-        self.cache[key] = entry
-        if len(self.cache) > self.max_entries:
-            _, old = self.cache.popitem(last=False)
-            old.graph.destroy()
+        self.cache.put(key, entry)  # the least recently used capture beyond max_entries is destroyed
         return out
 
     def _replay(self, entry: _Captured, tensors: list[Tensor]) -> Any:
@@ -110,10 +107,12 @@ class Jit:
 
     def reset(self) -> None:
         """Drop every capture (frees their command buffers and memory)."""
-        for e in self.cache.values():
-            e.graph.destroy()
         self.cache.clear()
         self.seen.clear()
+
+
+def _destroy(key: tuple, entry: _Captured) -> None:
+    entry.graph.destroy()
 
 
 def jit(fn: Callable[..., Any] | None = None, *, max_entries: int = 8) -> Any:

@@ -10,15 +10,16 @@ lowering, and runs the remembered plan (programs, buffer lifetimes) with its own
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
+from .caches import LRU
 from .codegen import Limits, Program, lower
 from .dtype import DType
 from .flags import flag
@@ -116,8 +117,9 @@ class KernelCount:
 
 
 _counters: list[KernelCount] = []
-# per device (a device made by reset_device() after a loss starts with empty caches)
-_compiled: weakref.WeakKeyDictionary[object, dict[str, object]] = weakref.WeakKeyDictionary()
+# compiled programs by GLSL text, per device (a device made by reset_device() after a loss starts empty)
+_compiled: weakref.WeakKeyDictionary[object, LRU[str, object]] = weakref.WeakKeyDictionary()
+PROGRAMS = 1024
 _limits: weakref.WeakKeyDictionary[object, Limits] = weakref.WeakKeyDictionary()
 
 
@@ -176,24 +178,50 @@ def _release(ref: BufferRef) -> None:
         ref.buf = None
 
 
-class _Plan:
+class Dispatch(NamedTuple):
+    """One GLSL program of a kernel step, over buffer slots."""
+
+    src: str
+    name: str
+    bindings: tuple[tuple[int, int, int | None], ...]  # per binding: (slot, byte offset, bytes or None: all)
+    groups: tuple[int, int, int]
+    fields: tuple[str, ...]  # push-constant names, in declaration order
+    push: tuple  # their values, packed by position
+    fill: tuple[tuple[int, int], ...]  # (position in push, position in the graph's runtime values), set per run
+
+
+class KernelStep(NamedTuple):
+    """A generated kernel: its programs (two for a split reduction), their scratch slots, and the slots whose
+    last reader it is."""
+
+    programs: tuple[Dispatch, ...]
+    scratch: tuple[int, ...]
+    frees: tuple[int, ...]
+
+
+class CustomStep(NamedTuple):
+    """A custom node (a template): its position among the graph's custom nodes, output and input slots."""
+
+    custom: int
+    out: int
+    inputs: tuple[int, ...]
+    frees: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
     """A schedule lowered to programs, with every buffer a slot: inputs (numbered as in `Structure`), then the
     schedule's own buffers, then lowering scratch (both made afresh at each run: a plan is shared by every thread
-    that runs a graph of its structure, so it holds no buffer).
+    that runs a graph of its structure, so it holds no buffer). baked: (position, value) of runtime values the
+    programs hold as literals (over the push budget); a graph whose values differ there cannot use this plan.
+    description: the schedule, as VKGRAPH_DEBUG prints it."""
 
-    steps: per schedule item, (programs as (src, name, binding slots, groups, push), scratch slots, frees) for a
-    kernel, or (None, (custom position, out slot, input slots), frees) for a custom call. A program's push is
-    `_push_fields`: values in declaration order and the fields to fill at each run from the graph's runtime
-    values. baked: (position, value) of runtime values the programs hold as literals (over the push budget); a
-    graph whose values differ there cannot use this plan."""
-
-    __slots__ = ("n_in", "temps", "steps", "outputs", "baked", "used")
-
-    def __init__(self, n_in: int, temps: list[tuple[DType, int]], steps: list[tuple], outputs: list[int],
-                 baked: tuple):
-        self.n_in, self.temps, self.steps, self.outputs = n_in, temps, steps, outputs
-        self.baked = baked
-        self.used = 0  # when the schedule cache last handed it out (its least recently used goes first)
+    n_in: int
+    temps: tuple[tuple[DType, int], ...]
+    steps: tuple[KernelStep | CustomStep, ...]
+    outputs: tuple[int, ...]
+    baked: tuple[tuple[int, object], ...]
+    description: str
 
 
 class _Uncacheable(Exception):
@@ -216,7 +244,7 @@ def _params(sched: Schedule) -> tuple[list, dict[int, int]]:
 
 
 def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node],
-          param_slot: dict[int, int]) -> tuple[_Plan, list[BufferRef]]:
+          param_slot: dict[int, int]) -> tuple[Plan, list[BufferRef]]:
     """sched as a plan over slots, and the buffers of this schedule in slot order (lowering scratch as fresh
     BufferRefs: the lowering cache hands the same scratch refs to every kernel of its shape, in any thread)."""
     slots = {id(r): i for i, r in enumerate(inputs)}
@@ -245,7 +273,7 @@ def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node],
             raise _Uncacheable
         return i
 
-    steps: list[tuple] = []
+    steps: list[KernelStep | CustomStep] = []
     baked: list[tuple] = []
     for item, frees in zip(sched.items, sched.frees, strict=True):
         fr = tuple(slot(r) for r in frees)
@@ -253,18 +281,19 @@ def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node],
             pos = custom_pos.get(id(item.node))
             if pos is None:
                 raise _Uncacheable
-            steps.append((None, (pos, slot(item.out), tuple(slot(r) for r in item.inputs)), fr))
+            steps.append(CustomStep(pos, slot(item.out), tuple(slot(r) for r in item.inputs), fr))
             continue
         lowered = lower(item, lim)
         scratch = {id(r) for r in lowered.scratch}
         leaves = [value_slot(n) for n in lowered.leaves]
         baked += [(value_slot(n), argkey(n.arg)) for n in lowered.baked]
-        progs = tuple((p.src, p.name, tuple((slot(ref, id(ref) in scratch), off, n) for ref, off, n in p.bindings),
-                       p.groups, _push_fields(p, leaves)) for p in lowered.programs)
-        steps.append((progs, tuple(slot(r, True) for r in lowered.scratch), fr))
-    outputs = [slot(r) for r in sched.outputs]
-    temps = [(t.dtype, t.numel) for t in sched.temps] + scratch_specs
-    return _Plan(n_in, temps, steps, outputs, tuple(baked)), refs
+        progs = tuple(Dispatch(p.src, p.name,
+                               tuple((slot(ref, id(ref) in scratch), off, n) for ref, off, n in p.bindings),
+                               p.groups, *_push_fields(p, leaves)) for p in lowered.programs)
+        steps.append(KernelStep(progs, tuple(slot(r, True) for r in lowered.scratch), fr))
+    outputs = tuple(slot(r) for r in sched.outputs)
+    temps = tuple([(t.dtype, t.numel) for t in sched.temps] + scratch_specs)
+    return Plan(n_in, temps, tuple(steps), outputs, tuple(baked), sched.describe()), refs
 
 
 def _push_fields(p: Program, leaves: list[int]) -> tuple[tuple[str, ...], tuple, tuple[tuple[int, int], ...]]:
@@ -275,24 +304,30 @@ def _push_fields(p: Program, leaves: list[int]) -> tuple[tuple[str, ...], tuple,
     return names, tuple(p.push.values()), tuple((pos[name], leaves[i] + part) for name, i, part in p.params)
 
 
-def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node], params: list, debug: int) -> None:
-    dev = get_device()
+def _programs(dev) -> LRU[str, object]:
     compiled = _compiled.get(dev)
     if compiled is None:
-        compiled = _compiled.setdefault(dev, {})
+        compiled = _compiled.setdefault(dev, LRU("programs", PROGRAMS))
+    return compiled
+
+
+def _execute(plan: Plan, refs: list[BufferRef], customs: list[Node], params: list, debug: int) -> None:
+    dev = get_device()
+    compiled = _programs(dev)
     dispatch = dev.dispatch
     counting = bool(_counters)
-    for progs, what, frees in plan.steps:
-        if progs is None:
-            pos, out, ins = what
-            node = customs[pos]
-            out_ref, in_refs = refs[out], [refs[i] for i in ins]
+    if debug >= 1 and plan.steps:
+        print(f"schedule: {len(plan.steps)} item(s)\n{plan.description}")
+    for step in plan.steps:
+        if type(step) is CustomStep:
+            node = customs[step.custom]
+            out_ref, in_refs = refs[step.out], [refs[i] for i in step.inputs]
             for ref in [out_ref, *in_refs]:
                 _ensure(dev, ref)
             node.arg.fn(dev, out_ref.buf, [r.buf for r in in_refs])
             _count(node.arg.name)
         else:
-            for src, name, bindings, groups, (fields, push, fill) in progs:
+            for src, name, bindings, groups, fields, push, fill in step.programs:
                 if fill:  # this graph's RNG counters, Variables and float constants
                     push = list(push)
                     for j, i in fill:
@@ -306,24 +341,23 @@ def _execute(plan: _Plan, refs: list[BufferRef], customs: list[Node], params: li
                         ref.buf = dev.alloc(max(ref.nbytes, 4))
                 kern = compiled.get(src)
                 if kern is None:
-                    kern = compiled[src] = dev.kernel(src, name=name)
+                    kern = dev.kernel(src, name=name)
                     if kern.push_names != fields:  # the values are packed by position
                         raise AssertionError(f"{name}: push fields {fields} are declared as {kern.push_names}")
+                    compiled.put(src, kern)
                 bufs = [ref.buf if b[2] is None else ref.buf.view(b[1], b[2]) for ref, b in zip(brefs, bindings)]
                 dispatch(kern, bufs, groups=groups, push=push)
                 if counting:
                     _count(name)
-            for i in what:
+            for i in step.scratch:
                 _release(refs[i])
-        for i in frees:
+        for i in step.frees:
             _release(refs[i])
     dev.flush()
 
 
 def run(sched: Schedule) -> None:
-    debug = flag("VKGRAPH_DEBUG")
-    if debug >= 1 and sched.items:
-        print(f"schedule: {len(sched.items)} item(s)\n{sched.describe()}")
+    """Run a schedule once, without remembering its plan (a graph whose structure cannot key a plan)."""
     customs = [item.node for item in sched.items if isinstance(item, CustomCall)]
     inputs: list[BufferRef] = []
     seen: set[int] = {id(t) for t in sched.temps}
@@ -340,44 +374,29 @@ def run(sched: Schedule) -> None:
                 inputs.append(r)
     params, param_slot = _params(sched)
     plan, refs = _plan(sched, inputs, customs, param_slot)
-    _execute(plan, refs, customs, params, debug)
+    _execute(plan, refs, customs, params, flag("VKGRAPH_DEBUG"))
 
 
-# schedules by graph structure (schedule.Structure): a graph scheduled before reuses its kernels and lifetimes
-_PLANS: dict[tuple, _Plan] = {}
-_PLANS_SIZE = 128
-_USES = itertools.count(1)
-PLAN_STATS = {"hits": 0, "misses": 0}  # schedules reused / made (tests and benchmarks read these)
-
-
-def _evict_plans() -> None:
-    """Make room in the schedule cache by dropping its least recently used plans (a scan, on misses only)."""
-    while len(_PLANS) >= _PLANS_SIZE:
-        try:
-            oldest = min(_PLANS.items(), key=lambda kv: kv[1].used)[0]
-        except (RuntimeError, ValueError):  # another thread changed it meanwhile
-            break
-        _PLANS.pop(oldest, None)
+# plans by graph structure (schedule.Structure): a graph scheduled before reuses its kernels and lifetimes
+_PLANS: LRU[tuple, Plan] = LRU("plans", 128)
 
 
 def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[BufferRef]:
-    """Schedule and run nodes (stored through dests where given); returns one buffer per node."""
+    """Schedule and run nodes (stored through dests where given); returns one buffer per node. VKGRAPH_DEBUG
+    prints along the same path (the plan's schedule; with 3, each program's GLSL)."""
     max_inputs = _max_inputs()
     debug = flag("VKGRAPH_DEBUG")
-    if debug >= 1:  # the schedule is printed, so make it
-        sched = create_schedule(nodes, REALIZED, dests=dests, max_inputs=max_inputs)
-        run(sched)
-        return sched.outputs
     st = structure(nodes, REALIZED, dests, (limits(), max_inputs))
     plan = _PLANS.get(st.key) if st.key is not None else None
-    if plan is not None and any(argkey(st.params[i]) != v for i, v in plan.baked):
-        plan = None  # it compiled in other values of float constants (more than push constants hold)
+    if st.key is None:
+        _PLANS.misses += 1  # a graph the cache cannot key counts as a miss
+    elif plan is not None and any(argkey(st.params[i]) != v for i, v in plan.baked):
+        plan = None  # it compiled in other values of float constants (more than push constants hold): a miss
+        _PLANS.hits -= 1
+        _PLANS.misses += 1
     if plan is not None:
-        plan.used = next(_USES)  # a use count, not a reinsertion: a hit hashes the key once
         refs = st.inputs + [BufferRef(d, n) for d, n in plan.temps]
-        PLAN_STATS["hits"] += 1
     else:
-        PLAN_STATS["misses"] += 1
         sched = create_schedule(nodes, st.realized, dests=dests, max_inputs=max_inputs)
         try:
             plan, refs = _plan(sched, st.inputs, st.customs, st.param_slot)
@@ -385,9 +404,7 @@ def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[Buff
             run(sched)
             return sched.outputs
         if st.key is not None:
-            _evict_plans()
-            plan.used = next(_USES)
-            _PLANS[st.key] = plan
+            _PLANS.put(st.key, plan)
     _execute(plan, refs, st.customs, st.params, debug)
     return [refs[i] for i in plan.outputs]
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .caches import Memo
+
 Shape = tuple[int, ...]
 Mask = tuple[tuple[int, int], ...]
 
@@ -183,10 +185,14 @@ def _reshape_strides(old: list[int], ostr: list[int], new: list[int]) -> list[in
     return out
 
 
+_MEMOS: list[Any] = []  # every movement's lru_cache, reported and cleared together (caches.Memo)
+
+
 def _memo(move: Callable[[ShapeTracker, Any], ShapeTracker]) -> Callable[[ShapeTracker, Any], ShapeTracker]:
     """A movement remembered by (tracker, argument): trackers are immutable and equal ones move alike, and a
     program's graph repeats the same movements at every call. Unhashable arguments (lists) are not remembered."""
     cached = functools.lru_cache(maxsize=4096)(move)
+    _MEMOS.append(cached)
 
     @functools.wraps(move)
     def moved(self: ShapeTracker, arg: Any) -> ShapeTracker:
@@ -298,3 +304,7 @@ def _contiguous_view(shape: Shape) -> View:
 @functools.lru_cache(maxsize=4096)
 def _contiguous_tracker(shape: Shape) -> ShapeTracker:
     return ShapeTracker((_contiguous_view(shape),))
+
+
+_MEMOS += [_contiguous_view, _contiguous_tracker]
+MOVEMENTS = Memo("movements", _MEMOS)

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..caches import LRU
 from ..dtype import DType, dtypes, max_value, min_value
 from ..flags import flag
 from ..graph import (
@@ -792,8 +793,8 @@ def _signature(k: Kernel, nodes: list[Node], leaves: list[Node],
     return tuple(entries), refs
 
 
-_CACHE: dict[tuple, Lowered] = {}  # bindings hold slot numbers (ints) for the kernel's buffers, never buffers
-_CACHE_SIZE = 2048
+# bindings hold slot numbers (ints) for the kernel's buffers, never buffers
+_CACHE: LRU[tuple, Lowered] = LRU("lowerings", 2048)
 
 
 def lower(k: Kernel, lim: Limits) -> Lowered:
@@ -822,11 +823,9 @@ def lower(k: Kernel, lim: Limits) -> Lowered:
         lowered = _lower(k, lim, {id(n): i for i, n in enumerate(leaves)}, dyn)
         lowered.leaves, lowered.baked = leaves, baked
         slot = {id(r): i for i, r in enumerate(refs)}
-        if len(_CACHE) >= _CACHE_SIZE:
-            del _CACHE[next(iter(_CACHE))]
-        _CACHE[key] = Lowered([Program(p.name, p.src, [(slot.get(id(ref), ref), off, n) for ref, off, n in p.bindings],
-                                       p.groups, p.push, p.params, p.rows) for p in lowered.programs],
-                              lowered.scratch)
+        programs = [Program(p.name, p.src, [(slot.get(id(ref), ref), off, n) for ref, off, n in p.bindings],
+                            p.groups, p.push, p.params, p.rows) for p in lowered.programs]
+        _CACHE.put(key, Lowered(programs, lowered.scratch))
         return lowered
     progs = []
     for p in hit.programs:

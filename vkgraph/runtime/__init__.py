@@ -1,7 +1,7 @@
 """The Vulkan runtime: device, buffer pool, compiler, pipelines, dispatch queue. Knows nothing of tensors."""
 
 from .capture import CommandGraph, LiveValue
-from .device import Device, DeviceInfo, get_device, reset_device
+from .device import Device, DeviceInfo, current_device, get_device, reset_device
 from .errors import (
     CaptureError,
     CompileError,
@@ -19,5 +19,5 @@ from .pipeline import Kernel
 __all__ = [
     "Buffer", "BufferView", "CaptureError", "CommandGraph", "CompileError", "Device", "DeviceError", "DeviceInfo",
     "DeviceLost", "DeviceTimeout", "Kernel", "KernelInterfaceError", "LiveValue", "OutOfDeviceMemory",
-    "UnsupportedFeature", "VkgraphError", "get_device", "reset_device", "size_class",
+    "UnsupportedFeature", "VkgraphError", "current_device", "get_device", "reset_device", "size_class",
 ]

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..caches import LRU
 from ..flags import flag
 from .errors import CompileError
 
@@ -63,6 +64,7 @@ TARGETS = {
     "vulkan1.3": ((1 << 22) | (3 << 12), (1 << 16) | (6 << 8), "vulkan1.3"),
 }
 _MAGIC = b"VKGSPV1\n"
+SPIRV_ENTRIES = 512  # SPIR-V blobs kept in memory per device (caches.LRU)
 
 
 class _Glslang:
@@ -186,7 +188,7 @@ class Compiler:
             raise ValueError(f"VKGRAPH_COMPILER={backend!r}: expected auto, glslang or glslc")
         self.cache_dir = Path(cache_dir or flag("VKGRAPH_CACHE_DIR")) / "spirv"
         self.use_disk = bool(flag("VKGRAPH_DISK_CACHE"))
-        self.memory: dict[str, bytes] = {}
+        self.memory: LRU[str, bytes] = LRU("spirv", SPIRV_ENTRIES)  # by sha256 key; the disk cache keeps all
         self.stats = CacheStats()
         self.lock = threading.Lock()
 
@@ -218,8 +220,7 @@ class Compiler:
             self.stats.misses += 1
             spirv = self.impl.compile(with_defines(source, defines), target)
             self._store(key, spirv)
-        with self.lock:
-            self.memory[key] = spirv
+        self.memory.put(key, spirv)
         return spirv
 
     def _path(self, key: str) -> Path:

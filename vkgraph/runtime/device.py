@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +309,12 @@ class Device:
             raise UnsupportedFeature(f"{what} needs {feature}, which {self.info.name} does not support")
 
     # ---- teardown ---------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, dict[str, int]]:
+        """This device's counters: submissions, barriers and copies; the Vulkan objects the queue holds; the
+        buffer pool; shader compiles (memory and disk cache hits, misses)."""
+        return {"queue": dict(self.queue.stats), "objects": self.queue.object_counts(),
+                "pool": self.memory.pool.stats.as_dict(), "compiles": asdict(self.compiler.stats)}
+
     def close(self) -> None:
         """Wait for the GPU, then destroy every Vulkan object this device made."""
         with self._lock:
@@ -427,6 +433,12 @@ def get_device() -> Device:
             _DEVICE = Device()
             _LIVE.add(_DEVICE)
         return _DEVICE
+
+
+def current_device() -> Device | None:
+    """The default Device if one is open, without creating one."""
+    dev = _DEVICE
+    return dev if dev is not None and not dev.closed else None
 
 
 def reset_device() -> Device:

@@ -11,11 +11,13 @@ import os
 import struct
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..caches import LRU
 from ..flags import flag
 from .errors import KernelInterfaceError, UnsupportedFeature
 from .interface import SCALAR_TYPES, KernelInterface, expand_includes, parse_interface
@@ -23,6 +25,11 @@ from .vk import NULL, Keep, check, ffi, lib, vk
 
 if TYPE_CHECKING:
     from .device import Device
+
+# pipelines and prepared sources each device keeps cached (caches.LRU)
+PIPELINES = 1024
+SOURCES = 1024
+
 
 class Kernel:
     """A compute pipeline ready to dispatch."""
@@ -85,12 +92,21 @@ def _dict_packer(names: tuple[str, ...], pack: Callable[..., bytes]) -> Callable
 
 
 class PipelineManager:
+    """The device's pipelines, bounded: the most recently used `PIPELINES` stay cached; an evicted one lives on
+    while anything (a cached schedule, a captured graph, a template's launcher) still holds its Kernel, is found
+    again by its key meanwhile, and is destroyed once its Kernel is gone and the GPU is past its last possible use.
+    """
+
     def __init__(self, device: Device) -> None:
         self.device = device
-        self.kernels: dict[tuple, Kernel] = {}
-        self.source_cache: dict[tuple, tuple[str, KernelInterface, bytes]] = {}
-        self.layouts: dict[tuple, tuple[Any, Any]] = {}
-        self.modules: dict[str, Any] = {}
+        self.kernels: LRU[tuple, Kernel] = LRU("pipelines", PIPELINES)
+        self.live: weakref.WeakValueDictionary[tuple, Kernel] = weakref.WeakValueDictionary()
+        self.retired: list[tuple[Any, int]] = []  # (VkPipeline, queue sequence number it waits for)
+        self.built = 0  # pipelines created
+        # prepared sources, keyed by their GLSL text
+        self.sources: LRU[tuple, tuple[str, KernelInterface, bytes]] = LRU("glsl sources", SOURCES)
+        self.layouts: dict[tuple, tuple[Any, Any]] = {}  # by (bindings, push bytes): a handful per process
+        self.destroyed = False
         self.lock = threading.RLock()
         info = device.info
         self.cache_path = (Path(flag("VKGRAPH_CACHE_DIR")) / "pipelines"
@@ -120,7 +136,7 @@ class PipelineManager:
         spec = dict(spec or {})
         src_key = (source, tuple(sorted((defines or {}).items())), tuple(map(str, include_dirs or ())))
         with self.lock:
-            prepared = self.source_cache.get(src_key)
+            prepared = self.sources.get(src_key)
         if prepared is None:
             from .compiler import with_defines
 
@@ -130,7 +146,7 @@ class PipelineManager:
             spirv = self.device.compiler.compile(expanded, defines, target=_target(self.device))
             prepared = (hashlib.sha256(spirv).hexdigest(), iface, spirv)
             with self.lock:
-                self.source_cache[src_key] = prepared
+                self.sources.put(src_key, prepared)
         spirv_hash, iface, spirv = prepared
         unknown = [n for n in spec if n not in iface.spec_constants]
         if unknown:
@@ -140,9 +156,34 @@ class PipelineManager:
         with self.lock:
             k = self.kernels.get(key)
             if k is None:
-                k = self._build(name or _guess_name(source), iface, spirv, spirv_hash, spec, subgroup_size, key)
-                self.kernels[key] = k
+                k = self.live.get(key)  # evicted, but still held somewhere
+                if k is None:
+                    self.sweep()
+                    k = self._build(name or _guess_name(source), iface, spirv, spirv_hash, spec, subgroup_size, key)
+                    self.live[key] = k
+                    # not at interpreter exit: the device's close destroys what is still live then
+                    weakref.finalize(k, self._retire, k.pipeline).atexit = False
+                self.kernels.put(key, k)
         return k
+
+    def _retire(self, pipeline: Any) -> None:
+        """A Kernel died (no cache or holder keeps it): its pipeline waits for every submission numbered so far,
+        the command buffer being recorded included (a finalizer makes no Vulkan call; `sweep` does)."""
+        if not self.destroyed:
+            self.retired.append((pipeline, self.device.queue.next_seq - 1))
+
+    def sweep(self) -> None:
+        """Destroy the retired pipelines the GPU is done with."""
+        if not self.retired:
+            return
+        done = self.device.queue.completed
+        keep = []
+        for pipeline, seq in self.retired:
+            if seq <= done:
+                lib.vkDestroyPipeline(self.device.device, pipeline, NULL)
+            else:
+                keep.append((pipeline, seq))
+        self.retired = keep
 
     def _build(self, name: str, iface: KernelInterface, spirv: bytes, spirv_hash: str, spec: dict[str, Any],
                subgroup_size: int | None, key: tuple) -> Kernel:
@@ -170,14 +211,13 @@ class PipelineManager:
         dev = self.device.device
         k = Keep()
         set_layout, layout = self._layout(len(iface.bindings), iface.push_size)
-        module = self.modules.get(spirv_hash)
-        if module is None:
-            words = k.new("uint32_t[]", len(spirv) // 4)
-            ffi.memmove(words, spirv, len(spirv))
-            mci = k.struct("VkShaderModuleCreateInfo", codeSize=len(spirv), pCode=words)
-            out = ffi.new("VkShaderModule*")
-            check(lib.vkCreateShaderModule(dev, mci, NULL, out), f"vkCreateShaderModule({name})")
-            module = self.modules[spirv_hash] = out[0]
+        # the module is needed only while the pipeline is created (Vulkan allows destroying it right after)
+        words = k.new("uint32_t[]", len(spirv) // 4)
+        ffi.memmove(words, spirv, len(spirv))
+        mci = k.struct("VkShaderModuleCreateInfo", codeSize=len(spirv), pCode=words)
+        mod = ffi.new("VkShaderModule*")
+        check(lib.vkCreateShaderModule(dev, mci, NULL, mod), f"vkCreateShaderModule({name})")
+        module = mod[0]
         spec_info = NULL
         if spec:
             entries = k.new("VkSpecializationMapEntry[]", len(spec))
@@ -206,8 +246,12 @@ class PipelineManager:
         pci[0].stage = stage[0]
         pci[0].layout = layout
         out = ffi.new("VkPipeline*")
-        check(lib.vkCreateComputePipelines(dev, self.pipeline_cache, 1, pci, NULL, out),
-              f"vkCreateComputePipelines({name})")
+        try:
+            check(lib.vkCreateComputePipelines(dev, self.pipeline_cache, 1, pci, NULL, out),
+                  f"vkCreateComputePipelines({name})")
+        finally:
+            lib.vkDestroyShaderModule(dev, module, NULL)
+        self.built += 1
         return Kernel(name, iface, spec, (local[0], local[1], local[2]), out[0], layout, set_layout, key)
 
     def _layout(self, num_bindings: int, push_size: int) -> tuple[Any, Any]:
@@ -254,18 +298,22 @@ class PipelineManager:
             pass  # the cache only saves time
 
     def destroy(self) -> None:
+        """The GPU is idle: destroy every pipeline, cached, still held or retired."""
         dev = self.device.device
         self.save_cache()
-        for k in self.kernels.values():
+        self.destroyed = True
+        for k in list(self.live.values()):
             lib.vkDestroyPipeline(dev, k.pipeline, NULL)
-        for m in self.modules.values():
-            lib.vkDestroyShaderModule(dev, m, NULL)
+        for pipeline, _ in self.retired:
+            lib.vkDestroyPipeline(dev, pipeline, NULL)
         for sl, pl in self.layouts.values():
             lib.vkDestroyPipelineLayout(dev, pl, NULL)
             lib.vkDestroyDescriptorSetLayout(dev, sl, NULL)
         lib.vkDestroyPipelineCache(dev, self.pipeline_cache, NULL)
         self.kernels.clear()
-        self.modules.clear()
+        self.sources.clear()
+        self.live.clear()
+        self.retired = []
         self.layouts.clear()
 
 
