@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"flags", "caches"},
     "graph": {"dtype", "view"},
     "schedule": {"graph", "view", "dtype"},
-    "codegen": {"schedule", "graph", "view", "dtype", "caches"},
+    "codegen": {"schedule", "graph", "view", "dtype", "caches", "flags"},
     "templates": {"runtime"},
     "ops": {"templates", "runtime", "quant", "flags"},
     "realize": {"codegen", "schedule", "graph", "view", "dtype", "runtime", "flags", "caches"},
