@@ -40,11 +40,13 @@ from ..graph import (
 from ..graph import alu as alu_node
 from ..schedule import Kernel
 from ..view import Shape, ShapeTracker, View, prod, strides_for
-from . import glsl
+from . import glsl, symbolic
 from .render import MAX_PUSH_FLOATS, MAX_PUSH_OFFSETS, PUSH_BYTES, RESERVED_FIELDS, Renderer, header
-from .symbolic import Expr, Var, unravel
+from .symbolic import Expr, Var, lit, unravel
 
 GROUP_ID = "int(gl_WorkGroupID.x + gl_NumWorkGroups.x * (gl_WorkGroupID.y + gl_NumWorkGroups.y * gl_WorkGroupID.z))"
+GROUP_ID64 = ("(int64_t(gl_WorkGroupID.x) + int64_t(gl_NumWorkGroups.x) * (int64_t(gl_WorkGroupID.y) + "
+              "int64_t(gl_NumWorkGroups.y) * int64_t(gl_WorkGroupID.z)))")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class Limits:
     subgroup_arith: bool = False
     min_subgroup: int = 1
     max_subgroup: int = 1
+    int64: bool = True  # shaderInt64: index arithmetic past 2^31 needs it
     # IEEE results as numpy's (VKGRAPH_IEEE, on by default): float temporaries marked `precise` and special float
     # constants hidden from the compiler (render.Renderer), and the float controls of glsl.FLOAT_MODES that the
     # device honours
@@ -78,7 +81,7 @@ class Limits:
                       int(info.max_shared_memory), int(info.max_storage_buffer_range),
                       min(int(info.max_storage_buffers), Limits.BINDING_CAP),
                       "arithmetic" in info.subgroup_ops, int(info.min_subgroup_size), int(info.max_subgroup_size),
-                      ieee, modes)
+                      bool(info.int64), ieee, modes)
 
 
 @dataclass
@@ -120,6 +123,9 @@ def _finish(r: Renderer, name: str, local: int, groups: int, lim: Limits, shared
             rows: tuple[str, int, int] | None = None) -> Program:
     body = "\n".join(r.lines)
     src = header(r, (local, 1, 1), list(shared)) + "\nvoid main() {\n" + body + "\n}\n"
+    if not lim.int64 and "int64_t" in src:
+        raise OverflowError(f"kernel {name} indexes past 2^31 elements, which needs 64-bit integers (shaderInt64); "
+                            "this device lacks them: split the work into smaller tensors")
     return Program(name, src, [(ref, off, n) for ref, _, off, n in r.pieces()], fold_groups(groups, lim),
                    {n: v for n, _, v in r.push}, tuple(r.param_fields), rows)
 
@@ -136,7 +142,9 @@ def _wg(lim: Limits, want: int = 256) -> int:
 # ---- a run-time outer extent -------------------------------------------------------------------------------------
 
 # The outer extent a kernel with a run-time one is rendered with: index bounds then hold for every real extent
-# (below it), so no simplification depends on the real one, and no literal of it reaches the shader.
+# (below it), so no simplification depends on the real one, and no literal of it reaches the shader. A kernel whose
+# rows are longer takes less (the largest extent whose elements a 32-bit index reaches), so its index arithmetic
+# stays 32-bit; the real extent must be below it.
 OUTER = (1 << 28) - 57
 _STATIC_OPS = {Op.MATMUL, Op.GATHER, Op.IOTA, Op.RAND, Op.CUSTOM, Op.CONTIGUOUS}
 
@@ -166,7 +174,7 @@ class _Dynamic:
         return r.define("int", f"{field_} * {per}", "units"), (field_[3:], per, per_group)
 
 
-def _dynamic_view(n: Node, rows: int) -> ShapeTracker | None:
+def _dynamic_view(n: Node, rows: int, outer: int) -> ShapeTracker | None:
     """The stand-in view of n (whose first axis is the rows), or None where its layout depends on the rows.
 
     Along the rows a view either walks whole rows of a source whose first axis is the rows too (stride: the
@@ -193,8 +201,8 @@ def _dynamic_view(n: Node, rows: int) -> ShapeTracker | None:
         stride = 0
     else:
         return None  # a transposed or reshaped source: its strides hold the rows
-    mask = None if v.mask is None else ((0, OUTER),) + v.mask[1:]
-    return ShapeTracker((View.make((OUTER,) + v.shape[1:], (stride,) + v.strides[1:], v.offset, mask),))
+    mask = None if v.mask is None else ((0, outer),) + v.mask[1:]
+    return ShapeTracker((View.make((outer,) + v.shape[1:], (stride,) + v.strides[1:], v.offset, mask),))
 
 
 def _dynamic(k: Kernel, nodes: list[Node], lim: Limits) -> _Dynamic | None:
@@ -216,6 +224,10 @@ def _dynamic(k: Kernel, nodes: list[Node], lim: Limits) -> _Dynamic | None:
         return None
     if any(n.op is Op.BUFFER and n.arg[0].nbytes > lim.max_storage_range for n in nodes):
         return None
+    inner = max(prod(n.shape[1:]) for n in nodes if n.shape and n.shape[0] == rows)
+    if inner == 0 or rows * inner >= symbolic.NARROW:
+        return None
+    outer = min(OUTER, (symbolic.NARROW - 1) // inner)
     shapes: dict[Node, Shape] = {}
     sts: dict[Node, ShapeTracker] = {}
     refs: set[int] = set()
@@ -228,18 +240,18 @@ def _dynamic(k: Kernel, nodes: list[Node], lim: Limits) -> _Dynamic | None:
         seen.add(id(n))
         if n.op in (Op.CONST, Op.VAR):  # no loads: only the shape stands in
             if n.shape and n.shape[0] == rows:
-                shapes[n] = (OUTER,) + n.shape[1:]
+                shapes[n] = (outer,) + n.shape[1:]
             continue
-        if not n.shape or n.shape[0] != rows or n.numel >= 1 << 31:
+        if not n.shape or n.shape[0] != rows:
             return None
-        shapes[n] = (OUTER,) + n.shape[1:]
+        shapes[n] = (outer,) + n.shape[1:]
         if n.op is Op.BUFFER:
             if n.arg[0].numel != n.numel:
                 return None
             refs.add(id(n.arg[0]))
             continue
         if n.op is Op.VIEW:
-            st = _dynamic_view(n, rows)
+            st = _dynamic_view(n, rows, outer)
             if st is None:
                 return None
             sts[n] = st
@@ -256,10 +268,13 @@ def _launch(r: Renderer, dyn: _Dynamic | None, units: int, per_row: int, per_gro
     """Emit `grp`, the flat workgroup index, and the early return of the workgroups past the end: past `groups`,
     or with run-time rows past those covering rows * per_row units at per_group a workgroup. Returns GLSL for
     the units' count (`units` when static) and Program.rows."""
-    r.emit(f"int grp = {GROUP_ID};")
+    if groups >= symbolic.NARROW:
+        r.emit(f"int64_t grp = {GROUP_ID64};")
+    else:
+        r.emit(f"int grp = {GROUP_ID};")
     if dyn is None:
-        r.emit(f"if (grp >= {groups}) return;")
-        return str(units), None
+        r.emit(f"if (grp >= {lit(groups)}) return;")
+        return lit(units), None
     dyn.renderer(r)
     total, rows = dyn.units(r, per_row, per_group)
     r.emit(f"if (grp >= {total if per_group == 1 else f'({total} + {per_group - 1}) / {per_group}'}) return;")
@@ -290,7 +305,7 @@ def _vec4_loads(k: Kernel, lim: Limits, dyn: _Dynamic | None = None) -> list[Nod
     aligned offset is never reused for an unaligned one. With run-time rows, each row must hold a multiple of 4."""
     root = k.root
     if ((prod(root.shape[1:]) if dyn else root.numel) % 4 or k.out.dtype.store not in _VEC4 or not _aligned(k.st)
-            or k.st.shape != root.shape):
+            or k.st.shape != root.shape or root.numel >= symbolic.NARROW // 2):
         return None
     loads: list[Node] = []
     for n in root.toposort():
@@ -366,10 +381,12 @@ def _elementwise(k: Kernel, lim: Limits, params: dict[int, int], dyn: _Dynamic |
     r.emit("int lid = int(gl_LocalInvocationID.x);")
     loop = f"for (int e = 0; e < {ept}; e++)" if ept > 1 else "if (true)"
     with r.block(loop):
-        base = f"(grp * {ept} + e) * {wg} + lid" if ept > 1 else f"grp * {wg} + lid"
-        r.emit(f"int gid = {base};")
+        wide = groups * wg * ept > symbolic.NARROW  # the last workgroup's invocations past the end included
+        g = "int64_t(grp)" if wide else "grp"
+        base = f"({g} * {ept} + e) * {wg} + lid" if ept > 1 else f"{g} * {wg} + lid"
+        r.emit(f"{'int64_t' if wide else 'int'} gid = {base};")
         with r.block(f"if (gid < {total})" if n % (wg * ept) or dyn else "if (true)"):
-            coords = unravel(Var("gid", 0, n - 1), shape)
+            coords = unravel(Var("gid", 0, n - 1, wide), shape)
             st = ShapeTracker.contiguous(shape) if dyn else k.st
             r.store(k.out, k.out.dtype, st, coords, r.value(k.root, coords))
     return Lowered([_finish(r, f"E_{_size_name(shape, dyn)}", wg, groups, lim, rows=rows)], [])
@@ -411,8 +428,9 @@ def _same(d: DType, b: str, a: str) -> str:
 class _Reduction:
     """Emits one reduction over a row: per-invocation accumulate, then a shared-memory tree when grouped."""
 
-    def __init__(self, r: Renderer, node: Node, wg: int, shared: list[str], lim: Limits):
+    def __init__(self, r: Renderer, node: Node, wg: int, shared: list[str], lim: Limits, scale: int = 1):
         self.r, self.node, self.wg, self.shared = r, node, wg, shared
+        self.scale = scale  # equal values each accumulated one stands for (a sum's folded axes: _fold_axes)
         self.rop: ReduceOp = node.arg[0]
         self.d: DType = node.srcs[0].dtype
         # subgroup ops take 32-bit scalars (bools and int64 keep the tree); the workgroup must hold whole
@@ -461,6 +479,9 @@ class _Reduction:
             r.emit("barrier();")
         else:
             res, res_i = self.acc, self.idx
+        if self.scale > 1 and self.rop is ReduceOp.SUM and self.d.kind != "b":
+            res = r.define(self.d.glsl, glsl.alu(Op.MUL, self.d, [self.d, self.d], [res, _count(self.scale, self.d)],
+                                                 r.need), "red")
         if res_i is not None:
             return r.define(self.node.dtype.glsl, glsl.cast(res_i, dtypes.int32, self.node.dtype, r.need), "red")
         if self.node.dtype is not self.d:
@@ -534,14 +555,68 @@ def _full_coords(o: tuple[Expr, ...], rc: tuple[Expr, ...], axes: tuple[int, ...
     return tuple(next(it) if i in axes else c for i, c in enumerate(o))
 
 
+# Along an axis where no reduced value changes (constants, broadcasts), a sum is one value times the axis's length
+# and a max or min is that value: the kernel walks only the other axes (Tensor.ones(10**12).sum() reads nothing).
+_FOLDABLE = (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN)
+
+
+def _varies(n: Node, axis: int, memo: dict[int, bool]) -> bool:
+    """Whether n's value changes along `axis` of its shape (n lies in a reduction's source, above any view)."""
+    hit = memo.get(id(n))
+    if hit is None:
+        if n.op in (Op.CONST, Op.VAR) or n.shape[axis] == 1:
+            hit = False
+        elif n.op is Op.VIEW:  # the view applied first decides whether the coordinate reaches any index
+            v = n.arg.views[-1]
+            hit = v.strides[axis] != 0 or (v.mask is not None and v.mask[axis] != (0, v.shape[axis]))
+        elif n.op in ELEMENTWISE:
+            hit = any(_varies(x, axis, memo) for x in n.srcs)
+        else:
+            hit = True
+        memo[id(n)] = hit
+    return hit
+
+
+def _fold_axes(k: Kernel, reds: list[Node]) -> tuple[tuple[int, ...], int]:
+    """The axes kernel k's reductions must walk, and how many equal values each value they see stands for (the
+    product of the folded axes). Only where every reduction folds (sum, max, min) and the kernel writes one value
+    per row (an epilogue that walks the row again needs every position)."""
+    axes = reds[0].arg[1]
+    if k.root.numel != prod(reds[0].shape) or any(r.arg[0] not in _FOLDABLE for r in reds):
+        return axes, 1
+    full = reds[0].srcs[0].shape
+    keep = tuple(a for a in axes if any(_varies(r.srcs[0], a, {}) for r in reds))
+    return keep, prod(full[a] for a in axes if a not in keep)
+
+
+def _count(n: int, d: DType) -> str:
+    """n as a literal of d, wrapped to its width for integers (the sum of n equal integers wraps the same way)."""
+    if d.is_float:
+        return glsl.literal(float(n), d)
+    bits = 8 * d.itemsize
+    v = n % (1 << bits)
+    if d.kind == "i" and v >= 1 << (bits - 1):
+        v -= 1 << bits
+    return glsl.literal(v, d)
+
+
+# A row longer than SERIAL_SPLIT elements splits even with many rows, and a split's chunks hold at most
+# SERIAL * (workgroup size) elements: each invocation adds at most SERIAL values (4096 where the row does not
+# split) one after another, then the partials combine as a tree; a float32 sum of 5e9 ones is then as exact as
+# numpy's pairwise one, where a serial one stops at 2^24.
+SERIAL = 1024
+SERIAL_SPLIT = 1 << 20
+SPLIT_ROW = 32768  # rows at least this long split where they are few (under 64)
+
+
 def _reduce_plan(k: Kernel, reds: list[Node], lim: Limits) -> tuple[bool, bool, int, int]:
-    """How kernel k's reductions `reds` run: (split into two programs, a workgroup per row, its size, local
-    size)."""
-    full, axes = reds[0].srcs[0].shape, reds[0].arg[1]
+    """How kernel k's reductions `reds` run: (split into two programs or more, a workgroup per row, its size,
+    local size)."""
+    full, axes = reds[0].srcs[0].shape, _fold_axes(k, reds)[0]
     rows = prod(reds[0].shape)
     rlen = prod(full[a] for a in axes)
-    split = (k.root.numel == rows and len(reds) == 1 and reds[0].arg[0] not in _ARG and rlen >= 32768
-             and rows < 64)
+    split = (k.root.numel == rows and len(reds) == 1 and reds[0].arg[0] not in _ARG
+             and (rlen >= SPLIT_ROW and rows < 64 or rlen > SERIAL_SPLIT))
     grouped = rlen >= 128 or rows < 256
     # few long rows (a norm over a decode batch's hidden states; sampling's fused reductions over a vocabulary,
     # which cannot split) take the widest workgroup the device allows: one workgroup per row is all the
@@ -550,36 +625,52 @@ def _reduce_plan(k: Kernel, reds: list[Node], lim: Limits) -> tuple[bool, bool, 
     return split, grouped, wg, wg if grouped else _wg(lim, 64)
 
 
+def _int_var(r: Renderer, name: str, expr: str, expr64: str, lo: int, hi: int, top: int) -> Var:
+    """Declare `name` = expr, an index over [lo, hi] inside its bounds check, reaching `top` before it: an int64_t
+    (computed by expr64) where top passes 32 bits."""
+    wide = top >= symbolic.NARROW or not symbolic.narrow(lo, hi)
+    r.emit(f"{'int64_t' if wide else 'int'} {name} = {expr64 if wide else expr};")
+    return Var(name, lo, hi, wide)
+
+
 def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = True,
             dyn: _Dynamic | None = None) -> Lowered:
     root = k.root
     reds = [n for n in root.toposort() if n.op is Op.REDUCE]
     shape_of = dyn.shape if dyn else (lambda n: n.shape)
-    full, axes = shape_of(reds[0].srcs[0]), reds[0].arg[1]
+    axes, scale = _fold_axes(k, reds)
+    full = shape_of(reds[0].srcs[0])
     out_shape = shape_of(reds[0])
     rows = prod(out_shape)
     real_rows = prod(reds[0].shape)
     rshape = tuple(full[a] for a in axes)
     rlen = prod(rshape)
+    if any(red.arg[0] in _ARG for red in reds) and rlen >= 1 << 31:
+        raise OverflowError(f"argmax/argmin over {rlen} elements: the index of the result is 32-bit")
     row_root = root.numel == real_rows
     split, grouped, wg, local = _reduce_plan(k, reds, lim)
     if allow_split and split:
-        return _split(k, reds[0], lim, params)
+        return _split(k, reds[0], lim, params, axes, scale)
     groups = real_rows if grouped else math.ceil(real_rows / local)
     r = _renderer(lim, params)
     shared: list[str] = []
     nrows, prog_rows = _launch(r, dyn, rows, prod(out_shape[1:]), 1 if grouped else local, groups)
     r.emit("int lid = int(gl_LocalInvocationID.x);")
-    r.emit("int o = grp;" if grouped else f"int o = grp * {local} + lid;")
-    ovar = Var("o", 0, rows - 1)
+    if grouped:
+        ovar = _int_var(r, "o", "grp", "grp", 0, rows - 1, groups)
+    else:
+        ovar = _int_var(r, "o", f"grp * {local} + lid", f"int64_t(grp) * {local} + lid", 0, rows - 1, groups * local)
     oc = unravel(ovar, out_shape)
-    rc = unravel(Var("r", 0, rlen - 1), rshape)
     start, step = ("lid", wg) if grouped else ("0", 1)
+    r_wide = rlen + step >= symbolic.NARROW
+    rvar = Var("r", 0, rlen - 1, r_wide)
+    rc = unravel(rvar, rshape)
+    loop = f"for ({'int64_t' if r_wide else 'int'} r = {start}; r < {lit(rlen, r_wide)}; r += {step})"
     with r.block("if (true)" if grouped or (rows % local == 0 and not dyn) else f"if (o < {nrows})"):
         for red in reds:
-            acc = _Reduction(r, red, wg, shared, lim)
-            with r.block(f"for (int r = {start}; r < {rlen}; r += {step})"):
-                acc.add(r.value(red.srcs[0], _full_coords(oc, rc, axes)), "r")
+            acc = _Reduction(r, red, wg, shared, lim, scale)
+            with r.block(loop):
+                acc.add(r.value(red.srcs[0], _full_coords(oc, rc, axes)), "int(r)" if r_wide else "r")
             r.subst[red] = acc.finish()
         out_st = ShapeTracker.contiguous(shape_of(root)) if dyn else k.st
         if row_root:
@@ -587,7 +678,7 @@ def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = 
                 coords = unravel(ovar, shape_of(root))
                 r.store(k.out, k.out.dtype, out_st, coords, r.value(root, coords))
         else:
-            with r.block(f"for (int r = {start}; r < {rlen}; r += {step})"):
+            with r.block(loop):
                 coords = _full_coords(oc, rc, axes)
                 r.store(k.out, k.out.dtype, out_st, coords, r.value(root, coords))
     name = f"R{len(reds)}_{_size_name(out_shape, dyn)}_{rlen}"
@@ -601,53 +692,74 @@ def _acc_dtype(d: DType) -> DType:
 UNROLL = 4
 
 
-def _split(k: Kernel, red: Node, lim: Limits, params: dict[int, int]) -> Lowered:
-    """Partial reductions over chunks of each row into scratch, then a reduce kernel over the partials."""
-    full, axes = red.srcs[0].shape, red.arg[1]
+def _chunk(rlen: int, rshape: Shape, wg: int) -> int:
+    """Elements of a row per workgroup in a split reduction: enough workgroups (up to 4096 a row) and at most SERIAL
+    loads per invocation, rounded down to a multiple of the row's trailing axes where one fits, so that a chunk's
+    start splits the index into those axes without (64-bit) division."""
+    target = min(math.ceil(rlen / min(4096, math.ceil(rlen / 8192))), wg * SERIAL)
+    whole = 1
+    for s in reversed(rshape):
+        if whole * s > target:
+            break
+        whole *= s
+    return whole * (target // whole)
+
+
+def _split(k: Kernel, red: Node, lim: Limits, params: dict[int, int], axes: tuple[int, ...], scale: int) -> Lowered:
+    """Partial reductions over chunks of each row into scratch, then a reduction of the partials (split again while
+    they are many)."""
+    full = red.srcs[0].shape
     out_shape = red.shape
     rows = prod(out_shape)
     rshape = tuple(full[a] for a in axes)
     rlen = prod(rshape)
-    parts = min(4096, math.ceil(rlen / 8192))
-    chunk = math.ceil(rlen / parts)
     wg = _wg(lim)
+    chunk = _chunk(rlen, rshape, wg)
+    parts = math.ceil(rlen / chunk)
+    last = rlen - (parts - 1) * chunk
+    groups = rows * parts
     acc_d = _acc_dtype(red.srcs[0].dtype)
-    scratch = BufferRef(acc_d, rows * parts)
+    scratch = BufferRef(acc_d, groups)
     r = _renderer(lim, params)
     shared: list[str] = []
-    r.emit(f"int grp = {GROUP_ID};")
-    r.emit(f"if (grp >= {rows * parts}) return;")
+    gwide = groups >= symbolic.NARROW
+    r.emit(f"int64_t grp = {GROUP_ID64};" if gwide else f"int grp = {GROUP_ID};")
+    r.emit(f"if (grp >= {lit(groups)}) return;")
     r.emit("int lid = int(gl_LocalInvocationID.x);")
-    r.emit(f"int o = grp / {parts};")
-    r.emit(f"int part = grp % {parts};")
-    oc = unravel(Var("o", 0, rows - 1), out_shape)
-    rc = unravel(Var("r", 0, rlen - 1), rshape)
+    cast = "int" if gwide else ""
+    ovar = _int_var(r, "o", f"{cast}(grp / {lit(parts, gwide)})", f"grp / {lit(parts, True)}", 0, rows - 1, rows)
+    part = _int_var(r, "part", f"{cast}(grp % {lit(parts, gwide)})", f"grp % {lit(parts, True)}", 0, parts - 1,
+                    parts)
+    oc = unravel(ovar, out_shape)
     src = red.srcs[0]
     if acc_d is not src.dtype:
         src = alu_node(Op.CAST, acc_d, src)
     partial = reduce(src, red.arg[0], axes)
-    acc = _Reduction(r, partial, wg, shared, lim)
-    end = r.define("int", f"min({rlen}, (part + 1) * {chunk})", "end")
-    r.emit(f"int r = part * {chunk} + lid;")
+    acc = _Reduction(r, partial, wg, shared, lim, scale)
+    # the chunk's own length; the index of its element c is part * chunk + c
+    cwide = chunk + UNROLL * wg >= symbolic.NARROW
+    ct = "int64_t" if cwide else "int"
+    r.emit(f"{ct} clen = {part.render()} == {parts - 1} ? {lit(last, cwide)} : {lit(chunk, cwide)};")
+    r.emit(f"{ct} c = lid;")
     # four loads in flight per invocation before they are combined: the split reduction is bandwidth-bound
-    with r.block(f"for (; r + {(UNROLL - 1) * wg} < {end}; r += {UNROLL * wg})"):
-        rv = Var("r", 0, max(rlen - 1 - (UNROLL - 1) * wg, 0))  # the loop test keeps r + 3 * wg in range
-        vals = [r.value(src, _full_coords(oc, unravel(rv + k * wg, rshape), axes)) for k in range(UNROLL)]
+    with r.block(f"for (; c + {(UNROLL - 1) * wg} < clen; c += {UNROLL * wg})"):
+        cv = Var("c", 0, max(chunk - 1 - (UNROLL - 1) * wg, 0), cwide)  # the loop test keeps c + 3 * wg in range
+        vals = [r.value(src, _full_coords(oc, unravel(part * chunk + cv + j * wg, rshape), axes))
+                for j in range(UNROLL)]
         for v in vals:
-            acc.add(v, "r")
-    with r.block(f"for (; r < {end}; r += {wg})"):
-        acc.add(r.value(src, _full_coords(oc, rc, axes)), "r")
+            acc.add(v, "c")
+    with r.block(f"for (; c < clen; c += {wg})"):
+        cv = Var("c", 0, chunk - 1, cwide)
+        acc.add(r.value(src, _full_coords(oc, unravel(part * chunk + cv, rshape), axes)), "c")
     res = acc.finish()
     with r.block("if (lid == 0)"):
-        r.store(scratch, acc_d, ShapeTracker.contiguous((rows * parts,)), (Var("grp", 0, rows * parts - 1),), res)
-    first = _finish(r, f"P_{rows}_{rlen}_{parts}", wg, rows * parts, lim, shared)
+        r.store(scratch, acc_d, ShapeTracker.contiguous((groups,)), (Var("grp", 0, groups - 1, gwide),), res)
+    first = _finish(r, f"P_{rows}_{rlen}_{parts}", wg, groups, lim, shared)
     pnode = buffer(scratch, 0, acc_d, out_shape + (parts,))
-    combine = {ReduceOp.SUM: ReduceOp.SUM, ReduceOp.PROD: ReduceOp.PROD, ReduceOp.MAX: ReduceOp.MAX,
-               ReduceOp.MIN: ReduceOp.MIN}[red.arg[0]]
-    total = movement(reduce(pnode, combine, (len(out_shape),)), lambda st: st.reshape(out_shape))
+    total = movement(reduce(pnode, red.arg[0], (len(out_shape),)), lambda st: st.reshape(out_shape))
     if total.dtype is not red.dtype:
         total = alu_node(Op.CAST, red.dtype, total)
-    second = _reduce(Kernel(substitute(k.root, {red: total}), k.out, k.st), lim, params, allow_split=False)
+    second = _reduce(Kernel(substitute(k.root, {red: total}), k.out, k.st), lim, params)
     return Lowered([first] + second.programs, [scratch] + second.scratch)
 
 

@@ -18,8 +18,8 @@ from typing import Any
 from ..dtype import DType, dtypes
 from ..graph import ELEMENTWISE, Node, Op, Variable, runtime_values
 from ..view import ShapeTracker, prod
-from . import glsl
-from .symbolic import Expr, Num, Var, in_range, num, ravel, unravel
+from . import glsl, symbolic
+from .symbolic import Expr, Num, Var, in_range, itype, lit, num, ravel, unravel
 
 Coords = tuple[Expr, ...]
 PUSH_BYTES = 128  # the push-constant space every Vulkan device offers (maxPushConstantsSize's minimum)
@@ -122,7 +122,7 @@ class Renderer:
     def offset(self, value: int) -> Expr:
         if value == 0:
             return Num(0)
-        if sum(1 for p in self.push if p[0].startswith("o")) >= MAX_PUSH_OFFSETS:
+        if sum(1 for p in self.push if p[0].startswith("o")) >= MAX_PUSH_OFFSETS or value >= symbolic.NARROW:
             return num(value)
         return Var(self.push_const("int", value, "o"), value, value)
 
@@ -146,10 +146,11 @@ class Renderer:
         return idx, valid
 
     def piece_elems(self, ref: object, dtype: DType) -> int | None:
-        """Elements per piece when ref is too large for one binding (a power of two), else None."""
-        if ref.nbytes <= self.max_range:
+        """Elements per piece when ref is too large for one binding, or has more elements than a 32-bit index
+        reaches (a power of two), else None."""
+        if ref.nbytes <= self.max_range and ref.numel <= symbolic.NARROW:
             return None
-        return (1 << (self.max_range.bit_length() - 1)) // dtype.itemsize
+        return min((1 << (self.max_range.bit_length() - 1)) // dtype.itemsize, symbolic.NARROW // 2)
 
     def pieces(self) -> list[tuple[object, DType, int, int | None]]:
         """(ref, dtype, byte offset, byte count or None for all) per GLSL binding, in binding order."""
@@ -163,23 +164,28 @@ class Renderer:
                 out.append((ref, d, start * d.itemsize, min(per, ref.numel - start) * d.itemsize))
         return out
 
-    def _access(self, b: int, idx: str) -> list[tuple[str, str]]:
+    def _access(self, b: int, idx: Expr) -> list[tuple[str, str]]:
         """(condition, element reference) pairs that reach element idx of buffer b."""
         ref, d = self.bindings[b]
         per = self.piece_elems(ref, d)
-        if per is None:
-            return [("", f"b{b}.data[{idx}]")]
+        if per is None:  # idx lies in the buffer, whose elements an int reaches
+            return [("", f"b{b}.data[{idx.render() if idx.is_narrow else f'int({idx.render()})'}]")]
         n = -(-ref.numel // per)
         shift = per.bit_length() - 1
-        p = self.define("int", f"({idx}) >> {shift}", "piece")
-        local = f"(({idx}) & {per - 1})"
+        if idx.is_narrow and not idx.wide_calc:
+            p = self.define("int", f"{idx.render()} >> {shift}", "piece")
+            local = f"({idx.render()} & {per - 1})"
+        else:
+            wide = self.define("int64_t", idx.render64(), "at")
+            p = self.define("int", f"int({wide} >> {shift})", "piece")
+            local = f"int({wide} & {per - 1}l)"
         return [(f"{p} == {k}" if k < n - 1 else "", f"b{b}_{k}.data[{local}]") for k in range(n)]
 
     def load(self, ref: object, dtype: DType, idx: Expr, valid: list[str]) -> str:
         b = self.binding(ref, dtype)
         if "false" in valid:
             return glsl.zero(dtype)
-        parts = self._access(b, idx.render())
+        parts = self._access(b, idx)
         e = glsl.load(dtype, parts[-1][1])
         for cond, where in reversed(parts[:-1]):
             e = f"({cond} ? {glsl.load(dtype, where)} : {e})"
@@ -193,7 +199,7 @@ class Renderer:
         idx, valid = self.st_index(st, coords)
         idx = idx + self.offset(st.views[0].offset)
         v = glsl.store(dtype, value)
-        parts = self._access(b, idx.render())
+        parts = self._access(b, idx)
         line = " else ".join((f"if ({c}) " if c else "") + f"{{ {w} = {v}; }}" for c, w in parts) \
             if len(parts) > 1 else f"{parts[0][1]} = {v};"
         self.emit(f"if ({' && '.join(valid)}) {{ {line} }}" if valid else line)
@@ -226,7 +232,7 @@ class Renderer:
             seed, ctr = self.param(n, 0, "uint", "r"), self.param(n, 1, "uint", "r")
             return self.define("float", f"rng({seed}, {ctr} + uint({ravel(coords, n.shape).render()}))")
         if n.op is Op.IOTA:
-            return coords[0].render()
+            return coords[0].render() if coords[0].is_narrow else f"int({coords[0].render()})"
         if n.op is Op.VAR:
             return self.define("int", self.param(n, 0, "int", "v"))
         if n.op in ELEMENTWISE:
@@ -261,8 +267,11 @@ class Renderer:
         axis, k = n.arg, len(idx.shape)
         iv = self.value(idx, coords[axis:axis + k])
         dim = x.shape[axis]
-        i = self.define("int", f"int({iv})", "g")
-        g = self.define("int", f"clamp({i} < 0 ? {i} + {dim} : {i}, 0, {max(dim - 1, 0)})", "g")
+        t = itype(0, dim)
+        i = self.define(t, f"{t}({iv})", "g")
+        w = t != "int"
+        g = self.define(t, f"clamp({i} < {lit(0, w)} ? {i} + {lit(dim, w)} : {i}, {lit(0, w)}, "
+                           f"{lit(max(dim - 1, 0), w)})", "g")
         return self.value(x, coords[:axis] + (Var(g, 0, max(dim - 1, 0)),) + coords[axis + k:])
 
 
@@ -270,7 +279,11 @@ def _clamp(idx: Expr, numel: int) -> Expr:
     """idx when its bounds already fit [0, numel), else an opaque clamped copy (masked lanes compute garbage)."""
     if idx.lo >= 0 and idx.hi < numel:
         return idx
-    return Var(f"clamp({idx.render()}, 0, {max(numel - 1, 0)})", 0, max(numel - 1, 0))
+    top = max(numel - 1, 0)
+    if idx.is_narrow and top < symbolic.NARROW:
+        return Var(f"clamp({idx.render()}, 0, {top})", 0, top)
+    e = f"clamp({idx.render64()}, 0l, {top}l)"
+    return Var(e if top >= symbolic.NARROW else f"int({e})", 0, top)
 
 
 def header(r: Renderer, local_size: tuple[int, int, int], shared: list[str]) -> str:
@@ -281,7 +294,7 @@ def header(r: Renderer, local_size: tuple[int, int, int], shared: list[str]) -> 
         ext.append("GL_EXT_shader_8bit_storage")
     if any(d.itemsize == 2 for d in types):
         ext.append("GL_EXT_shader_16bit_storage")
-    if dtypes.int64 in types or any("int64_t" in line for line in r.lines):
+    if dtypes.int64 in types or any("int64_t" in line for line in r.lines) or "int64_t" in "".join(shared):
         ext.append("GL_EXT_shader_explicit_arithmetic_types_int64")
     if r.float_modes:
         ext.append("GL_EXT_spirv_intrinsics")

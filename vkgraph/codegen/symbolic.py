@@ -3,8 +3,11 @@
 Codegen turns views into index arithmetic over thread and loop variables. Each expression knows its range
 [lo, hi], which lets ``(x // 4) % 8`` vanish when x < 4, and the rebuild of a flat index from its
 unflattened coordinates (``(y % b) * k + (y // b) * (k * b)``) collapse back to ``y * k``, so a contiguous
-load through a reshape renders as ``gid``. Everything renders to GLSL ``int`` arithmetic on non-negative
-operands (truncating division equals floor division there).
+load through a reshape renders as ``gid``. Everything renders to GLSL integer arithmetic on non-negative
+operands (truncating division equals floor division there): ``int`` where the bounds of an expression and of
+everything under it fit in 32 bits, ``int64_t`` where they do not (a node whose own value fits is cast back to
+``int``), so index spaces past 2^31 elements are exact and small kernels keep 32-bit arithmetic. The GLSL type of
+a `Var` must follow the same rule (`itype`).
 """
 
 from __future__ import annotations
@@ -12,10 +15,50 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+NARROW = 1 << 31  # values in [-NARROW, NARROW) are GLSL ints; tests lower it to reach the 64-bit paths cheaply
+
+
+def narrow(lo: int, hi: int) -> bool:
+    return -NARROW <= lo and hi < NARROW
+
+
+def itype(lo: int, hi: int) -> str:
+    """The GLSL type of an integer variable over [lo, hi]."""
+    return "int" if narrow(lo, hi) else "int64_t"
+
+
+def lit(v: int, wide: bool = False) -> str:
+    """An integer literal: int64 where it does not fit an int (or where `wide` asks)."""
+    s = f"{v}l" if wide or not narrow(v, v) else str(v)
+    return s if v >= 0 else f"({s})"
+
 
 class Expr:
     lo: int
     hi: int
+
+    @cached_property
+    def is_narrow(self) -> bool:
+        return narrow(self.lo, self.hi)
+
+    @cached_property
+    def wide_calc(self) -> bool:
+        """Whether computing this needs 64-bit arithmetic (a value under it, or itself, past 32 bits)."""
+        return not self.is_narrow
+
+    def render(self) -> str:
+        """GLSL of type int when is_narrow, else int64_t."""
+        if not self.wide_calc:
+            return self._render(False)
+        s = self._render(True)
+        return f"int({s})" if self.is_narrow else s
+
+    def render64(self) -> str:
+        """GLSL of type int64_t."""
+        return self._render(True) if self.wide_calc else f"int64_t({self.render()})"
+
+    def _render(self, wide: bool) -> str:
+        raise NotImplementedError
 
     def __add__(self, other: Expr | int) -> Expr:
         return add(self, num(other) if isinstance(other, int) else other)
@@ -33,8 +76,6 @@ class Expr:
     def __mod__(self, c: int) -> Expr:
         return mod(self, c)
 
-    def render(self) -> str:
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -49,20 +90,33 @@ class Num(Expr):
     def hi(self) -> int:
         return self.v
 
-    def render(self) -> str:
-        return str(self.v) if self.v >= 0 else f"({self.v})"
+    def _render(self, wide: bool) -> str:
+        return lit(self.v, wide)
+
+    def render64(self) -> str:
+        return lit(self.v, True)
 
 
 @dataclass(frozen=True)
 class Var(Expr):
-    """A GLSL int expression treated as opaque, known to lie in [lo, hi]."""
+    """A GLSL integer expression treated as opaque, known to lie in [lo, hi]: an int where those bounds fit, an
+    int64_t where they do not or where `wide` says it is one anyway (a loop counter that passes 2^31 on its last
+    step)."""
 
     name: str
     lo: int = field(compare=False)
     hi: int = field(compare=False)
+    wide: bool = field(default=False, compare=False)
+
+    @cached_property
+    def is_narrow(self) -> bool:
+        return narrow(self.lo, self.hi) and not self.wide
 
     def render(self) -> str:
         return self.name
+
+    def render64(self) -> str:
+        return self.name if not self.is_narrow else f"int64_t({self.name})"
 
 
 @dataclass(frozen=True)
@@ -78,8 +132,12 @@ class Mul(Expr):
     def hi(self) -> int:
         return max(self.x.lo * self.c, self.x.hi * self.c)
 
-    def render(self) -> str:
-        return f"({self.x.render()}*{self.c})" if self.c >= 0 else f"({self.x.render()}*({self.c}))"
+    @cached_property
+    def wide_calc(self) -> bool:
+        return not (self.is_narrow and self.x.is_narrow and narrow(self.c, self.c))
+
+    def _render(self, wide: bool) -> str:
+        return f"({self.x.render64() if wide else self.x.render()}*{lit(self.c, wide)})"
 
 
 @dataclass(frozen=True)
@@ -95,8 +153,12 @@ class Div(Expr):
     def hi(self) -> int:
         return self.x.hi // self.c
 
-    def render(self) -> str:
-        return f"({self.x.render()}/{self.c})"
+    @cached_property
+    def wide_calc(self) -> bool:
+        return not (self.x.is_narrow and narrow(self.c, self.c))
+
+    def _render(self, wide: bool) -> str:
+        return f"({self.x.render64() if wide else self.x.render()}/{lit(self.c, wide)})"
 
 
 @dataclass(frozen=True)
@@ -112,8 +174,12 @@ class Mod(Expr):
     def hi(self) -> int:
         return min(self.c - 1, self.x.hi) if self.x.lo >= 0 else self.c - 1
 
-    def render(self) -> str:
-        return f"({self.x.render()}%{self.c})"
+    @cached_property
+    def wide_calc(self) -> bool:
+        return not (self.x.is_narrow and narrow(self.c, self.c))
+
+    def _render(self, wide: bool) -> str:
+        return f"({self.x.render64() if wide else self.x.render()}%{lit(self.c, wide)})"
 
 
 @dataclass(frozen=True)
@@ -129,10 +195,19 @@ class Sum(Expr):
     def hi(self) -> int:
         return self.const + sum(max(b.lo * k, b.hi * k) for b, k in self.terms)
 
-    def render(self) -> str:
-        parts = [b.render() if k == 1 else Mul(b, k).render() for b, k in self.terms]
+    @cached_property
+    def wide_calc(self) -> bool:
+        # every partial sum stays within the sum of the terms' magnitudes
+        span = abs(self.const) + sum(max(abs(b.lo * k), abs(b.hi * k)) for b, k in self.terms)
+        return span >= NARROW or any(not b.is_narrow for b, _ in self.terms)
+
+    def _render(self, wide: bool) -> str:
+        if wide:
+            parts = [b.render64() if k == 1 else Mul(b, k)._render(True) for b, k in self.terms]
+        else:
+            parts = [b.render() if k == 1 else Mul(b, k).render() for b, k in self.terms]
         if self.const:
-            parts.append(str(self.const) if self.const > 0 else f"({self.const})")
+            parts.append(lit(self.const, wide))
         return "(" + " + ".join(parts) + ")"
 
 
@@ -265,7 +340,7 @@ def in_range(e: Expr, lo: int, hi: int) -> list[str]:
         return ["false"]
     out = []
     if e.lo < lo:
-        out.append(f"{e.render()} >= {lo}")
+        out.append(f"{e.render()} >= {lit(lo, not e.is_narrow)}")
     if e.hi >= hi:
-        out.append(f"{e.render()} < {hi}")
+        out.append(f"{e.render()} < {lit(hi, not e.is_narrow)}")
     return out
