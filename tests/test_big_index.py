@@ -10,6 +10,7 @@ import importlib
 import numpy as np
 import pytest
 
+import vkgraph
 import vkgraph.realize as realize_mod
 from vkgraph.codegen import symbolic
 from vkgraph.realize import count_kernels, limits
@@ -98,15 +99,11 @@ def narrow_4096(monkeypatch):
     """Index values past 4095 count as 64-bit: every path that sizes past 2^31 take runs on a few thousand
     elements. The lowering and schedule caches are emptied around the test, as the bound is not part of their
     keys."""
-    def clear():
-        lower_mod._CACHE.clear()
-        realize_mod._PLANS.clear()
-
-    clear()
+    vkgraph.clear_caches()
     monkeypatch.setattr(symbolic, "NARROW", 1 << 12)
     yield
     monkeypatch.undo()
-    clear()
+    vkgraph.clear_caches()
 
 
 def _glsl(t: Tensor) -> str:
