@@ -19,10 +19,10 @@ import itertools
 import numpy as np
 from common import cuda_torch, replay_us, torch_time_us
 
-from vkgraph.ops import matvec as mv
-from vkgraph.ops import paged_attention as pa
 from vkgraph.quant import FORMATS
 from vkgraph.runtime import get_device
+from vkgraph.templates import matvec as mv
+from vkgraph.templates import paged_attention as pa
 
 MATVEC_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 MATVEC_FORMATS = ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16"]

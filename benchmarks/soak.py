@@ -21,7 +21,7 @@ import numpy as np
 from vkgraph import Tensor, jit
 from vkgraph.nn.engine import Engine
 from vkgraph.nn.llama import LlamaModel
-from vkgraph.nn.ops import QuantLinear
+from vkgraph.nn.template_ops import QuantLinear
 from vkgraph.nn.weights import load_weights
 from vkgraph.quant import quantize
 from vkgraph.runtime import get_device

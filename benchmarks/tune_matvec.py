@@ -7,8 +7,8 @@ For each format, shape (bench_kernels.MATVEC_SHAPES) and number of activation ro
 WGS and rows-per-workgroup choice in ROWS (with and without the integer dot-product path for mv.INT_DOT_FORMATS,
 where the device has it) is timed as bench_kernels times it (calls replayed from a captured
 command graph, weights cycled past the L2). Prints GB/s of weight bytes for the chosen
-configuration (vkgraph.ops.matvec.choose_config) and the best one found, then the best per batch as a
-Python literal to compare with PREFERRED and BATCH_ROWS in vkgraph/ops/matvec.py.
+configuration (vkgraph.templates.matvec.choose_config) and the best one found, then the best per batch as a
+Python literal to compare with PREFERRED and BATCH_ROWS in vkgraph/templates/matvec.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import argparse
 import numpy as np
 from bench_kernels import MATVEC_SHAPES, _copies, _random_weights, _release_weights, matvec_us
 
-from vkgraph.ops import matvec as mv
 from vkgraph.quant import FORMATS
 from vkgraph.runtime import get_device
+from vkgraph.templates import matvec as mv
 
 WGS = (32, 64, 128, 256)
 ROWS = (1, 2, 4, 8)

@@ -71,7 +71,7 @@ def test_int8_activations_stay_close_to_the_reference(models, kind, monkeypatch)
     """VKGRAPH_INT_DOT=1: every quantized matvec takes int8-quantized activations; prefill and decode logits
     stay within the int8 rounding's reach of the float reference (about 1-2% of the largest logit here).
     (Not asserted for MoE: there the rounding can flip a near-tied routing choice, which moves that token's
-    logits by ~10%; the expert-indexed kernel's int8 path is checked exactly in test_kernels_matvec.)"""
+    logits by ~10%; the expert-indexed kernel's int8 path is checked exactly in test_templates_matvec.)"""
     from vkgraph import templates
     from vkgraph.runtime import get_device
 

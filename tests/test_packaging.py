@@ -90,7 +90,7 @@ import numpy as np
 
 import vkgraph
 from vkgraph import Tensor, quant, templates
-from vkgraph.nn.ops import QuantLinear
+from vkgraph.nn.template_ops import QuantLinear
 
 env = Path(sys.argv[1]).resolve()
 assert env in Path(vkgraph.__file__).resolve().parents, vkgraph.__file__

@@ -1,7 +1,7 @@
 """Paged KV cache bookkeeping on the host: which physical blocks hold which sequence's keys and values.
 
 No GPU here. The cache tensors themselves ([num_blocks, kv_heads, block_size, head_dim], see
-`vkgraph.ops.paged_attention`) are indexed by what this module hands out: block tables, context lengths and the
+`vkgraph.templates.paged_attention`) are indexed by what this module hands out: block tables, context lengths and the
 slot (block * block_size + offset) each new token's key and value are written to.
 
 Prefix caching: once a FULL block's tokens are computed, the block is indexed by a hash chained over everything

@@ -1,4 +1,4 @@
-"""Layers of a Llama-family model, in plain Tensor code plus the template ops of vkgraph.nn.ops.
+"""Layers of a Llama-family model, in plain Tensor code plus the template ops of vkgraph.nn.template_ops.
 
 Each layer takes its weights as loaded by vkgraph.nn.weights (numpy arrays or QuantizedTensors) and puts them
 on the device once. Activations are float32 Tensors shaped (tokens, features): a batch of sequences is packed
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dtype import dtypes
-from ..ops.paged_attention import PagedKVCache
 from ..quant import QuantizedTensor, dequantize, stack_rows
+from ..templates.paged_attention import PagedKVCache
 from ..tensor import Tensor, cat
 from .config import ModelConfig
-from .ops import ExpertLinear, QuantLinear, paged_decode, prefill_attention, write_kv
+from .template_ops import ExpertLinear, QuantLinear, paged_decode, prefill_attention, write_kv
 
 
 class Linear:

@@ -9,8 +9,8 @@ The forward pass is plain Tensor code: read it as the reference for writing your
 
 from __future__ import annotations
 
-from ..ops.paged_attention import PagedKVCache
 from ..runtime import get_device
+from ..templates.paged_attention import PagedKVCache
 from ..tensor import Tensor
 from .config import ModelConfig
 from .layers import MLP, Attention, Embedding, Linear, MoE, RMSNorm, RotaryEmbedding, StepInputs

@@ -7,7 +7,7 @@ those tests are not part of the session (a single file was selected), it skips r
 import os
 
 import pytest
-import test_kernels_common as common
+import test_templates_common as common
 
 from vkgraph import templates
 
@@ -26,8 +26,8 @@ def test_every_template_dispatched_and_checked(request):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker sees only its own share of the tests
         pytest.skip("the records are per process; run the template tests without -n to check coverage")
     ran = {item.path.name for item in request.session.items}
-    template_tests = {p.name for p in request.path.parent.glob("test_kernels_*.py")} - {request.path.name,
-                                                                                        "test_kernels_common.py"}
+    template_tests = {p.name for p in request.path.parent.glob("test_templates_*.py")} - {request.path.name,
+                                                                                        "test_templates_common.py"}
     if not template_tests <= ran:
         pytest.skip(f"needs the template tests in this session; not selected: {sorted(template_tests - ran)}")
     names = set(templates.registry())

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .. import templates
 from ..runtime import Device
+from . import catalog
 from .common import check_binding_range, check_buffer, grid_2d
 
 KV_DTYPES = {"f16": 2, "f32": 4}
@@ -86,9 +86,9 @@ def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mappin
     check_buffer("slot_mapping", slot_mapping, num_tokens * 4)
     wg = 256
     words = num_tokens * cache.num_kv_heads * cache.head_size // (2 if cache.dtype == "f16" else 1)
-    kern = templates.compile(dev, "kv_write", spec={"WG": wg}, defines=_defines(dev, cache.head_size, cache.dtype))
+    kern = catalog.compile(dev, "kv_write", spec={"WG": wg}, defines=_defines(dev, cache.head_size, cache.dtype))
     groups = grid_2d(dev, -(-words // wg))
-    templates.dispatch(dev, kern, [key, value, slot_mapping, cache.key, cache.value], groups,
+    catalog.dispatch(dev, kern, [key, value, slot_mapping, cache.key, cache.value], groups,
                      push={"num_tokens": num_tokens, "num_kv_heads": cache.num_kv_heads,
                            "head_size": cache.head_size, "block_size": cache.block_size,
                            "groups_x": groups[0]})
@@ -148,16 +148,16 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
         part_ml = dev.alloc(num_seqs * num_heads * parts * 8)
     else:
         part_o = part_ml = out  # bound but never written
-    kern = templates.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
+    kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
                            defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile))
     push = {"num_kv_heads": hkv, "block_size": cache.block_size, "max_blocks": max_blocks_per_seq,
             "scale": 1.0 / math.sqrt(d) if scale is None else scale, "window": window,
             "part_tokens": part_tokens, "max_parts": parts}
-    templates.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml],
+    catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml],
                      (parts, hkv, num_seqs), push=push)
     if part_tokens:
-        red = templates.compile(dev, "paged_reduce", spec={"WG": min(ATTN_WG, d)})
-        templates.dispatch(dev, red, [part_o, part_ml, context_lens, out], (num_heads, num_seqs, 1),
+        red = catalog.compile(dev, "paged_reduce", spec={"WG": min(ATTN_WG, d)})
+        catalog.dispatch(dev, red, [part_o, part_ml, context_lens, out], (num_heads, num_seqs, 1),
                          push={"num_heads": num_heads, "head_size": d, "part_tokens": part_tokens,
                                "max_parts": parts})
     return out
@@ -191,9 +191,9 @@ def prefill_attention(dev: Device, q: Any, k: Any, v: Any, cu_seqlens: Any, *, n
                       or _shared_bytes(qt * group, TILES[-1], head_size, kv_dtype) > limit):
         qt //= 2
     tile = _choose_tile(dev, qt * group, head_size, kv_dtype)
-    kern = templates.compile(dev, "prefill_attention", spec={"WG": ATTN_WG},
+    kern = catalog.compile(dev, "prefill_attention", spec={"WG": ATTN_WG},
                            defines=_defines(dev, head_size, kv_dtype, GROUP=group, QT=qt, TILE=tile))
-    templates.dispatch(dev, kern, [q, k, v, cu_seqlens, out], (-(-max_seq_len // qt), num_kv_heads, num_seqs),
+    catalog.dispatch(dev, kern, [q, k, v, cu_seqlens, out], (-(-max_seq_len // qt), num_kv_heads, num_seqs),
                      push={"num_kv_heads": num_kv_heads,
                            "scale": 1.0 / math.sqrt(head_size) if scale is None else scale, "window": window})
     return out

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_kernels_common import check, device, snapshot, upload
+from test_templates_common import check, device, snapshot, upload
 
-from vkgraph.ops import paged_attention as pa
+from vkgraph.templates import paged_attention as pa
 
 HEADS = [64, 80, 96, 128, 256]
 NP_KV = {"f16": np.float16, "f32": np.float32}

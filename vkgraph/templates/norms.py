@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import templates
 from ..runtime import Device
+from . import catalog
 from .common import check_buffer, grid_2d, pow2_floor
 
 ROW_WG = 128
@@ -29,8 +29,8 @@ def rmsnorm(dev: Device, x: Any, weight: Any, rows: int, n: int, *, eps: float =
     check_buffer("weight", weight, n * 4)
     out = out if out is not None else dev.alloc(rows * n * 4)
     check_buffer("out", out, rows * n * 4)
-    kern = templates.compile(dev, "rmsnorm", spec={"WG": _row_wg(dev, n)})
-    templates.dispatch(dev, kern, [x, weight, out], (rows, 1, 1), push={"n": n, "eps": eps})
+    kern = catalog.compile(dev, "rmsnorm", spec={"WG": _row_wg(dev, n)})
+    catalog.dispatch(dev, kern, [x, weight, out], (rows, 1, 1), push={"n": n, "eps": eps})
     return out
 
 
@@ -40,8 +40,8 @@ def softmax(dev: Device, x: Any, rows: int, n: int, *, scale: float = 1.0, out: 
     check_buffer("x", x, rows * n * 4)
     out = out if out is not None else dev.alloc(rows * n * 4)
     check_buffer("out", out, rows * n * 4)
-    kern = templates.compile(dev, "softmax", spec={"WG": _row_wg(dev, n)})
-    templates.dispatch(dev, kern, [x, out], (rows, 1, 1), push={"n": n, "scale": scale})
+    kern = catalog.compile(dev, "softmax", spec={"WG": _row_wg(dev, n)})
+    catalog.dispatch(dev, kern, [x, out], (rows, 1, 1), push={"n": n, "scale": scale})
     return out
 
 
@@ -51,8 +51,8 @@ def argmax(dev: Device, x: Any, rows: int, n: int, *, out: Any | None = None) ->
     check_buffer("x", x, rows * n * 4)
     out = out if out is not None else dev.alloc(rows * 4)
     check_buffer("out", out, rows * 4)
-    kern = templates.compile(dev, "argmax", spec={"WG": _row_wg(dev, n)})
-    templates.dispatch(dev, kern, [x, out], (rows, 1, 1), push={"n": n})
+    kern = catalog.compile(dev, "argmax", spec={"WG": _row_wg(dev, n)})
+    catalog.dispatch(dev, kern, [x, out], (rows, 1, 1), push={"n": n})
     return out
 
 
@@ -64,7 +64,7 @@ def swiglu(dev: Device, gate: Any, up: Any, n: int, *, out: Any | None = None) -
     check_buffer("out", out, n * 4)
     wg = 256
     groups = grid_2d(dev, -(-n // wg))
-    templates.dispatch(dev, templates.compile(dev, "swiglu", spec={"WG": wg}), [gate, up, out], groups,
+    catalog.dispatch(dev, catalog.compile(dev, "swiglu", spec={"WG": wg}), [gate, up, out], groups,
                      push={"n": n, "groups_x": groups[0]})
     return out
 
@@ -78,8 +78,8 @@ def rope(dev: Device, x: Any, positions: Any, tokens: int, heads: int, head_size
     check_buffer("positions", positions, tokens * 4)
     wg = 256
     groups = grid_2d(dev, -(-(tokens * heads * head_size // 2) // wg))
-    kern = templates.compile(dev, "rope", spec={"WG": wg}, defines={"NEOX": 1} if neox else None)
-    templates.dispatch(dev, kern, [x, positions], groups,
+    kern = catalog.compile(dev, "rope", spec={"WG": wg}, defines={"NEOX": 1} if neox else None)
+    catalog.dispatch(dev, kern, [x, positions], groups,
                      push={"tokens": tokens, "heads": heads, "head_size": head_size, "base": base,
                            "groups_x": groups[0]})
     return x

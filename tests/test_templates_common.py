@@ -1,7 +1,7 @@
 """Shared by the template tests: the numpy comparison, and the record of which templates it has checked.
 
 `check` compares a result with a float64 numpy reference by normalised error (||got - ref|| / ||ref||) and
-marks every template dispatched since `snapshot()` as checked; test_kernels_zz_coverage.py then asserts
+marks every template dispatched since `snapshot()` as checked; test_templates_zz_coverage.py then asserts
 that every template in vkgraph/templates/glsl/ was registered, dispatched and checked.
 """
 

@@ -2,15 +2,15 @@
 
 import numpy as np
 import pytest
-from test_kernels_common import normalised_error
+from test_templates_common import normalised_error
 
 from vkgraph.jit import jit
-from vkgraph.nn import ops as nn_ops
-from vkgraph.nn.ops import QuantLinear, paged_decode, prefill_attention, write_kv
-from vkgraph.ops.paged_attention import PagedKVCache
+from vkgraph.nn import template_ops
+from vkgraph.nn.template_ops import QuantLinear, paged_decode, prefill_attention, write_kv
 from vkgraph.quant import dequantize, quantize
 from vkgraph.realize import count_kernels
 from vkgraph.runtime import get_device
+from vkgraph.templates.paged_attention import PagedKVCache
 from vkgraph.tensor import Tensor
 
 
@@ -46,7 +46,7 @@ def test_quant_linear_many_rows_dequantizes_to_f16(fmt):
     lin = QuantLinear(qt)
     if not lin.can_dequantize:
         pytest.skip("no float16 on this device")
-    rows = nn_ops.DEQUANT_ROWS + 3
+    rows = template_ops.DEQUANT_ROWS + 3
     x = rng.standard_normal((rows, 512)).astype(np.float32)
     r = rng.standard_normal((rows, 72)).astype(np.float32)
     with count_kernels() as c:
@@ -69,12 +69,12 @@ def _dequantizing_linear(seed: int, rows: int, fmt: str):
 
 def test_quant_linear_threshold_and_shared_weight():
     rng, lin, w = _dequantizing_linear(8, 64, "Q4_K")
-    below = rng.standard_normal((nn_ops.DEQUANT_ROWS - 1, 256)).astype(np.float32)
+    below = rng.standard_normal((template_ops.DEQUANT_ROWS - 1, 256)).astype(np.float32)
     with count_kernels() as c:
         got = lin(Tensor(below)).numpy()
     assert not any(n.startswith("dequant") for n in c.names)
     assert normalised_error(got, below @ w.T) <= 5e-4
-    x = rng.standard_normal((2, nn_ops.DEQUANT_ROWS // 2, 256)).astype(np.float32)  # rows counted over all axes
+    x = rng.standard_normal((2, template_ops.DEQUANT_ROWS // 2, 256)).astype(np.float32)  # rows counted over all axes
     with count_kernels() as c:
         got = (lin(Tensor(x)) + lin(Tensor(x * 2))).numpy()
     assert [n for n in c.names if n.startswith("dequant")] == ["dequant_f16_Q4_K"]  # one W_f16 for both
@@ -86,8 +86,8 @@ def test_quant_linear_dequantize_path_in_jit():
     rng, lin, w = _dequantizing_linear(9, 96, "Q6_K")
     step = jit(lambda x, r: lin(x, residual=r).relu())
     for _ in range(4):  # eager, capture, replay, replay
-        x = rng.standard_normal((nn_ops.DEQUANT_ROWS, 256)).astype(np.float32)
-        r = rng.standard_normal((nn_ops.DEQUANT_ROWS, 96)).astype(np.float32)
+        x = rng.standard_normal((template_ops.DEQUANT_ROWS, 256)).astype(np.float32)
+        r = rng.standard_normal((template_ops.DEQUANT_ROWS, 96)).astype(np.float32)
         got = step(Tensor(x), Tensor(r)).numpy()
         assert normalised_error(got, np.maximum(x @ w.T + r, 0)) <= F16_TOL
     assert len(step.cache) == 1

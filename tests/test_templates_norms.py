@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels_common import check, device, snapshot, upload
+from test_templates_common import check, device, snapshot, upload
 
-from vkgraph.ops import norms
+from vkgraph.templates import norms
 
 shapes = st.tuples(st.integers(1, 6), st.integers(1, 5000))
 

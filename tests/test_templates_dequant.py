@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_kernels_common import check, device, snapshot, upload, weights
+from test_templates_common import check, device, snapshot, upload, weights
 
 from vkgraph import quant
-from vkgraph.ops import common
-from vkgraph.ops import dequant as dq
-from vkgraph.ops import matvec as mv
+from vkgraph.templates import common
+from vkgraph.templates import dequant as dq
+from vkgraph.templates import matvec as mv
 
 FORMATS = sorted(mv.TEMPLATE)
 

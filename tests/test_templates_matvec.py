@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_kernels_common import check, device, snapshot, upload, weights
+from test_templates_common import check, device, snapshot, upload, weights
 
 from vkgraph import quant
-from vkgraph.ops import matvec as mv
+from vkgraph.templates import matvec as mv
 
 FORMATS = sorted(mv.TEMPLATE)
 
@@ -137,7 +137,7 @@ def test_matvec_id_2d_grid(monkeypatch):
     """Workgroups folded into y (as past 65535 on a real device): the padding workgroups store nothing."""
     from types import SimpleNamespace
 
-    from vkgraph.ops import common
+    from vkgraph.templates import common
 
     few = SimpleNamespace(info=SimpleNamespace(max_workgroup_count=(7, 65535, 65535)))
     monkeypatch.setattr(mv, "grid_2d", lambda dev, groups: common.grid_2d(few, groups))

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import templates
 from ..flags import flag
 from ..quant import QuantFormat, QuantizedTensor, kernel_layout, stack_rows
 from ..runtime import Device
+from . import catalog
 from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
 
 TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_1": "matvec_q4_1", "Q5_0": "matvec_q5_0",
@@ -170,7 +170,7 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             defines["W_BF16"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
                 "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
-        kern = weights.kernels[key] = templates.compile(dev, TEMPLATE[weights.format.name], spec=spec,
+        kern = weights.kernels[key] = catalog.compile(dev, TEMPLATE[weights.format.name], spec=spec,
                                                       defines=defines)
     return kern
 
@@ -212,7 +212,7 @@ def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x
     acts = [x, w, w]
     if cfg.int_dot:
         acts = list(quantize_activations(dev, x, x_rows, weights.shape[1], act_dtype))
-    templates.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:]],
+    catalog.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:]],
                      groups, push={"n_rows": weights.shape[0] // n_experts, "k": weights.shape[1],
                                    "w_stride": weights.w_stride, "s_stride": weights.s_stride, "groups_x": groups[0],
                                    "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
@@ -239,9 +239,9 @@ def quantize_activations(dev: Device, x: Any, rows: int, k: int, act_dtype: str 
     n_blocks = rows * k // 32
     xq, xd, xs = dev.alloc(rows * k), dev.alloc(n_blocks * 4), dev.alloc(n_blocks * 8)
     wg = 64
-    kern = templates.compile(dev, "quantize_q8", spec={"WG": wg}, defines={"A_F16": 1} if act_dtype == "f16" else None)
+    kern = catalog.compile(dev, "quantize_q8", spec={"WG": wg}, defines={"A_F16": 1} if act_dtype == "f16" else None)
     groups = grid_2d(dev, -(-n_blocks // wg))
-    templates.dispatch(dev, kern, [x, xq, xd, xs], groups, push={"n_blocks": n_blocks, "groups_x": groups[0]})
+    catalog.dispatch(dev, kern, [x, xq, xd, xs], groups, push={"n_blocks": n_blocks, "groups_x": groups[0]})
     return xq, xd, xs
 
 

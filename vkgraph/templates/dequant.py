@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import templates
 from ..quant import BLOCK_PAD, SPLIT
 from ..runtime import Device
+from . import catalog
 from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
 from .matvec import UNIT_ELEMS, DeviceWeights
 
@@ -53,10 +53,10 @@ def dequantize_f16(dev: Device, weights: DeviceWeights, out: Any | None = None) 
         out = dev.alloc(nbytes)
     check_buffer("out", out, nbytes)
     wg = min(WG, pow2_floor(dev.info.max_workgroup_invocations))
-    kern = templates.compile(dev, "dequant_f16", spec={"WG": wg}, defines={f"W_{fmt}": 1})
+    kern = catalog.compile(dev, "dequant_f16", spec={"WG": wg}, defines={f"W_{fmt}": 1})
     groups = grid_2d(dev, -(-n * (k // unit) // wg))
     w = weights.body
-    templates.dispatch(dev, kern, [w, weights.scales or w, out], groups,
+    catalog.dispatch(dev, kern, [w, weights.scales or w, out], groups,
                      push={"n_rows": n, "k": k, "w_stride": weights.w_stride, "s_stride": weights.s_stride,
                            "groups_x": groups[0]})
     return out

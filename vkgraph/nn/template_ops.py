@@ -1,6 +1,7 @@
 """Hand-tuned templates as Tensor ops: their inputs are realized, their output feeds generated kernels.
 
-Each function wraps one template op from vkgraph.ops in a `custom` graph node. The node's key names the
+Each function wraps one template's launcher (vkgraph.templates) in a `custom` graph node: the template as an
+op of the graph. The node's key names the
 weights or cache it works on, so equal calls are shared by the graph like any other node.
 """
 
@@ -10,11 +11,11 @@ import math
 from typing import Any
 
 from ..dtype import dtypes
-from ..ops import dequant as dq
-from ..ops import matvec as mv
-from ..ops import paged_attention as pa
 from ..quant import QuantizedTensor
 from ..runtime import get_device
+from ..templates import dequant as dq
+from ..templates import matvec as mv
+from ..templates import paged_attention as pa
 from ..tensor import Tensor, custom
 
 _MATVEC_ROWS = mv.MAX_BATCH
