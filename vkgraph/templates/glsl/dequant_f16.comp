@@ -1,5 +1,5 @@
 #version 450
-// W as float16 [N, K] row-major, from the matvec templates' layout (vkgraph.ops.matvec.upload_weights), for the
+// W as float16 [N, K] row-major, from the matvec templates' layout (vkgraph.templates.matvec.upload_weights), for the
 // generated matmul to read when a batch has too many rows for the matvec. One define picks the format:
 // W_Q8_0, W_Q4_0, W_Q4_1, W_Q5_0, W_Q5_1, W_Q2_K, W_Q3_K, W_Q4_K, W_Q5_K, W_Q6_K, W_IQ4_NL, W_IQ4_XS (16-byte words in
 // `w`, and for the formats vkgraph.quant.SPLIT names the bytes moved out of each block in `s`), W_F16, W_BF16.
