@@ -243,3 +243,22 @@ def test_kept_analyses_give_the_partition_a_fresh_analysis_gives():
         _naive_boundaries(order, b, realized, max_inputs)
         assert {id(n) for n in a} == {id(n) for n in b}
         assert len(a) > 6
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_thin_product_of_many_inputs_never_materializes_its_broadcast(rows):
+    """A residual stream summed from more buffers than one kernel binds, times a weight matrix: the cut falls on
+    the operand side ([rows, K]), never on the product's [rows, N, K] broadcast before its reduction."""
+    n, k = 96, 40
+    parts = [Tensor(data(rows, k)).realize() for _ in range(20)]
+    w = Tensor(data(k, n)).realize()
+    x = parts[0]
+    for p in parts[1:]:
+        x = x + p
+    out = x @ w
+    sched = create_schedule([out.node], realize_mod.REALIZED)
+    shapes = [tuple(it.root.shape) for it in sched.items]
+    assert all(np.prod(s) <= rows * max(n, k) for s in shapes), shapes
+    xs = sum(p.numpy().astype(np.float64) for p in parts)
+    ref = xs @ w.numpy()
+    assert_close_to_terms(out.numpy(), ref, np.abs(xs) @ np.abs(w.numpy()), 1e-5)

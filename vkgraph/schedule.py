@@ -307,6 +307,14 @@ def _analyze(r: Node, realize: set[Node], realized: Mapping[Node, BufferRef],
                     b |= reads[id(s)]
             reads[id(n)] = b
         cands = [n for n in inner if n is not r and id(n) not in bit and n.op is not Op.VIEW]
+        # never a node past a broadcast (a product's [rows, out, in] before its reduction): materializing it
+        # writes the broadcast out in full; the operand side of the broadcast reads nearly as many buffers
+        broad: set[int] = set()
+        for n in inner:  # sources first; a reduction's result is no broadcast
+            if n.op is not Op.REDUCE and any(id(s) in broad or (s.op is Op.VIEW and s.numel > s.srcs[0].numel)
+                                             for s in n.srcs):
+                broad.add(id(n))
+        cands = [n for n in cands if id(n) not in broad] or cands
         return {max(cands, key=lambda n: reads[id(n)].bit_count())}, []
     heavy = [n for n in reversed(inner) if not boundary(n) and n.op in (Op.REDUCE, Op.MATMUL)]
     if not heavy:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dtype import dtypes
-from ..quant import QuantizedTensor, dequantize, stack_rows
+from ..quant import ROW_ALIGN_ELEMS, QuantizedTensor, dequantize, quantize, stack_rows
 from ..templates.paged_attention import PagedKVCache
 from ..tensor import Tensor, cat
 from .config import ModelConfig
@@ -21,12 +21,17 @@ from .template_ops import ExpertLinear, QuantLinear, paged_decode, prefill_atten
 
 
 class Linear:
-    """y = x @ W.T (+ bias) (+ residual). Quantized weights run the matvec templates; float weights the
-    generated matmul, stored as float16 (float32 accumulation) or float32."""
+    """y = x @ W.T (+ bias) (+ residual). Quantized weights run the matvec templates, and so do float weights kept
+    as float16 (GGUF's F16 rows, K % 8 == 0): a few activation rows read each weight once, where the generated
+    product of a [rows, K] by [K, N] matrix reads W through its transpose. Other float weights run the generated
+    matmul, stored as float16 or float32 (float32 accumulation)."""
 
     def __init__(self, weight: np.ndarray | QuantizedTensor, bias: np.ndarray | None = None,
                  float_dtype: str = "float16") -> None:
         self.out_features, self.in_features = weight.shape
+        if (float_dtype == "float16" and not isinstance(weight, QuantizedTensor)
+                and self.in_features % ROW_ALIGN_ELEMS == 0):
+            weight = quantize(np.asarray(weight, np.float32), "F16")
         if isinstance(weight, QuantizedTensor):
             self.quant: QuantLinear | None = QuantLinear(weight)
             self.weight_t = None
