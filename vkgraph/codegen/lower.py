@@ -40,7 +40,7 @@ from ..graph import (
 from ..graph import alu as alu_node
 from ..schedule import Kernel
 from ..view import Shape, ShapeTracker, View, prod, strides_for
-from . import glsl, symbolic
+from . import glsl, matmul_coop, symbolic
 from .render import MAX_PUSH_FLOATS, MAX_PUSH_OFFSETS, PUSH_BYTES, RESERVED_FIELDS, Renderer, header
 from .symbolic import Expr, Var, lit, unravel
 
@@ -68,6 +68,13 @@ class Limits:
     # device honours
     precise: bool = True
     float_modes: tuple[str, ...] = ()
+    # cooperative matrices at subgroup scope, as (M, N, K, A, B, C, result) type names (empty: none); the
+    # subgroup size they run at; the device (a key of tuned matmul tiles); 16-bit compute asked for float32
+    # products ("float16" or "bfloat16": VKGRAPH_MATMUL_F32_COMPUTE), else "" (exact float32)
+    coop: tuple[tuple[int, int, int, str, str, str, str], ...] = ()
+    subgroup: int = 1
+    device: str = ""
+    f32_compute: str = ""
 
     # Drivers such as NVIDIA's report ~2^32 bindings per stage; a fused kernel never profits from more than
     # a few dozen, and descriptor sets that large cost more to write than the extra kernel launch.
@@ -77,11 +84,19 @@ class Limits:
     def from_info(info: object) -> Limits:
         ieee = bool(flag("VKGRAPH_IEEE"))
         modes = tuple(m for m in glsl.FLOAT_MODES if m in info.float_controls) if ieee else ()
+        coop = tuple((s.m, s.n, s.k, s.a, s.b, s.c, s.result) for s in getattr(info, "cooperative_matrix", ())
+                     if s.scope == "subgroup" and not s.saturating)
+        if not info.float16:  # the fragments are declared as float16_t
+            coop = ()
+        f32_compute = flag("VKGRAPH_MATMUL_F32_COMPUTE")
+        if f32_compute not in ("", "float16", "bfloat16"):
+            raise ValueError(f"VKGRAPH_MATMUL_F32_COMPUTE={f32_compute!r}: expected float16, bfloat16 or empty")
         return Limits(int(info.max_workgroup_invocations), tuple(int(x) for x in info.max_workgroup_count),
                       int(info.max_shared_memory), int(info.max_storage_buffer_range),
                       min(int(info.max_storage_buffers), Limits.BINDING_CAP),
                       "arithmetic" in info.subgroup_ops, int(info.min_subgroup_size), int(info.max_subgroup_size),
-                      bool(info.int64), ieee, modes)
+                      bool(info.int64), ieee, modes, coop, int(info.subgroup_size), f"{info.name}/{info.driver_version}",
+                      f32_compute)
 
 
 @dataclass
@@ -961,6 +976,10 @@ def _lower(k: Kernel, lim: Limits, params: dict[int, int], dyn: _Dynamic | None)
     nodes = k.root.toposort()
     mms = [n for n in nodes if n.op is Op.MATMUL]
     if mms:
+        compute = matmul_coop.compute_type(mms[0], lim)
+        lowered = matmul_coop.lower_coop(k, mms[0], lim, params, compute=compute) if compute else None
+        if lowered is not None:
+            return lowered
         return _matmul(k, mms[0], lim, params)
     if any(n.op is Op.REDUCE for n in nodes):
         return _reduce(k, lim, params, dyn=dyn)

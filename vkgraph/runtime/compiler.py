@@ -20,6 +20,7 @@ from pathlib import Path
 from ..caches import LRU
 from ..flags import flag
 from .errors import CompileError
+from .spirv import BF16_FRAGMENTS, mark_bfloat16
 
 _CDEF = """
 typedef struct glslang_shader_s glslang_shader_t;
@@ -219,6 +220,8 @@ class Compiler:
         else:
             self.stats.misses += 1
             spirv = self.impl.compile(with_defines(source, defines), target)
+            if BF16_FRAGMENTS in source:
+                spirv = mark_bfloat16(spirv)
             self._store(key, spirv)
         self.memory.put(key, spirv)
         return spirv

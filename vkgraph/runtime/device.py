@@ -31,6 +31,38 @@ _SUBGROUP_OPS = {
     vk.VK_SUBGROUP_FEATURE_CLUSTERED_BIT: "clustered", vk.VK_SUBGROUP_FEATURE_QUAD_BIT: "quad",
 }
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
+COOP_EXT = "VK_KHR_cooperative_matrix"
+BF16_EXT = "VK_KHR_shader_bfloat16"
+# VK_KHR_shader_bfloat16 postdates the `vulkan` package: its struct type and component type by value
+_STYPE_BF16_FEATURES = 1000141000
+_COMPONENT_NAMES = {
+    vk.VK_COMPONENT_TYPE_FLOAT16_KHR: "float16", vk.VK_COMPONENT_TYPE_FLOAT32_KHR: "float32",
+    vk.VK_COMPONENT_TYPE_FLOAT64_KHR: "float64", vk.VK_COMPONENT_TYPE_SINT8_KHR: "int8",
+    vk.VK_COMPONENT_TYPE_SINT16_KHR: "int16", vk.VK_COMPONENT_TYPE_SINT32_KHR: "int32",
+    vk.VK_COMPONENT_TYPE_SINT64_KHR: "int64", vk.VK_COMPONENT_TYPE_UINT8_KHR: "uint8",
+    vk.VK_COMPONENT_TYPE_UINT16_KHR: "uint16", vk.VK_COMPONENT_TYPE_UINT32_KHR: "uint32",
+    vk.VK_COMPONENT_TYPE_UINT64_KHR: "uint64", 1000141000: "bfloat16",
+}
+_SCOPE_NAMES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
+
+
+@dataclass(frozen=True)
+class CoopShape:
+    """One cooperative-matrix configuration the device supports: result (M x N) += A (M x K) * B (K x N)."""
+
+    m: int
+    n: int
+    k: int
+    a: str  # component type names, as vkgraph's dtypes spell them
+    b: str
+    c: str
+    result: str
+    scope: str
+    saturating: bool = False
+
+    def __str__(self) -> str:
+        sat = " saturating" if self.saturating else ""
+        return f"{self.m}x{self.n}x{self.k} {self.a}*{self.b}+{self.c}->{self.result} {self.scope}{sat}"
 
 
 @dataclass
@@ -73,6 +105,10 @@ class DeviceInfo:
     timestamps: bool
     unified_memory: bool
     heaps: list[tuple[int, bool]] = field(default_factory=list)
+    # VK_KHR_cooperative_matrix: the configurations the driver lists (empty where the extension is absent),
+    # and whether bfloat16 may be an operand type of them (VK_KHR_shader_bfloat16)
+    cooperative_matrix: tuple[CoopShape, ...] = ()
+    bfloat16_cooperative_matrix: bool = False
     # float controls the device honours for 32-bit floats (VkPhysicalDeviceVulkan12Properties):
     # "signed_zero_inf_nan_preserve", "denorm_preserve"
     float_controls: frozenset[str] = frozenset()
@@ -95,6 +131,8 @@ class DeviceInfo:
         for k, v in self.__dict__.items():
             if isinstance(v, frozenset):
                 v = ", ".join(sorted(v))
+            elif k == "cooperative_matrix":
+                v = "; ".join(map(str, v)) if v else "none"
             elif k == "heaps":
                 v = "; ".join(f"{s / 2**30:.1f} GiB{' device-local' if d else ''}" for s, d in v)
             elif isinstance(v, int) and not isinstance(v, bool) and v >= 1 << 20:
@@ -199,7 +237,7 @@ class Device:
             raise DeviceError("Vulkan found no physical device (install mesa-vulkan-drivers for lavapipe)")
         handles = ffi.new("VkPhysicalDevice[]", count[0])
         check(lib.vkEnumeratePhysicalDevices(self.instance, count, handles), "vkEnumeratePhysicalDevices")
-        found = [(handles[i], _query_info(handles[i])) for i in range(count[0])]
+        found = [(handles[i], _query_info(handles[i], self.instance)) for i in range(count[0])]
         if selector != "":
             if selector.isdigit():
                 idx = int(selector)
@@ -248,7 +286,20 @@ class Device:
                 setattr(e13, name, getattr(f13, name))
         else:
             e12.pNext = NULL
-        ci = k.struct("VkDeviceCreateInfo", pNext=e2, queueCreateInfoCount=1, pQueueCreateInfos=qci)
+        exts = []
+        tail = e13 if self.info.api_version >= (1, 3, 0) else e12
+        if self.info.cooperative_matrix:  # listed only where the extension and its feature are present
+            exts.append(COOP_EXT)
+            coop = k.struct("VkPhysicalDeviceCooperativeMatrixFeaturesKHR", cooperativeMatrix=1)
+            tail.pNext = coop
+            tail = coop
+        if self.info.bfloat16_cooperative_matrix:
+            exts.append(BF16_EXT)
+            bf16 = _bf16_features(k, enable=True)
+            tail.pNext = bf16
+        names = k.cstr_array(exts)
+        ci = k.struct("VkDeviceCreateInfo", pNext=e2, queueCreateInfoCount=1, pQueueCreateInfos=qci,
+                      enabledExtensionCount=len(exts), ppEnabledExtensionNames=names)
         out = ffi.new("VkDevice*")
         check(lib.vkCreateDevice(self.physical, ci, NULL, out), "vkCreateDevice")
         self.device = out[0]
@@ -351,7 +402,61 @@ def _feature_chain(k: Keep) -> tuple[Any, Any, Any, Any]:
     return f11, f12, f13, f2
 
 
-def _query_info(physical: Any) -> DeviceInfo:
+def _bf16_features(k: Keep, enable: bool = False) -> Any:
+    """VkPhysicalDeviceShaderBfloat16FeaturesKHR laid out by hand: sType, pNext, then three VkBool32
+    (shaderBFloat16Type, shaderBFloat16DotProduct, shaderBFloat16CooperativeMatrix)."""
+    raw = k.new("uint32_t[8]")
+    raw[0] = _STYPE_BF16_FEATURES
+    if enable:
+        raw[4] = raw[6] = 1
+    return ffi.cast("void*", raw)
+
+
+def _device_extensions(physical: Any) -> frozenset[str]:
+    count = ffi.new("uint32_t*")
+    what = "vkEnumerateDeviceExtensionProperties"
+    check(lib.vkEnumerateDeviceExtensionProperties(physical, NULL, count, NULL), what)
+    props = ffi.new("VkExtensionProperties[]", count[0])
+    check(lib.vkEnumerateDeviceExtensionProperties(physical, NULL, count, props), what)
+    return frozenset(ffi.string(props[i].extensionName).decode() for i in range(count[0]))
+
+
+def _cooperative_matrix(physical: Any, instance: Any, exts: frozenset[str]) -> tuple[tuple[CoopShape, ...], bool]:
+    """The driver's cooperative-matrix configurations and whether bfloat16 operands are usable, or ((), False)."""
+    if COOP_EXT not in exts:
+        return (), False
+    k = Keep()
+    coop = k.struct("VkPhysicalDeviceCooperativeMatrixFeaturesKHR")
+    bf16 = _bf16_features(k) if BF16_EXT in exts else NULL
+    coop.pNext = bf16
+    f2 = k.struct("VkPhysicalDeviceFeatures2", pNext=coop)
+    lib.vkGetPhysicalDeviceFeatures2(physical, f2)
+    if not coop.cooperativeMatrix:
+        return (), False
+    bf16_ok = bf16 != NULL and bool(ffi.cast("uint32_t*", bf16)[6]) and bool(ffi.cast("uint32_t*", bf16)[4])
+    name = k.cstr("vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    addr = lib.vkGetInstanceProcAddr(instance, name)
+    if addr == NULL:
+        return (), False
+    fn = ffi.cast("PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", addr)
+    count = ffi.new("uint32_t*")
+    check(fn(physical, count, NULL), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    props = ffi.new("VkCooperativeMatrixPropertiesKHR[]", count[0])
+    for i in range(count[0]):
+        props[i].sType = vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+    check(fn(physical, count, props), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    shapes = []
+    for i in range(count[0]):
+        p = props[i]
+        types = [_COMPONENT_NAMES.get(t, f"type{t}") for t in (p.AType, p.BType, p.CType, p.ResultType)]
+        if "bfloat16" in types[:2] and not bf16_ok:
+            continue
+        shapes.append(CoopShape(p.MSize, p.NSize, p.KSize, *types, _SCOPE_NAMES.get(p.scope, f"scope{p.scope}"),
+                                bool(p.saturatingAccumulation)))
+    return tuple(shapes), bf16_ok
+
+
+def _query_info(physical: Any, instance: Any) -> DeviceInfo:
     k = Keep()
     base = k.new("VkPhysicalDeviceProperties*")
     lib.vkGetPhysicalDeviceProperties(physical, base)
@@ -382,6 +487,7 @@ def _query_info(physical: Any) -> DeviceInfo:
     unified = bool(device_local_types) and all((f & host_visible) == host_visible for f in device_local_types)
     ops = frozenset(n for bit, n in _SUBGROUP_OPS.items() if p11.subgroupSupportedOperations & bit)
     dot_accel = has13 and bool(dot.integerDotProduct4x8BitPackedSignedAccelerated)
+    coop, bf16_coop = _cooperative_matrix(physical, instance, _device_extensions(physical))
     return DeviceInfo(
         name=ffi.string(base.deviceName).decode(),
         vendor_id=base.vendorID, device_id=base.deviceID,
@@ -410,7 +516,7 @@ def _query_info(physical: Any) -> DeviceInfo:
                                 lim.maxPerStageResources),
         min_storage_offset_alignment=lim.minStorageBufferOffsetAlignment,
         timestamp_period=lim.timestampPeriod, timestamps=bool(lim.timestampComputeAndGraphics),
-        unified_memory=unified, heaps=heaps,
+        unified_memory=unified, heaps=heaps, cooperative_matrix=coop, bfloat16_cooperative_matrix=bf16_coop,
         float_controls=frozenset(name for name, bit in (
             ("signed_zero_inf_nan_preserve", p12.shaderSignedZeroInfNanPreserveFloat32),
             ("denorm_preserve", p12.shaderDenormPreserveFloat32)) if bit),

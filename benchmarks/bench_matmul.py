@@ -1,0 +1,92 @@
+"""Matrix products on the GPU: vkgraph's generated kernels against torch.matmul in the same process.
+
+    python benchmarks/bench_matmul.py                 # float16 and bfloat16 (where offered), default tiles
+    python benchmarks/bench_matmul.py --tune          # first search tile configurations per shape (codegen.tune)
+
+Shapes (M x K @ K x N): 4096^3, and the Llama-3-8B prefill products of 512 tokens, with the weight stored
+(N, K) and read transposed as `x @ w.T` is (the attention and MLP projections). GPU time per product: vkgraph's
+through a replayed command graph (benchmarks/common.replay_us), PyTorch's through CUDA events; inputs random.
+The last column is the fraction of the dense float16/bfloat16 peak, PEAK_TFLOPS (the H100/H200 SXM datasheet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import replay_us, torch_time_us  # noqa: E402
+
+from vkgraph import realize  # noqa: E402
+from vkgraph.codegen import matmul_coop, tune  # noqa: E402
+from vkgraph.dtype import dtypes  # noqa: E402
+from vkgraph.runtime import get_device  # noqa: E402
+from vkgraph.tensor import Tensor  # noqa: E402
+
+PEAK_TFLOPS = 989.5
+# (label, M, K, N, weight stored transposed)
+SHAPES = [("4096^3", 4096, 4096, 4096, False), ("prefill 512x4096 @ 4096x4096 (w.T)", 512, 4096, 4096, True),
+          ("prefill 512x4096 @ 4096x14336 (w.T)", 512, 4096, 14336, True),
+          ("prefill 512x14336 @ 14336x4096 (w.T)", 512, 14336, 4096, True)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tune", action="store_true", help="search tile configurations for each shape first")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--dtypes", default="float16,bfloat16")
+    args = p.parse_args()
+    dev = get_device()
+    lim = realize.limits()
+    try:
+        import torch
+        torch = torch if torch.cuda.is_available() else None
+    except ImportError:
+        torch = None
+    rng = np.random.default_rng(0)
+    rows = []
+    for dname in args.dtypes.split(","):
+        d = getattr(dtypes, dname)
+        npd = np.float16 if d is dtypes.float16 else ml_dtypes.bfloat16
+        if matmul_coop.fragment(lim, matmul_coop.operand_type(d)) is None:
+            print(f"{dname}: {dev.info.name} has no cooperative matrices for it; the tiled path is measured")
+        for label, m, k, n, wt in SHAPES:
+            flop = 2 * m * n * k
+            x = rng.standard_normal((m, k), dtype=np.float32).astype(npd)
+            w = rng.standard_normal((n, k) if wt else (k, n), dtype=np.float32).astype(npd)
+            if args.tune and matmul_coop.fragment(lim, matmul_coop.operand_type(d)) is not None:
+                best, times = tune.search(m, n, k, dname, reps=10)
+                spread = ", ".join(f"{c.bm}x{c.bn}x{c.bk}/{c.wm}x{c.wn} {flop / t / 1e6:.0f}"
+                                   for c, t in sorted(times.items(), key=lambda kv: kv[1]))
+                print(f"{dname} {label}: tuned TFLOP/s {spread}", flush=True)
+            tx, tw = Tensor(x).realize(), Tensor(w).realize()
+            b = tw.T if wt else tw
+            ref = (x[:64].astype(np.float64) @ (w.T if wt else w).astype(np.float64))
+            got = (tx[:64] @ b).numpy().astype(np.float64)
+            err = np.max(np.abs(got - ref) / (np.abs(x[:64].astype(np.float64)) @ np.abs((w.T if wt else w)
+                                                                                         .astype(np.float64))))
+            us = replay_us(dev, lambda tx=tx, b=b: (tx @ b).realize(), args.reps, per_graph=20)
+            vk = flop / us / 1e6
+            row = [f"{dname} {label}", f"{vk:.1f}", "", "", f"{vk / PEAK_TFLOPS:.1%}", f"{err:.1e}"]
+            if torch is not None:
+                tdt = torch.float16 if d is dtypes.float16 else torch.bfloat16
+                txx = torch.from_numpy(x.astype(np.float32)).cuda().to(tdt)
+                tww = torch.from_numpy(w.astype(np.float32)).cuda().to(tdt)
+                tb = tww.T if wt else tww
+                pt = flop / torch_time_us(torch, lambda txx=txx, tb=tb: txx @ tb, 20) / 1e6
+                row[2:4] = [f"{pt:.1f}", f"{vk / pt:.2f}"]
+            rows.append(row)
+            print("  ".join(row), flush=True)
+    print(f"\nGPU: {dev.info.name}; TFLOP/s; peak {PEAK_TFLOPS} dense (datasheet)")
+    header = ["product", "vkgraph", "torch", "ratio", "of peak", "max err/|a||b|"]
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(v.ljust(wd) for v, wd in zip(r, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    main()

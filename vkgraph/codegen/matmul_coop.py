@@ -1,0 +1,451 @@
+"""Matrix products on cooperative matrices (VK_KHR_cooperative_matrix: tensor cores, matrix cores, XMX).
+
+A workgroup computes a BM x BN tile of the output with WM x WN subgroups, each holding a (BM/WM) x (BN/WN)
+block of float32 accumulator fragments. Slices BK deep of both operands are staged through shared memory as
+16-byte chunks (8 16-bit values), double-buffered: the next slice is read from memory into registers while the
+subgroups multiply the current one, then written to the other buffer, with one barrier per slice. Operands
+that are plain buffers or strided views of them, with 8-element-aligned rows, are read as 16-byte vectors;
+anything else (fused producers, pads, broadcasts, odd strides) is read element by element through the
+renderer, with the same shared layout. Out-of-range rows and columns read as zero, so any M, N and K work.
+The elementwise epilogue runs per output element: each subgroup stores a row of its fragments to shared
+memory and its invocations apply the fused elementwise code and store through the kernel's output view.
+
+bfloat16 operands use the same program with the fragment type renamed in the SPIR-V (see runtime.compiler):
+glslang of this vintage cannot spell bfloat16_t, but the operands never leave shared memory as values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..dtype import DType, dtypes
+from ..graph import Node, Op
+from ..runtime.spirv import BF16_FRAGMENTS
+from ..view import prod
+from . import glsl
+from .render import Renderer
+from .symbolic import Var, unravel
+
+if TYPE_CHECKING:
+    from ..schedule import Kernel
+    from .lower import Limits, Lowered
+
+_OPERAND_TYPES = {dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
+# The SPIR-V of a program whose source holds this line gets its float16 fragment type marked bfloat16 by the
+# compiler (runtime/spirv.py holds the same text; codegen does not import the runtime)
+BF16_FRAGMENTS = "// vkgraph: float16_t fragments are bfloat16"
+GROUP_M = 8  # output tiles walked column-block by column-block in groups of 8 rows, for L2 reuse
+
+
+@dataclass(frozen=True)
+class Config:
+    """A tile configuration: workgroup tile BM x BN, slice depth BK, WM x WN subgroups."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 32
+    wm: int = 2
+    wn: int = 2
+
+    def shared_bytes(self) -> int:
+        # two stages of both operand tiles, 8 elements of padding per staged row
+        return 2 * 2 * ((self.bm + self.bn) * (self.bk + 8))
+
+    def fits(self, frag: tuple[int, int, int], lim: Limits) -> bool:
+        fm, fn, fk = frag
+        return (self.bm % (self.wm * fm) == 0 and self.bn % (self.wn * fn) == 0 and self.bk % fk == 0
+                and self.bk % 8 == 0 and self.wm * self.wn * lim.subgroup <= lim.max_invocations
+                and self.shared_bytes() <= lim.max_shared)
+
+
+CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 128, 32, 4, 4),
+           Config(128, 128, 32, 2, 2), Config(64, 128, 32, 2, 4), Config(128, 64, 32, 4, 2),
+           Config(64, 128, 32, 2, 2), Config(64, 64, 32, 2, 2), Config(128, 256, 16, 2, 4),
+           Config(256, 128, 16, 4, 2), Config(128, 128, 16, 2, 4))
+
+
+def operand_type(d: DType) -> str | None:
+    return _OPERAND_TYPES.get(d)
+
+
+def fragment(lim: Limits, operand: str) -> tuple[int, int, int] | None:
+    """The fragment shape (M, N, K) for operand type `operand` with float32 accumulation at subgroup scope, the
+    device offers: 16x16x16 where listed (the most work per instruction), else the largest listed."""
+    shapes = [(m, n, k) for m, n, k, a, b, c, res in lim.coop
+              if a == b == operand and c == res == "float32" and m % 8 == 0 and n % 8 == 0 and k % 8 == 0]
+    if not shapes:
+        return None
+    return (16, 16, 16) if (16, 16, 16) in shapes else max(shapes, key=lambda s: (s[0] * s[1] * s[2], s))
+
+
+def compute_type(mm: Node, lim: Limits) -> DType | None:
+    """The operand type matmul node mm runs in on cooperative matrices, or None for the plain tiled path:
+    float16 and bfloat16 products in their own type; float32 ones only where 16-bit compute was asked for
+    (Limits.f32_compute), since it rounds the operands; a fitting fragment shape and a fixed subgroup size."""
+    if mm.dtype in (dtypes.float16, dtypes.bfloat16):
+        d = mm.dtype
+    elif mm.dtype is dtypes.float32 and lim.f32_compute:
+        d = dtypes.float16 if lim.f32_compute == "float16" else dtypes.bfloat16
+    else:
+        return None
+    if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1:
+        return None
+    if any(s < 1 for s in mm.shape) or mm.srcs[0].shape[-1] < 1:
+        return None
+    frag = fragment(lim, operand_type(d))
+    if frag is None or not any(c.fits(frag, lim) for c in CONFIGS):
+        return None
+    return d
+
+
+def default_config(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[int, int, int]) -> Config:
+    """The largest tile that still gives a device of ~128 multiprocessors a workgroup each: 128 x 128 with 8
+    subgroups of 64 x 32 where the output has at least 128 such tiles (fastest of the measured ones on an H200,
+    benchmarks/RESULTS.md), smaller tiles for smaller outputs."""
+    for c in (Config(128, 128, 32, 2, 4), Config(64, 128, 32, 2, 4), Config(64, 64, 32, 2, 2)):
+        if c.fits(frag, lim) and batch * math.ceil(m / c.bm) * math.ceil(n / c.bn) >= 128:
+            return c
+    fitting = [c for c in CONFIGS if c.fits(frag, lim)]
+    return min(fitting, key=lambda c: (c.bm * c.bn, c.bk))
+
+
+# ---- operand staging ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Operand:
+    """How one operand is staged: its node, logical axes (rows, cols) of the tile, which of them is contiguous
+    in shared memory, and for a vector operand the buffer, its strides in 8-element units and its offset."""
+
+    node: Node
+    rows: int  # extent of the operand's first logical axis (M for A, K for B)
+    cols: int
+    col_major: bool  # shared rows run along the operand's first axis (contiguous along rows)
+    vec: tuple[Any, tuple[int, ...], int] | None = None  # (BufferRef, strides / 8 of every axis, offset / 8)
+
+
+def _strip(n: Node) -> Node:
+    while n.op is Op.CAST and n.srcs[0].dtype is n.dtype:
+        n = n.srcs[0]
+    return n
+
+
+def _operand(src: Node, compute: DType, lim: Limits, refs_elsewhere: set[int]) -> _Operand:
+    rows, cols = src.shape[-2], src.shape[-1]
+    n = _strip(src)
+    strides: tuple[int, ...] | None = None
+    ref, offset = None, 0
+    if n.op is Op.BUFFER and n.dtype is compute:
+        ref = n.arg[0]
+        strides = tuple(prod(n.shape[i + 1:]) for i in range(len(n.shape)))
+    elif (n.op is Op.VIEW and n.dtype is compute and n.srcs[0].op is Op.BUFFER and len(n.arg.views) == 1
+          and n.arg.views[0].mask is None):
+        ref = n.srcs[0].arg[0]
+        strides, offset = n.arg.views[0].strides, n.arg.views[0].offset
+    col_major = False
+    if strides is not None:
+        col_major = strides[-2] == 1 and strides[-1] != 1
+        inner = rows if col_major else cols
+        ok = (strides[-1 if not col_major else -2] == 1 and inner % 8 == 0 and offset % 8 == 0
+              and all(s % 8 == 0 for i, s in enumerate(strides) if i != (len(strides) - (2 if col_major else 1)))
+              and all(s >= 0 for s in strides) and ref.nbytes <= lim.max_storage_range
+              and id(ref) not in refs_elsewhere)
+        if ok:
+            vs = tuple(s // 8 for i, s in enumerate(strides))
+            inner_axis = len(strides) - (2 if col_major else 1)
+            vs = tuple(0 if i == inner_axis else s for i, s in enumerate(vs))
+            return _Operand(src, rows, cols, col_major, (ref, vs, offset // 8))
+    else:
+        col_major = _column_major(src)
+    return _Operand(src, rows, cols, col_major)
+
+
+def _column_major(src: Node) -> bool:
+    n = src
+    while n.op is Op.CAST:
+        n = n.srcs[0]
+    if n.op is not Op.VIEW or len(n.arg.views) != 1:
+        return False
+    st = n.arg.views[0].strides
+    return len(st) >= 2 and abs(st[-2]) == 1 and abs(st[-1]) > 1
+
+
+def _refs_outside(k: Kernel, mm: Node) -> set[int]:
+    """Buffers the kernel reads other than through mm's operands themselves (the epilogue's, or inside a fused
+    producer of an operand): those keep their element-typed binding."""
+    out: set[int] = {id(k.out)}
+    operands = {id(_strip(s)) for s in mm.srcs}
+    stack, seen = [k.root], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n is mm:
+            for s in mm.srcs:
+                inner = _strip(s)
+                if inner.op is Op.VIEW:
+                    if inner.srcs[0].op is not Op.BUFFER:
+                        stack.append(inner.srcs[0])
+                elif inner.op is not Op.BUFFER:
+                    stack.append(inner)
+            continue
+        if n.op is Op.BUFFER and id(n) not in operands:
+            out.add(id(n.arg[0]))
+        if n.op is Op.VIEW and id(n) not in operands and n.srcs[0].op is Op.BUFFER:
+            out.add(id(n.srcs[0].arg[0]))
+        stack.extend(n.srcs)
+    return out
+
+
+def _pack(compute: DType, vals: list[str]) -> str:
+    """Eight float values of the compute type as one uvec4 of 16-bit bit patterns (exact: they are representable)."""
+    if compute is dtypes.float16:
+        words = [f"packHalf2x16(vec2({vals[i]}, {vals[i + 1]}))" for i in range(0, 8, 2)]
+    else:
+        words = [f"((floatBitsToUint({vals[i]}) >> 16) | (floatBitsToUint({vals[i + 1]}) & 0xffff0000u))"
+                 for i in range(0, 8, 2)]
+    return f"uvec4({', '.join(words)})"
+
+
+# ---- the program ---------------------------------------------------------------------------------------------------
+
+
+def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Config | None = None,
+               compute: DType | None = None) -> Lowered | None:
+    """The program for kernel k, whose matmul node is mm, on cooperative matrices with `compute` operands
+    (mm's dtype by default) and tile configuration cfg (tuned or default when None); None for a bfloat16
+    product whose kernel also reads float16 values (the one 16-bit float type of the SPIR-V is renamed)."""
+    from .lower import Lowered, _finish
+
+    compute = compute or mm.dtype
+    a, b = mm.srcs
+    batch = mm.shape[:-2]
+    m_, n_, k_ = a.shape[-2], b.shape[-1], a.shape[-1]
+    nb = prod(batch)
+    frag = fragment(lim, operand_type(compute))
+    assert frag is not None
+    fm, fn, fk = frag
+    cfg = cfg or choose(m_, n_, k_, nb, lim, frag, compute)
+    bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
+    sg = lim.subgroup
+    nt = wm * wn * sg
+    tm_, tn_ = bm // wm, bn // wn  # a subgroup's block
+    ffm, ffn = tm_ // fm, tn_ // fn  # its fragments along M and N
+    tiles_m, tiles_n = math.ceil(m_ / bm), math.ceil(n_ / bn)
+    per_batch = tiles_m * tiles_n
+    groups = nb * per_batch
+    nk = math.ceil(k_ / bk)
+
+    outside = _refs_outside(k, mm)
+    opa = _operand(a, compute, lim, outside)
+    opb = _operand(b, compute, lim, outside)
+    r = Renderer(lim.max_storage_range, params)
+    r.ext |= {"GL_KHR_cooperative_matrix", "GL_KHR_memory_scope_semantics", "GL_KHR_shader_subgroup_basic",
+              "GL_EXT_shader_explicit_arithmetic_types_float16"}
+
+    # shared memory in 16-byte units: [stage][A tile | B tile], then reused for the epilogue's staging
+    def layout(op: _Operand, tile_r: int, tile_c: int) -> tuple[int, int, int]:
+        """(outer extent, inner extent in elements, padded row stride in uvec4) of op's tile in shared memory."""
+        outer, inner = (tile_c, tile_r) if op.col_major else (tile_r, tile_c)
+        return outer, inner, (inner + 8) // 8
+
+    a_outer, a_inner, a_stride = layout(opa, bm, bk)
+    b_outer, b_inner, b_stride = layout(opb, bk, bn)
+    a_size, b_size = a_outer * a_stride, b_outer * b_stride
+    stage = a_size + b_size
+    c_stride = (tn_ + 4) // 4  # a row of a subgroup's fragments, float32, padded by 4
+    c_size = wm * wn * fm * c_stride
+    smem = max(2 * stage, c_size)
+    shared = [f"shared uvec4 sm[{smem}];"]
+
+    r.emit(f"int grp = {'int(gl_WorkGroupID.x + gl_NumWorkGroups.x * gl_WorkGroupID.y)'};")
+    r.emit(f"if (grp >= {groups}) return;")
+    r.emit("int lid = int(gl_LocalInvocationID.x);")
+    r.emit("int sgid = int(gl_SubgroupID);")
+    r.emit(f"int bt = grp / {per_batch};")
+    r.emit(f"int pid = grp % {per_batch};")
+    # grouped order: GROUP_M row tiles share each column tile while it is in the cache
+    r.emit(f"int gfirst = (pid / {GROUP_M * tiles_n}) * {GROUP_M};")
+    r.emit(f"int gsize = min({tiles_m} - gfirst, {GROUP_M});")
+    r.emit("int tm = gfirst + (pid % gsize);")
+    r.emit(f"int tn = (pid % {GROUP_M * tiles_n}) / gsize;")
+    r.emit(f"int wr = sgid / {wn};")
+    r.emit(f"int wc = sgid % {wn};")
+    bc = unravel(Var("bt", 0, nb - 1), batch)
+
+    ct = "float16_t"  # the fragment component type as GLSL spells it (bfloat16: renamed in the SPIR-V)
+    if compute is dtypes.bfloat16:
+        r.emit(BF16_FRAGMENTS)
+    # every fragment, register and slice loop is unrolled here: fragment arrays indexed in a loop the driver
+    # does not unroll would live in local memory
+    acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
+    acc = [[f"acc{i}_{j}" for j in range(ffn)] for i in range(ffm)]
+    for row_ in acc:
+        for name_ in row_:
+            r.emit(f"{acc_t} {name_} = {acc_t}(0.0);")
+
+    chunks_a = a_outer * (a_inner // 8)
+    chunks_b = b_outer * (b_inner // 8)
+    per_a, per_b = math.ceil(chunks_a / nt), math.ceil(chunks_b / nt)
+
+    def base_index(op: _Operand, which: str) -> str:
+        """The operand's start, in 16-byte units, for this workgroup's batch entry (vector operands)."""
+        _, vs, off = op.vec
+        terms = [str(off)] if off else []
+        rest = nb
+        for i, dim in enumerate(batch):
+            rest //= dim
+            if vs[i]:
+                terms.append(f"((bt / {rest}) % {dim}) * {vs[i]}" if rest > 1 else f"(bt % {dim}) * {vs[i]}")
+        return r.define("int", " + ".join(terms) if terms else "0", f"base{which}")
+
+    def fetch(op: _Operand, regs: str, tile_r0: str, tile_c0: str, outer: int, inner: int, per: int,
+              base: str | None) -> None:
+        """Emit reads of op's slice into the uvec4 registers `regs`0.., zero outside the operand."""
+        chunks = outer * (inner // 8)
+        for c in range(per):
+            r.emit(f"{regs}{c} = uvec4(0u);")
+            with r.block("if (true)"):
+                r.emit(f"int e = lid + {c * nt};")
+                # shared row `so` and 8-element chunk `si` of the tile; (gr, gc): the chunk's first element
+                r.emit(f"int so = e / {inner // 8};")
+                r.emit(f"int si = (e % {inner // 8}) * 8;")
+                r.emit(f"int gr = {tile_r0} + {'si' if op.col_major else 'so'};")
+                r.emit(f"int gc = {tile_c0} + {'so' if op.col_major else 'si'};")
+                guard = ([] if (c + 1) * nt <= chunks else [f"e < {chunks}"]) + [f"gr < {op.rows}", f"gc < {op.cols}"]
+                with r.block(f"if ({' && '.join(guard)})"):
+                    if op.vec is not None:
+                        ref, vs, _ = op.vec
+                        bnd = r.binding(ref, ref.dtype)
+                        r.block_types[bnd] = "uvec4"
+                        idx = [base]
+                        if vs[-2]:
+                            idx.append(f"gr * {vs[-2]}")
+                        if vs[-1]:
+                            idx.append(f"gc * {vs[-1]}")
+                        idx.append(f"({'gr' if op.col_major else 'gc'} >> 3)")
+                        r.emit(f"{regs}{c} = b{bnd}.data[{' + '.join(idx)}];")
+                    else:
+                        vals = []
+                        for j in range(8):
+                            rv = r.define("int", f"gr + {j}" if op.col_major else "gr", "rr")
+                            cv = r.define("int", "gc" if op.col_major else f"gc + {j}", "cc")
+                            x = r.define("float", "0.0", "x")
+                            with r.block(f"if ({rv} < {op.rows} && {cv} < {op.cols})"):
+                                coords = bc + (Var(rv, 0, op.rows - 1), Var(cv, 0, op.cols - 1))
+                                val = r.value(op.node, coords)
+                                r.emit(f"{x} = {glsl.cast(val, op.node.dtype, compute, r.need)};")
+                            vals.append(x)
+                        r.emit(f"{regs}{c} = {_pack(compute, vals)};")
+
+    def put(regs: str, per: int, chunks: int, inner: int, stride: int, at: str) -> None:
+        for c in range(per):
+            e = f"(lid + {c * nt})"
+            cond = "" if (c + 1) * nt <= chunks else f"if ({e} < {chunks}) "
+            r.emit(f"{cond}sm[{at} + ({e} / {inner // 8}) * {stride} + {e} % {inner // 8}] = {regs}{c};")
+
+    base_a = base_index(opa, "a") if opa.vec else None
+    base_b = base_index(opb, "b") if opb.vec else None
+    r.emit(f"uvec4 {', '.join(f'ar{c}' for c in range(per_a))};")
+    r.emit(f"uvec4 {', '.join(f'br{c}' for c in range(per_b))};")
+
+    def load_slice(k0: str) -> None:
+        fetch(opa, "ar", f"tm * {bm}", k0, a_outer, a_inner, per_a, base_a)
+        fetch(opb, "br", k0, f"tn * {bn}", b_outer, b_inner, per_b, base_b)
+
+    def store_slice(at: str) -> None:
+        put("ar", per_a, chunks_a, a_inner, a_stride, at)
+        put("br", per_b, chunks_b, b_inner, b_stride, f"{at} + {a_size}")
+
+    load_slice("0")
+    store_slice("0")
+    r.emit("barrier();")
+    a_t = f"coopmat<{ct}, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
+    b_t = f"coopmat<{ct}, gl_ScopeSubgroup, {fk}, {fn}, gl_MatrixUseB>"
+    lay_a = "gl_CooperativeMatrixLayoutColumnMajor" if opa.col_major else "gl_CooperativeMatrixLayoutRowMajor"
+    lay_b = "gl_CooperativeMatrixLayoutColumnMajor" if opb.col_major else "gl_CooperativeMatrixLayoutRowMajor"
+    r.emit(f"int arow = wr * {tm_};")
+    r.emit(f"int bcol = wc * {tn_};")
+    with r.block(f"for (int kt = 0; kt < {nk}; kt++)"):
+        r.emit(f"int cur = (kt & 1) * {stage};")
+        r.emit(f"bool more = kt + 1 < {nk};")
+        with r.block("if (more)"):  # the next slice's reads are in flight during the multiplies
+            load_slice(f"(kt + 1) * {bk}")
+        # fragments are declared in the loop's body, so none is carried from one iteration to the next, as
+        # arrays (indexed by constants): NVIDIA's 580 driver crashed creating the pipeline when they were
+        # declared as several variables of one statement
+        r.emit(f"{a_t} fa[{ffm}];")
+        r.emit(f"{b_t} fb[{ffn}];")
+        for kk in range(0, bk, fk):
+            # fragment starts in 16-byte units (rows, columns and kk are multiples of 8 elements)
+            for i in range(ffm):
+                row = f"arow + {i * fm}"
+                at = f"{kk} * {a_stride} + (({row}) >> 3)" if opa.col_major else f"({row}) * {a_stride} + {kk // 8}"
+                r.emit(f"coopMatLoad(fa[{i}], sm, cur + {at}, {a_stride}, {lay_a});")
+            for j in range(ffn):
+                col = f"bcol + {j * fn}"
+                at = f"({col}) * {b_stride} + {kk // 8}" if opb.col_major else f"{kk} * {b_stride} + (({col}) >> 3)"
+                r.emit(f"coopMatLoad(fb[{j}], sm, cur + {a_size} + {at}, {b_stride}, {lay_b});")
+            for i in range(ffm):
+                for j in range(ffn):
+                    r.emit(f"{acc[i][j]} = coopMatMulAdd(fa[{i}], fb[{j}], {acc[i][j]});")
+        with r.block("if (more)"):
+            store_slice(f"{stage} - cur")
+        r.emit("barrier();")
+
+    # epilogue: per fragment row, stage in shared memory (this subgroup's own region), then per element
+    t = mm.dtype.glsl
+    cbase = r.define("int", f"sgid * {fm * c_stride}", "cb")
+    r.emit("int lane = int(gl_SubgroupInvocationID);")
+    for i in range(ffm):
+        for j in range(ffn):
+            r.emit(f"coopMatStore({acc[i][j]}, sm, {cbase} + {j * fn // 4}, {c_stride}, "
+                   "gl_CooperativeMatrixLayoutRowMajor);")
+        r.emit("subgroupMemoryBarrierShared();")
+        r.emit("subgroupBarrier();")
+        with r.block(f"for (int e = lane; e < {fm * tn_}; e += {sg})"):
+            r.emit(f"int er = e / {tn_};")
+            r.emit(f"int ec = e % {tn_};")
+            r.emit(f"int m = tm * {bm} + arow + {i * fm} + er;")
+            r.emit(f"int n = tn * {bn} + bcol + ec;")
+            with r.block(f"if (m < {m_} && n < {n_})"):
+                w = f"sm[{cbase} + er * {c_stride} + (ec >> 2)][ec & 3]"
+                r.subst[mm] = r.define(t, glsl.cast(f"uintBitsToFloat({w})", dtypes.float32, mm.dtype, r.need), "mm")
+                coords = bc + (Var("m", 0, m_ - 1), Var("n", 0, n_ - 1))
+                r.store(k.out, k.out.dtype, k.st, coords, r.value(k.root, coords))
+        r.emit("subgroupBarrier();")
+    if compute is dtypes.bfloat16 and any(d is dtypes.float16 for i, (_, d) in enumerate(r.bindings)
+                                          if i not in r.block_types):
+        return None
+    name = f"MC_{nb}_{m_}_{n_}_{k_}_{bm}x{bn}x{bk}_{wm}x{wn}"
+    prog = _finish(r, name, nt, groups, lim, shared)
+    prog.groups = _groups2d(groups, lim)
+    return Lowered([prog], [])
+
+
+def _groups2d(groups: int, lim: Limits) -> tuple[int, int, int]:
+    mx = lim.max_group_count[0]
+    return (groups, 1, 1) if groups <= mx else (mx, math.ceil(groups / mx), 1)
+
+
+# ---- tile choice --------------------------------------------------------------------------------------------------
+
+
+def shape_class(m: int, n: int, k: int, batch: int, compute: DType) -> str:
+    """Products whose sizes round to the same powers of two share a tuned configuration."""
+    def p2(x: int) -> int:
+        return 1 << max(0, round(math.log2(max(x, 1))))
+    return f"{compute.name}:{p2(m * batch)}x{p2(n)}x{p2(k)}"
+
+
+def choose(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[int, int, int], compute: DType) -> Config:
+    """The tuned configuration for this shape class on this device (see codegen.tune), else the default."""
+    from .tune import lookup
+
+    cfg = lookup(lim, shape_class(m, n, k, batch, compute))
+    if cfg is not None and cfg.fits(frag, lim):
+        return cfg
+    return default_config(m, n, k, batch, lim, frag)
