@@ -4,6 +4,8 @@
     python benchmarks/bench_tensor.py --gpu      # the GPU table: GB/s and TFLOP/s, beside PyTorch if installed
     VKGRAPH_PROFILE=1 python benchmarks/bench_tensor.py --gpu   # also each kernel's GPU time, at exit
 
+Matrix products at more shapes and in bfloat16, with the fraction of peak: benchmarks/bench_matmul.py.
+
 Inputs are random (never zeros: fresh allocations are zeroed and flatter the numbers). Each figure is the best
 of several runs after a warm-up; a run builds the graph, schedules, dispatches and waits, as user code would.
 """
