@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -21,13 +23,51 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from common import replay_us, torch_time_us  # noqa: E402
 
-from vkgraph import realize  # noqa: E402
+from vkgraph import graph, realize  # noqa: E402
 from vkgraph.codegen import matmul_coop, tune  # noqa: E402
 from vkgraph.dtype import dtypes  # noqa: E402
+from vkgraph.flags import flag  # noqa: E402
 from vkgraph.runtime import get_device  # noqa: E402
+from vkgraph.schedule import Kernel  # noqa: E402
 from vkgraph.tensor import Tensor  # noqa: E402
+from vkgraph.view import ShapeTracker  # noqa: E402
 
 PEAK_TFLOPS = 989.5
+
+
+def search(m: int, n: int, k: int, dname: str, reps: int = 10) -> tuple[Any, dict]:
+    """Time every configuration of matmul_coop.CONFIGS that fits the device on one (m, k) @ (k, n) product of
+    random `dname` values and record the fastest for its shape class (codegen.tune). Returns it and the
+    microseconds of each."""
+    d = getattr(dtypes, dname)
+    dev = get_device()
+    lim = realize.limits()
+    rng = np.random.default_rng(0)
+    srcs = [graph.buffer(realize.upload(rng.standard_normal(s, dtype=np.float32), d), 0, d, s)
+            for s in ((m, k), (k, n))]
+    mm = graph.matmul(srcs[0], srcs[1], d)
+    compute = matmul_coop.compute_type(mm, lim)
+    frag = matmul_coop.fragment(lim, matmul_coop.operand_type(compute))
+    kern = Kernel(mm, realize.allocate(mm.dtype, mm.numel), ShapeTracker.contiguous(mm.shape))
+    times = {}
+    for cfg in matmul_coop.CONFIGS:
+        if not cfg.fits(frag, lim):
+            continue
+        (prog,) = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, compute).programs
+        pipe = dev.kernel(prog.src, name=prog.name)
+        bufs = [ref.buf for ref, _, _ in prog.bindings]
+        for _ in range(5):  # compile, then let the clocks rise
+            dev.dispatch(pipe, bufs, prog.groups, None)
+        dev.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            dev.dispatch(pipe, bufs, prog.groups, None)
+        dev.synchronize()
+        times[cfg] = (time.perf_counter() - t) / reps * 1e6
+    best = min(times, key=times.get)
+    tune.record(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device), matmul_coop.shape_class(m, n, k, 1, compute), best)
+    realize.forget_limits()
+    return best, times
 # (label, M, K, N, weight stored transposed)
 SHAPES = [("4096^3", 4096, 4096, 4096, False), ("prefill 512x4096 @ 4096x4096 (w.T)", 512, 4096, 4096, True),
           ("prefill 512x4096 @ 4096x14336 (w.T)", 512, 4096, 14336, True),
@@ -59,7 +99,7 @@ def main() -> None:
             x = rng.standard_normal((m, k), dtype=np.float32).astype(npd)
             w = rng.standard_normal((n, k) if wt else (k, n), dtype=np.float32).astype(npd)
             if args.tune and matmul_coop.fragment(lim, matmul_coop.operand_type(d)) is not None:
-                best, times = tune.search(m, n, k, dname, reps=10)
+                best, times = search(m, n, k, dname)
                 spread = ", ".join(f"{c.bm}x{c.bn}x{c.bk}/{c.wm}x{c.wn} {flop / t / 1e6:.0f}"
                                    for c, t in sorted(times.items(), key=lambda kv: kv[1]))
                 print(f"{dname} {label}: tuned TFLOP/s {spread}", flush=True)

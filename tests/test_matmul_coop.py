@@ -126,18 +126,27 @@ def test_device_info_lists_cooperative_matrices_as_the_driver_gives_them():
 
 
 def test_tuned_configurations_are_read_per_device_and_class(tmp_path, monkeypatch):
-    monkeypatch.setenv("VKGRAPH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tune, "_TABLES", {})
-    lim = fake_limits(device="dev A/1")
     cls = matmul_coop.shape_class(512, 4096, 4096, 1, dtypes.float16)
-    assert tune.lookup(lim, cls) is None
-    tune.record(lim, cls, matmul_coop.Config(64, 128, 32, 2, 2))
-    monkeypatch.setattr(tune, "_TABLES", {})  # as a new process would
-    assert tune.lookup(lim, cls) == matmul_coop.Config(64, 128, 32, 2, 2)
-    assert tune.lookup(fake_limits(device="dev B/1"), cls) is None
-    assert json.loads(tune.path("dev A/1").read_text())[cls] == [64, 128, 32, 2, 2]
+    pa, pb = tune.path(tmp_path, "dev A/1"), tune.path(tmp_path, "dev B/1")
+    assert tune.load(pa) == ()
+    tune.record(pa, cls, matmul_coop.Config(64, 128, 32, 2, 2))
+    assert json.loads(pa.read_text())[cls] == [64, 128, 32, 2, 2] and tune.load(pb) == ()
+    lim = fake_limits(tuned=tune.load(pa))
+    want = matmul_coop.Config(64, 128, 32, 2, 2)
+    assert matmul_coop.choose(512, 4096, 4096, 1, lim, (16, 16, 16), dtypes.float16) == want
+    assert matmul_coop.choose(512, 4096, 4096, 1, fake_limits(), (16, 16, 16), dtypes.float16) == \
+        matmul_coop.default_config(512, 4096, 4096, 1, fake_limits(), (16, 16, 16))
+    # realize loads the table of its device from the cache folder, unless told not to
+    monkeypatch.setenv("VKGRAPH_CACHE_DIR", str(tmp_path))
+    dev_lim = dataclasses.replace(realize_mod.limits(), coop=COOP, device="dev A/1")
+    assert realize_mod._with_matmul_settings(dev_lim).tuned == tune.load(pa)
     monkeypatch.setenv("VKGRAPH_MATMUL_TUNE", "0")
-    assert tune.lookup(lim, cls) is None
+    assert realize_mod._with_matmul_settings(dev_lim).tuned == ()
+
+
+def test_the_bfloat16_mark_is_the_compilers():
+    from vkgraph.runtime.spirv import BF16_FRAGMENTS
+    assert matmul_coop.BF16_FRAGMENTS == BF16_FRAGMENTS
 
 
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ lowering, and runs the remembered plan (programs, buffer lifetimes) with its own
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .caches import LRU
-from .codegen import Limits, Program, lower
+from .codegen import Limits, Program, lower, tune
 from .dtype import DType
 from .flags import flag
 from .graph import BufferRef, Node, Op, argkey, runtime_values
@@ -140,11 +141,27 @@ def _count(name: str) -> None:
         c.names.append(name)
 
 
+def _with_matmul_settings(lim: Limits) -> Limits:
+    """lim with the matmul settings that come from flags and the cache folder: 16-bit compute for float32
+    products where asked, and the device's measured tile configurations (codegen.tune)."""
+    f32 = flag("VKGRAPH_MATMUL_F32_COMPUTE")
+    if f32 not in ("", "float16", "bfloat16"):
+        raise ValueError(f"VKGRAPH_MATMUL_F32_COMPUTE={f32!r}: expected float16, bfloat16 or empty")
+    use = lim.coop and flag("VKGRAPH_MATMUL_TUNE")
+    tuned = tune.load(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device)) if use else ()
+    return dataclasses.replace(lim, f32_compute=f32, tuned=tuned)
+
+
+def forget_limits() -> None:
+    """Read the device's limits again at the next use (after tile configurations were measured)."""
+    _limits.clear()
+
+
 def limits() -> Limits:
     dev = get_device()
     lim = _limits.get(dev)
     if lim is None:
-        lim = _limits[dev] = Limits.from_info(dev.info)
+        lim = _limits[dev] = _with_matmul_settings(Limits.from_info(dev.info))
     return lim
 
 

@@ -70,11 +70,13 @@ class Limits:
     float_modes: tuple[str, ...] = ()
     # cooperative matrices at subgroup scope, as (M, N, K, A, B, C, result) type names (empty: none); the
     # subgroup size they run at; the device (a key of tuned matmul tiles); 16-bit compute asked for float32
-    # products ("float16" or "bfloat16": VKGRAPH_MATMUL_F32_COMPUTE), else "" (exact float32)
+    # products ("float16" or "bfloat16": VKGRAPH_MATMUL_F32_COMPUTE), else "" (exact float32); the measured tile
+    # configurations of this device, (shape class, (BM, BN, BK, WM, WN)) (codegen.tune), which realize fills in
     coop: tuple[tuple[int, int, int, str, str, str, str], ...] = ()
     subgroup: int = 1
     device: str = ""
     f32_compute: str = ""
+    tuned: tuple[tuple[str, tuple[int, int, int, int, int]], ...] = ()
 
     # Drivers such as NVIDIA's report ~2^32 bindings per stage; a fused kernel never profits from more than
     # a few dozen, and descriptor sets that large cost more to write than the extra kernel launch.
@@ -88,15 +90,11 @@ class Limits:
                      if s.scope == "subgroup" and not s.saturating)
         if not info.float16:  # the fragments are declared as float16_t
             coop = ()
-        f32_compute = flag("VKGRAPH_MATMUL_F32_COMPUTE")
-        if f32_compute not in ("", "float16", "bfloat16"):
-            raise ValueError(f"VKGRAPH_MATMUL_F32_COMPUTE={f32_compute!r}: expected float16, bfloat16 or empty")
         return Limits(int(info.max_workgroup_invocations), tuple(int(x) for x in info.max_workgroup_count),
                       int(info.max_shared_memory), int(info.max_storage_buffer_range),
                       min(int(info.max_storage_buffers), Limits.BINDING_CAP),
                       "arithmetic" in info.subgroup_ops, int(info.min_subgroup_size), int(info.max_subgroup_size),
-                      bool(info.int64), ieee, modes, coop, int(info.subgroup_size), f"{info.name}/{info.driver_version}",
-                      f32_compute)
+                      bool(info.int64), ieee, modes, coop, int(info.subgroup_size), f"{info.name}/{info.driver_version}")
 
 
 @dataclass

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..dtype import DType, dtypes
 from ..graph import Node, Op
-from ..runtime.spirv import BF16_FRAGMENTS
 from ..view import prod
 from . import glsl
 from .render import Renderer
@@ -442,10 +441,9 @@ def shape_class(m: int, n: int, k: int, batch: int, compute: DType) -> str:
 
 
 def choose(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[int, int, int], compute: DType) -> Config:
-    """The tuned configuration for this shape class on this device (see codegen.tune), else the default."""
-    from .tune import lookup
-
-    cfg = lookup(lim, shape_class(m, n, k, batch, compute))
-    if cfg is not None and cfg.fits(frag, lim):
-        return cfg
+    """The measured configuration for this shape class on this device (Limits.tuned), else the default."""
+    cls = shape_class(m, n, k, batch, compute)
+    for c, v in lim.tuned:
+        if c == cls and Config(*v).fits(frag, lim):
+            return Config(*v)
     return default_config(m, n, k, batch, lim, frag)
