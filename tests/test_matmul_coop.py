@@ -129,10 +129,10 @@ def test_tuned_configurations_are_read_per_device_and_class(tmp_path, monkeypatc
     cls = matmul_coop.shape_class(512, 4096, 4096, 1, dtypes.float16)
     pa, pb = tune.path(tmp_path, "dev A/1"), tune.path(tmp_path, "dev B/1")
     assert tune.load(pa) == ()
-    tune.record(pa, cls, matmul_coop.Config(64, 128, 32, 2, 2))
-    assert json.loads(pa.read_text())[cls] == [64, 128, 32, 2, 2] and tune.load(pb) == ()
+    tune.record(pa, cls, matmul_coop.Config(64, 128, 32, 2, 2, 1))
+    assert json.loads(pa.read_text())[cls] == [64, 128, 32, 2, 2, 1] and tune.load(pb) == ()
     lim = fake_limits(tuned=tune.load(pa))
-    want = matmul_coop.Config(64, 128, 32, 2, 2)
+    want = matmul_coop.Config(64, 128, 32, 2, 2, 1)
     assert matmul_coop.choose(512, 4096, 4096, 1, lim, (16, 16, 16), dtypes.float16) == want
     assert matmul_coop.choose(512, 4096, 4096, 1, fake_limits(), (16, 16, 16), dtypes.float16) == \
         matmul_coop.default_config(512, 4096, 4096, 1, fake_limits(), (16, 16, 16))
@@ -245,3 +245,32 @@ def test_float32_products_stay_exact_unless_asked(monkeypatch):
         got = (Tensor(a) @ Tensor(b)).numpy()
     assert any(nm.startswith("MC_") for nm in c.names)
     _check(got, a.astype(np.float16).astype(np.float32), b.astype(np.float16).astype(np.float32), 2.0**-22)
+
+
+@needs_f16
+@pytest.mark.parametrize("tb", [False, True])
+def test_every_tile_configuration_matches_numpy(tb):
+    """Any configuration the search may pick computes the same product (odd sizes, both B layouts)."""
+    from vkgraph import graph
+    from vkgraph.schedule import Kernel
+    from vkgraph.view import ShapeTracker
+
+    dev, lim, d = get_device(), realize_mod.limits(), dtypes.float16
+    m, n, k = 200, 136, 300
+    a, b = _arr((m, k), 11, np.float16), _arr((n, k) if tb else (k, n), 12, np.float16)
+    na = graph.buffer(realize_mod.upload(a, d), 0, d, a.shape)
+    nb = graph.buffer(realize_mod.upload(b, d), 0, d, b.shape)
+    if tb:
+        nb = graph.movement(nb, lambda s: s.permute((1, 0)))
+    mm = graph.matmul(na, nb, d)
+    out = realize_mod.allocate(d, mm.numel)
+    kern = Kernel(mm, out, ShapeTracker.contiguous(mm.shape))
+    frag = matmul_coop.fragment(lim, "float16")
+    for cfg in matmul_coop.CONFIGS:
+        if not cfg.fits(frag, lim):
+            continue
+        (prog,) = matmul_coop.lower_coop(kern, mm, lim, {}, cfg).programs
+        dev.upload(out.buf, np.full(m * n, np.nan, np.float16).view(np.uint8))  # poison: every element is written
+        dev.dispatch(dev.kernel(prog.src, name=prog.name), [ref.buf for ref, _, _ in prog.bindings], prog.groups,
+                     prog.push or None)
+        _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)

@@ -71,12 +71,12 @@ class Limits:
     # cooperative matrices at subgroup scope, as (M, N, K, A, B, C, result) type names (empty: none); the
     # subgroup size they run at; the device (a key of tuned matmul tiles); 16-bit compute asked for float32
     # products ("float16" or "bfloat16": VKGRAPH_MATMUL_F32_COMPUTE), else "" (exact float32); the measured tile
-    # configurations of this device, (shape class, (BM, BN, BK, WM, WN)) (codegen.tune), which realize fills in
+    # configurations of this device, (shape class, (BM, BN, BK, WM, WN, stages)) (codegen.tune), which realize fills in
     coop: tuple[tuple[int, int, int, str, str, str, str], ...] = ()
     subgroup: int = 1
     device: str = ""
     f32_compute: str = ""
-    tuned: tuple[tuple[str, tuple[int, int, int, int, int]], ...] = ()
+    tuned: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     # Drivers such as NVIDIA's report ~2^32 bindings per stage; a fused kernel never profits from more than
     # a few dozen, and descriptor sets that large cost more to write than the extra kernel launch.

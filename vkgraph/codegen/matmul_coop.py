@@ -40,17 +40,20 @@ GROUP_M = 8  # output tiles walked column-block by column-block in groups of 8 r
 
 @dataclass(frozen=True)
 class Config:
-    """A tile configuration: workgroup tile BM x BN, slice depth BK, WM x WN subgroups."""
+    """A tile configuration: workgroup tile BM x BN, slice depth BK, WM x WN subgroups, and the slices held in
+    shared memory: 2 (the next is stored beside the current one, one barrier per slice) or 1 (half the shared
+    memory, so deeper slices fit; a second barrier before the store)."""
 
     bm: int = 128
     bn: int = 128
     bk: int = 32
     wm: int = 2
     wn: int = 2
+    stages: int = 2
 
     def shared_bytes(self) -> int:
-        # two stages of both operand tiles, 8 elements of padding per staged row
-        return 2 * 2 * ((self.bm + self.bn) * (self.bk + 8))
+        # both operand tiles per stage, 8 elements of padding per staged row
+        return self.stages * 2 * ((self.bm + self.bn) * (self.bk + 8))
 
     def fits(self, frag: tuple[int, int, int], lim: Limits) -> bool:
         fm, fn, fk = frag
@@ -62,7 +65,8 @@ class Config:
 CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 128, 32, 4, 4),
            Config(128, 128, 32, 2, 2), Config(64, 128, 32, 2, 4), Config(128, 64, 32, 4, 2),
            Config(64, 128, 32, 2, 2), Config(64, 64, 32, 2, 2), Config(128, 256, 16, 2, 4),
-           Config(256, 128, 16, 4, 2), Config(128, 128, 16, 2, 4))
+           Config(256, 128, 16, 4, 2), Config(128, 128, 16, 2, 4), Config(128, 128, 64, 2, 4, 1),
+           Config(128, 128, 64, 4, 2, 1), Config(128, 256, 32, 2, 4, 1), Config(256, 128, 32, 4, 2, 1))
 
 
 def operand_type(d: DType) -> str | None:
@@ -257,7 +261,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     stage = a_size + b_size
     c_stride = (tn_ + 4) // 4  # a row of a subgroup's fragments, float32, padded by 4
     c_size = wm * wn * fm * c_stride
-    smem = max(2 * stage, c_size)
+    smem = max(cfg.stages * stage, c_size)
     shared = [f"shared uvec4 sm[{smem}];"]
 
     r.emit(f"int grp = {'int(gl_WorkGroupID.x + gl_NumWorkGroups.x * gl_WorkGroupID.y)'};")
@@ -369,7 +373,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     r.emit(f"int arow = wr * {tm_};")
     r.emit(f"int bcol = wc * {tn_};")
     with r.block(f"for (int kt = 0; kt < {nk}; kt++)"):
-        r.emit(f"int cur = (kt & 1) * {stage};")
+        r.emit(f"int cur = (kt & 1) * {stage};" if cfg.stages == 2 else "int cur = 0;")
         r.emit(f"bool more = kt + 1 < {nk};")
         with r.block("if (more)"):  # the next slice's reads are in flight during the multiplies
             load_slice(f"(kt + 1) * {bk}")
@@ -391,8 +395,10 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
             for i in range(ffm):
                 for j in range(ffn):
                     r.emit(f"{acc[i][j]} = coopMatMulAdd(fa[{i}], fb[{j}], {acc[i][j]});")
+        if cfg.stages == 1:
+            r.emit("barrier();")  # every subgroup is done with the slice before it is overwritten
         with r.block("if (more)"):
-            store_slice(f"{stage} - cur")
+            store_slice(f"{stage} - cur" if cfg.stages == 2 else "0")
         r.emit("barrier();")
 
     # epilogue: per fragment row, stage in shared memory (this subgroup's own region), then per element
@@ -419,7 +425,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     if compute is dtypes.bfloat16 and any(d is dtypes.float16 for i, (_, d) in enumerate(r.bindings)
                                           if i not in r.block_types):
         return None
-    name = f"MC_{nb}_{m_}_{n_}_{k_}_{bm}x{bn}x{bk}_{wm}x{wn}"
+    name = f"MC_{nb}_{m_}_{n_}_{k_}_{bm}x{bn}x{bk}_{wm}x{wn}_s{cfg.stages}"
     prog = _finish(r, name, nt, groups, lim, shared)
     prog.groups = _groups2d(groups, lim)
     return Lowered([prog], [])

@@ -1,7 +1,7 @@
 """Measured tile configurations of the cooperative-matrix matmul, kept on disk per device.
 
 A file `<cache dir>/matmul/<device>.json` maps shape classes (matmul_coop.shape_class: the compute type and the
-sizes rounded to powers of two) to [BM, BN, BK, WM, WN]. `realize` loads the device's table into
+sizes rounded to powers of two) to [BM, BN, BK, WM, WN, stages]. `realize` loads the device's table into
 `Limits.tuned` (unless VKGRAPH_MATMUL_TUNE=0), so lowering keys on it; `benchmarks/bench_matmul.py --tune`
 measures the configurations of `matmul_coop.CONFIGS` on the device and records the fastest.
 """
@@ -22,12 +22,12 @@ def path(cache_dir: str | Path, device: str) -> Path:
     return Path(cache_dir) / "matmul" / f"{safe}.json"
 
 
-def load(p: Path) -> tuple[tuple[str, tuple[int, int, int, int, int]], ...]:
+def load(p: Path) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The table at p as Limits.tuned holds it; empty when there is none or it cannot be read."""
     try:
         raw = json.loads(p.read_text())
         return tuple(sorted((str(k), tuple(int(x) for x in v)) for k, v in raw.items()
-                            if isinstance(v, list) and len(v) == 5))
+                            if isinstance(v, list) and len(v) == 6))
     except (OSError, ValueError, AttributeError, TypeError):
         return ()
 
@@ -35,7 +35,7 @@ def load(p: Path) -> tuple[tuple[str, tuple[int, int, int, int, int]], ...]:
 def record(p: Path, cls: str, cfg: matmul_coop.Config) -> None:
     """Remember cfg for shape class cls in the table at p (written whole, then renamed)."""
     table = {k: list(v) for k, v in load(p)}
-    table[cls] = [cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn]
+    table[cls] = [cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages]
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
