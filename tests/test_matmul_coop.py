@@ -274,3 +274,21 @@ def test_every_tile_configuration_matches_numpy(tb):
         dev.dispatch(dev.kernel(prog.src, name=prog.name), [ref.buf for ref, _, _ in prog.bindings], prog.groups,
                      prog.push or None)
         _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)
+
+
+# ---- the tiled path (devices without cooperative matrices, float32 and integer products) -------------------------
+
+@pytest.mark.parametrize("m,n,k", [(200, 130, 70), (64, 300, 33), (65, 65, 17), (130, 129, 1)])
+def test_tiled_path_tiles_and_matches_numpy(m, n, k):
+    a, b = _arr((m, k), 1, np.float32), _arr((k, n), 2, np.float32)
+    (p,) = programs(Tensor(a) @ Tensor(b), fake_limits(coop=()))
+    assert p.name.endswith("_128" if m > 64 and n > 64 else "_64")
+    _check((Tensor(a) @ Tensor(b)).numpy(), a, b, 2.0**-24)
+    bt = np.ascontiguousarray(b.T)  # the weight layout of x @ w.T
+    _check((Tensor(a) @ Tensor(bt).T).numpy(), a, b, 2.0**-24)
+
+
+def test_tiled_integer_product_is_exact():
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(-50, 50, (150, 90), dtype=np.int32), rng.integers(-50, 50, (90, 140), dtype=np.int32)
+    np.testing.assert_array_equal((Tensor(a) @ Tensor(b)).numpy(), a @ b)

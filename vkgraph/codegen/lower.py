@@ -11,8 +11,9 @@ Three shapes of kernel:
   short and many. The reductions of a kernel run one after another over the same row, then the epilogue
   writes either one value per row or walks the row again. A row too long for one workgroup, with few
   rows, is split into two programs: partial results per chunk, then a reduction of the partials;
-- matmul: 64x64 output tiles per workgroup, 16-deep slices of both inputs staged through shared memory,
-  4x4 results per invocation, accumulation in float32 (or the integer type), then the elementwise epilogue.
+- matmul: 128x128 output tiles per workgroup with 8x8 results per invocation (64x64 with 4x4 for small sides),
+  16-deep slices of both inputs staged through shared memory, accumulation in float32 (or the integer type),
+  then the elementwise epilogue; on cooperative matrices where the device has them (matmul_coop).
 """
 
 from __future__ import annotations
@@ -778,9 +779,25 @@ def _split(k: Kernel, red: Node, lim: Limits, params: dict[int, int], axes: tupl
 
 # ---- matmul -----------------------------------------------------------------------------------------------------
 
-BM = BN = 64
 BK = 16
-TPT = 4  # results per invocation along m and along n
+
+
+def _tile(m: int, n: int, acc: DType, lim: Limits) -> tuple[int, int]:
+    """(tile edge, results per invocation along each axis): 128 x 128 tiles with 8 x 8 results per invocation
+    where both sides exceed 64 and the staged slices fit in shared memory (a quarter of the shared-memory reads
+    per multiply-add of 64 x 64 tiles with 4 x 4), else 64 x 64 with 4 x 4."""
+    if m > 64 and n > 64 and 2 * BK * 128 * acc.itemsize <= lim.max_shared and lim.max_invocations >= 256:
+        return 128, 8
+    return 64, 4
+
+
+def _owned(tpt: int, edge: int, t: str, i: str) -> str:
+    """The tile row (or column) of an invocation's i-th result, t its row (column) among edge / tpt: with 4 per
+    invocation, strided by edge / 4; with 8, two runs of 4 consecutive ones half a tile apart, so neighbouring
+    invocations read neighbouring 16-byte runs of shared memory."""
+    if tpt == 4:
+        return f"({t} + {edge // 4} * {i})"
+    return f"((({i}) >> 2) * {edge // 2} + {t} * 4 + (({i}) & 3))"
 
 
 def _column_major(src: Node) -> bool:
@@ -800,11 +817,13 @@ def _matmul(k: Kernel, mm: Node, lim: Limits, params: dict[int, int]) -> Lowered
     batch = mm.shape[:-2]
     m_, n_, k_ = a.shape[-2], b.shape[-1], a.shape[-1]
     nb = prod(batch)
+    t = mm.dtype.glsl
+    acc_d = _acc_dtype(mm.dtype)
+    BM, TPT = _tile(m_, n_, acc_d, lim)
+    BN = BM
     tiles_m, tiles_n = math.ceil(m_ / BM), math.ceil(n_ / BN)
     groups = nb * tiles_m * tiles_n
     wg = (BM // TPT) * (BN // TPT)
-    t = mm.dtype.glsl
-    acc_d = _acc_dtype(mm.dtype)
     shared = [f"shared {acc_d.glsl} As[{BK}][{BM}];", f"shared {acc_d.glsl} Bs[{BK}][{BN}];"]
     r = _renderer(lim, params)
     zero = glsl.zero(acc_d)
@@ -849,20 +868,20 @@ def _matmul(k: Kernel, mm: Node, lim: Limits, params: dict[int, int]) -> Lowered
         r.emit("barrier();")
         with r.block(f"for (int kk = 0; kk < {BK}; kk++)"):
             r.emit(f"{acc_d.glsl} av[{TPT}]; {acc_d.glsl} bv[{TPT}];")
-            r.emit(f"for (int i = 0; i < {TPT}; i++) av[i] = As[kk][ty + {BM // TPT} * i];")
-            r.emit(f"for (int j = 0; j < {TPT}; j++) bv[j] = Bs[kk][tx + {BN // TPT} * j];")
+            r.emit(f"for (int i = 0; i < {TPT}; i++) av[i] = As[kk][{_owned(TPT, BM, 'ty', 'i')}];")
+            r.emit(f"for (int j = 0; j < {TPT}; j++) bv[j] = Bs[kk][{_owned(TPT, BN, 'tx', 'j')}];")
             r.emit(f"for (int i = 0; i < {TPT}; i++) for (int j = 0; j < {TPT}; j++) "
                    f"acc[i * {TPT} + j] += av[i] * bv[j];")
         r.emit("barrier();")
     with r.block(f"for (int i = 0; i < {TPT}; i++)"):
         with r.block(f"for (int j = 0; j < {TPT}; j++)"):
-            r.emit(f"int m = tm * {BM} + ty + {BM // TPT} * i;")
-            r.emit(f"int n = tn * {BN} + tx + {BN // TPT} * j;")
+            r.emit(f"int m = tm * {BM} + {_owned(TPT, BM, 'ty', 'i')};")
+            r.emit(f"int n = tn * {BN} + {_owned(TPT, BN, 'tx', 'j')};")
             with r.block(f"if (m < {m_} && n < {n_})"):
                 r.subst[mm] = r.define(t, glsl.cast(f"acc[i * {TPT} + j]", acc_d, mm.dtype, r.need), "mm")
                 coords = bc + (Var("m", 0, m_ - 1), Var("n", 0, n_ - 1))
                 r.store(k.out, k.out.dtype, k.st, coords, r.value(k.root, coords))
-    return Lowered([_finish(r, f"M_{nb}_{m_}_{n_}_{k_}", wg, groups, lim, shared)], [])
+    return Lowered([_finish(r, f"M_{nb}_{m_}_{n_}_{k_}_{BM}", wg, groups, lim, shared)], [])
 
 
 def _runtime_leaves(nodes: list[Node]) -> tuple[list[Node], list[Node]]:

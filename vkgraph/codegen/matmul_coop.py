@@ -24,7 +24,6 @@ from ..dtype import DType, dtypes
 from ..graph import Node, Op
 from ..view import prod
 from . import glsl
-from .render import Renderer
 from .symbolic import Var, unravel
 
 if TYPE_CHECKING:
@@ -221,7 +220,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     """The program for kernel k, whose matmul node is mm, on cooperative matrices with `compute` operands
     (mm's dtype by default) and tile configuration cfg (tuned or default when None); None for a bfloat16
     product whose kernel also reads float16 values (the one 16-bit float type of the SPIR-V is renamed)."""
-    from .lower import Lowered, _finish
+    from .lower import Lowered, _finish, _renderer
 
     compute = compute or mm.dtype
     a, b = mm.srcs
@@ -245,7 +244,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     outside = _refs_outside(k, mm)
     opa = _operand(a, compute, lim, outside)
     opb = _operand(b, compute, lim, outside)
-    r = Renderer(lim.max_storage_range, params)
+    r = _renderer(lim, params)
     r.ext |= {"GL_KHR_cooperative_matrix", "GL_KHR_memory_scope_semantics", "GL_KHR_shader_subgroup_basic",
               "GL_EXT_shader_explicit_arithmetic_types_float16"}
 
