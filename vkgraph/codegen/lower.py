@@ -95,7 +95,8 @@ class Limits:
                       int(info.max_shared_memory), int(info.max_storage_buffer_range),
                       min(int(info.max_storage_buffers), Limits.BINDING_CAP),
                       "arithmetic" in info.subgroup_ops, int(info.min_subgroup_size), int(info.max_subgroup_size),
-                      bool(info.int64), ieee, modes, coop, int(info.subgroup_size), f"{info.name}/{info.driver_version}")
+                      bool(info.int64), ieee, modes, coop, int(info.subgroup_size),
+                      f"{info.name}/{info.driver_version}")
 
 
 @dataclass
