@@ -196,10 +196,10 @@ def runtime_values(n: Node) -> tuple:
 
     Kernels take these as data, not as compiled-in literals, so a new RNG counter or a new float constant runs
     the kernel compiled before: RAND's (seed, counter), a Variable, and float constants. A float constant that is
-    zero, infinite, NaN or subnormal stays a literal: the shader compiler folds literal arithmetic with such
-    values in its own way (``x * 0.0`` is 0 even for an infinite x; see docs/reliability.md), and a value that
-    is a literal in one kernel and data in another would then compute differently. Integer constants stay
-    literals too: they take part in index arithmetic and integer division, which the compiler simplifies.
+    zero, infinite, NaN or subnormal is none of these: its value is part of the kernel's key, and codegen hides it
+    from the shader compiler (which folds literal arithmetic with such values against IEEE: ``x * 0.0`` gave 0 for
+    an infinite x; see codegen.render.Renderer.special_float). Integer constants stay literals: they take part in
+    index arithmetic and integer division, which the compiler simplifies.
     """
     op = n.op
     if op is Op.RAND:
