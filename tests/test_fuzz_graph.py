@@ -206,3 +206,158 @@ def test_random_graphs_match_numpy(pair):
 @given(graphs(max_ops=12))
 def test_random_graphs_match_numpy_long(pair):
     _run(pair)
+
+
+# ---- special values -------------------------------------------------------------------------------------------
+# Graphs over inputs holding inf, -inf, NaN, -0.0, subnormals, huge and tiny magnitudes, against numpy's float32
+# (the semantics vkgraph follows: float32 overflows where float64 would not). Chains of IEEE-exact operations
+# (add, sub, mul, neg, abs, max/min, where, floor/ceil/trunc/round, float16 rounding, movements, max/min
+# reductions) must equal numpy bit for bit (NaN at the same places, zeros with the same sign); one inexact
+# operation may end a chain (exp, log, sqrt, reciprocal, div, pow, tanh, sum, mean), compared by normalised
+# error, with NaN and infinities matched exactly.
+
+F32_MAX = float(np.finfo(np.float32).max)
+SPECIAL_VALUES = np.array([np.inf, -np.inf, np.nan, -0.0, 0.0, 1e-40, -3e-42, 1.4e-45, 3e38, -2e38, 1e30, -1e-30,
+                           1.0, -1.0, 2.0, 0.5, 65504.0, 65520.0, 7.0, -3.0], np.float32)
+
+EXACT_UNARY = {
+    "neg": (lambda t: -t, np.negative), "abs": (lambda t: t.abs(), np.abs),
+    "relu": (lambda t: t.relu(), lambda x: np.maximum(x, np.float32(0))),
+    "floor": (lambda t: t.floor(), np.floor), "ceil": (lambda t: t.ceil(), np.ceil),
+    "trunc": (lambda t: t.trunc(), np.trunc), "round": (lambda t: t.round(), np.round),
+    "half": (lambda t: t.half().float(), lambda x: x.astype(np.float16).astype(np.float32)),
+}
+EXACT_BINARY = {
+    "add": (lambda a, b: a + b, np.add), "sub": (lambda a, b: a - b, np.subtract),
+    "mul": (lambda a, b: a * b, np.multiply), "max": (lambda a, b: a.maximum(b), np.maximum),
+    "min": (lambda a, b: a.minimum(b), np.minimum),
+    "where": (lambda a, b: (a > b).where(a, b), lambda a, b: np.where(a > b, a, b)),
+}
+# inexact: (vkgraph, numpy float32, relative error bound; "log" bounds by max(|ref|, 1): Vulkan bounds log's
+# error absolutely near 1)
+INEXACT_UNARY = {
+    "exp": (lambda t: t.exp(), np.exp, 2e-5), "log": (lambda t: t.log(), np.log, 1e-5),
+    "sqrt": (lambda t: t.sqrt(), np.sqrt, 1e-6), "recip": (lambda t: t.reciprocal(), np.reciprocal, 1e-6),
+    "tanh": (lambda t: t.tanh(), np.tanh, 1e-5),
+}
+INEXACT_BINARY = {"div": (lambda a, b: a / b, np.divide, 1e-6), "pow": (lambda a, b: a ** b, np.power, 3e-5)}
+
+
+class Special:
+    """A tensor and numpy's float32 value of it; how it was built."""
+
+    def __init__(self, t: Tensor, x: np.ndarray, desc: str):
+        self.t, self.x, self.desc = t, x, desc
+
+    def __repr__(self) -> str:
+        return f"{self.desc} {self.x.shape}"
+
+
+def _special_input(draw, rng, shape) -> np.ndarray:
+    x = (rng.standard_normal(shape) * 10 ** draw(st.integers(-3, 3))).astype(np.float32)
+    mask = rng.random(shape) < draw(st.sampled_from([0.1, 0.3, 0.7]))
+    x[mask] = rng.choice(SPECIAL_VALUES, size=int(mask.sum()))
+    return x
+
+
+@st.composite
+def special_graphs(draw, max_ops: int = 6):
+    nd = draw(st.integers(1, 3))
+    shape = tuple(draw(st.sampled_from([1, 2, 3, 5, 7, 130])) if i == nd - 1 else draw(st.integers(1, 5))
+                  for i in range(nd))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    pool = []
+    for _ in range(draw(st.integers(1, 3))):
+        x = _special_input(draw, rng, shape)
+        pool.append(Special(Tensor(x), x, f"in{len(pool)}"))
+    with np.errstate(all="ignore"):
+        for _ in range(draw(st.integers(1, max_ops))):
+            kind = draw(st.sampled_from(["unary", "binary", "binary", "reduce", "move"]))
+            a = pool[draw(st.integers(0, len(pool) - 1))]
+            if kind == "unary":
+                name = draw(st.sampled_from(sorted(EXACT_UNARY)))
+                f, g = EXACT_UNARY[name]
+                pool.append(Special(f(a.t), g(a.x), f"{name}({a.desc})"))
+            elif kind == "binary":
+                same = [p for p in pool if _broadcasts(p.x.shape, a.x.shape)]
+                b = same[draw(st.integers(0, len(same) - 1))]
+                name = draw(st.sampled_from(sorted(EXACT_BINARY)))
+                f, g = EXACT_BINARY[name]
+                pool.append(Special(f(a.t, b.t), g(a.x, b.x).astype(np.float32), f"{name}({a.desc}, {b.desc})"))
+            elif kind == "reduce" and a.x.ndim:
+                name = draw(st.sampled_from(["max", "min"]))
+                axis = draw(st.integers(0, a.x.ndim - 1))
+                pool.append(Special(getattr(a.t, name)(axis), getattr(np, name)(a.x, axis=axis),
+                                    f"{name}({a.desc}, {axis})"))
+            elif kind == "move" and a.x.ndim:
+                m = _move(draw, Item(a.t, a.x, 1.0, a.desc))
+                pool.append(Special(m.t, m.x, m.desc))
+        last = pool[-1]
+        end = draw(st.sampled_from(["none", "unary", "binary", "sum", "mean"]))
+        if end == "unary":
+            name = draw(st.sampled_from(sorted(INEXACT_UNARY)))
+            f, g, tol = INEXACT_UNARY[name]
+            return Special(f(last.t), g(last.x), f"{name}({last.desc})"), tol, name == "log", None
+        if end == "binary":
+            same = [p for p in pool if _broadcasts(p.x.shape, last.x.shape)]
+            b = same[draw(st.integers(0, len(same) - 1))]
+            name = draw(st.sampled_from(sorted(INEXACT_BINARY)))
+            f, g, tol = INEXACT_BINARY[name]
+            return Special(f(last.t, b.t), g(last.x, b.x), f"{name}({last.desc}, {b.desc})"), tol, False, None
+        if end in ("sum", "mean") and last.x.ndim:
+            axis = draw(st.integers(0, last.x.ndim - 1))
+            terms = np.abs(last.x.astype(np.float64))
+            terms = terms.sum(axis) if end == "sum" else terms.mean(axis)
+            out = Special(getattr(last.t, end)(axis), getattr(np, end)(last.x, axis=axis, dtype=np.float32),
+                          f"{end}({last.desc}, {axis})")
+            return out, 2e-6, False, terms
+    return last, 0.0, False, None
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32).view(np.uint32)
+
+
+def _check_special(item: Special, tol: float, floor_one: bool, terms: np.ndarray | None) -> None:
+    got = item.t.numpy()
+    ref = np.asarray(item.x, np.float32)
+    assert got.shape == ref.shape, (item, got.shape, ref.shape)
+    got = got.astype(np.float32)
+    nan_g, nan_r = np.isnan(got), np.isnan(ref)
+    ambiguous = np.zeros(ref.shape, bool)
+    if terms is not None:  # a sum whose partial sums may overflow: its infinities and NaN depend on the order
+        ambiguous = ~np.isfinite(terms) & ~np.isnan(ref) | (terms >= F32_MAX / 2)
+    elif tol:  # an inexact op whose true result lies at float32's overflow threshold may round either way
+        ambiguous = np.isfinite(ref) & (np.abs(ref) >= F32_MAX * (1 - 1e-4))
+    bad = (nan_g != nan_r) & ~ambiguous
+    assert not bad.any(), f"{item!r}: NaN differs at {np.argwhere(bad)[:5].tolist()}: {got[bad][:5]} vs {ref[bad][:5]}"
+    if tol == 0.0:  # IEEE-exact all the way: bit for bit
+        differ = (_bits(got) != _bits(ref)) & ~nan_r
+        assert not differ.any(), (f"{item!r}: not bit-exact at {np.argwhere(differ)[:5].tolist()}: "
+                                  f"{got[differ][:5]} vs {ref[differ][:5]}")
+        return
+    inf_r = np.isinf(ref) & ~ambiguous
+    assert np.array_equal(got[inf_r], ref[inf_r]), f"{item!r}: infinities differ: {got[inf_r]} vs {ref[inf_r]}"
+    fin = np.isfinite(ref) & ~ambiguous
+    scale = np.maximum(np.abs(ref.astype(np.float64)), 1.0 if floor_one else 0.0)
+    if terms is not None:
+        scale = np.maximum(scale, np.where(np.isfinite(terms), terms, 0.0))
+    # results in the subnormal range: drivers may flush them (Vulkan's default float controls)
+    bound = tol * scale + 2.0**-126
+    err = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    bad = fin & ~(err <= bound)
+    assert not bad.any(), (f"{item!r}: error at {np.argwhere(bad)[:5].tolist()}: {got[bad][:5]} vs {ref[bad][:5]} "
+                           f"(bound {bound[bad][:5]})")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(special_graphs())
+def test_special_value_graphs_match_numpy(case):
+    _check_special(*case)
+
+
+@pytest.mark.slow
+@settings(max_examples=flag("VKGRAPH_FUZZ_EXAMPLES"), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(special_graphs(max_ops=10))
+def test_special_value_graphs_match_numpy_long(case):
+    _check_special(*case)

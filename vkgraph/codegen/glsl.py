@@ -53,6 +53,24 @@ float bf2f(uint b) { return uintBitsToFloat(b << 16); }""",
   precise float r = e < -126.0 ? exp2(e + 24.0) * 5.9604644775390625e-08 : exp2(e);
   return neg && odd ? -r : r;
 }""",
+    "flog": """// log and log2 with subnormal inputs scaled by 2^24 (exact) first: some drivers take logs of normal
+// numbers only
+float flog2(float x) { return abs(x) < 1.17549435e-38 && x != 0.0 ? log2(x * 16777216.0) - 24.0 : log2(x); }
+float flog(float x) {
+  return abs(x) < 1.17549435e-38 && x != 0.0 ? log(x * 16777216.0) - 16.635532333438686 : log(x);
+}""",
+    "ftanh": """// tanh with relative accuracy near 0 (drivers' tanh errs absolutely), NaN kept, no overflow
+float ftanh(float x) {
+  if (isnan(x)) return x;
+  float a = abs(x);
+  if (a < 0.625) {  // Cephes' tanhf polynomial; returns x itself (with its sign) for tiny x
+    float z = x * x;
+    return ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+            - 3.33332819422e-1) * z * x + x;
+  }
+  float r = 1.0 - 2.0 / (exp(2.0 * a) + 1.0);  // exp overflows to inf for large a: r is 1
+  return x < 0.0 ? -r : r;
+}""",
     "erf": """float erf_(float x) {  // Abramowitz-Stegun 7.1.26, |error| < 1.5e-7
   float t = 1.0 / (1.0 + 0.3275911 * abs(x));
   float p = ((((1.061405429 * t - 1.453152027) * t + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t;
@@ -263,7 +281,7 @@ def shift(op: Op, dtype: DType, s: DType, a: str, b: str) -> str:
     return f"({in_range} ? ({a} >> {b}) : {out_of_range})"
 
 
-_FLOAT_UNARY = {Op.EXP: "exp", Op.EXP2: "exp2", Op.LOG: "log", Op.LOG2: "log2", Op.SIN: "sin", Op.COS: "cos",
+_FLOAT_UNARY = {Op.EXP: "exp", Op.EXP2: "exp2", Op.LOG: "flog", Op.LOG2: "flog2", Op.SIN: "sin", Op.COS: "cos",
                 Op.SQRT: "sqrt", Op.RSQRT: "inversesqrt", Op.FLOOR: "floor", Op.CEIL: "ceil",
                 Op.ROUND: "roundEven", Op.TRUNC: "trunc"}
 _INFIX = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.CMPLT: "<", Op.CMPLE: "<=", Op.CMPEQ: "==", Op.CMPNE: "!=",
@@ -280,9 +298,14 @@ def alu(op: Op, dtype: DType, srcs: list[DType], args: list[str], need: set[str]
     if op is Op.BITCAST:
         return bitcast(a, s, dtype, need)
     if op in _FLOAT_UNARY:
-        return f"{_FLOAT_UNARY[op]}({a})" if s.is_float else a
+        if not s.is_float:
+            return a
+        if op in (Op.LOG, Op.LOG2):
+            need.add("flog")
+        return f"{_FLOAT_UNARY[op]}({a})"
     if op is Op.TANH:
-        return f"tanh(clamp({a}, -15.0, 15.0))"
+        need.add("ftanh")
+        return f"ftanh({a})"
     if op is Op.ERF:
         need.add("erf")
         return f"erf_({a})"
