@@ -231,9 +231,10 @@ def cast(x: str, src: DType, dst: DType, need: set[str]) -> str:
 
 
 def minmax(fn: str, a: str, b: str, d: DType) -> str:
-    """max(a, b) or min(a, b) as numpy computes it: GLSL's may drop a NaN, numpy's propagates it."""
+    """max(a, b) or min(a, b) as numpy computes it: GLSL's may drop a NaN, numpy's propagates it; between equal
+    values (+0.0 and -0.0) numpy returns b, where GLSL's choice is the driver's."""
     if d.is_float:
-        return f"((isnan({a}) || isnan({b})) ? ({a} + {b}) : {fn}({a}, {b}))"
+        return f"((isnan({a}) || isnan({b})) ? ({a} + {b}) : ({a} {'>' if fn == 'max' else '<'} {b} ? {a} : {b}))"
     return f"{fn}({a}, {b})"
 
 
