@@ -1123,7 +1123,8 @@ def where(cond: Tensor, x: Tensor | Scalar, y: Tensor | Scalar) -> Tensor:
 
 
 def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
-    """Concatenate along dim: each input padded into place, summed in one fused kernel."""
+    """Concatenate along dim: each input padded into place, joined in one fused kernel (integers summed; floats
+    selected by where each input lies, since -0.0 plus the padding's 0.0 would be +0.0)."""
     tensors = _tensor_list(tensors, "cat")
     ref = tensors[0]
     d = _axis(dim, ref.ndim)
@@ -1139,7 +1140,13 @@ def cat(tensors: Sequence[Tensor], dim: int = 0) -> Tensor:
         pads[d] = (start, total - start - t.shape[d])
         start += t.shape[d]
         p = t.cast(dt).pad(pads)
-        out = p if out is None else Tensor(g.alu(Op.ADD, dt, out.node, p.node))
+        if out is None:
+            out = p
+        elif dt.is_float:
+            inside = Tensor.full(t.shape, True, dtypes.bool).pad(pads)
+            out = Tensor(g.alu(Op.WHERE, dt, inside.node, p.node, out.node))
+        else:
+            out = Tensor(g.alu(Op.ADD, dt, out.node, p.node))
     return out
 
 
