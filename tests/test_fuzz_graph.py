@@ -362,3 +362,100 @@ def test_special_value_graphs_match_numpy(case):
 @given(special_graphs(max_ops=10))
 def test_special_value_graphs_match_numpy_long(case):
     _check_special(*case)
+
+
+# ---- integer edge values --------------------------------------------------------------------------------------
+# Integer graphs in one dtype, inputs holding the dtype's extremes, -1, 0, 1 and powers of two, against numpy bit
+# for bit: wrapping arithmetic, floor division and modulo (by zero too: 0, as numpy's), shifts by any count,
+# casts, and reductions with numpy's int64 accumulators.
+
+INT_DTYPES = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64]
+INT_BINARY = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "floordiv": np.floor_divide, "mod": np.mod,
+    "max": np.maximum, "min": np.minimum, "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
+    "shl": np.left_shift, "shr": np.right_shift,
+}
+INT_TENSOR_BINARY = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "floordiv": lambda a, b: a // b,
+    "mod": lambda a, b: a % b, "max": lambda a, b: a.maximum(b), "min": lambda a, b: a.minimum(b),
+    "and": lambda a, b: a & b, "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b, "shl": lambda a, b: a << b,
+    "shr": lambda a, b: a >> b,
+}
+
+INT_UNARY = {
+    "neg": lambda t, x: (-t, np.negative(x)), "abs": lambda t, x: (t.abs(), np.abs(x)),
+    "invert": lambda t, x: (~t, np.invert(x)), "lt": lambda t, x: ((t < 3).cast(t.dtype), (x < 3).astype(x.dtype)),
+    "where": lambda t, x: ((t > 0).where(t, t * 2), np.where(x > 0, x, x * 2)),
+}
+
+
+def _int_input(rng, shape, dt) -> np.ndarray:
+    info = np.iinfo(dt)
+    x = rng.integers(-100, 100, size=shape).astype(np.int64)
+    edges = np.array([info.min, info.max, info.min + 1, info.max - 1, -1, 0, 1, 2, 7, info.bits, 1 << 15],
+                     np.int64)
+    mask = rng.random(shape) < 0.4
+    x[mask] = rng.choice(edges, size=int(mask.sum()))
+    return x.astype(dt)  # wraps what the dtype cannot hold
+
+
+@st.composite
+def int_graphs(draw, max_ops: int = 6):
+    dt = draw(st.sampled_from(INT_DTYPES))
+    nd = draw(st.integers(1, 2))
+    shape = tuple(draw(st.sampled_from([1, 3, 7, 130])) if i == nd - 1 else draw(st.integers(1, 4))
+                  for i in range(nd))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    pool = [Special(Tensor(x), x, f"in{i}") for i, x in enumerate(_int_input(rng, shape, dt) for _ in range(2))]
+    with np.errstate(all="ignore"):
+        for _ in range(draw(st.integers(1, max_ops))):
+            ints = [p for p in pool if p.x.dtype.kind in "iu"]  # float32 casts only end a chain
+            a = ints[draw(st.integers(0, len(ints) - 1))]
+            kind = draw(st.sampled_from(["binary", "binary", "binary", "unary", "cast", "reduce", "move"]))
+            if kind == "binary":
+                same = [p for p in pool if _broadcasts(p.x.shape, a.x.shape) and p.x.dtype == a.x.dtype]
+                b = same[draw(st.integers(0, len(same) - 1))]
+                name = draw(st.sampled_from(sorted(INT_BINARY)))
+                pool.append(Special(INT_TENSOR_BINARY[name](a.t, b.t), INT_BINARY[name](a.x, b.x),
+                                    f"{name}({a.desc}, {b.desc})"))
+            elif kind == "unary":
+                name = draw(st.sampled_from(sorted(INT_UNARY)))
+                t, x = INT_UNARY[name](a.t, a.x)
+                pool.append(Special(t, x, f"{name}({a.desc})"))
+            elif kind == "cast":
+                to = draw(st.sampled_from(INT_DTYPES + [np.float32]))
+                pool.append(Special(a.t.cast(np.dtype(to)), a.x.astype(to), f"cast({a.desc}, {np.dtype(to)})"))
+            elif kind == "reduce" and a.x.dtype.kind in "iu" and a.x.ndim:
+                name = draw(st.sampled_from(["sum", "prod", "max", "min", "cumsum"]))
+                axis = draw(st.integers(0, a.x.ndim - 1))
+                ref = getattr(np, name)(a.x, axis=axis)
+                if name in ("sum", "prod", "cumsum"):
+                    ref = ref.astype(np.int64)  # numpy's accumulator (uint64 for unsigned: vkgraph's is int64)
+                pool.append(Special(getattr(a.t, name)(axis), ref, f"{name}({a.desc}, {axis})"))
+            elif kind == "move" and a.x.ndim:
+                m = _move(draw, Item(a.t, a.x, 1.0, a.desc))
+                pool.append(Special(m.t, m.x, m.desc))
+    return pool[-1]
+
+
+def _check_int(item: Special) -> None:
+    got = item.t.numpy()
+    ref = np.asarray(item.x)
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (item, got.dtype, ref.dtype, got.shape, ref.shape)
+    if ref.dtype.kind == "f":
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), f"{item!r}: {got} vs {ref}"
+    else:
+        assert np.array_equal(got, ref), f"{item!r}: differs at {np.argwhere(got != ref)[:5].tolist()}"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(int_graphs())
+def test_integer_edge_value_graphs_match_numpy(item):
+    _check_int(item)
+
+
+@pytest.mark.slow
+@settings(max_examples=flag("VKGRAPH_FUZZ_EXAMPLES"), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(int_graphs(max_ops=10))
+def test_integer_edge_value_graphs_match_numpy_long(item):
+    _check_int(item)

@@ -246,3 +246,24 @@ def test_reshape_forms():
                              ((4, -1), ValueError, "cannot reshape"), ((7,), ValueError, "cannot reshape")]:
         with pytest.raises(err, match=match):
             t.reshape(*args)
+
+
+@pytest.mark.parametrize("dt", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32])
+def test_floor_division_and_modulo_at_the_extremes(dt):
+    info = np.iinfo(dt)
+    v = np.array([info.min, info.max, info.min + 1, -1 if info.min else 1, 0, 1, 7, 95, 2], np.int64).astype(dt)
+    a, b = (x.ravel() for x in np.meshgrid(v, v, indexing="ij"))
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal((Tensor(a) // Tensor(b)).numpy(), a // b)  # INT_MIN // 95 among them
+        np.testing.assert_array_equal((Tensor(a) % Tensor(b)).numpy(), a % b)
+
+
+@pytest.mark.parametrize("dt", [np.int8, np.uint8, np.int32, np.uint32])
+def test_integers_widened_to_int64_compare_and_shift(dt):
+    info = np.iinfo(dt)
+    x = np.array([2, 3, 5, info.max, info.min], dt)
+    w = Tensor(x).cast("int64")
+    x64 = x.astype(np.int64)
+    np.testing.assert_array_equal((w < 64).numpy(), x64 < 64)
+    np.testing.assert_array_equal((w >= 0).numpy(), x64 >= 0)
+    np.testing.assert_array_equal((w[:3] << w[:3]).numpy(), x64[:3] << x64[:3])

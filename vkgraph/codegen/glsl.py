@@ -89,10 +89,11 @@ float rng(uint seed, uint ctr) {
 
 # integer floor division, modulo and power per GLSL type (T), instantiated on use
 _INT_HELPERS = {
-    "idiv": """T idiv_T(T a, T b) {
+    "idiv": """T idiv_T(T a, T b) {  // floor division (division truncates; abs() of the minimum would overflow)
   if (b == Z) return Z;
-  T q = abs(a) / abs(b);
-  if ((a < Z) != (b < Z)) q = -q - ((abs(a) % abs(b)) != Z ? O : Z);
+  if (b == Z - O) return Z - a;  // the minimum // -1 wraps to itself, as numpy's
+  T q = a / b;
+  if (a - q * b != Z && ((a < Z) != (b < Z))) q -= O;
   return q;
 }""",
     "imod": """T imod_T(T a, T b) {
@@ -227,6 +228,11 @@ def cast(x: str, src: DType, dst: DType, need: set[str]) -> str:
         return f"float({x})"
     if src.is_float and dst.kind == "u" and dst.itemsize < 8:
         x = f"int({x})"  # float -> uint of a negative value wraps as numpy does through int
+    if dst is dtypes.int64 and src.is_int:
+        # built from its two halves: lavapipe (Mesa 22.3) compared int64_t(x) of a 32-bit x with an int64 constant
+        # wrongly (int64_t(2) < 64l was false; shifts by such counts gave 0)
+        hi = f"({x} >> 31)" if src.kind == "i" else "0"
+        return f"packInt2x32(ivec2(int({x}), {hi}))"
     return wrap(dst, f"{dst.glsl}({x})")
 
 
