@@ -6,11 +6,9 @@ from test_templates_common import normalised_error
 
 from vkgraph.jit import jit
 from vkgraph.nn import template_ops
-from vkgraph.nn.template_ops import QuantLinear, paged_decode, prefill_attention, write_kv
+from vkgraph.nn.template_ops import KVCache, QuantLinear, paged_decode, prefill_attention, write_kv
 from vkgraph.quant import dequantize, quantize
 from vkgraph.realize import count_kernels
-from vkgraph.runtime import get_device
-from vkgraph.templates.paged_attention import PagedKVCache
 from vkgraph.tensor import Tensor
 
 
@@ -117,11 +115,10 @@ def reference_decode(q, kc, vc, tables, lens, block):
 
 def test_write_kv_then_paged_decode_in_one_graph():
     rng = np.random.default_rng(0)
-    dev = get_device()
     block, hkv, heads, d, nblocks = 16, 2, 4, 64, 12
-    cache = PagedKVCache.create(dev, nblocks, hkv, d, block, "f32")
-    dev.upload(cache.key, np.zeros(cache.key.size // 4, np.float32))
-    dev.upload(cache.value, np.zeros(cache.value.size // 4, np.float32))
+    cache = KVCache.create(nblocks, hkv, d, block, "f32")
+    zeros = np.zeros(cache.key.shape, np.uint32)  # the cache is made of Tensors: fresh memory, zeroed here
+    cache.key, cache.value = Tensor(zeros), Tensor(zeros)
     lens = np.array([5, 37], np.int32)
     tables = np.array([[3, 0, 0, 0], [7, 1, 9, 0]], np.int32)
     kc = np.zeros((nblocks, hkv, block, d), np.float32)

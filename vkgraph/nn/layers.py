@@ -14,10 +14,9 @@ import numpy as np
 
 from ..dtype import dtypes
 from ..quant import ROW_ALIGN_ELEMS, QuantizedTensor, dequantize, quantize, stack_rows
-from ..templates.paged_attention import PagedKVCache
 from ..tensor import Tensor, cat
 from .config import ModelConfig
-from .template_ops import ExpertLinear, QuantLinear, paged_decode, prefill_attention, write_kv
+from .template_ops import ExpertLinear, KVCache, QuantLinear, paged_decode, prefill_attention, write_kv
 
 
 class Linear:
@@ -157,7 +156,7 @@ class Attention:
         self.qkv = ParallelLinear([wq, wk, wv], [bq, bk, bv], float_dtype)
         self.o = Linear(wo, float_dtype=float_dtype)
 
-    def __call__(self, x: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor], cache: PagedKVCache,
+    def __call__(self, x: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache,
                  step: StepInputs) -> Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x)

@@ -9,11 +9,10 @@ The forward pass is plain Tensor code: read it as the reference for writing your
 
 from __future__ import annotations
 
-from ..runtime import get_device
-from ..templates.paged_attention import PagedKVCache
 from ..tensor import Tensor
 from .config import ModelConfig
 from .layers import MLP, Attention, Embedding, Linear, MoE, RMSNorm, RotaryEmbedding, StepInputs
+from .template_ops import KVCache
 from .weights import LayerWeights, ModelWeights
 
 
@@ -27,7 +26,7 @@ class TransformerBlock:
         else:
             self.ffn = MLP(w.w_gate, w.w_up, w.w_down, float_dtype)
 
-    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: PagedKVCache, step: StepInputs) -> Tensor:
+    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, step: StepInputs) -> Tensor:
         x = self.attn(self.attn_norm(x), x, rope, cache, step)
         return self.ffn(self.ffn_norm(x), residual=x)
 
@@ -48,8 +47,7 @@ class LlamaModel:
         self.layers = [TransformerBlock(cfg, w, float_dtype) for w in weights.layers]
         self.norm = RMSNorm(weights.norm, cfg.norm_eps)
         self.lm_head = Linear(weights.lm_head, float_dtype=float_dtype)
-        dev = get_device()
-        self.caches = [PagedKVCache.create(dev, num_blocks, cfg.n_kv_heads, cfg.head_dim, block_size, kv_dtype)
+        self.caches = [KVCache.create(num_blocks, cfg.n_kv_heads, cfg.head_dim, block_size, kv_dtype)
                        for _ in self.layers]
 
     def __call__(self, tokens: Tensor, step: StepInputs, logit_rows: Tensor | None = None) -> Tensor:

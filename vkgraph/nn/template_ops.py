@@ -1,18 +1,20 @@
 """Hand-tuned templates as Tensor ops: their inputs are realized, their output feeds generated kernels.
 
 Each function wraps one template's launcher (vkgraph.templates) in a `custom` graph node: the template as an
-op of the graph. The node's key names the
-weights or cache it works on, so equal calls are shared by the graph like any other node.
+op of the graph. The node's key names the weights or cache it works on, so equal calls are shared by the graph
+like any other node. Everything a template reads or writes is a Tensor (weights as uint32 words in the
+templates' layout, the paged KV cache as two Tensors): model code never allocates device memory itself.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from ..dtype import dtypes
 from ..quant import QuantizedTensor
-from ..runtime import get_device
+from ..realize import has_dtype, limits
 from ..templates import dequant as dq
 from ..templates import matvec as mv
 from ..templates import paged_attention as pa
@@ -34,14 +36,14 @@ class QuantLinear:
     def __init__(self, weight: QuantizedTensor) -> None:
         self.out_features, self.in_features = weight.shape
         self.format = weight.format.name
-        dev = get_device()
-        self.weights = mv.upload_weights(dev, weight)
-        info = dev.info
-        self.can_dequantize = (info.float16 and info.storage_16bit
-                               and weight.shape[0] * weight.shape[1] * 2 <= info.max_storage_buffer_range)
+        self.weights, body, scales = mv.weight_words(weight)
+        self.tensors = [Tensor(body)] + ([Tensor(scales)] if scales is not None else [])
+        self.can_dequantize = (has_dtype(dtypes.float16)
+                               and weight.shape[0] * weight.shape[1] * 2 <= limits().max_storage_range)
         weights = self.weights
 
         def dequantize(dev: Any, out: Any, ins: list[Any]) -> None:
+            _bind(dev, weights, ins)
             dq.dequantize_f16(dev, weights, out=out)
 
         self._dequantize = dequantize  # one function for every call, so a graph shares one W_f16 node
@@ -59,15 +61,16 @@ class QuantLinear:
         w, n, k = self.weights, self.out_features, self.in_features
         if rows >= DEQUANT_ROWS and self.can_dequantize:
             # W_f16 is a temporary of the graph: made by the template, released after the matmul reads it
-            w16 = custom(self._dequantize, [], (n, k), dtypes.float16, key=(id(self),),
+            w16 = custom(self._dequantize, self.tensors, (n, k), dtypes.float16, key=(id(self),),
                          name=f"dequant_f16_{self.format}")
             y = (x.reshape(rows, k).cast(dtypes.float16) @ w16.T).float()
             if residual is not None:  # added before the reshape, so it fuses into the matmul's epilogue
                 y = y + residual.reshape(rows, n).float()
             return y.reshape(out_shape)
-        inputs = [x.float()] + ([residual.float()] if residual is not None else [])
+        acts = [x.float()] + ([residual.float()] if residual is not None else [])
 
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            _bind(dev, w, ins[len(acts):])
             # more rows than one template call takes: runs of up to 8 rows, each into its slice of out
             for r0 in range(0, rows, _MATVEC_ROWS):
                 b = min(_MATVEC_ROWS, rows - r0)
@@ -76,7 +79,8 @@ class QuantLinear:
                 xin = ins[0].view(r0 * k * 4, b * k * 4) if rows > b else ins[0]
                 mv.matvec(dev, w, xin, b, out=o, residual=res)
 
-        return custom(run, inputs, out_shape, dtypes.float32, key=(id(self),), name=f"matvec_{self.format}")
+        return custom(run, acts + self.tensors, out_shape, dtypes.float32, key=(id(self),),
+                      name=f"matvec_{self.format}")
 
 
 class ExpertLinear:
@@ -90,7 +94,8 @@ class ExpertLinear:
         self.n_experts = len(experts)
         self.out_features, self.in_features = experts[0].shape
         self.format = experts[0].format.name
-        self.weights = mv.upload_experts(get_device(), experts)
+        self.weights, body, scales = mv.weight_words(mv.stacked_experts(experts))
+        self.tensors = [Tensor(body)] + ([Tensor(scales)] if scales is not None else [])
 
     def __call__(self, x: Tensor, ids: Tensor) -> Tensor:
         """x [rows, in_features] float32, ids [pairs] int32 (pairs a multiple of rows; a row's pairs are
@@ -102,13 +107,50 @@ class ExpertLinear:
         w, e, x_div = self.weights, self.n_experts, pairs // rows
 
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            _bind(dev, w, ins[2:])
             mv.matvec_id(dev, w, e, ins[0], ins[1], pairs, x_div=x_div, out=out)
 
-        return custom(run, [x.float(), ids.cast(dtypes.int32)], (pairs, self.out_features), dtypes.float32,
-                      key=(id(self), x_div), name=f"matvec_id_{self.format}")
+        return custom(run, [x.float(), ids.cast(dtypes.int32), *self.tensors], (pairs, self.out_features),
+                      dtypes.float32, key=(id(self), x_div), name=f"matvec_id_{self.format}")
 
 
-def write_kv(cache: pa.PagedKVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -> Tensor:
+def _bind(dev: Any, weights: mv.DeviceWeights, bufs: list[Any]) -> None:
+    """The weight Tensors' buffers (body, then scales if the format has them), as the launcher reads them."""
+    weights.bind(dev, bufs[0], bufs[1] if len(bufs) > 1 else None)
+
+
+@dataclass
+class KVCache:
+    """A paged KV cache: `num_blocks` blocks of `block_size` tokens, keys and values each one Tensor of uint32
+    words holding `dtype` ("f16" or "f32") values in the templates' block layout."""
+
+    num_blocks: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str
+    key: Tensor
+    value: Tensor
+
+    @classmethod
+    def create(cls, num_blocks: int, num_kv_heads: int, head_size: int, block_size: int = 16,
+               dtype: str = "f16") -> KVCache:
+        words = pa.cache_bytes(num_blocks, num_kv_heads, head_size, block_size, dtype) // 4
+        return cls(num_blocks, num_kv_heads, head_size, block_size, dtype,
+                   Tensor.empty(words, dtype=dtypes.uint32), Tensor.empty(words, dtype=dtypes.uint32))
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def on(self, dev: Any, key: Any, value: Any) -> pa.PagedKVCache:
+        """The cache as the launchers take it, over its Tensors' buffers."""
+        pa.check_binding_range(dev, "KV cache", key.size)
+        return pa.PagedKVCache(self.num_blocks, self.num_kv_heads, self.head_size, self.block_size, self.dtype,
+                               key, value)
+
+
+def write_kv(cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -> Tensor:
     """Scatter key/value [tokens, kv_heads, head] into the paged cache at slot_mapping (int32, -1 skips).
 
     Returns a one-element token that later cache readers take as an input, so the graph orders them after
@@ -121,13 +163,14 @@ def write_kv(cache: pa.PagedKVCache, key: Tensor, value: Tensor, slot_mapping: T
         raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be ({tokens},)")
 
     def run(dev: Any, out: Any, ins: list[Any]) -> None:
-        pa.write_kv(dev, cache, ins[0], ins[1], ins[2], tokens)
+        pa.write_kv(dev, cache.on(dev, ins[3], ins[4]), ins[0], ins[1], ins[2], tokens)
 
-    ins = [key.float(), value.float(), slot_mapping.cast(dtypes.int32)]
+    # the cache's Tensors are inputs: the template writes into them (ordering by the returned token)
+    ins = [key.float(), value.float(), slot_mapping.cast(dtypes.int32), cache.key, cache.value]
     return custom(run, ins, (1,), dtypes.int32, key=(id(cache),), name="kv_write")
 
 
-def paged_decode(cache: pa.PagedKVCache, q: Tensor, block_tables: Tensor, context_lens: Tensor, after: Tensor,
+def paged_decode(cache: KVCache, q: Tensor, block_tables: Tensor, context_lens: Tensor, after: Tensor,
                  *, max_context_len: int, scale: float | None = None, window: int = 0) -> Tensor:
     """One query token per sequence over its cached context: q [B, heads, D] -> [B, heads, D] float32.
 
@@ -139,11 +182,12 @@ def paged_decode(cache: pa.PagedKVCache, q: Tensor, block_tables: Tensor, contex
     max_blocks = block_tables.shape[1]
 
     def run(dev: Any, out: Any, ins: list[Any]) -> None:
-        pa.paged_decode(dev, cache, ins[0], ins[1], ins[2], num_seqs=b, num_heads=heads, max_blocks_per_seq=max_blocks,
-                        max_context_len=max_context_len, scale=scale, window=window, out=out)
+        pa.paged_decode(dev, cache.on(dev, ins[4], ins[5]), ins[0], ins[1], ins[2], num_seqs=b, num_heads=heads,
+                        max_blocks_per_seq=max_blocks, max_context_len=max_context_len, scale=scale, window=window,
+                        out=out)
 
-    ins = [q.float(), block_tables.cast(dtypes.int32),
-           context_lens.cast(dtypes.int32), after]
+    ins = [q.float(), block_tables.cast(dtypes.int32), context_lens.cast(dtypes.int32), after, cache.key,
+           cache.value]
     return custom(run, ins, (b, heads, d), dtypes.float32, key=(id(cache), max_context_len, scale, window),
                   name="paged_decode")
 

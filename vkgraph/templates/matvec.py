@@ -48,6 +48,13 @@ class DeviceWeights:
     def nbytes(self) -> int:
         return self.body.size + (self.scales.size if self.scales is not None else 0)
 
+    def bind(self, dev: Device, body: Any, scales: Any | None) -> None:
+        """Set the buffers that hold the weights (the same ones at every call of a layer: a check, then two
+        stores); the body must fit one binding."""
+        if body is not self.body:
+            check_binding_range(dev, f"{self.format.name} weights {self.shape}", body.size)
+        self.body, self.scales = body, scales
+
 
 @dataclass(frozen=True)
 class MatvecConfig:
@@ -59,23 +66,33 @@ class MatvecConfig:
     int_dot: bool = False
 
 
-def upload_weights(dev: Device, qt: QuantizedTensor) -> DeviceWeights:
-    """Copy `qt` to the device in the matvec templates' layout."""
+def weight_words(qt: QuantizedTensor) -> tuple[DeviceWeights, np.ndarray, np.ndarray | None]:
+    """`qt` in the matvec templates' layout, as host uint32 words: the DeviceWeights that describes it (its
+    buffers not bound yet, see `bind`), the body's words and the float16 scales' words (None: no scales)."""
     rows, cols = qt.shape
     if qt.format.name in ("F16", "BF16") and cols % 8:
         raise ValueError(f"{qt.format.name} matvec needs K % 8 == 0 (16-byte rows), got K={cols}")
     body, scales = kernel_layout(qt)
-    check_binding_range(dev, f"{qt.format.name} weights {qt.shape}", body.nbytes)
+    swords = None
+    if scales is not None:
+        flat = scales.reshape(-1)
+        swords = np.pad(flat, (0, -flat.size % 4)).view(np.uint32)  # the template reads the scales as whole uints
+    weights = DeviceWeights(qt.format, (rows, cols), None, None, body.shape[1] // 16,
+                            0 if scales is None else scales.shape[1] // 2)
+    return weights, body.reshape(-1).view(np.uint32), swords
+
+
+def upload_weights(dev: Device, qt: QuantizedTensor) -> DeviceWeights:
+    """Copy `qt` to the device in the matvec templates' layout."""
+    weights, body, scales = weight_words(qt)
     bbuf = dev.alloc(body.nbytes)
     dev.upload(bbuf, body)
     sbuf = None
     if scales is not None:
-        flat = scales.reshape(-1)
-        flat = np.pad(flat, (0, -flat.size % 4))  # the template reads the float16 scales as whole uints
-        sbuf = dev.alloc(flat.nbytes)
-        dev.upload(sbuf, flat)
-    return DeviceWeights(qt.format, (rows, cols), bbuf, sbuf, body.shape[1] // 16,
-                         0 if scales is None else scales.shape[1] // 2)
+        sbuf = dev.alloc(scales.nbytes)
+        dev.upload(sbuf, scales)
+    weights.bind(dev, bbuf, sbuf)
+    return weights
 
 
 # (invocations per workgroup up to K = 4096, beyond it, rows per workgroup) at batch 1, measured on an H200.
@@ -249,13 +266,18 @@ def upload_experts(dev: Device, experts: list[QuantizedTensor]) -> DeviceWeights
     """Copy E matrices of one format and shape [N, K] to one device buffer as [E*N, K], for `matvec_id`.
 
     Rows of every format are independent in the matvec layout, so stacking is row concatenation."""
+    return upload_weights(dev, stacked_experts(experts))
+
+
+def stacked_experts(experts: list[QuantizedTensor]) -> QuantizedTensor:
+    """E matrices of one format and shape [N, K] as one [E*N, K] (what `upload_experts` uploads)."""
     if not experts:
         raise ValueError("upload_experts needs at least one matrix")
     fmt, shape = experts[0].format, experts[0].shape
     for e in experts:
         if e.format.name != fmt.name or e.shape != shape:
             raise ValueError(f"experts must share format and shape: {fmt.name} {shape} vs {e.format.name} {e.shape}")
-    return upload_weights(dev, stack_rows(experts))
+    return stack_rows(experts)
 
 
 def matvec_id(dev: Device, weights: DeviceWeights, n_experts: int, x: Any, ids: Any, n_pairs: int, *,

@@ -32,10 +32,7 @@ class PagedKVCache:
     @classmethod
     def create(cls, dev: Device, num_blocks: int, num_kv_heads: int, head_size: int, block_size: int = 16,
                dtype: str = "f16") -> PagedKVCache:
-        _check_head(head_size, dtype)
-        if num_blocks < 1 or num_kv_heads < 1 or block_size < 1:
-            raise ValueError("num_blocks, num_kv_heads and block_size must be positive")
-        nbytes = num_blocks * num_kv_heads * block_size * head_size * KV_DTYPES[dtype]
+        nbytes = cache_bytes(num_blocks, num_kv_heads, head_size, block_size, dtype)
         check_binding_range(dev, "KV cache", nbytes)
         key, value = dev.alloc(nbytes), dev.alloc(nbytes)
         return cls(num_blocks, num_kv_heads, head_size, block_size, dtype, key, value)
@@ -43,6 +40,14 @@ class PagedKVCache:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+
+def cache_bytes(num_blocks: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str) -> int:
+    """Bytes of each of a paged cache's key and value buffers (checking the shape and dtype)."""
+    _check_head(head_size, dtype)
+    if num_blocks < 1 or num_kv_heads < 1 or block_size < 1:
+        raise ValueError("num_blocks, num_kv_heads and block_size must be positive")
+    return num_blocks * num_kv_heads * block_size * head_size * KV_DTYPES[dtype]
 
 
 def _check_head(head_size: int, dtype: str) -> None:
