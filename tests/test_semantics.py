@@ -190,6 +190,11 @@ def test_python_ints_past_int32():
         assert t.dtype is dtypes.int64
         np.testing.assert_array_equal(t.numpy(), ref)
     assert Tensor([-2**31, 2**31 - 1]).dtype is dtypes.int32 and Tensor.arange(0, 2**31, 2**30).dtype is dtypes.int32
+    r = Tensor.randint(2**40, 2**40 + 5, (64,))
+    assert r.dtype is dtypes.int64 and set(r.tolist()) <= set(range(2**40, 2**40 + 5))
+    assert Tensor.randint(0, 9, (4,)).dtype is dtypes.int32
+    with pytest.raises(OverflowError, match="299 out of bounds for int8"):
+        Tensor.randint(0, 300, (2,), dtype="int8")
     for bad, match in [(lambda: Tensor([2**63]), "does not fit int64"), (lambda: Tensor(2**70), "does not fit int64"),
                        (lambda: Tensor([2**31], dtype="int32"), "out of bounds for int32"),
                        (lambda: Tensor([-1], dtype="uint8"), "out of bounds for uint8"),

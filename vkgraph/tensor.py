@@ -347,15 +347,19 @@ class Tensor:
         return (r * (u[1] * (2 * math.pi)).cos()).cast(dtype)
 
     @staticmethod
-    def randint(low: int, high: int | None = None, shape: Sequence[int] = (), dtype: DType | str = dtypes.int32
+    def randint(low: int, high: int | None = None, shape: Sequence[int] = (), dtype: DType | str | None = None
                 ) -> Tensor:
-        """Integers uniform in [low, high)."""
+        """Integers uniform in [low, high): int32, or int64 where the bounds need it, unless dtype says."""
         if high is None:
             low, high = 0, low
         if high <= low:
             raise ValueError(f"randint: empty range [{low}, {high})")
+        wide = promote(int_dtype(int(low)), int_dtype(int(high) - 1))
+        d = to_dtype(dtype) if dtype is not None else wide
+        check_fits(int(low), d)
+        check_fits(int(high) - 1, d)
         u = Tensor.rand(*_shape_arg(tuple(shape)))
-        return ((u * float(high - low)).floor().cast(dtypes.int32) + int(low)).cast(dtype)
+        return ((u * float(high - low)).floor().cast(wide) + int(low)).cast(d)
 
     def zeros_like(self, dtype: DType | str | None = None) -> Tensor:
         return Tensor.full(self.shape, 0, dtype or self.dtype)
