@@ -42,6 +42,11 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.type not in ("linear", "llama3"):
             raise UnsupportedModelError(f"RoPE scaling {self.type!r} is not supported (supported: linear, llama3)")
+        _check_float("rope_scaling.factor", self.factor, lo=0.0)
+        if self.type == "llama3":
+            _check_float("rope_scaling.low_freq_factor", self.low_freq_factor, lo=0.0)
+            _check_float("rope_scaling.high_freq_factor", self.high_freq_factor, lo=self.low_freq_factor)
+            _check_int("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,18 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in GGUF_ARCHS:
             raise UnsupportedModelError(f"architecture {self.arch!r} is not supported (supported: {GGUF_ARCHS})")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ModelFormatError(f"config: {name} must be positive, got {getattr(self, name)}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim", "max_seq_len"):
+            _check_int(name, getattr(self, name))
+        for name in ("n_experts", "n_experts_per_tok"):
+            _check_int(name, getattr(self, name), lo=0)
+        for name in ("tie_embeddings", "attn_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelFormatError(f"config: {name} must be true or false, got {getattr(self, name)!r}")
+        _check_float("norm_eps", self.norm_eps, lo=0.0, hi=1.0)  # past 1 it outweighs the activations
+        _check_float("rope_theta", self.rope_theta, lo=1.0)  # the base of decreasing frequencies
+        if self.rope_freq_factors is not None:
+            for f in self.rope_freq_factors:
+                _check_float("rope_freq_factors", f, lo=0.0)
         if self.n_heads % self.n_kv_heads:
             raise ModelFormatError(f"config: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
@@ -107,36 +121,45 @@ class ModelConfig:
             p = Path(source)
             p = p / "config.json" if p.is_dir() else p
             try:
-                hf = json.loads(p.read_text())
+                hf = json.loads(p.read_bytes())
             except FileNotFoundError:
                 raise ModelFormatError(f"no config.json at {p}") from None
+            except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the stack
+                raise ModelFormatError(f"{p}: unreadable ({type(e).__name__}: {e})") from None
+        if not isinstance(hf, dict):
+            raise ModelFormatError(f"config.json holds a {type(hf).__name__}, not an object")
         model_type = hf.get("model_type")
-        if model_type not in HF_ARCHS:
-            raise UnsupportedModelError(f"model_type {model_type!r} is not supported (supported: {sorted(HF_ARCHS)})")
-        try:
-            n_heads = int(hf["num_attention_heads"])
-            dim = int(hf["hidden_size"])
-            n_experts = int(hf.get("num_local_experts", 0) or 0)
-            return cls(
-                arch=HF_ARCHS[model_type],
-                vocab_size=int(hf["vocab_size"]),
-                dim=dim,
-                n_layers=int(hf["num_hidden_layers"]),
-                n_heads=n_heads,
-                n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-                ffn_dim=int(hf["intermediate_size"]),
-                head_dim=int(hf.get("head_dim") or dim // n_heads),
-                norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(hf.get("rope_theta", 10000.0)),
-                rope_scaling=_hf_rope_scaling(hf.get("rope_scaling")),
-                max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attn_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-                n_experts=n_experts,
-                n_experts_per_tok=int(hf.get("num_experts_per_tok", 0)) if n_experts else 0,
-            )
-        except KeyError as e:
-            raise ModelFormatError(f"config.json lacks {e.args[0]!r}") from None
+        if not isinstance(model_type, str) or model_type not in HF_ARCHS:
+            raise UnsupportedModelError(f"model_type {model_type!r:.60} is not supported "
+                                        f"(supported: {sorted(HF_ARCHS)})")
+        f = _Fields(hf.get, "config.json: ")
+        n_heads = f.int("num_attention_heads")
+        dim = f.int("hidden_size")
+        head_dim = f.int("head_dim", None)
+        if head_dim is None:
+            if dim % n_heads:
+                raise ModelFormatError(f"config.json: hidden_size {dim} is not a multiple of num_attention_heads "
+                                       f"{n_heads} (and no head_dim is given)")
+            head_dim = dim // n_heads
+        n_experts = f.int("num_local_experts", 0, lo=0)
+        return cls(
+            arch=HF_ARCHS[model_type],
+            vocab_size=f.int("vocab_size"),
+            dim=dim,
+            n_layers=f.int("num_hidden_layers"),
+            n_heads=n_heads,
+            n_kv_heads=f.int("num_key_value_heads", n_heads),
+            ffn_dim=f.int("intermediate_size"),
+            head_dim=head_dim,
+            norm_eps=f.float("rms_norm_eps", 1e-5, lo=0.0, hi=1.0),
+            rope_theta=f.float("rope_theta", 10000.0, lo=1.0),
+            rope_scaling=_hf_rope_scaling(hf.get("rope_scaling")),
+            max_seq_len=f.int("max_position_embeddings", 2048),
+            tie_embeddings=f.bool("tie_word_embeddings", False),
+            attn_bias=model_type == "qwen2" or f.bool("attention_bias", False),
+            n_experts=n_experts,
+            n_experts_per_tok=f.int("num_experts_per_tok") if n_experts else 0,
+        )
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that `from_hf` reads back to this config (GGUF-only fields excepted)."""
@@ -163,50 +186,53 @@ class ModelConfig:
     def from_gguf(cls, reader: Any) -> ModelConfig:
         """From a `gguf.GGUFReader` (the tensor list settles tied embeddings and Llama 3's frequency factors)."""
         arch = gguf_value(reader, "general.architecture")
-        if arch not in GGUF_ARCHS:
-            raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (supported: {GGUF_ARCHS})")
-
-        def get(key: str, default: Any = None) -> Any:
-            v = gguf_value(reader, f"{arch}.{key}", default)
-            if v is None:
-                raise ModelFormatError(f"GGUF metadata lacks {arch}.{key}")
-            return v
-
+        if not isinstance(arch, str) or arch not in GGUF_ARCHS:
+            raise UnsupportedModelError(f"GGUF architecture {arch!r:.60} is not supported (supported: {GGUF_ARCHS})")
+        f = _Fields(lambda key: gguf_value(reader, f"{arch}.{key}"), f"GGUF metadata {arch}.")
         tensors = {t.name: t for t in reader.tensors}
-        if "token_embd.weight" not in tensors:
-            raise ModelFormatError("GGUF file has no token_embd.weight")
-        n_heads = int(get("attention.head_count"))
-        dim = int(get("embedding_length"))
-        head_dim = int(get("attention.key_length", dim // n_heads))
-        if int(get("rope.dimension_count", head_dim)) != head_dim:
+        embd = tensors.get("token_embd.weight")
+        if embd is None or len(embd.shape) != 2:
+            raise ModelFormatError("GGUF file has no two-dimensional token_embd.weight")
+        n_heads = f.int("attention.head_count")
+        dim = f.int("embedding_length")
+        head_dim = f.int("attention.key_length", None)
+        if head_dim is None:
+            if dim % n_heads:
+                raise ModelFormatError(f"GGUF metadata: {arch}.embedding_length {dim} is not a multiple of "
+                                       f"{arch}.attention.head_count {n_heads} (and no key_length is given)")
+            head_dim = dim // n_heads
+        if f.int("rope.dimension_count", head_dim) != head_dim:
             raise UnsupportedModelError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
-        vocab = get("vocab_size", int(tensors["token_embd.weight"].shape[1]))
         scaling = None
-        kind = get("rope.scaling.type", "none")
+        kind = f.str("rope.scaling.type", "none")
         if kind == "linear":
-            scaling = RopeScaling("linear", _f32(get("rope.scaling.factor")))
+            scaling = RopeScaling("linear", _f32(f.float("rope.scaling.factor", lo=0.0)))
         elif kind != "none":
-            raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
+            raise UnsupportedModelError(f"RoPE scaling {kind!r:.60} is not supported (supported: linear, llama3)")
         freqs = tensors.get("rope_freqs.weight")
-        n_experts = int(get("expert_count", 0))
+        if freqs is not None and (freqs.tensor_type.name != "F32" or freqs.n_elements != head_dim // 2):
+            raise ModelFormatError(f"GGUF rope_freqs.weight: {freqs.n_elements} {freqs.tensor_type.name} values, "
+                                   f"want {head_dim // 2} F32 (head_dim {head_dim} / 2)")
+        n_experts = f.int("expert_count", 0, lo=0)
+        ffn = f.int("expert_feed_forward_length", None) if n_experts else None
         return cls(
             arch=arch,
-            vocab_size=int(vocab),
+            vocab_size=f.int("vocab_size", int(embd.shape[1])),
             dim=dim,
-            n_layers=int(get("block_count")),
+            n_layers=f.int("block_count"),
             n_heads=n_heads,
-            n_kv_heads=int(get("attention.head_count_kv", n_heads)),
-            ffn_dim=int(get("expert_feed_forward_length", 0) or get("feed_forward_length")),
+            n_kv_heads=f.int("attention.head_count_kv", n_heads),
+            ffn_dim=ffn or f.int("feed_forward_length"),
             head_dim=head_dim,
-            norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=_f32(get("rope.freq_base", 10000.0)),
+            norm_eps=_f32(f.float("attention.layer_norm_rms_epsilon", 1e-5, lo=0.0, hi=1.0)),
+            rope_theta=_f32(f.float("rope.freq_base", 10000.0, lo=1.0)),
             rope_scaling=scaling,
             rope_freq_factors=None if freqs is None else tuple(float(x) for x in np.asarray(freqs.data).ravel()),
-            max_seq_len=int(get("context_length", 2048)),
+            max_seq_len=f.int("context_length", 2048),
             tie_embeddings="output.weight" not in tensors,
             attn_bias="blk.0.attn_q.bias" in tensors,
             n_experts=n_experts,
-            n_experts_per_tok=int(get("expert_used_count", 0)) if n_experts else 0,
+            n_experts_per_tok=f.int("expert_used_count") if n_experts else 0,
         )
 
 
@@ -228,19 +254,82 @@ def _f32(v: float) -> float:
     return float(str(np.float32(v)))
 
 
-def _hf_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
+def _hf_rope_scaling(rs: Any) -> RopeScaling | None:
     if not rs:
         return None
+    if not isinstance(rs, dict):
+        raise ModelFormatError(f"config.json: rope_scaling must be an object, got {rs!r:.60}")
     kind = rs.get("rope_type", rs.get("type"))
+    if not isinstance(kind, str):
+        raise ModelFormatError(f"config.json: rope_scaling.rope_type must be a string, got {kind!r:.60}")
     if kind == "default":
         return None
+    f = _Fields(rs.get, "config.json: rope_scaling.")
     if kind == "linear":
-        return RopeScaling("linear", float(rs["factor"]))
+        return RopeScaling("linear", f.float("factor", lo=0.0))
     if kind == "llama3":
-        return RopeScaling("llama3", float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
-                           float(rs.get("high_freq_factor", 4.0)),
-                           int(rs.get("original_max_position_embeddings", 8192)))
-    raise UnsupportedModelError(f"RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
+        low = f.float("low_freq_factor", 1.0, lo=0.0)
+        return RopeScaling("llama3", f.float("factor", lo=0.0), low, f.float("high_freq_factor", 4.0, lo=low),
+                           f.int("original_max_position_embeddings", 8192))
+    raise UnsupportedModelError(f"RoPE scaling {kind!r:.60} is not supported (supported: linear, llama3)")
+
+
+_REQUIRED = object()
+
+
+class _Fields:
+    """Typed, range-checked fields of a config; every error names the field and where it came from. `get(key)`
+    gives a field's value or None when absent; a default of None lets an absent field through as None."""
+
+    def __init__(self, get: Any, where: str) -> None:
+        self.get, self.where = get, where
+
+    def _value(self, key: str, default: Any) -> Any:
+        v = self.get(key)
+        if v is None:
+            if default is _REQUIRED:
+                raise ModelFormatError(f"{self.where}{key} is missing")
+            return default
+        return v
+
+    def int(self, key: str, default: Any = _REQUIRED, *, lo: int = 1) -> Any:
+        v = self._value(key, default)
+        if v is None:
+            return None
+        if isinstance(v, float) and v.is_integer():  # 4096.0 is 4096; 64.7 is an error
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ModelFormatError(f"{self.where}{key} must be an integer >= {lo}, got {v!r:.60}")
+        return v
+
+    def float(self, key: str, default: Any = _REQUIRED, *, lo: float, hi: float = math.inf) -> float:
+        v = self._value(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo < v < hi:
+            bound = f"in ({lo}, {hi})" if hi < math.inf else f"> {lo}"
+            raise ModelFormatError(f"{self.where}{key} must be a finite number {bound}, got {v!r:.60}")
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self._value(key, default)
+        if not isinstance(v, bool):
+            raise ModelFormatError(f"{self.where}{key} must be true or false, got {v!r:.60}")
+        return v
+
+    def str(self, key: str, default: str) -> str:
+        v = self._value(key, default)
+        if not isinstance(v, str):
+            raise ModelFormatError(f"{self.where}{key} must be a string, got {v!r:.60}")
+        return v
+
+
+def _check_int(name: str, v: Any, lo: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ModelFormatError(f"config: {name} must be an integer >= {lo}, got {v!r:.60}")
+
+
+def _check_float(name: str, v: Any, lo: float, hi: float = math.inf) -> None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo < v < hi:
+        raise ModelFormatError(f"config: {name} must be a finite number in ({lo}, {hi}), got {v!r:.60}")
 
 
 def gguf_value(reader: Any, key: str, default: Any = None) -> Any:

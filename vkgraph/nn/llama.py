@@ -40,7 +40,9 @@ class LlamaModel:
                  max_blocks_per_seq: int | None = None, float_dtype: str = "float16") -> None:
         cfg = self.config = weights.config
         self.block_size = block_size
-        self.max_blocks_per_seq = max_blocks_per_seq or -(-cfg.max_seq_len // block_size)
+        # a sequence never holds more blocks than the pool: tables sized by the context (RoPE, block tables) are
+        # bounded by what the caller asked for, not by the largest context a file may claim
+        self.max_blocks_per_seq = min(max_blocks_per_seq or -(-cfg.max_seq_len // block_size), num_blocks)
         self.max_context = self.max_blocks_per_seq * block_size
         self.embed = Embedding(weights.embed, float_dtype)
         self.rope = RotaryEmbedding(cfg, self.max_context)

@@ -15,7 +15,6 @@ too), so the same model code serves both formats. Qwen2 GGUF files are stored un
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from vkgraph import quant
 from vkgraph.quant import QuantizedTensor
 
 from .config import ModelConfig, ModelFormatError, UnsupportedModelError
+from .headers import TruncatedFileError, check_gguf, read_safetensors_header
 
 Weight = np.ndarray | QuantizedTensor
 
@@ -42,10 +42,6 @@ class ShapeMismatchError(ModelFormatError):
 
 
 class UnsupportedTensorTypeError(UnsupportedModelError):
-    pass
-
-
-class TruncatedFileError(ModelFormatError):
     pass
 
 
@@ -123,6 +119,7 @@ class _Source(Protocol):
     """Tensors of one file format, by Hugging Face name."""
 
     config: ModelConfig
+    capacity: int  # tensors the file lists, a stacked (3-D) tensor counting each of its matrices
 
     def has(self, name: str) -> bool: ...
 
@@ -149,6 +146,11 @@ def load_weights(path: str | Path, *, quantize: str | None = None, progress: boo
 
 def _assemble(src: _Source, quantize: str | None, progress: bool, label: str) -> ModelWeights:
     cfg = src.config
+    # counts in the config are believed only as far as the file's own tensor list bears them out, before the
+    # loop over what they imply: every layer holds a tensor, an MoE layer three per expert
+    if cfg.n_layers * max(1, 3 * cfg.n_experts) > src.capacity:
+        raise MissingTensorError(f"{label}: {cfg.n_layers} layers{f' of {cfg.n_experts} experts' if cfg.is_moe else ''}"
+                                 f" need more tensors than the {src.capacity} the file lists")
     want = expected_tensors(cfg)
     missing = [n for n in want if not src.has(n)]
     if missing:
@@ -211,6 +213,7 @@ class _SafetensorsSource:
                 if name in self.index:
                     raise ModelFormatError(f"tensor {name} appears in both {self.index[name][2].name} and {f.name}")
                 self.index[name] = (mm, info, f)
+        self.capacity = len(self.index)
 
     def has(self, name: str) -> bool:
         return name in self.index
@@ -220,29 +223,13 @@ class _SafetensorsSource:
         dt = _ST_DTYPES.get(info["dtype"])
         if dt is None:
             raise UnsupportedTensorTypeError(f"{f.name}: {name} is {info['dtype']}; supported: {sorted(_ST_DTYPES)}")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if end - start != int(np.prod(shape)) * dt.itemsize:
-            raise ModelFormatError(f"{f.name}: {name} spans {end - start} bytes, not {shape} x {dt}")
-        return mm[start:end].view(dt).reshape(shape)
+        start, end = info["data_offsets"]  # checked against the shape and the file by read_safetensors_header
+        return mm[start:end].view(dt).reshape(tuple(info["shape"]))
 
 
 def _open_safetensors(f: Path) -> tuple[np.memmap, dict[str, Any]]:
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 0 or 8 + n > size:
-            raise TruncatedFileError(f"{f}: truncated or not a safetensors file (header of {n} bytes, file {size})")
-        try:
-            header = json.loads(fh.read(n))
-        except ValueError as e:
-            raise ModelFormatError(f"{f}: unreadable safetensors header ({e})") from None
-    data_len = size - 8 - n
-    need = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if need > data_len:
-        raise TruncatedFileError(f"{f}: truncated: tensors need {need} bytes of data, the file holds {data_len}")
-    return np.memmap(f, np.uint8, "r", offset=8 + n, shape=(data_len,)), header
+    header, offset, data_len = read_safetensors_header(f)
+    return np.memmap(f, np.uint8, "r", offset=offset, shape=(data_len,)), header
 
 
 # ---- GGUF -----------------------------------------------------------------------------------------------------
@@ -288,15 +275,14 @@ def open_gguf(path: str | Path) -> Any:
     from gguf import GGUFReader
 
     p = Path(path)
-    size = p.stat().st_size
+    check_gguf(p)  # every count and size bounds-checked first: the reader trusts them
     try:
         reader = GGUFReader(p)
-    except (ValueError, IndexError, OverflowError, UnicodeDecodeError) as e:
-        raise TruncatedFileError(f"{p}: not a readable GGUF file; truncated or corrupt? ({e})") from None
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise ModelFormatError(f"{p}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
-            raise TruncatedFileError(f"{p}: truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, "
-                                     f"the file has {size}")
+        if t.data.nbytes != t.n_bytes:
+            raise TruncatedFileError(f"{p}: truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}")
     return reader
 
 
@@ -306,6 +292,8 @@ class _GGUFSource:
         self.reader = open_gguf(path)
         self.config = ModelConfig.from_gguf(self.reader)
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.capacity = sum(max(1, int(t.n_elements) // max(1, int(t.shape[0]) * int(t.shape[1])))
+                            if len(t.shape) > 2 else 1 for t in self.reader.tensors)
         # llama.cpp's converter interleaves q/k rows of "llama" models for its RoPE; undo it (module docstring)
         self.unpermute = self.config.arch == "llama"
 
@@ -333,7 +321,8 @@ class _GGUFSource:
                                              f"{sorted(_GGUF_FLOAT) + list(_GGUF_QUANT)}")
         if self.unpermute and gname.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
             heads = self.config.n_heads if ".attn_q." in gname else self.config.n_kv_heads
-            out = unpermute_rope_rows(out, heads)
+            if out.shape[0] == heads * self.config.head_dim:  # otherwise the caller's shape check reports it
+                out = unpermute_rope_rows(out, heads)
         return out
 
 
