@@ -134,3 +134,63 @@ def test_a_forbidden_import_is_seen():
     probe = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..runtime import Device\n"
              "def f():\n    from ..runtime.vk import lib\n    from . import glsl\n")
     assert imports_of(PKG / "codegen" / "lower.py", probe) == {"vkgraph.runtime.vk", "vkgraph.codegen.glsl"}
+
+
+def _runtime_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted((PKG / "runtime").glob("*.py")) if p.name != "__init__.py"}
+
+
+def test_the_runtime_has_no_import_cycle():
+    """Its units (vk, errors, memory, descriptors, hazards, submission, queue, capture, transfer, pipeline,
+    compiler, device...) form a DAG: a cycle means two units that cannot be understood or tested apart."""
+    mods = _runtime_modules()
+    edges = {m: {d for d in imports_of(p) if d in mods} for m, p in mods.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        if state.get(m) == 1:
+            raise AssertionError(f"import cycle: {' -> '.join(path + [m])}")
+        if state.get(m) == 2:
+            return
+        state[m] = 1
+        for d in sorted(edges[m]):
+            visit(d, path + [m])
+        state[m] = 2
+
+    for m in mods:
+        visit(m, [])
+
+
+def _private_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every `obj._name` whose obj is not self or cls."""
+    out = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            out.append((node.lineno, node.attr))
+    return out
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def test_runtime_units_call_no_private_member_of_another():
+    """A unit uses another's public methods only: `queue._new_descriptor_set` from a captured graph was the
+    kind of coupling that made the runtime one knot. Private names on other objects must be this module's own
+    (e.g. a Buffer returning itself to its pool, both in memory.py)."""
+    bad = []
+    for m, p in _runtime_modules().items():
+        tree = ast.parse(p.read_text())
+        own = _defined(tree)
+        bad += [f"{m}:{line} uses ._{name[1:]}" for line, name in _private_uses(tree)
+                if name not in own and name not in ("_vulkan",)]
+    assert not bad, "\n".join(bad)

@@ -202,9 +202,9 @@ def test_binding_count_limit(dev):
 
 def test_descriptor_cache_eviction_never_frees_the_set_being_bound(dev, monkeypatch):
     """With the cache full, a new set must survive its own eviction pass (binding a freed set crashes NVIDIA)."""
-    from vkgraph.runtime import queue as queue_module
+    from vkgraph.runtime import descriptors
 
-    monkeypatch.setattr(queue_module, "_DESCRIPTOR_CACHE", 4)
+    monkeypatch.setattr(descriptors, "CAPACITY", 4)
     k = dev.kernel(AXPB)
     n = 64
     x, y = dev.alloc(n * 4 * 16), dev.alloc(n * 4 * 16)
@@ -214,6 +214,6 @@ def test_descriptor_cache_eviction_never_frees_the_set_being_bound(dev, monkeypa
         xv, yv = x.view(i * n * 4, n * 4), y.view(i * n * 4, n * 4)
         dev.dispatch(k, [xv, yv], (1, 1, 1), push={"n": n, "a": 2.0, "b": 1.0})
         dev.synchronize()
-        assert any(key[1][0][1] == i * n * 4 for key in q.descriptor_sets), "the set just bound was freed"
-        assert len(q.descriptor_sets) <= 4
+        assert any(key[1][0][1] == i * n * 4 for key in q.descriptors.sets), "the set just bound was freed"
+        assert len(q.descriptors.sets) <= 4
     np.testing.assert_array_equal(dev.download(y, np.float32, n * 16), np.arange(n * 16) * 2.0 + 1.0)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from . import faults
 from .errors import DeviceError, VkgraphError
+from .hazards import track_hazards
+from .submission import Submission
 from .vk import NULL, check, ffi, lib, vk
 
 if TYPE_CHECKING:
@@ -52,8 +54,6 @@ class CommandGraph:
     """A replayable command buffer. Build it with `queue.begin_capture()` / `queue.end_capture()`."""
 
     def __init__(self, queue: Queue, log: CaptureLog) -> None:
-        from .queue import Submission
-
         self.queue = queue
         self.entries = log.entries
         self.keep = [b for b in log.keep if not getattr(b, "released", False)]
@@ -90,8 +90,6 @@ class CommandGraph:
 
     def _prepare(self) -> None:
         """Everything each entry needs for recording, resolved once: descriptor sets, packers, barriers."""
-        from .queue import track_hazards
-
         q = self.queue
         written: set[int] = set()
         read: set[int] = set()
@@ -107,8 +105,9 @@ class CommandGraph:
             hazard = track_hazards(allocs, writes, written, read)
             if e[0] == "dispatch":
                 key = (kernel.layout_id, tuple(b.key for b in bufs))  # as Queue.dispatch keys it
-                entry = q.descriptor_sets.get(key) or q._new_descriptor_set(kernel, list(bufs), allocs, key)
-                entry[2] = float("inf")  # pinned: never evicted while the graph lives
+                sets = q.descriptors
+                entry = sets.sets.get(key) or sets.create(kernel, list(bufs), allocs, key, q.completed)
+                sets.pin(entry)  # never evicted while the graph lives
                 dynamic = any(isinstance(v, LiveValue) for v in _push_values(push))
                 self._prepared.append(("dispatch", hazard, kernel, entry, groups, push, dynamic,
                                        kernel.pack_push(push) if kernel.push_names else b""))
@@ -176,7 +175,7 @@ class CommandGraph:
             except DeviceError:
                 if pending is not None:
                     sub.chained.remove(pending)
-                    q._recycle(pending)
+                    q.recycle(pending)
                 if res == vk.VK_ERROR_DEVICE_LOST:
                     q.device.lost = True
                 raise
@@ -201,7 +200,7 @@ class CommandGraph:
                 q.wait(self.sub.seq)
             for p in self._prepared:
                 if p[0] == "dispatch":
-                    p[3][2] = q.completed  # unpinned: evictable again
+                    q.descriptors.unpin(p[3], q.completed)  # evictable again
             lib.vkFreeCommandBuffers(q.device.device, q.command_pool, 1, self.sub.cmd_array)
             lib.vkDestroyFence(q.device.device, self.sub.fence, NULL)
         q.device.memory.pool.release_adopted(self.owned)

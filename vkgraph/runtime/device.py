@@ -20,6 +20,10 @@ import numpy as np
 from ..flags import flag, warn_unknown
 from .compiler import Compiler
 from .errors import DeviceError, DeviceLost, UnsupportedFeature
+from .memory import Buffer, BufferView, MemoryManager
+from .pipeline import Kernel, PipelineManager
+from .queue import Queue
+from .transfer import Transfers
 from .vk import NULL, Keep, check, ffi, lib, vk
 
 _TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
@@ -148,13 +152,17 @@ _ARITH_FEATURE = {"float16": "float16", "int8": "int8", "uint8": "int8", "int16"
 
 
 class Device:
-    """A Vulkan device and everything vkgraph keeps per device."""
+    """A Vulkan device and everything vkgraph keeps per device. The layers above use the facade (alloc,
+    upload, download, kernel, dispatch, flush, synchronize) and `info`; the parts are its units."""
+
+    info: DeviceInfo
+    compiler: Compiler  # GLSL -> SPIR-V
+    memory: MemoryManager  # allocations and the buffer pools
+    pipelines: PipelineManager  # compiled kernels
+    queue: Queue  # recording, hazards, submission
+    transfers: Transfers  # host uploads and downloads
 
     def __init__(self, selector: str | None = None) -> None:
-        from .memory import MemoryManager
-        from .pipeline import PipelineManager
-        from .queue import Queue
-
         warn_unknown()
         self._lock = threading.RLock()
         self.closed = False
@@ -169,6 +177,7 @@ class Device:
             self.memory = MemoryManager(self)
             self.pipelines = PipelineManager(self)
             self.queue = Queue(self)
+            self.transfers = Transfers(self)
         except BaseException:
             self._destroy_partial()
             raise
@@ -308,33 +317,33 @@ class Device:
         self.vk_queue = q[0]
 
     # ---- the facade the layers above use ---------------------------------------------------------------------
-    def alloc(self, nbytes: int) -> Any:
+    def alloc(self, nbytes: int) -> Buffer:
         """A pooled device buffer of `nbytes` (its size; its capacity may be larger)."""
         if self.lost or self.closed:
             self.check_usable()
         return self.memory.pool.alloc(nbytes)
 
-    def upload(self, buf: Any, array: np.ndarray | bytes | memoryview, offset: int = 0) -> None:
+    def upload(self, buf: Buffer | BufferView, array: np.ndarray | bytes | memoryview, offset: int = 0) -> None:
         """Copy host bytes into `buf` at byte `offset`, ordered after work already recorded."""
         if self.lost or self.closed:
             self.check_usable()
-        self.memory.upload(buf, array, offset)
+        self.transfers.upload(buf, array, offset)
 
-    def download(self, buf: Any, dtype: Any = np.uint8, shape: tuple[int, ...] | int | None = None,
+    def download(self, buf: Buffer | BufferView, dtype: Any = np.uint8, shape: tuple[int, ...] | int | None = None,
                  offset: int = 0) -> np.ndarray:
         """A new numpy array holding `buf`'s bytes from `offset`, once every recorded writer has finished."""
         if self.lost or self.closed:
             self.check_usable()
-        return self.memory.download(buf, dtype, shape, offset)
+        return self.transfers.download(buf, dtype, shape, offset)
 
     def kernel(self, source: str, *, spec: dict[str, Any] | None = None, defines: dict[str, Any] | None = None,
                name: str | None = None, include_dirs: list[str | Path] | None = None,
-               subgroup_size: int | None = None) -> Any:
+               subgroup_size: int | None = None) -> Kernel:
         """A compiled, cached compute pipeline for GLSL `source` (see docs/runtime.md)."""
         return self.pipelines.kernel(source, spec=spec, defines=defines, name=name, include_dirs=include_dirs,
                                      subgroup_size=subgroup_size)
 
-    def dispatch(self, kernel: Any, buffers: list[Any], groups: tuple[int, ...] | int,
+    def dispatch(self, kernel: Kernel, buffers: list[Buffer | BufferView], groups: tuple[int, ...] | int,
                  push: dict[str, Any] | tuple | list | None = None) -> None:
         """Record one dispatch; barriers follow from which bindings the kernel writes."""
         self.queue.dispatch(kernel, buffers, groups, push)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..flags import flag
 from . import faults
-from .errors import CaptureError, DeviceError, OutOfDeviceMemory
+from .errors import DeviceError, OutOfDeviceMemory
 from .vk import NULL, Keep, check, ffi, handle_int, lib, vk
 
 if TYPE_CHECKING:
@@ -28,7 +28,6 @@ _USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SR
 _HOST = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
 _DEVICE_LOCAL = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
 _CACHED = vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT
-STAGING_CHUNK = 64 << 20
 
 
 def size_class(nbytes: int) -> int:
@@ -395,59 +394,6 @@ class MemoryManager:
             self.allocated_bytes -= alloc.capacity
             self.allocation_count -= 1
 
-    # ---- transfers ------------------------------------------------------------------------------------------
-    def upload(self, buf: Buffer | BufferView, data: Any, offset: int = 0) -> None:
-        src = _as_bytes(data)
-        nbytes = src.size
-        if offset < 0 or offset + nbytes > buf.size:
-            raise ValueError(f"upload of {nbytes} bytes at offset {offset} overflows a buffer of {buf.size} bytes")
-        if nbytes == 0:
-            return
-        alloc, base = buf.alloc, buf.offset + offset
-        queue = self.device.queue
-        if alloc.host is not None:
-            queue.wait_for(alloc)  # the GPU may still read the old contents
-            alloc.host[base:base + nbytes] = src
-            return
-        for start in range(0, nbytes, STAGING_CHUNK):
-            n = min(STAGING_CHUNK, nbytes - start)
-            stage = self.staging.alloc(n)
-            stage.alloc.host[:n] = src[start:start + n]
-            queue.copy(stage, 0, buf, offset + start, n, log=False)
-            queue.hold(stage)
-            if n == STAGING_CHUNK:
-                queue.flush()
-
-    def download(self, buf: Buffer | BufferView, dtype: Any, shape: Any, offset: int = 0) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        if shape is None:
-            shape = ((buf.size - offset) // dtype.itemsize,)
-        elif isinstance(shape, (int, np.integer)):
-            shape = (int(shape),)
-        count = int(np.prod(shape, dtype=np.int64))
-        nbytes = count * dtype.itemsize
-        if offset < 0 or offset + nbytes > buf.size:
-            raise ValueError(f"download of {nbytes} bytes at offset {offset} overflows a buffer of {buf.size} bytes")
-        out = np.empty(nbytes, dtype=np.uint8)
-        if nbytes:
-            alloc, base = buf.alloc, buf.offset + offset
-            queue = self.device.queue
-            if queue.capture is not None:
-                raise CaptureError("reading a buffer back to the host inside a capture: a replay could not repeat "
-                                   "it (in a jit-compiled function, call .numpy()/.item() on its outputs instead)")
-            if alloc.host is not None:
-                queue.wait_for(alloc)
-                out[:] = alloc.host[base:base + nbytes]
-            else:
-                for start in range(0, nbytes, STAGING_CHUNK):
-                    n = min(STAGING_CHUNK, nbytes - start)
-                    stage = self.readback.alloc(n)
-                    queue.copy(buf, offset + start, stage, 0, n)
-                    queue.synchronize()
-                    out[start:start + n] = stage.alloc.host[:n]
-                    stage.release()
-        return out.view(dtype).reshape(shape)
-
     def destroy(self) -> None:
         for pool in (self.pool, self.staging, self.readback):
             pool.closed = True
@@ -458,10 +404,3 @@ class MemoryManager:
         for a in everything:
             self._destroy(a)
         self.destroyed = True
-
-
-def _as_bytes(data: Any) -> np.ndarray:
-    if isinstance(data, np.ndarray):
-        arr = np.ascontiguousarray(data)
-        return arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
-    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)

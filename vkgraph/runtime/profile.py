@@ -11,7 +11,7 @@ from .vk import NULL, Keep, check, ffi, lib, vk
 
 if TYPE_CHECKING:
     from .device import Device
-    from .queue import Submission
+    from .submission import Submission
 
 _QUERIES = 1024  # per submission: two per dispatch
 

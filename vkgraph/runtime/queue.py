@@ -1,10 +1,9 @@
-"""The dispatch queue: records dispatches and copies into command buffers with the barriers their buffers'
-read/write sets require, submits with fences, and recycles command buffers and descriptor sets.
+"""The dispatch queue: records dispatches and copies into command buffers (`submission.Submission`) with the
+barriers their buffers' read/write sets require (`hazards`), binds cached descriptor sets (`descriptors`),
+submits with fences and recycles command buffers.
 
-Hazards are tracked per VkBuffer since the last barrier: reading something written, or writing something read
-or written, needs a barrier first; anything else shares the barrier interval. One global memory barrier covers
-every buffer, so a chain of independent dispatches runs without any. Submissions on one queue execute in
-order, and a barrier's first scope covers earlier submissions too, so the sets carry over between submits.
+The queue's hazard sets cover its whole stream: submissions on one queue execute in order, and a barrier's
+first scope covers earlier submissions too, so the sets carry over between submits.
 """
 
 from __future__ import annotations
@@ -18,9 +17,12 @@ from typing import TYPE_CHECKING, Any
 from ..flags import flag
 from . import faults
 from .capture import CaptureLog, CommandGraph
+from .descriptors import DescriptorSets
 from .errors import CaptureError, DeviceError, DeviceLost, KernelInterfaceError, VkgraphError
+from .hazards import track_hazards
 from .memory import Allocation, BoundRange, Buffer
 from .profile import Profiler
+from .submission import Submission
 from .vk import NULL, Keep, check, check_wait, ffi, lib, vk
 
 if TYPE_CHECKING:
@@ -34,38 +36,6 @@ _WRITE = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
 _ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT
            | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
 MAX_IN_FLIGHT = 8
-_DESCRIPTOR_CACHE = 8192
-_SETS_PER_POOL = 1024
-
-
-class Submission:
-    """A command buffer with its fence, and what must stay alive until the GPU is done with it."""
-
-    def __init__(self, queue: Queue) -> None:
-        dev = queue.device.device
-        k = Keep()
-        ai = k.struct("VkCommandBufferAllocateInfo", commandPool=queue.command_pool,
-                      level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1)
-        cmd = ffi.new("VkCommandBuffer[1]")
-        check(lib.vkAllocateCommandBuffers(dev, ai, cmd), "vkAllocateCommandBuffers")
-        self.cmd_array = cmd
-        self.cmd = cmd[0]
-        fci = k.struct("VkFenceCreateInfo")
-        fence = ffi.new("VkFence[1]")
-        check(lib.vkCreateFence(dev, fci, NULL, fence), "vkCreateFence")
-        self.fence_array = fence
-        self.fence = fence[0]
-        self.submit_info = ffi.new("VkSubmitInfo*", {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
-                                                     "commandBufferCount": 1, "pCommandBuffers": cmd})
-        self.begin_info = ffi.new("VkCommandBufferBeginInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO,
-            "flags": vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT})
-        self.seq = 0
-        self.persistent = False  # a command graph's buffer: submitted again, never recycled
-        self.held: list[Any] = []
-        self.dispatches = 0
-        self.profile: list[tuple[str, int]] = []  # (name, first query index)
-        self.chained: list[Submission] = []  # submitted in the same vkQueueSubmit, completed by our fence
 
 
 class Queue:
@@ -96,9 +66,7 @@ class Queue:
                                                          "srcAccessMask": _WRITE,
                                                          "dstAccessMask": vk.VK_ACCESS_HOST_READ_BIT})
         self.copy_region = ffi.new("VkBufferCopy*")
-        self.descriptor_sets: dict[tuple, list] = {}  # key -> [set array, pool, last use]
-        self.sets_by_buffer: dict[int, set[tuple]] = {}
-        self.descriptor_pools: list[Any] = []
+        self.descriptors = DescriptorSets(device)
         self.profiler = Profiler(device) if flag("VKGRAPH_PROFILE") else None
         self.stats = {"submits": 0, "barriers": 0, "copies": 0}
         self.dispatch_count = 0
@@ -178,9 +146,9 @@ class Queue:
                 raise KernelInterfaceError(f"kernel {kernel.name}: buffers must be Buffer or BufferView, got "
                                            f"{[type(b).__name__ for b in buffers]}") from None
             seq = rec.seq
-            entry = self.descriptor_sets.get(key)
+            entry = self.descriptors.sets.get(key)
             if entry is None:
-                entry = self._new_descriptor_set(kernel, buffers, allocs, key)
+                entry = self.descriptors.create(kernel, buffers, allocs, key, self.completed)
             entry[2] = seq
             cmd = rec.cmd
             if hazard:
@@ -219,90 +187,10 @@ class Queue:
         for a in allocs:
             a.last_use = rec.seq
 
-    def _new_descriptor_set(self, kernel: Kernel, buffers: list[Any], allocs: list[Allocation], key: tuple) -> list:
-        info = self.device.info
-        k = Keep()
-        n = len(buffers)
-        infos = k.new("VkDescriptorBufferInfo[]", max(n, 1))
-        for i, (a, b) in enumerate(zip(allocs, buffers)):
-            if b.offset % info.min_storage_offset_alignment:
-                raise KernelInterfaceError(f"kernel {kernel.name} binding {i}: offset {b.offset} is not a multiple "
-                                           f"of minStorageBufferOffsetAlignment ({info.min_storage_offset_alignment})")
-            rng = min(max(b.size, 4), a.capacity - b.offset)
-            if rng > info.max_storage_buffer_range:
-                raise KernelInterfaceError(
-                    f"kernel {kernel.name} binding {i}: {b.size} bytes bound, over the device's "
-                    f"maxStorageBufferRange ({info.max_storage_buffer_range}); bind it in views")
-            infos[i].buffer, infos[i].offset, infos[i].range = a.buffer, b.offset, rng
-        pool, ds = self._allocate_set(kernel.set_layout)
-        if n:
-            writes = k.new("VkWriteDescriptorSet[]", n)
-            for i in range(n):
-                w = writes[i]
-                w.sType = vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET
-                w.dstSet, w.dstBinding, w.descriptorCount = ds[0], i, 1
-                w.descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
-                w.pBufferInfo = infos + i
-            lib.vkUpdateDescriptorSets(self.device.device, n, writes, 0, NULL)
-        # evict before inserting: the new set's last use is not yet recorded, so it would look idle
-        if len(self.descriptor_sets) >= _DESCRIPTOR_CACHE:
-            self._evict_sets()
-        entry = [ds, pool, 0]
-        self.descriptor_sets[key] = entry
-        for a in allocs:
-            self.sets_by_buffer.setdefault(a.handle, set()).add(key)
-        return entry
-
-    def _allocate_set(self, set_layout: Any) -> tuple[Any, Any]:
-        k = Keep()
-        layouts = k.new("VkDescriptorSetLayout[1]", [set_layout])
-        ds = ffi.new("VkDescriptorSet[1]")
-        for pool in reversed(self.descriptor_pools[-1:]):
-            ai = k.struct("VkDescriptorSetAllocateInfo", descriptorPool=pool, descriptorSetCount=1,
-                          pSetLayouts=layouts)
-            if lib.vkAllocateDescriptorSets(self.device.device, ai, ds) == vk.VK_SUCCESS:
-                return pool, ds
-        pool = self._new_descriptor_pool()
-        ai = k.struct("VkDescriptorSetAllocateInfo", descriptorPool=pool, descriptorSetCount=1, pSetLayouts=layouts)
-        check(lib.vkAllocateDescriptorSets(self.device.device, ai, ds), "vkAllocateDescriptorSets")
-        return pool, ds
-
-    def _new_descriptor_pool(self) -> Any:
-        k = Keep()
-        size = k.new("VkDescriptorPoolSize*")
-        size.type, size.descriptorCount = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, _SETS_PER_POOL * 8
-        ci = k.struct("VkDescriptorPoolCreateInfo", flags=vk.VK_DESCRIPTOR_POOL_CREATE_FREE_DESCRIPTOR_SET_BIT,
-                      maxSets=_SETS_PER_POOL, poolSizeCount=1, pPoolSizes=size)
-        out = ffi.new("VkDescriptorPool*")
-        check(lib.vkCreateDescriptorPool(self.device.device, ci, NULL, out), "vkCreateDescriptorPool")
-        self.descriptor_pools.append(out[0])
-        return out[0]
-
-    def _evict_sets(self) -> None:
-        # least recently used first, among those the GPU is done with
-        over = len(self.descriptor_sets) - _DESCRIPTOR_CACHE // 2
-        idle = sorted((key for key, e in self.descriptor_sets.items() if e[2] <= self.completed),
-                      key=lambda key: self.descriptor_sets[key][2])
-        for key in idle[:max(over, 0)]:
-            self._free_set(key)
-
-    def _free_set(self, key: tuple) -> None:
-        entry = self.descriptor_sets.pop(key, None)
-        if entry is None:
-            return
-        for h, _, _ in key[1]:
-            keys = self.sets_by_buffer.get(h)
-            if keys is not None:
-                keys.discard(key)
-                if not keys:
-                    del self.sets_by_buffer[h]
-        lib.vkFreeDescriptorSets(self.device.device, entry[1], 1, entry[0])
-
     def forget_buffer(self, handle: int) -> None:
         """A VkBuffer is being destroyed (after its last use completed): drop descriptor sets naming it."""
         with self.lock:
-            for key in list(self.sets_by_buffer.get(handle, ())):
-                self._free_set(key)
+            self.descriptors.forget_buffer(handle)
             self.written.discard(handle)
             self.read.discard(handle)
 
@@ -370,7 +258,7 @@ class Queue:
                 self.device.lost = True
                 raise
             except DeviceError:
-                self._recycle(rec)
+                self.recycle(rec)
                 raise
             self.in_flight.append(rec)
             self.stats["submits"] += 1
@@ -416,7 +304,7 @@ class Queue:
         for s in [*chained, sub]:
             if self.profiler is not None:
                 self.profiler.collect(s)
-            self._recycle(s)
+            self.recycle(s)
 
     def take_recording(self) -> Submission | None:
         """End the open recording without submitting it, for a caller that submits it with its own work."""
@@ -428,7 +316,9 @@ class Queue:
             check(lib.vkEndCommandBuffer(rec.cmd), "vkEndCommandBuffer")
             return rec
 
-    def _recycle(self, sub: Submission) -> None:
+    def recycle(self, sub: Submission) -> None:
+        """A completed (or never submitted) submission: reset its fence; unless a graph keeps it, its command
+        buffer goes back to the free list and what it held is released."""
         check(lib.vkResetFences(self.device.device, 1, sub.fence_array), "vkResetFences")
         if sub.persistent:
             return
@@ -441,8 +331,8 @@ class Queue:
 
     def object_counts(self) -> dict[str, int]:
         """Live Vulkan objects the queue owns (for leak checks)."""
-        return {"command_buffers": len(self.all_submissions), "descriptor_sets": len(self.descriptor_sets),
-                "descriptor_pools": len(self.descriptor_pools), "in_flight": len(self.in_flight)}
+        return {"command_buffers": len(self.all_submissions), **self.descriptors.counts(),
+                "in_flight": len(self.in_flight)}
 
     def destroy(self) -> None:
         dev = self.device.device
@@ -451,27 +341,12 @@ class Queue:
             self.profiler.destroy()
         for graph in list(self.graphs):
             graph.release_on_close()
-        for pool in self.descriptor_pools:
-            lib.vkDestroyDescriptorPool(dev, pool, NULL)
+        self.descriptors.destroy()
         for sub in self.all_submissions:
             lib.vkDestroyFence(dev, sub.fence, NULL)
         lib.vkDestroyCommandPool(dev, self.command_pool, NULL)
-        self.descriptor_sets.clear()
-        self.sets_by_buffer.clear()
         self.in_flight.clear()
         self.recording = None
-
-
-def track_hazards(allocs: list[Allocation], writes: tuple[bool, ...], written: set[int], read: set[int]) -> bool:
-    """Whether a command using `allocs` needs a barrier first (it reads something written, or writes something
-    read or written, since the last barrier); updates the sets as if it was recorded."""
-    hazard = any(a.handle in written or (w and a.handle in read) for a, w in zip(allocs, writes))
-    if hazard:
-        written.clear()
-        read.clear()
-    for a, w in zip(allocs, writes):
-        (written if w else read).add(a.handle)
-    return hazard
 
 
 def _groups(groups: Any) -> tuple[int, int, int]:
