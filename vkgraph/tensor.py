@@ -30,6 +30,7 @@ from .dtype import (
 )
 from .graph import Node, Op, ReduceOp, Variable
 from .realize import allocate, assign, download, has_dtype, realize, require_dtype, upload
+from .tensor_math import TensorMath
 from .view import ShapeTracker
 
 Scalar = int | float | bool
@@ -126,7 +127,7 @@ def _int_bounds(arr: np.ndarray) -> tuple[int | None, int | None]:
     return int(arr.min()), int(arr.max())
 
 
-class Tensor:
+class Tensor(TensorMath):
     """A lazy GPU array. Build from a numpy array, a (nested) list or a scalar; see the module doc."""
 
     __slots__ = ("node", "__weakref__")
@@ -554,8 +555,10 @@ class Tensor:
     def mul(self, o: Tensor | Scalar) -> Tensor:
         return self._bin(o, Op.MUL)
 
-    def div(self, o: Tensor | Scalar) -> Tensor:
-        """True division: integers divide as float32."""
+    def div(self, o: Tensor | Scalar, rounding_mode: str | None = None) -> Tensor:
+        """True division (integers divide as float32), or rounded: rounding_mode 'trunc' or 'floor'."""
+        if rounding_mode is not None:
+            return self._div_rounded(o, rounding_mode)
         return self._bin(o, Op.DIV, compute=least_float)
 
     def floordiv(self, o: Tensor | Scalar) -> Tensor:

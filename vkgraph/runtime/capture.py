@@ -161,8 +161,11 @@ class CommandGraph:
             if self.recorded_values is None or self.recorded_values != tuple(v.value for v in self.variables):
                 self._record()
             pending = q.take_recording()
-            sub.seq = q.next_seq
-            q.next_seq += 1
+            if pending is not None:  # one submit, one fence: the graph takes the pending work's number, so a wait
+                sub.seq = pending.seq  # for what that work used (an input copy's source) waits for this submit
+            else:
+                sub.seq = q.next_seq
+                q.next_seq += 1
             info = sub.submit_info
             if pending is not None:
                 # the pending work's command buffer goes first in the same submit; our fence covers both
