@@ -16,7 +16,7 @@ from vkgraph import Tensor, autograd
 from vkgraph.tensor import cat, where
 
 FAST = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
-SLOW = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+SLOW = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 def _sigmoid(x):

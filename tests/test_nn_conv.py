@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from vkgraph import Tensor
 from vkgraph.nn import functional as F
 
-FAST = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+FAST = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 def close(got, want, tol=2e-5):

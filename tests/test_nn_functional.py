@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from vkgraph import Tensor
 from vkgraph.nn import functional as F
 
-FAST = settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+FAST = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)
 
 
