@@ -156,8 +156,8 @@ def _has(operand: str) -> bool:
     return matmul_coop.fragment(lim, operand) is not None and lim.min_subgroup == lim.max_subgroup
 
 
-needs_f16 = pytest.mark.skipif(not _has("float16"), reason="the device has no float16 cooperative matrices "
-                               "with float32 accumulation (VK_KHR_cooperative_matrix)")
+needs_f16 = pytest.mark.skipif(not _has("float16"), reason="no float16 cooperative matrices on this device "
+                               "(VK_KHR_cooperative_matrix, with float32 accumulation; off under an older validation layer)")
 needs_bf16 = pytest.mark.skipif(not _has("bfloat16"), reason="the device has no bfloat16 cooperative matrices "
                                 "(VK_KHR_cooperative_matrix with VK_KHR_shader_bfloat16)")
 
@@ -292,3 +292,18 @@ def test_tiled_integer_product_is_exact():
     rng = np.random.default_rng(3)
     a, b = rng.integers(-50, 50, (150, 90), dtype=np.int32), rng.integers(-50, 50, (90, 140), dtype=np.int32)
     np.testing.assert_array_equal((Tensor(a) @ Tensor(b)).numpy(), a @ b)
+
+
+@pytest.mark.parametrize("layer", [(1, 3, 239), (1, 3, 280), (1, 4, 320)])
+def test_an_older_validation_layer_leaves_off_what_it_cannot_check(layer):
+    from types import SimpleNamespace
+
+    from vkgraph.runtime.device import Device, vk
+
+    shapes = tuple(CoopShape(*c[:3], *c[3:], scope="subgroup") for c in COOP)
+    stub = SimpleNamespace(validation_version=vk.VK_MAKE_VERSION(*layer),
+                           info=SimpleNamespace(cooperative_matrix=shapes, bfloat16_cooperative_matrix=True))
+    Device._within_validation(stub)
+    kept = {s.a for s in stub.info.cooperative_matrix}
+    assert kept == {(1, 3, 239): set(), (1, 3, 280): {"float16"}, (1, 4, 320): {"float16", "bfloat16"}}[layer]
+    assert stub.info.bfloat16_cooperative_matrix == (layer >= (1, 4, 311))

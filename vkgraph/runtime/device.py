@@ -47,6 +47,9 @@ _COMPONENT_NAMES = {
     vk.VK_COMPONENT_TYPE_UINT16_KHR: "uint16", vk.VK_COMPONENT_TYPE_UINT32_KHR: "uint32",
     vk.VK_COMPONENT_TYPE_UINT64_KHR: "uint64", 1000141000: "bfloat16",
 }
+# the Vulkan headers that introduced VK_KHR_cooperative_matrix (1.3.255) and VK_KHR_shader_bfloat16 (1.4.311)
+_COOP_LAYER_VERSION = vk.VK_MAKE_VERSION(1, 3, 255)
+_BF16_LAYER_VERSION = vk.VK_MAKE_VERSION(1, 4, 311)
 _SCOPE_NAMES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 
 
@@ -168,10 +171,12 @@ class Device:
         self.closed = False
         self.lost = False
         self.validation_messages: list[str] = []
+        self.validation_version: int | None = None  # the validation layer's header version, when it is on
         self._create_instance()
         try:
             chosen = selector if selector is not None else flag("VKGRAPH_DEVICE")
             self.physical, self.info = self._choose_physical(chosen)
+            self._within_validation()
             self._create_device()
             self.compiler = Compiler()
             self.memory = MemoryManager(self)
@@ -213,11 +218,26 @@ class Device:
         lib.vkEnumerateInstanceLayerProperties(count, NULL)
         props = ffi.new("VkLayerProperties[]", count[0])
         lib.vkEnumerateInstanceLayerProperties(count, props)
-        names = {ffi.string(props[i].layerName).decode() for i in range(count[0])}
+        names = {ffi.string(props[i].layerName).decode(): props[i].specVersion for i in range(count[0])}
         if VALIDATION_LAYER not in names:
             raise DeviceError(f"validation asked for but {VALIDATION_LAYER} is not installed "
                               "(Debian: vulkan-validationlayers)")
+        self.validation_version = names[VALIDATION_LAYER]
         return True, [] if VALIDATION_LAYER in env_layers else [VALIDATION_LAYER]
+
+    def _within_validation(self) -> None:
+        """Leave off the extensions an older validation layer does not know: it reports their structures as
+        errors (VUID-VkDeviceCreateInfo-pNext-pNext) and cannot check their use, so a validated run tests the
+        paths it can check; cooperative matrices then read as absent."""
+        v = self.validation_version
+        if v is None:
+            return
+        if v < _COOP_LAYER_VERSION:
+            self.info.cooperative_matrix, self.info.bfloat16_cooperative_matrix = (), False
+        elif v < _BF16_LAYER_VERSION and self.info.bfloat16_cooperative_matrix:
+            self.info.cooperative_matrix = tuple(c for c in self.info.cooperative_matrix
+                                                 if "bfloat16" not in (c.a, c.b))
+            self.info.bfloat16_cooperative_matrix = False
 
     def _install_messenger(self) -> None:
         messages = self.validation_messages
