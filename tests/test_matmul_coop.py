@@ -157,7 +157,8 @@ def _has(operand: str) -> bool:
 
 
 needs_f16 = pytest.mark.skipif(not _has("float16"), reason="no float16 cooperative matrices on this device "
-                               "(VK_KHR_cooperative_matrix, with float32 accumulation; off under an older validation layer)")
+                               "(VK_KHR_cooperative_matrix, with float32 accumulation; off under an older "
+                               "validation layer)")
 needs_bf16 = pytest.mark.skipif(not _has("bfloat16"), reason="the device has no bfloat16 cooperative matrices "
                                 "(VK_KHR_cooperative_matrix with VK_KHR_shader_bfloat16)")
 
