@@ -81,11 +81,11 @@ def test_the_two_prompt_command_line_case_completes(weights):
 
 
 def test_a_request_larger_than_the_pool_is_refused_at_admission(weights):
-    engine = Engine(model(weights, 4, blocks_per_seq=32), max_batch=4)
-    with pytest.raises(ValueError, match="KV blocks"):
+    engine = Engine(model(weights, 4, blocks_per_seq=32), max_batch=4)  # the context follows the pool: 64
+    with pytest.raises(ValueError, match="context of 64 tokens"):
         engine.add_request(PROMPTS[0], max_tokens=100)  # 104 slots > 64: it would block every other request
-    rid = engine.add_request(PROMPTS[0], max_tokens=60, stop_token_ids=[])  # 64 slots: exactly the pool
-    assert len(drain(engine)[rid]) == 60
+    rid = engine.add_request(PROMPTS[0], max_tokens=59, stop_token_ids=[])  # 64 tokens: exactly the pool
+    assert len(drain(engine)[rid]) == 59
     assert_all_blocks_free(engine)
 
 

@@ -85,7 +85,8 @@ class Engine:
     run out the newest running request is preempted (its blocks freed, it goes back to the front of the queue
     and is recomputed from its prompt and generated tokens when admitted again, as vLLM's recompute mode does;
     greedy output is unchanged). Waiting requests are admitted only in steps without preemption, while blocks
-    last. A request whose prompt and max_tokens could never fit the whole pool is refused by `add_request`.
+    last. A request whose prompt and max_tokens exceed the model's context (never more than the whole pool) is
+    refused by `add_request`.
 
     `step()` is transactional: if anything raises inside it (a device error, a KeyboardInterrupt), every request
     is put back to its state before the step (KV blocks returned; running ones are requeued and recomputed),
@@ -119,14 +120,11 @@ class Engine:
             raise ValueError("empty prompt")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        # the model's context never exceeds its KV pool, so a request that fits it can always run alone
         if len(ids) + max_tokens > self.model.max_context:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the model's context "
-                             f"of {self.model.max_context} tokens")
-        # the last token is never written to the cache, so a request holds at most len + max_tokens - 1 slots
-        need = self.kv.blocks_for(len(ids) + max_tokens - 1)
-        if need > self.kv.num_blocks:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} needs {need} KV blocks, more "
-                             f"than the whole cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
+                             f"of {self.model.max_context} tokens (its KV cache holds {self.kv.num_blocks} blocks of "
+                             f"{self.kv.block_size})")
         if max(ids) >= self.vocab or min(ids) < 0:
             raise ValueError(f"token ids must be in [0, {self.vocab})")
         eos = set(stop_token_ids if stop_token_ids is not None else
