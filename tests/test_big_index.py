@@ -102,6 +102,26 @@ def test_dependent_reductions_past_2_32(monkeypatch):
     assert (a * b).max().numpy() == np.float32(u.max()) * np.float32(v.max())
 
 
+@pytest.mark.slow
+def test_outputs_past_2_31_elements():
+    """A materialized 50000 x 50000 uint8 result (2.5e9 elements, bound in pieces, written by 64-bit element
+    indices), then read back through slices and reductions. Needs a device that allocates 2.5 GB at once (the
+    H200; lavapipe's limit is 2 GiB)."""
+    info = get_device().info
+    n = 50000
+    if min(info.max_allocation_size, info.max_buffer_size) < n * n:
+        pytest.skip(f"{info.name} allocates at most {info.max_allocation_size} bytes at once")
+    u = (np.arange(n) % 7).astype(np.uint8)
+    v = (np.arange(n) % 5).astype(np.uint8)
+    y = (Tensor(u.reshape(-1, 1)) + Tensor(v.reshape(1, -1))).realize()
+    np.testing.assert_equal(y[n - 1].numpy(), u[-1] + v)
+    np.testing.assert_equal(y[:, n - 3].numpy(), u + v[-3])
+    np.testing.assert_equal(y[40000:40003, 49990:].numpy(), u[40000:40003, None] + v[None, 49990:])
+    assert y.max().numpy() == 10
+    want = int(u.astype(np.int64).sum()) * n + int(v.astype(np.int64).sum()) * n
+    assert int(y.cast("int64").sum().numpy()) == want
+
+
 # ---- the 64-bit paths at small sizes ---------------------------------------------------------------------------
 
 
