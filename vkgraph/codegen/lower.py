@@ -141,12 +141,7 @@ def _finish(r: Renderer, name: str, local: int, groups: int, lim: Limits, shared
     if not lim.int64 and "int64_t" in src:
         raise OverflowError(f"kernel {name} indexes past 2^31 elements, which needs 64-bit integers (shaderInt64); "
                             "this device lacks them: split the work into smaller tensors")
-    pieces = r.pieces()
-    if len(pieces) > lim.max_buffers:
-        raise OverflowError(f"kernel {name} binds {len(pieces)} buffer windows (a buffer past maxStorageBufferRange "
-                            f"or 2^31 elements is bound in pieces), more than the {lim.max_buffers} a generated "
-                            "kernel may: split the tensor")
-    return Program(name, src, [(ref, off, n) for ref, _, off, n in pieces], fold_groups(groups, lim),
+    return Program(name, src, [(ref, off, n) for ref, _, off, n in r.pieces()], fold_groups(groups, lim),
                    {n: v for n, _, v in r.push}, tuple(r.param_fields), rows)
 
 
