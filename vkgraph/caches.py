@@ -15,6 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
+from .interrupts import critical
+
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
@@ -31,6 +33,7 @@ _REGISTRY: weakref.WeakSet[Cache] = weakref.WeakSet()
 _REGISTRY_LOCK = threading.Lock()
 
 
+@critical  # (a KeyboardInterrupt just after `with lock` took the lock would leave it taken)
 def register(cache: Cache) -> None:
     with _REGISTRY_LOCK:
         _REGISTRY.add(cache)
@@ -68,6 +71,7 @@ class LRU(Generic[K, V]):
             pass
         return value
 
+    @critical
     def put(self, key: K, value: V) -> None:
         with self._lock:
             self._data[key] = value
@@ -90,6 +94,7 @@ class LRU(Generic[K, V]):
     def items(self) -> Iterator[tuple[K, V]]:
         return iter(list(self._data.items()))
 
+    @critical
     def clear(self) -> None:
         """Drop every entry (through on_evict) and zero the counters."""
         with self._lock:
@@ -127,6 +132,7 @@ class Memo:
             f.cache_clear()
 
 
+@critical
 def stats() -> dict[str, dict[str, int]]:
     """Every registered cache by name: size, capacity, hits, misses, evictions (summed over devices)."""
     with _REGISTRY_LOCK:
@@ -140,6 +146,7 @@ def stats() -> dict[str, dict[str, int]]:
     return dict(sorted(out.items()))
 
 
+@critical
 def clear() -> None:
     """Empty every registered cache (tests, or a process that wants its memory back)."""
     with _REGISTRY_LOCK:

@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = check_args(a)
         return _run(a, params)
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
+    except KeyboardInterrupt:  # one line, no traceback; exit code 130 as a shell gives for SIGINT
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
         return 130
     except (UsageError, OSError, ModelFormatError, OutOfKVBlocks, OutOfDeviceMemory, ValueError) as e:
         if a.debug:

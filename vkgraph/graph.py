@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .dtype import DType, check_fits, dtypes
+from .interrupts import critical
 from .view import Shape, ShapeTracker
 
 
@@ -166,6 +167,7 @@ class _InternRef(weakref.ref):
 _interned: dict[tuple, _InternRef] = {}
 
 
+@critical  # a KeyboardInterrupt raised in a weakref callback is printed and lost: defer it past
 def _forget(ref: _InternRef, _remove: Callable = _remove_dead_weakref, _table: dict = _interned) -> None:
     # bound as defaults, so nodes dying at interpreter exit still find them; removes the entry only if it is
     # still this dead reference, not a node interned since
@@ -211,6 +213,7 @@ def runtime_values(n: Node) -> tuple:
     return ()
 
 
+@critical  # an interrupt between making the reference and setting its key broke every later _forget
 def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape) -> Node:
     akey = argkey(arg)
     key = (op, dtype, tuple(map(id, srcs)), akey, shape)

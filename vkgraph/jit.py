@@ -16,20 +16,27 @@ What is frozen at capture, and what is not (docs/jit.md says more):
 - `.numpy()`, `.item()`, `.tolist()` inside the function raise `CaptureError` during capture.
 - Outputs live in the graph's buffers: the next call overwrites them. Take `.numpy()` or `.clone()` of an
   output you want to keep.
+
+Each thread has its own captures of a jit function (a replay's outputs are the graph's buffers, which another
+thread's replay would overwrite). Captures belong to the device they were made on: after `reset_device()` (or
+`close()`) the next call starts afresh (eager, then capture).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from .caches import LRU
 from .graph import BufferRef, Variable
+from .interrupts import critical
 from .runtime import CaptureError, CommandGraph, get_device
 from .tensor import Tensor, realize_all
 
-_CAPTURE_DEPTH = 0
+_capturing = threading.local()  # .depth: captures open in this thread (a jit call inside one is part of it)
 
 
 class _Captured:
@@ -42,73 +49,118 @@ class _Captured:
         self.out_refs = out_refs
 
 
+class _State:
+    """One thread's calls of a jit function on one device: the keys called once, and the captures."""
+
+    def __init__(self, device: Any, max_entries: int) -> None:
+        self.device = device
+        # keys called once (the next call captures); bounded like the captures, an evicted key runs eagerly again
+        self.seen: LRU[tuple, bool] = LRU("jit keys", 8 * max_entries)
+        self.cache: LRU[tuple, _Captured] = LRU("jit captures", max_entries, on_evict=_destroy)
+
+    def clear(self) -> None:
+        self.cache.clear()
+        self.seen.clear()
+
+
 class Jit:
     """A jit-compiled function (see the module doc)."""
 
     def __init__(self, fn: Callable[..., Any], max_entries: int = 8) -> None:
         self.fn = fn
         self.max_entries = max_entries
-        # keys called once (the next call captures); bounded like the captures, an evicted key runs eagerly again
-        self.seen: LRU[tuple, bool] = LRU("jit keys", 8 * max_entries)
-        self.cache: LRU[tuple, _Captured] = LRU("jit captures", max_entries, on_evict=_destroy)
+        self._local = threading.local()
+        self._states: weakref.WeakSet[_State] = weakref.WeakSet()  # every thread's, for reset()
         functools.update_wrapper(self, fn)
 
+    def _state(self) -> _State:
+        dev = get_device()
+        st = getattr(self._local, "state", None)
+        if st is None or st.device is not dev:  # first call in this thread, or captures of a closed device
+            if st is not None:
+                st.clear()
+            st = self._local.state = _State(dev, self.max_entries)
+            self._states.add(st)
+        return st
+
+    @property
+    def cache(self) -> LRU[tuple, _Captured]:
+        """This thread's captures, by call key."""
+        return self._state().cache
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _CAPTURE_DEPTH:  # a jit function called inside another's capture is part of that capture
+        if getattr(_capturing, "depth", 0):  # a jit function called inside another's capture is part of it
             return self.fn(*args, **kwargs)
+        st = self._state()
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
         key = _key(args, kwargs)
-        hit = self.cache.get(key)
+        hit = st.cache.get(key)
         if hit is not None:
-            return self._replay(hit, tensors)
-        if self.seen.get(key) is None:
-            self.seen.put(key, True)
+            realize_all(*tensors)
+            return _rebuild(_submit(hit, tensors))
+        if st.seen.get(key) is None:
+            st.seen.put(key, True)
             out = self.fn(*args, **kwargs)
             realize_all(*_tensors_in(out))
             return out
-        return self._capture(key, args, kwargs, tensors)
+        return self._capture(st, key, args, kwargs, tensors)
 
-    def _capture(self, key: tuple, args: tuple, kwargs: dict, tensors: list[Tensor]) -> Any:
-        global _CAPTURE_DEPTH
+    def _capture(self, st: _State, key: tuple, args: tuple, kwargs: dict, tensors: list[Tensor]) -> Any:
         realize_all(*tensors)
-        dev = get_device()
+        dev = st.device
         # the graph reads private copies of the inputs, so a replay never writes a caller's tensor
         slots = [_private_copy(dev, t) for t in tensors]
         swap = {id(t): s for t, s in zip(tensors, slots)}
         args = tuple(swap.get(id(a), a) for a in args)
         kwargs = {k: swap.get(id(v), v) for k, v in kwargs.items()}
-        dev.queue.begin_capture()
-        _CAPTURE_DEPTH += 1
-        try:
+        with _Capture(dev.queue) as cap:
             out = self.fn(*args, **kwargs)
             outs = _tensors_in(out)
             realize_all(*outs)
-        except BaseException:
-            dev.queue.abort_capture()
-            raise
-        finally:
-            _CAPTURE_DEPTH -= 1
-        graph = dev.queue.end_capture()
-        entry = _Captured(graph, [s.node.arg[0] for s in slots], out, [t.node.arg[0] for t in outs])
-        self.cache.put(key, entry)  # the least recently used capture beyond max_entries is destroyed
+        entry = _Captured(cap.graph, [s.node.arg[0] for s in slots], out, [t.node.arg[0] for t in outs])
+        st.cache.put(key, entry)  # the least recently used capture beyond max_entries is destroyed
         return out
 
-    def _replay(self, entry: _Captured, tensors: list[Tensor]) -> Any:
-        dev = get_device()
-        realize_all(*tensors)
-        for t, slot in zip(tensors, entry.slots):
-            ref = t.node.arg[0]
-            if ref is not slot and ref.nbytes:
-                dev.queue.copy(ref.buf, 0, slot.buf, 0, slot.nbytes)
-        entry.graph.replay()
-        for ref in entry.out_refs:
-            ref.version += 1  # lazy graphs built on the previous values must not reuse them
-        return _rebuild(entry.outputs)
-
     def reset(self) -> None:
-        """Drop every capture (frees their command buffers and memory)."""
-        self.cache.clear()
-        self.seen.clear()
+        """Drop every capture, of every thread (frees their command buffers and memory)."""
+        for st in list(self._states):
+            st.clear()
+
+
+class _Capture:
+    """The capture of one call: opened and closed (or aborted on any exception, Ctrl-C included) as a unit."""
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+        self.graph: CommandGraph | None = None
+
+    @critical
+    def __enter__(self) -> _Capture:
+        self.queue.begin_capture()
+        _capturing.depth = getattr(_capturing, "depth", 0) + 1
+        return self
+
+    @critical
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        _capturing.depth -= 1
+        if kind is None:
+            self.graph = self.queue.end_capture()
+        else:
+            self.queue.abort_capture()
+
+
+@critical
+def _submit(entry: _Captured, tensors: list[Tensor]) -> Any:
+    """Copy the inputs into the graph's slots, submit it, and mark its outputs rewritten: all or nothing."""
+    queue = entry.graph.queue
+    for t, slot in zip(tensors, entry.slots):
+        ref = t.node.arg[0]
+        if ref is not slot and ref.nbytes:
+            queue.copy(ref.buf, 0, slot.buf, 0, slot.nbytes)
+    entry.graph.replay()
+    for ref in entry.out_refs:
+        ref.version += 1  # lazy graphs built on the previous values must not reuse them
+    return entry.outputs
 
 
 def _destroy(key: tuple, entry: _Captured) -> None:

@@ -25,6 +25,7 @@ from .codegen import Limits, Program, lower, tune
 from .dtype import DType
 from .flags import flag
 from .graph import BufferRef, Node, Op, argkey, runtime_values
+from .interrupts import critical
 from .runtime import UnsupportedFeature, get_device
 from .schedule import CustomCall, Schedule, create_schedule, structure
 from .view import ShapeTracker
@@ -77,6 +78,7 @@ class _Realized:
             raise KeyError(n)
         return ref
 
+    @critical
     def add(self, n: Node, ref: BufferRef) -> None:
         if n.op is Op.BUFFER:
             return
@@ -189,6 +191,7 @@ def _ensure(dev, ref: BufferRef) -> None:
         ref.buf = dev.alloc(max(ref.nbytes, 4))
 
 
+@critical
 def _release(ref: BufferRef) -> None:
     if ref.buf is not None:
         ref.buf.release()

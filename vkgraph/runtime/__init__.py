@@ -5,6 +5,7 @@ from .device import Device, DeviceInfo, current_device, get_device, reset_device
 from .errors import (
     CaptureError,
     CompileError,
+    DeviceClosed,
     DeviceError,
     DeviceLost,
     DeviceTimeout,
@@ -17,7 +18,7 @@ from .memory import Buffer, BufferView, size_class
 from .pipeline import Kernel
 
 __all__ = [
-    "Buffer", "BufferView", "CaptureError", "CommandGraph", "CompileError", "Device", "DeviceError", "DeviceInfo",
-    "DeviceLost", "DeviceTimeout", "Kernel", "KernelInterfaceError", "LiveValue", "OutOfDeviceMemory",
+    "Buffer", "BufferView", "CaptureError", "CommandGraph", "CompileError", "Device", "DeviceClosed", "DeviceError",
+    "DeviceInfo", "DeviceLost", "DeviceTimeout", "Kernel", "KernelInterfaceError", "LiveValue", "OutOfDeviceMemory",
     "UnsupportedFeature", "VkgraphError", "current_device", "get_device", "reset_device", "size_class",
 ]

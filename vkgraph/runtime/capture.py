@@ -14,8 +14,9 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from ..interrupts import critical
 from . import faults
-from .errors import DeviceError, VkgraphError
+from .errors import DeviceClosed, DeviceError
 from .hazards import track_hazards
 from .submission import Submission
 from .vk import NULL, check, ffi, lib, vk
@@ -80,6 +81,8 @@ class CommandGraph:
                 self.variables += [v for v in _push_values(e[4]) if isinstance(v, LiveValue)
                                    and v not in self.variables]
         self.written = written
+        # what it only reads (its input slots): a copy into one after a replay must wait for that replay
+        self.read = {a.handle for a in self.allocs} - written
         self.owned = queue.device.memory.pool.adopt(self.allocs)
         self._prepare()
         self.recorded_values: tuple | None = None
@@ -116,6 +119,7 @@ class CommandGraph:
                                                    "size": n})
                 self._prepared.append(("copy", hazard, src.alloc.buffer, dst.alloc.buffer, region))
 
+    @critical
     def _record(self) -> None:
         q = self.queue
         cmd = self.sub.cmd
@@ -146,15 +150,15 @@ class CommandGraph:
         check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer")
         self.recorded_values = tuple(v.value for v in self.variables)
 
+    @critical
     def replay(self) -> int:
         """Submit the graph once, after all work already recorded, in a single vkQueueSubmit together with
         that work (e.g. the copies of new inputs); returns its sequence number."""
-        if self.destroyed:
-            raise VkgraphError("this command graph was destroyed")
         q = self.queue
         with q.lock:
-            if q.device.closed or q.device.lost:
-                q.device.check_usable()
+            q.admit()
+            if self.destroyed:
+                raise DeviceClosed("this command graph was destroyed (or its device closed)")
             sub = self.sub
             if sub in q.in_flight:
                 q.wait(sub.seq)
@@ -188,19 +192,22 @@ class CommandGraph:
             for a in self.allocs:
                 a.last_use = seq
             q.written |= self.written  # later work must wait for the graph's writes
+            q.read |= self.read  # and writes to what it reads for its reads
             return seq
 
+    @critical
     def destroy(self) -> None:
         """Free the command buffer and give the graph's own allocations back to the pool."""
         if self.destroyed:
             return
-        self.destroyed = True
         q = self.queue
         if q.device.closed:
+            self.destroyed = True
             return
         with q.lock:
             if self.sub in q.in_flight:
                 q.wait(self.sub.seq)
+            self.destroyed = True
             for p in self._prepared:
                 if p[0] == "dispatch":
                     q.descriptors.unpin(p[3], q.completed)  # evictable again
@@ -219,6 +226,12 @@ class CommandGraph:
             lib.vkDestroyFence(self.queue.device.device, self.sub.fence, NULL)
             self._prepared, self.entries, self.keep, self.owned = [], [], [], []
 
+    def abandon(self) -> None:
+        """The device is given up with work running: forget everything, destroy nothing."""
+        self.destroyed = True
+        self._prepared, self.entries, self.keep, self.owned = [], [], [], []
+
+    @critical  # what a finalizer raises is lost
     def __del__(self) -> None:
         try:
             self.destroy()

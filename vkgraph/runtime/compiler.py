@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..caches import LRU
 from ..flags import flag
+from ..interrupts import critical
 from .errors import CompileError
 from .spirv import BF16_FRAGMENTS, mark_bfloat16
 
@@ -204,6 +205,7 @@ class Compiler:
             h.update(b"\0")
         return h.hexdigest()
 
+    @critical  # its locks, and a torn disk-cache write
     def compile(self, source: str, defines: dict[str, object] | None = None, target: str = "vulkan1.2") -> bytes:
         """SPIR-V for `source` with `#define NAME VALUE` lines inserted after its #version line."""
         if target not in TARGETS:

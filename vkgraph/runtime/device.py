@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import interrupts
 from ..flags import flag, warn_unknown
 from .compiler import Compiler
-from .errors import DeviceError, DeviceLost, UnsupportedFeature
+from .errors import DeviceClosed, DeviceError, DeviceLost, UnsupportedFeature
 from .memory import Buffer, BufferView, MemoryManager
 from .pipeline import Kernel, PipelineManager
 from .queue import Queue
@@ -170,6 +171,7 @@ class Device:
         self._lock = threading.RLock()
         self.closed = False
         self.lost = False
+        self.abandoned = False  # closed with work still running: its objects were left to the process's exit
         self.validation_messages: list[str] = []
         self.validation_version: int | None = None  # the validation layer's header version, when it is on
         self._create_instance()
@@ -186,6 +188,7 @@ class Device:
         except BaseException:
             self._destroy_partial()
             raise
+        interrupts.install()
 
     # ---- instance and physical device ------------------------------------------------------------------------
     def _create_instance(self) -> None:
@@ -341,6 +344,9 @@ class Device:
         """A pooled device buffer of `nbytes` (its size; its capacity may be larger)."""
         if self.lost or self.closed:
             self.check_usable()
+        q = self.queue
+        if q.capture is not None and q.capture.thread != threading.get_ident():
+            q.await_capture()  # a capture's intermediates are handed only to its own thread
         return self.memory.pool.alloc(nbytes)
 
     def upload(self, buf: Buffer | BufferView, array: np.ndarray | bytes | memoryview, offset: int = 0) -> None:
@@ -360,6 +366,8 @@ class Device:
                name: str | None = None, include_dirs: list[str | Path] | None = None,
                subgroup_size: int | None = None) -> Kernel:
         """A compiled, cached compute pipeline for GLSL `source` (see docs/runtime.md)."""
+        if self.lost or self.closed:
+            self.check_usable()
         return self.pipelines.kernel(source, spec=spec, defines=defines, name=name, include_dirs=include_dirs,
                                      subgroup_size=subgroup_size)
 
@@ -381,7 +389,8 @@ class Device:
         if self.lost:
             raise DeviceLost(f"{self.info.name} was lost; create a new runtime with vkgraph.runtime.reset_device()")
         if self.closed:
-            raise DeviceError("the device is closed")
+            raise DeviceClosed(f"{self.info.name}: this device was closed (or replaced by reset_device()); "
+                               "vkgraph.runtime.get_device() gives the current one")
 
     def require(self, feature: str, what: str) -> None:
         """Raise UnsupportedFeature unless `info.<feature>` is true."""
@@ -395,12 +404,28 @@ class Device:
         return {"queue": dict(self.queue.stats), "objects": self.queue.object_counts(),
                 "pool": self.memory.pool.stats.as_dict(), "compiles": asdict(self.compiler.stats)}
 
-    def close(self) -> None:
-        """Wait for the GPU, then destroy every Vulkan object this device made."""
+    @interrupts.critical
+    def close(self, wait_s: float | None = None) -> None:
+        """Wait for the GPU (up to `wait_s`, by default VKGRAPH_TIMEOUT_S, or not at all after a wait timed out),
+        then destroy every Vulkan object this device made. Work that is still running then cannot be cancelled:
+        the device is abandoned instead (nothing destroyed, every later use raises DeviceClosed) and the
+        process's exit frees it."""
         with self._lock:
             if self.closed:
                 return
+            if wait_s is None:
+                wait_s = 0.0 if self.queue.stalled else self.queue.timeout_s
+            try:
+                idle = self.queue.drain(wait_s)
+            except DeviceError:
+                idle = True  # lost: nothing more will complete
             self.closed = True
+            if not idle:
+                self.abandoned = True
+                self.queue.abandon()
+                self.memory.abandon()
+                self.pipelines.save_cache()
+                return
             try:
                 lib.vkDeviceWaitIdle(self.device)  # a lost device returns an error here; we tear down anyway
             finally:
@@ -557,6 +582,7 @@ _DEVICE_LOCK = threading.Lock()
 _LIVE: weakref.WeakSet[Device] = weakref.WeakSet()
 
 
+@interrupts.critical
 def get_device() -> Device:
     """The process-wide default Device, created on first use."""
     global _DEVICE
@@ -576,6 +602,7 @@ def current_device() -> Device | None:
     return dev if dev is not None and not dev.closed else None
 
 
+@interrupts.critical
 def reset_device() -> Device:
     """Close the default device (if any) and create a fresh one, e.g. after DeviceLost."""
     global _DEVICE
@@ -589,10 +616,13 @@ def reset_device() -> Device:
     return get_device()
 
 
+EXIT_WAIT_S = 1.0  # at exit, work not waited for is abandoned after this long: its results can no longer be read
+
+
 @atexit.register
 def _close_all() -> None:
     for dev in list(_LIVE):
         try:
-            dev.close()
-        except Exception:  # noqa: BLE001 (interpreter exit: never raise here)
+            dev.close(wait_s=min(EXIT_WAIT_S, dev.queue.timeout_s))
+        except BaseException:  # noqa: BLE001 (interpreter exit, Ctrl-C included: never raise here)
             pass

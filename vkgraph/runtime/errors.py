@@ -19,6 +19,10 @@ class DeviceLost(DeviceError):
     """The device was lost (driver reset, hang or removal). Create a new runtime to continue."""
 
 
+class DeviceClosed(DeviceError):
+    """The device was closed (or replaced by reset_device()): its buffers, kernels and captures cannot be used."""
+
+
 class DeviceTimeout(DeviceError):
     """Waiting for the GPU took longer than VKGRAPH_TIMEOUT_S."""
 

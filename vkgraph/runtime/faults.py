@@ -23,7 +23,7 @@ def inject(point: str, result: int = vk.VK_ERROR_DEVICE_LOST, count: int = 1) ->
         _armed.setdefault(point, []).extend([result] * count)
 
 
-def take(point: str) -> int | None:
+def take(point: str) -> int | None:  # called from critical sections only (it takes a lock)
     """The injected result for this call at `point`, if one is armed."""
     if not _armed:
         return None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..flags import flag
+from ..interrupts import critical
 from . import faults
 from .errors import DeviceError, OutOfDeviceMemory
 from .vk import NULL, Keep, check, ffi, handle_int, lib, vk
@@ -42,9 +43,11 @@ def size_class(nbytes: int) -> int:
 class Allocation:
     """One VkBuffer bound to its own VkDeviceMemory; mapped when host-visible."""
 
-    __slots__ = ("buffer", "memory", "capacity", "kind", "host", "handle", "last_use", "freed", "__weakref__")
+    __slots__ = ("buffer", "memory", "capacity", "kind", "host", "handle", "last_use", "freed", "owner",
+                 "__weakref__")
 
-    def __init__(self, buffer: Any, memory: Any, capacity: int, kind: str, host: np.ndarray | None) -> None:
+    def __init__(self, buffer: Any, memory: Any, capacity: int, kind: str, host: np.ndarray | None,
+                 owner: MemoryManager | None = None) -> None:
         self.buffer = buffer
         self.memory = memory
         self.capacity = capacity
@@ -53,12 +56,14 @@ class Allocation:
         self.handle = handle_int(buffer)
         self.last_use = 0  # sequence number of the last submission that used it
         self.freed = False
+        self.owner = owner  # the MemoryManager that made it (tells a closed device's buffer from a released one)
 
 
 class _Released:
     """Stands in for the allocation of a released Buffer, so any later use is caught cheaply."""
 
     freed = True
+    owner = None
     capacity = 0
     host = None
     handle = 0
@@ -90,6 +95,7 @@ class Buffer:
         """Bytes [offset, offset + nbytes) of this buffer, to bind or transfer."""
         return BufferView(self, offset, nbytes)
 
+    @critical
     def release(self) -> None:
         """Return the memory to the pool now. The GPU may still be using it: the queue orders reuse after it."""
         self._finalizer()
@@ -166,6 +172,7 @@ class BufferPool:
         self.keep_all = 0  # while > 0 (a capture is open) released allocations are kept, never freed
         self.adopted_bytes = 0
 
+    @critical
     def alloc(self, nbytes: int) -> Buffer:
         if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
             raise ValueError(f"buffer size must be a non-negative int, got {nbytes!r}")
@@ -211,6 +218,7 @@ class BufferPool:
                     f"out of {self.kind} memory allocating {nbytes} bytes (capacity {cap}) after releasing idle "
                     f"buffers; pool: {self.stats.as_dict()}", nbytes, self.stats.as_dict()) from e
 
+    @critical
     def _put(self, alloc: Allocation) -> None:
         """Keep a returned allocation idle, making room by freeing the least recently returned ones (within
         its bucket for the cap, anywhere for the budget); free it instead if it alone exceeds the budget."""
@@ -237,6 +245,7 @@ class BufferPool:
         for a in victims:
             self.memory.free_later(a)
 
+    @critical
     def _take(self, alloc: Allocation) -> Allocation:
         """Remove an idle allocation from the books (the caller holds the lock)."""
         self.idle[alloc.capacity].remove(alloc)
@@ -245,6 +254,7 @@ class BufferPool:
         self.stats.idle_buffers -= 1
         return alloc
 
+    @critical
     def adopt(self, allocs: list[Allocation]) -> list[Allocation]:
         """Take the idle ones among `allocs` out of the pool for a command graph's exclusive use."""
         taken = []
@@ -256,6 +266,7 @@ class BufferPool:
                     taken.append(a)
         return taken
 
+    @critical
     def release_adopted(self, allocs: list[Allocation]) -> None:
         """Give a destroyed command graph's allocations back, as idle (or freed over the budget)."""
         for a in allocs:
@@ -265,6 +276,7 @@ class BufferPool:
                 self.stats.live_buffers += 1
             self._put(a)
 
+    @critical
     def trim(self, keep_bytes: int) -> None:
         """Free idle allocations, largest first, until at most `keep_bytes` stay idle."""
         victims = []
@@ -316,6 +328,7 @@ class MemoryManager:
                         return i
         raise DeviceError(f"no memory type for {kind} buffers (type bits {type_bits:#x})")
 
+    @critical
     def allocate(self, capacity: int, kind: str) -> Allocation:
         dev = self.device.device
         k = Keep()
@@ -350,13 +363,14 @@ class MemoryManager:
             lib.vkFreeMemory(dev, mem[0], NULL)
             lib.vkDestroyBuffer(dev, buffer, NULL)
             raise
-        alloc = Allocation(buffer, mem[0], capacity, kind, host)
+        alloc = Allocation(buffer, mem[0], capacity, kind, host, self)
         with self.lock:
             self.allocated_bytes += capacity
             self.allocation_count += 1
             self.live[alloc.handle] = alloc
         return alloc
 
+    @critical
     def free_later(self, alloc: Allocation) -> None:
         """Destroy once the GPU has finished every submission that used it."""
         if self.destroyed:
@@ -365,6 +379,7 @@ class MemoryManager:
             self.pending_free.append(alloc)
         self.collect()
 
+    @critical
     def collect(self) -> None:
         """Destroy pending allocations whose last use has completed."""
         queue = getattr(self.device, "queue", None)
@@ -375,6 +390,7 @@ class MemoryManager:
         for a in ready:
             self._destroy(a)
 
+    @critical
     def _destroy(self, alloc: Allocation) -> None:
         with self.lock:
             if alloc.freed:
@@ -393,6 +409,19 @@ class MemoryManager:
         with self.lock:
             self.allocated_bytes -= alloc.capacity
             self.allocation_count -= 1
+
+    def abandon(self) -> None:
+        """The device is given up with work running: every allocation counts as freed (a later use raises
+        DeviceClosed), none is destroyed (the GPU may still use it; the process's exit frees it)."""
+        for pool in (self.pool, self.staging, self.readback):
+            pool.closed = True
+        with self.lock:
+            for a in self.live.values():
+                a.freed = True
+                a.host = None
+            self.live.clear()
+            self.pending_free = []
+        self.destroyed = True
 
     def destroy(self) -> None:
         for pool in (self.pool, self.staging, self.readback):

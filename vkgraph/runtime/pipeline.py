@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..caches import LRU
 from ..flags import flag
+from ..interrupts import critical
 from .errors import KernelInterfaceError, UnsupportedFeature
 from .interface import SCALAR_TYPES, KernelInterface, expand_includes, parse_interface
 from .vk import NULL, Keep, check, ffi, lib, vk
@@ -131,8 +132,11 @@ class PipelineManager:
             check(lib.vkCreatePipelineCache(self.device.device, ci, NULL, out), "vkCreatePipelineCache")
         return out[0]
 
+    @critical  # a pipeline built but not yet in the books would leak; its locks (see interrupts.py)
     def kernel(self, source: str, *, spec: dict[str, Any] | None, defines: dict[str, Any] | None, name: str | None,
                include_dirs: list[Any] | None, subgroup_size: int | None) -> Kernel:
+        if self.device.closed or self.device.lost:
+            self.device.check_usable()
         spec = dict(spec or {})
         src_key = (source, tuple(sorted((defines or {}).items())), tuple(map(str, include_dirs or ())))
         with self.lock:
@@ -154,6 +158,8 @@ class PipelineManager:
                                        f"{sorted(iface.spec_constants)}")
         key = (spirv_hash, tuple(sorted(spec.items())), subgroup_size)
         with self.lock:
+            if self.destroyed:  # the device closed while this thread compiled
+                self.device.check_usable()
             k = self.kernels.get(key)
             if k is None:
                 k = self.live.get(key)  # evicted, but still held somewhere
@@ -297,8 +303,13 @@ class PipelineManager:
         except OSError:
             pass  # the cache only saves time
 
+    @critical
     def destroy(self) -> None:
         """The GPU is idle: destroy every pipeline, cached, still held or retired."""
+        with self.lock:  # no thread builds a pipeline meanwhile (kernel() checks `destroyed` under it)
+            self._destroy()
+
+    def _destroy(self) -> None:
         dev = self.device.device
         self.save_cache()
         self.destroyed = True

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..flags import flag
+from ..interrupts import critical, interruptible
 from . import faults
 from .capture import CaptureLog, CommandGraph
 from .descriptors import DescriptorSets
-from .errors import CaptureError, DeviceError, DeviceLost, KernelInterfaceError, VkgraphError
+from .errors import CaptureError, DeviceClosed, DeviceError, DeviceLost, KernelInterfaceError, VkgraphError
 from .hazards import track_hazards
 from .memory import Allocation, BoundRange, Buffer
 from .profile import Profiler
@@ -36,12 +38,14 @@ _WRITE = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
 _ACCESS = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_READ_BIT
            | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
 MAX_IN_FLIGHT = 8
+_SLICE_S = 0.05  # fence waits in slices, so that Ctrl-C is handled during a long one
 
 
 class Queue:
     def __init__(self, device: Device) -> None:
         self.device = device
         self.lock = threading.RLock()
+        self.capture_done = threading.Condition(self.lock)
         k = Keep()
         pci = k.struct("VkCommandPoolCreateInfo", flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
                        queueFamilyIndex=device.queue_family)
@@ -60,6 +64,7 @@ class Queue:
         self.max_recorded = flag("VKGRAPH_MAX_RECORDED")
         self.timeout_s = flag("VKGRAPH_TIMEOUT_S")
         self.timeout_ns = int(self.timeout_s * 1e9)
+        self.stalled = 0  # a submission that outlasted a wait and has not completed since
         self.barrier = ffi.new("VkMemoryBarrier*", {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
                                                     "srcAccessMask": _WRITE, "dstAccessMask": _ACCESS})
         self.host_barrier = ffi.new("VkMemoryBarrier*", {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
@@ -75,6 +80,7 @@ class Queue:
         self.graphs: weakref.WeakSet[CommandGraph] = weakref.WeakSet()  # live command graphs, freed at close
 
     # ---- recording ------------------------------------------------------------------------------------------
+    @critical
     def _begin(self) -> Submission:
         rec = self.recording
         if rec is not None:
@@ -96,6 +102,34 @@ class Queue:
         self.all_submissions.append(sub)
         return sub
 
+    @critical
+    def await_capture(self) -> None:
+        """Wait while another thread captures on this queue."""
+        with self.lock:
+            self._await_capture()
+
+    @critical  # Condition.wait is not safe against KeyboardInterrupt (it could return without the lock)
+    def _await_capture(self) -> None:
+        """Wait while another thread captures (the caller holds the lock): a capture holds its own thread's work
+        only, and while it is open only that thread records, allocates or submits on this device."""
+        me = threading.get_ident()
+        deadline = time.monotonic() + self.timeout_s
+        while self.capture is not None and self.capture.thread != me:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CaptureError(f"another thread has been capturing on this device for {self.timeout_s:g} s "
+                                   "(VKGRAPH_TIMEOUT_S); does the capturing thread wait for this one?")
+            self.capture_done.wait(min(left, _SLICE_S))
+
+    def admit(self) -> None:
+        """Before recording (the caller holds the lock): raise if the device is closed or lost; wait while
+        another thread captures."""
+        if self.device.closed or self.device.lost:
+            self.device.check_usable()
+        if self.capture is not None and self.capture.thread != threading.get_ident():
+            self._await_capture()
+
+    @critical
     def dispatch(self, kernel: Kernel, buffers: list[Any], groups: Any, push: Any = None) -> None:
         # The hot path: one pass over the bindings, cached descriptor sets, raw cffi calls.
         if len(buffers) != kernel.num_bindings:
@@ -127,8 +161,7 @@ class Queue:
             if self.device.closed or self.device.lost:
                 self.device.check_usable()
             if self.capture is not None and self.capture.thread != threading.get_ident():
-                raise CaptureError("another thread is capturing on this device (a jit-compiled function's second "
-                                   "call); its capture would take in this dispatch: wait for it to finish")
+                self._await_capture()
             rec = self.recording or self._begin()
             written, read = self.written, self.read
             allocs = []
@@ -137,7 +170,7 @@ class Queue:
                 for b, w in zip(buffers, kernel.writes):
                     a = b.alloc
                     if a.freed:
-                        raise KernelInterfaceError(f"kernel {kernel.name}: a buffer was released before dispatch")
+                        raise stale_buffer(f"kernel {kernel.name}", a)
                     allocs.append(a)
                     if a.handle in written or (w and a.handle in read):
                         hazard = True
@@ -187,6 +220,7 @@ class Queue:
         for a in allocs:
             a.last_use = rec.seq
 
+    @critical
     def forget_buffer(self, handle: int) -> None:
         """A VkBuffer is being destroyed (after its last use completed): drop descriptor sets naming it."""
         with self.lock:
@@ -194,11 +228,15 @@ class Queue:
             self.written.discard(handle)
             self.read.discard(handle)
 
+    @critical
     def copy(self, src: Any, src_offset: int, dst: Any, dst_offset: int, nbytes: int, log: bool = True) -> None:
         """Record a buffer-to-buffer copy, ordered by the same hazard rules as dispatches. With `log=False` an
         open capture does not log it (host uploads run once at capture, as constants)."""
         sa, da = src.alloc, dst.alloc
         with self.lock:
+            self.admit()
+            if sa.freed or da.freed:
+                raise stale_buffer("copy", sa if sa.freed else da)
             rec = self._begin()
             self._hazards([sa, da], (False, True), rec)
             region = self.copy_region  # read during the call only: one struct serves every copy
@@ -211,14 +249,17 @@ class Queue:
                                              BoundRange(da, dst.offset, dst.size), dst_offset, nbytes))
 
     # ---- capture ------------------------------------------------------------------------------------------
+    @critical
     def begin_capture(self) -> None:
         """Log every dispatch and copy from now on (they still run) for a CommandGraph."""
         with self.lock:
+            self.admit()  # waits for another thread's capture
             if self.capture is not None:
                 raise VkgraphError("a capture is already open on this queue")
             self.capture = CaptureLog()
             self.device.memory.pool.keep_all += 1
 
+    @critical
     def end_capture(self) -> CommandGraph:
         """Close the capture and build the replayable graph of what it logged."""
         with self.lock:
@@ -227,6 +268,7 @@ class Queue:
             self.graphs.add(graph)
             return graph
 
+    @critical
     def abort_capture(self) -> CaptureLog:
         """Close the capture without building a graph (e.g. after an exception); returns the log."""
         with self.lock:
@@ -234,14 +276,18 @@ class Queue:
             if log is None:
                 raise VkgraphError("no capture is open")
             self.device.memory.pool.keep_all -= 1
+            self.capture_done.notify_all()
             return log
 
+    @critical
     def hold(self, obj: Any) -> None:
         """Keep `obj` alive until the recorded work completes (Buffers are released then)."""
         with self.lock:
+            self.admit()
             self._begin().held.append(obj)
 
     # ---- submission and waiting --------------------------------------------------------------------------------
+    @critical
     def flush(self) -> None:
         with self.lock:
             rec = self.recording
@@ -263,28 +309,61 @@ class Queue:
             self.in_flight.append(rec)
             self.stats["submits"] += 1
 
+    @critical
     def synchronize(self) -> None:
         with self.lock:
             self.flush()
             self.wait(self.next_seq - 1)
 
+    @critical  # (a KeyboardInterrupt just after a lock is taken leaves it taken: the slices below take none)
     def wait(self, seq: int) -> None:
         """Block until submission `seq` (and all before it) completed."""
         with self.lock:
+            if self.device.closed or self.device.lost:
+                self.device.check_usable()
             if self.recording is not None and self.recording.seq <= seq:
                 self.flush()
             while self.in_flight and self.in_flight[0].seq <= seq:
                 sub = self.in_flight[0]
                 res = faults.take("wait")
                 if res is None:
-                    res = lib.vkWaitForFences(self.device.device, 1, sub.fence_array, vk.VK_TRUE, self.timeout_ns)
+                    res = self._wait_fence(sub, time.monotonic() + self.timeout_s)
+                if res == vk.VK_TIMEOUT:
+                    self.stalled = max(self.stalled, sub.seq)
                 try:
                     check_wait(res, f"waiting for submission {sub.seq}", self.timeout_s)
                 except DeviceLost:
                     self.device.lost = True
                     raise
-                self._complete(self.in_flight.popleft())
+                self._complete_first()
             self.device.memory.collect()
+
+    @interruptible
+    def _wait_fence(self, sub: Submission, deadline: float) -> int:
+        """vkWaitForFences until `deadline`, in slices (Ctrl-C is handled between them); the last VkResult."""
+        while True:
+            left = deadline - time.monotonic()
+            res = lib.vkWaitForFences(self.device.device, 1, sub.fence_array, vk.VK_TRUE,
+                                      int(max(0.0, min(left, _SLICE_S)) * 1e9))
+            if res != vk.VK_TIMEOUT or left <= 0:
+                return res
+
+    @critical
+    def drain(self, timeout_s: float) -> bool:
+        """Submit what is recorded and wait up to `timeout_s` for all submitted work; whether it all completed
+        (on a lost device nothing more will: that counts as done)."""
+        deadline = time.monotonic() + timeout_s
+        with self.lock:
+            if self.recording is not None:
+                self.flush()
+            while self.in_flight:
+                res = self._wait_fence(self.in_flight[0], deadline)
+                if res == vk.VK_TIMEOUT:
+                    return False
+                if res != vk.VK_SUCCESS:
+                    return True
+                self._complete_first()
+            return True
 
     def wait_for(self, alloc: Allocation) -> None:
         """Block until every submission that used `alloc` completed."""
@@ -296,16 +375,22 @@ class Queue:
         if block and self.in_flight:
             self.wait(self.in_flight[0].seq)
         while self.in_flight and lib.vkGetFenceStatus(self.device.device, self.in_flight[0].fence) == vk.VK_SUCCESS:
-            self._complete(self.in_flight.popleft())
+            self._complete_first()
 
-    def _complete(self, sub: Submission) -> None:
+    @critical
+    def _complete_first(self) -> None:
+        """The oldest submission in flight has completed: retire it."""
+        sub = self.in_flight.popleft()
         self.completed = max(self.completed, sub.seq)
+        if self.stalled and self.completed >= self.stalled:
+            self.stalled = 0
         chained, sub.chained = sub.chained, []
         for s in [*chained, sub]:
             if self.profiler is not None:
                 self.profiler.collect(s)
             self.recycle(s)
 
+    @critical
     def take_recording(self) -> Submission | None:
         """End the open recording without submitting it, for a caller that submits it with its own work."""
         with self.lock:
@@ -316,6 +401,7 @@ class Queue:
             check(lib.vkEndCommandBuffer(rec.cmd), "vkEndCommandBuffer")
             return rec
 
+    @critical
     def recycle(self, sub: Submission) -> None:
         """A completed (or never submitted) submission: reset its fence; unless a graph keeps it, its command
         buffer goes back to the free list and what it held is released."""
@@ -334,6 +420,17 @@ class Queue:
         return {"command_buffers": len(self.all_submissions), **self.descriptors.counts(),
                 "in_flight": len(self.in_flight)}
 
+    def abandon(self) -> None:
+        """The device is given up with work still running: forget every object, destroy none (the GPU may still
+        use them; the process's exit frees them)."""
+        for graph in list(self.graphs):
+            graph.abandon()
+        self.descriptors.sets.clear()
+        self.descriptors.by_buffer.clear()
+        self.in_flight.clear()
+        self.free.clear()
+        self.recording = None
+
     def destroy(self) -> None:
         dev = self.device.device
         if self.profiler is not None:
@@ -347,6 +444,15 @@ class Queue:
         lib.vkDestroyCommandPool(dev, self.command_pool, NULL)
         self.in_flight.clear()
         self.recording = None
+
+
+def stale_buffer(what: str, alloc: Any) -> VkgraphError:
+    """The error for using an allocation that is gone: its device closed, or its Buffer released."""
+    owner = getattr(alloc, "owner", None)
+    if owner is not None and owner.destroyed:
+        return DeviceClosed(f"{what}: a buffer belongs to a device that was closed (or replaced by reset_device()); "
+                            "make it again on the current device")
+    return KernelInterfaceError(f"{what}: a buffer was released before use")
 
 
 def _groups(groups: Any) -> tuple[int, int, int]:

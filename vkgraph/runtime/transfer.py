@@ -7,6 +7,7 @@ host-cached readback buffers (download), STAGING_CHUNK bytes at a time, as copie
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,7 +63,7 @@ class Transfers:
         if nbytes:
             alloc, base = buf.alloc, buf.offset + offset
             queue = self.device.queue
-            if queue.capture is not None:
+            if queue.capture is not None and queue.capture.thread == threading.get_ident():
                 raise CaptureError("reading a buffer back to the host inside a capture: a replay could not repeat "
                                    "it (in a jit-compiled function, call .numpy()/.item() on its outputs instead)")
             if alloc.host is not None:

@@ -42,7 +42,9 @@ def check(result: int, what: str) -> int:
 
 def check_wait(result: int, what: str, timeout_s: float) -> None:
     if result == vk.VK_TIMEOUT:
-        raise DeviceTimeout(f"{what}: the GPU did not finish within {timeout_s:g} s (VKGRAPH_TIMEOUT_S)", result)
+        raise DeviceTimeout(f"{what}: the GPU did not finish within {timeout_s:g} s (VKGRAPH_TIMEOUT_S); running "
+                            "work cannot be cancelled: wait again, or abandon the device with "
+                            "vkgraph.runtime.reset_device() (the process exits either way)", result)
     check(result, what)
 
 

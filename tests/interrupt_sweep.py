@@ -1,0 +1,134 @@
+"""Ctrl-C at every point of a call: `python tests/interrupt_sweep.py SCENARIO STRIDE` (run by test_interrupts.py in a
+subprocess, so that a crash fails the test rather than pytest).
+
+For each k (every STRIDE-th line that vkgraph executes during one call of the scenario), the call runs under a trace
+function that simulates SIGINT (`_thread.interrupt_main`) at the k-th line; Python then raises KeyboardInterrupt at
+its next check, wherever that is, unless vkgraph defers it out of a critical section. After each attempt the next
+call, untraced, must give numpy's result, and every simulated interrupt must have arrived exactly once. Prints
+"ok <attempts> <interrupted>".
+"""
+
+from __future__ import annotations
+
+import _thread
+import sys
+import time
+
+import numpy as np
+
+import vkgraph
+from vkgraph import Tensor
+from vkgraph.runtime import get_device
+
+rng = np.random.default_rng(0)
+
+
+@vkgraph.jit
+def step(x, y):
+    return ((x * y + 1).exp() * 0.5).sum(axis=1)
+
+
+def want_step(x, y):
+    return (np.exp(x * y + 1) * 0.5).sum(axis=1)
+
+
+def data(rows: int = 8, cols: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    return (rng.standard_normal((rows, cols)).astype(np.float32) * 0.5,
+            rng.standard_normal((rows, cols)).astype(np.float32) * 0.5)
+
+
+def close(got, want) -> None:
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
+
+
+def replay() -> None:
+    x, y = data()
+    close(step(Tensor(x), Tensor(y)).numpy(), want_step(x, y))
+
+
+def capture() -> None:
+    step.reset()
+    x, y = data()
+    step(Tensor(x), Tensor(y))  # eager
+    close(step(Tensor(x), Tensor(y)).numpy(), want_step(x, y))  # the capture
+
+
+_shape = [3]
+
+
+def compile_new() -> None:
+    """A shape never seen: schedule, lower, compile a new kernel, dispatch, read back."""
+    _shape[0] += 1
+    x, _ = data(_shape[0], 5)
+    close((Tensor(x) * 3 - 1).max(axis=1).numpy(), (x * 3 - 1).max(axis=1))
+
+
+def eager() -> None:
+    x, y = data(64, 4096 // 64)
+    close(((Tensor(x) + Tensor(y)) * 2).sum().numpy(), ((x + y) * 2).astype(np.float64).sum())
+
+
+SCENARIOS = {"replay": replay, "capture": capture, "compile": compile_new, "eager": eager}
+
+
+class Sweep:
+    def __init__(self) -> None:
+        self.fired = 0
+        self.arrived = 0
+
+    def run(self, call, at: int) -> int:
+        """Run call, firing one SIGINT at vkgraph's `at`-th line; returns how many lines vkgraph ran."""
+        count = 0
+        fired = False
+
+        def local(frame, event, arg):
+            nonlocal count, fired
+            if event == "line":
+                count += 1
+                if count == at and not fired:
+                    fired = True
+                    self.fired += 1
+                    _thread.interrupt_main()
+            return local
+
+        def tracer(frame, event, arg):
+            return local if "/vkgraph/" in frame.f_code.co_filename else None
+
+        try:
+            sys.settrace(tracer)
+            try:
+                call()
+            finally:
+                sys.settrace(None)
+            time.sleep(0.01)  # an interrupt deferred out of a critical section arrives by now
+        except KeyboardInterrupt:  # a call that was not interrupted must be correct: other errors propagate
+            self.arrived += 1
+        for _ in range(3):  # at most one interrupt per attempt; a late one lands in these sleeps
+            try:
+                time.sleep(0.004)
+            except KeyboardInterrupt:
+                self.arrived += 1
+        return count
+
+
+def main() -> None:
+    name, stride = sys.argv[1], int(sys.argv[2])
+    call = SCENARIOS[name]
+    for _ in range(3):  # warm: compiled, captured, plans cached
+        call()
+    sweep = Sweep()
+    total = sweep.run(call, 0)
+    attempts = 0
+    for at in range(1, total + 1, stride):
+        sweep.run(call, at)
+        attempts += 1
+        call()  # the next call, untraced, is correct
+        q = get_device().queue
+        assert q.capture is None and get_device().memory.pool.keep_all == 0, "a capture was left open"
+        if sweep.arrived != sweep.fired:
+            raise SystemExit(f"{sweep.fired} interrupts fired, {sweep.arrived} arrived (at line {at} of {total})")
+    print("ok", attempts, sweep.arrived)
+
+
+if __name__ == "__main__":
+    main()
