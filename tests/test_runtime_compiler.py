@@ -48,6 +48,22 @@ def test_corrupt_cache_entry_is_recompiled(tmp_path, damage):
     assert c3.compile(SRC, {"SCALE": 2.0}) == spv and c3.stats.disk_hits == 1
 
 
+def test_cache_entry_copied_over_another_kernels_name_is_not_trusted(tmp_path):
+    """An entry's digest once covered only its contents: a whole, valid entry of another kernel under this kernel's
+    file name was loaded as this kernel (wrong results). The digest binds the key now."""
+    c = Compiler(cache_dir=str(tmp_path))
+    spv2 = c.compile(SRC, {"SCALE": 2.0})
+    spv3 = c.compile(SRC, {"SCALE": 3.0})
+    assert spv2 != spv3
+    path2 = c._path(c.key(SRC, {"SCALE": 2.0}, "vulkan1.2"))
+    path3 = c._path(c.key(SRC, {"SCALE": 3.0}, "vulkan1.2"))
+    path2.write_bytes(path3.read_bytes())
+    c2 = Compiler(cache_dir=str(tmp_path))
+    assert c2.compile(SRC, {"SCALE": 2.0}) == spv2
+    assert c2.stats.corrupt == 1 and c2.stats.misses == 1 and c2.stats.disk_hits == 0
+    assert c2.compile(SRC, {"SCALE": 3.0}) == spv3 and c2.stats.disk_hits == 1
+
+
 def test_no_temporary_files_left(tmp_path):
     c = Compiler(cache_dir=str(tmp_path))
     for i in range(5):

