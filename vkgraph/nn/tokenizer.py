@@ -2,7 +2,8 @@
 
 GGUF: byte-level BPE vocabularies (tokenizer.ggml.model "gpt2": Llama 3, Qwen2, GPT-2 style) are rebuilt as a
 `tokenizers` BPE model from the embedded tokens, merges and token types, with the pre-tokenizer regex that
-tokenizer.ggml.pre names (gpt-2, llama-bpe/llama3, qwen2; others fall back to GPT-2's, with a warning).
+tokenizer.ggml.pre names (gpt-2, llama-bpe/llama3, qwen2, and GPT-2's with every digit alone for smollm,
+starcoder and the others llama.cpp groups with them; others fall back to GPT-2's, with a warning).
 SentencePiece vocabularies (model "llama": Llama 1/2, Mistral) are not supported from GGUF yet; use the model's
 tokenizer.json instead.
 """
@@ -24,6 +25,9 @@ _QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\
              r"\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_REGEX = {"llama-bpe": _LLAMA3_RE, "llama3": _LLAMA3_RE, "smaug-bpe": _LLAMA3_RE, "qwen2": _QWEN2_RE}
 _GPT2_PRE = ("gpt-2", "gpt2", "default")
+# GPT-2's split after one that isolates every digit (llama.cpp: "\p{N}" before GPT-2's regex; these models'
+# tokenizer.json: Digits(individual_digits) then ByteLevel)
+_DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
 
 
@@ -99,6 +103,10 @@ class Tokenizer:
             tok.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Split(Regex(_PRE_REGEX[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif pre in _DIGITS_PRE:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
         else:
             if pre not in _GPT2_PRE:
                 warnings.warn(f"GGUF pre-tokenizer {pre!r} unknown; splitting words as GPT-2 does", stacklevel=2)
