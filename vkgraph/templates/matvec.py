@@ -27,7 +27,8 @@ TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_1": "matvec_q4_1",
 UNIT_ELEMS = {"Q8_0": 16, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q2_K": 64, "Q3_K": 64, "Q4_K": 32,
               "Q5_K": 32, "Q6_K": 64, "IQ4_NL": 32, "IQ4_XS": 32, "F16": 8, "BF16": 8}
 ACT_DTYPES = {"f32": np.float32, "f16": np.float16}
-INT_DOT_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")  # templates with an integer dot-product path (-DINT_DOT)
+# templates with an integer dot-product path (-DINT_DOT)
+INT_DOT_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
 MAX_BATCH = 8
 
 
@@ -120,6 +121,9 @@ INT_DOT_PREFERRED = {"Q4_0": {1: (128, 128, 2), 2: (32, 64, 2), 4: (32, 32, 2), 
                      "Q8_0": {1: (128, 128, 1), 2: (32, 64, 2), 4: (32, 64, 2), 8: (32, 32, 2)},
                      "Q4_K": {1: (128, 128, 4), 2: (32, 64, 4), 4: (32, 64, 4), 8: (32, 64, 4)},
                      "Q6_K": {1: (32, 64, 2), 2: (32, 64, 2), 4: (32, 32, 4), 8: (32, 32, 4)}}
+for _f, _like in (("Q4_1", "Q4_0"), ("Q5_0", "Q4_0"), ("Q5_1", "Q4_0"), ("IQ4_NL", "Q4_0"), ("IQ4_XS", "Q4_0"),
+                  ("Q5_K", "Q4_K"), ("Q2_K", "Q6_K"), ("Q3_K", "Q6_K")):  # not measured yet: as PREFERRED does
+    INT_DOT_PREFERRED[_f] = INT_DOT_PREFERRED[_like]
 
 
 def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,

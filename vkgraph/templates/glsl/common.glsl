@@ -17,6 +17,19 @@ int dot16_s8(uvec4 x, uvec4 w) {
 int dot16_s8u8(uvec4 x, uvec4 w) {
     return (dot_s8u8(x.x, w.x, 0) + dot_s8u8(x.y, w.y, 0)) + (dot_s8u8(x.z, w.z, 0) + dot_s8u8(x.w, w.w, 0));
 }
+
+// IQ4_NL's levels (kvalues_iq4nl) as int8 bytes, looked up for the low nibble of each byte of v
+const uint IQ4_BYTES[16] = uint[16](0x81u, 0x98u, 0xADu, 0xBFu, 0xCFu, 0xDDu, 0xEAu, 0xF6u,
+                                    0x01u, 0x0Du, 0x19u, 0x26u, 0x35u, 0x45u, 0x59u, 0x71u);
+uvec4 iq4_bytes(uvec4 v) {
+    uvec4 r;
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        const uint w = v[i];
+        r[i] = IQ4_BYTES[w & 15u] | (IQ4_BYTES[(w >> 8) & 15u] << 8) | (IQ4_BYTES[(w >> 16) & 15u] << 16)
+             | (IQ4_BYTES[(w >> 24) & 15u] << 24);
+    }
+    return r;
+}
 #endif
 
 // Element i of a float16 array stored two per uint (no 16-bit storage feature needed).

@@ -18,3 +18,7 @@ vec4 run_levels(Unit q, uint j, uint i) { return iq4_levels((q.v[i] >> (4 * j)) 
 vec4 x_factor(uint j) { return vec4(1.0); }
 
 vec2 run_coeffs(Unit q, uint u, uint j) { return vec2(q.d, 0.0); }
+
+#ifdef INT_DOT
+int run_idot(Unit q, uint j, uvec4 xq, int xs) { return dot16_s8(xq, iq4_bytes(q.v >> (4 * j))); }
+#endif

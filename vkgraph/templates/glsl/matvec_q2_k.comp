@@ -28,3 +28,7 @@ vec2 run_coeffs(Unit q, uint u, uint j) {
     const uint sc = (q.sc[bi >> 2] >> (8 * (bi & 3u))) & 0xFFu;
     return vec2(q.dm.x * float(sc & 15u), -q.dm.y * float(sc >> 4));
 }
+
+#ifdef INT_DOT
+int run_idot(Unit q, uint j, uvec4 xq, int xs) { return dot16_s8u8(xq, (q.v >> (2 * j)) & 0x03030303u); }
+#endif

@@ -34,3 +34,13 @@ vec2 run_coeffs(Unit q, uint u, uint j) {
     const float c = unpackHalf2x16(q.sc.w).x * float(int(lo | (hi << 4)) - 32);
     return vec2(c, -4.0 * c);
 }
+
+#ifdef INT_DOT
+int run_idot(Unit q, uint j, uvec4 xq, int xs) {   // levels are stored as q + 4
+    uvec4 l;
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        l[i] = ((q.v[i] >> (2 * j)) & 0x03030303u) | (((q.hm[i] >> (4 * (q.k >> 1) + j)) & 0x01010101u) << 2);
+    }
+    return dot16_s8u8(xq, l) - 4 * xs;
+}
+#endif

@@ -22,3 +22,8 @@ vec4 run_levels(Unit q, uint j, uint i) { return j == 0 ? nibbles_lo(q.v[i]) : n
 vec4 x_factor(uint j) { return j == 0 ? NIB_LO : NIB_HI; }
 
 vec2 run_coeffs(Unit q, uint u, uint j) { return q.dm; }
+
+#ifdef INT_DOT
+// run 0 is the low nibbles, run 1 the high ones; m enters through the run's activation sum (HAS_MIN)
+int run_idot(Unit q, uint j, uvec4 xq, int xs) { return dot16_s8u8(xq, (q.v >> (4 * j)) & 0x0F0F0F0Fu); }
+#endif

@@ -27,3 +27,9 @@ vec4 run_levels(Unit q, uint j, uint i) { return bytes7(run_bytes(q, j, i)); }
 vec4 x_factor(uint j) { return BYTES7; }
 
 vec2 run_coeffs(Unit q, uint u, uint j) { return q.dm; }
+
+#ifdef INT_DOT
+int run_idot(Unit q, uint j, uvec4 xq, int xs) {
+    return dot16_s8u8(xq, uvec4(run_bytes(q, j, 0), run_bytes(q, j, 1), run_bytes(q, j, 2), run_bytes(q, j, 3)));
+}
+#endif

@@ -41,3 +41,14 @@ vec2 run_coeffs(Unit q, uint u, uint j) {
     const vec2 dm = unpackHalf2x16(q.h.x);
     return vec2(dm.x * float(sc), -dm.y * float(mn));
 }
+
+#ifdef INT_DOT
+int run_idot(Unit q, uint j, uvec4 xq, int xs) {
+    const uint b = 2 * (q.k >> 1) + j;
+    uvec4 l;
+    [[unroll]] for (uint i = 0; i < 4; i++) {
+        l[i] = ((q.v[i] >> (4 * j)) & 0x0F0F0F0Fu) | (((q.qh[i] >> b) & 0x01010101u) << 4);
+    }
+    return dot16_s8u8(xq, l);
+}
+#endif
