@@ -2,15 +2,17 @@
 
 A workgroup computes a BM x BN tile of the output with WM x WN subgroups, each holding a (BM/WM) x (BN/WN)
 block of float32 accumulator fragments. Slices BK deep of both operands are staged through shared memory as
-16-byte chunks (8 16-bit values), double-buffered: the next slice is read from memory into registers while the
-subgroups multiply the current one, then written to the other buffer, with one barrier per slice. Operands
+16-byte chunks (8 16-bit values): the next slice is read from memory into registers while the subgroups
+multiply the current one, then written to the other of two buffers (one barrier per slice), or, in the
+single-stage configurations that fit deeper slices into shared memory, over the current one after a second
+barrier. Tile configurations come from a measured search (codegen.tune) or a default. Operands
 that are plain buffers or strided views of them, with 8-element-aligned rows, are read as 16-byte vectors;
 anything else (fused producers, pads, broadcasts, odd strides) is read element by element through the
 renderer, with the same shared layout. Out-of-range rows and columns read as zero, so any M, N and K work.
 The elementwise epilogue runs per output element: each subgroup stores a row of its fragments to shared
 memory and its invocations apply the fused elementwise code and store through the kernel's output view.
 
-bfloat16 operands use the same program with the fragment type renamed in the SPIR-V (see runtime.compiler):
+bfloat16 operands use the same program with the fragment type renamed in the SPIR-V (runtime/spirv.py):
 glslang of this vintage cannot spell bfloat16_t, but the operands never leave shared memory as values.
 """
 
@@ -160,18 +162,10 @@ def _operand(src: Node, compute: DType, lim: Limits, refs_elsewhere: set[int]) -
             vs = tuple(0 if i == inner_axis else s for i, s in enumerate(vs))
             return _Operand(src, rows, cols, col_major, (ref, vs, offset // 8))
     else:
+        from .lower import _column_major  # the tiled path's rule: unit stride along the next-to-last axis
+
         col_major = _column_major(src)
     return _Operand(src, rows, cols, col_major)
-
-
-def _column_major(src: Node) -> bool:
-    n = src
-    while n.op is Op.CAST:
-        n = n.srcs[0]
-    if n.op is not Op.VIEW or len(n.arg.views) != 1:
-        return False
-    st = n.arg.views[0].strides
-    return len(st) >= 2 and abs(st[-2]) == 1 and abs(st[-1]) > 1
 
 
 def _refs_outside(k: Kernel, mm: Node) -> set[int]:
