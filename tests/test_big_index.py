@@ -64,6 +64,20 @@ def test_elementwise_then_reduce_past_2_31(n):
     assert c.count == 1
 
 
+def test_products_over_constant_axes_past_2_31():
+    """A product along an axis where nothing changes is the value to the power of its length (by squaring)."""
+    n = 2**31 + 8
+    x = np.array([1, -1, 0.5, 2, np.nan, -0.0, 1.0000001], np.float32)
+    with np.errstate(over="ignore"):
+        want = np.array([1, 1, 0, np.inf, np.nan, 0, np.float32(1.0000001) ** np.float64(n)], np.float32)
+    np.testing.assert_equal((Tensor(x.reshape(-1, 1)) * Tensor.ones(1, n)).prod(1).numpy(), want)
+    assert Tensor.full(10**12, -1.0).prod().numpy() == 1.0 and Tensor.full(10**12 + 1, -1.0).prod().numpy() == -1.0
+    p = Tensor.full(n, 3, dtype="int32").prod()
+    assert int(p.numpy()) == int(np.uint64(pow(3, n, 2**64)).astype(p.dtype.np))  # wraps as numpy's would
+    np.testing.assert_allclose(Tensor.full(1000, 1.01).prod().numpy(), np.full(1000, 1.01, np.float32).prod(),
+                               rtol=2e-5)
+
+
 def test_argmax_past_2_31_raises_before_gpu_work():
     with count_kernels() as c, pytest.raises(OverflowError, match="argmax/argmin"):
         Tensor.ones(2**31 + 8).argmax().numpy()

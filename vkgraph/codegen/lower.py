@@ -497,11 +497,24 @@ class _Reduction:
         if self.scale > 1 and self.rop is ReduceOp.SUM and self.d.kind != "b":
             res = r.define(self.d.glsl, glsl.alu(Op.MUL, self.d, [self.d, self.d], [res, _count(self.scale, self.d)],
                                                  r.need), "red")
+        if self.scale > 1 and self.rop is ReduceOp.PROD and self.d.kind != "b":
+            res = self._power(res, self.scale)
         if res_i is not None:
             return r.define(self.node.dtype.glsl, glsl.cast(res_i, dtypes.int32, self.node.dtype, r.need), "red")
         if self.node.dtype is not self.d:
             return r.define(self.node.dtype.glsl, glsl.cast(res, self.d, self.node.dtype, r.need), "red")
         return res
+
+    def _power(self, x: str, n: int) -> str:
+        """x ** n by squaring (left to right over n's bits): 2 log2(n) multiplies in the dtype, each rounded (or
+        wrapped) as numpy's product rounds each of its n; exact for 0, +-1, infinities and NaN."""
+        r, d = self.r, self.d
+        out = x
+        for bit in bin(n)[3:]:
+            out = r.define(d.glsl, glsl.alu(Op.MUL, d, [d, d], [out, out], r.need), "pw")
+            if bit == "1":
+                out = r.define(d.glsl, glsl.alu(Op.MUL, d, [d, d], [out, x], r.need), "pw")
+        return out
 
     def _declare(self, t: str, name: str, size: int) -> str:
         decl = f"shared {t} {name}[{size}];"
@@ -570,9 +583,10 @@ def _full_coords(o: tuple[Expr, ...], rc: tuple[Expr, ...], axes: tuple[int, ...
     return tuple(next(it) if i in axes else c for i, c in enumerate(o))
 
 
-# Along an axis where no reduced value changes (constants, broadcasts), a sum is one value times the axis's length
-# and a max or min is that value: the kernel walks only the other axes (Tensor.ones(10**12).sum() reads nothing).
-_FOLDABLE = (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN)
+# Along an axis where no reduced value changes (constants, broadcasts), a sum is one value times the axis's length,
+# a product that value to the power of the length, and a max or min is that value: the kernel walks only the other
+# axes (Tensor.ones(10**12).sum() reads nothing).
+_FOLDABLE = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN)
 
 
 def _varies(n: Node, axis: int, memo: dict[int, bool]) -> bool:
@@ -594,7 +608,7 @@ def _varies(n: Node, axis: int, memo: dict[int, bool]) -> bool:
 
 def _fold_axes(k: Kernel, reds: list[Node]) -> tuple[tuple[int, ...], int]:
     """The axes kernel k's reductions must walk, and how many equal values each value they see stands for (the
-    product of the folded axes). Only where every reduction folds (sum, max, min) and the kernel writes one value
+    product of the folded axes). Only where every reduction folds (not argmax/argmin) and the kernel writes one value
     per row (an epilogue that walks the row again needs every position)."""
     axes = reds[0].arg[1]
     if k.root.numel != prod(reds[0].shape) or any(r.arg[0] not in _FOLDABLE for r in reds):
