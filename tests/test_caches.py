@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +20,7 @@ from vkgraph import realize as realize_mod
 from vkgraph.runtime import get_device
 
 lower_mod = importlib.import_module("vkgraph.codegen.lower")  # the package exports a function of that name
+ROOT = Path(vkgraph.__file__).resolve().parent.parent
 
 NAMED = {"lowerings", "plans", "programs", "spirv", "glsl sources", "pipelines", "movements"}
 
@@ -82,3 +88,27 @@ def test_clear_caches_empties_them_and_work_goes_on():
     vkgraph.clear_caches()
     assert all(c["size"] == 0 for c in vkgraph.stats()["caches"].values())
     np.testing.assert_array_equal((x + 1).numpy(), np.full(5, 2, np.float32))
+
+
+def test_cached_pipelines_do_not_keep_a_closed_device_alive():
+    """Compiled programs stay in caches after their device closes; they must not hold the device (and its
+    caches, which `stats()` would keep summing) alive."""
+    code = textwrap.dedent("""
+        import gc, weakref
+        import numpy as np
+        from vkgraph import Tensor, stats
+        from vkgraph.runtime import get_device, reset_device
+        dev = get_device()
+        x = Tensor(np.arange(8, dtype=np.float32))
+        assert (x * 3 + 1).numpy().tolist() == [3 * i + 1 for i in range(8)]
+        ref = weakref.ref(dev)
+        del dev, x
+        reset_device()
+        gc.collect()
+        assert ref() is None, gc.get_referrers(ref())
+        assert stats()["caches"]["pipelines"]["size"] == 0
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -233,15 +233,26 @@ class Plan:
     """A schedule lowered to programs, with every buffer a slot: inputs (numbered as in `Structure`), then the
     schedule's own buffers, then lowering scratch (both made afresh at each run: a plan is shared by every thread
     that runs a graph of its structure, so it holds no buffer). baked: (position, value) of runtime values the
-    programs hold as literals (over the push budget); a graph whose values differ there cannot use this plan.
-    description: the schedule, as VKGRAPH_DEBUG prints it."""
+    programs hold as literals (over the push budget); a graph whose values differ there cannot use this plan."""
 
     n_in: int
     temps: tuple[tuple[DType, int], ...]
     steps: tuple[KernelStep | CustomStep, ...]
     outputs: tuple[int, ...]
     baked: tuple[tuple[int, object], ...]
-    description: str
+
+    def describe(self, customs: list[Node]) -> str:
+        """The steps, as VKGRAPH_DEBUG prints them (buffers as slots: inputs first, then the plan's own)."""
+        lines = []
+        for i, step in enumerate(self.steps):
+            if type(step) is CustomStep:
+                name = customs[step.custom].arg.name
+                line = f"{i:3d} custom {name} -> slot {step.out} from slots {list(step.inputs)}"
+            else:
+                progs = ", ".join(f"{p.name} groups={p.groups} binds {len(p.bindings)}" for p in step.programs)
+                line = f"{i:3d} kernel {progs}"
+            lines.append(line + (f" frees {len(step.frees)}" if step.frees else ""))
+        return "\n".join(lines)
 
 
 class _Uncacheable(Exception):
@@ -313,7 +324,7 @@ def _plan(sched: Schedule, inputs: list[BufferRef], customs: list[Node],
         steps.append(KernelStep(progs, tuple(slot(r, True) for r in lowered.scratch), fr))
     outputs = tuple(slot(r) for r in sched.outputs)
     temps = tuple([(t.dtype, t.numel) for t in sched.temps] + scratch_specs)
-    return Plan(n_in, temps, tuple(steps), outputs, tuple(baked), sched.describe()), refs
+    return Plan(n_in, temps, tuple(steps), outputs, tuple(baked)), refs
 
 
 def _push_fields(p: Program, leaves: list[int]) -> tuple[tuple[str, ...], tuple, tuple[tuple[int, int], ...]]:
@@ -337,7 +348,7 @@ def _execute(plan: Plan, refs: list[BufferRef], customs: list[Node], params: lis
     dispatch = dev.dispatch
     counting = bool(_counters)
     if debug >= 1 and plan.steps:
-        print(f"schedule: {len(plan.steps)} item(s)\n{plan.description}")
+        print(f"schedule: {len(plan.steps)} item(s)\n{plan.describe(customs)}")
     for step in plan.steps:
         if type(step) is CustomStep:
             node = customs[step.custom]

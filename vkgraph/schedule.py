@@ -48,19 +48,6 @@ class Schedule:
     outputs: list[BufferRef] = field(default_factory=list)  # one per target
     temps: list[BufferRef] = field(default_factory=list)  # the buffers this schedule made (outputs among them)
 
-    def describe(self) -> str:
-        lines = []
-        for i, item in enumerate(self.items):
-            if isinstance(item, CustomCall):
-                lines.append(f"{i:3d} custom {item.node.arg.name} -> {item.out} from {item.inputs}")
-                continue
-            leaves = [n.arg[0] for n in item.root.toposort() if n.op is Op.BUFFER]
-            heavy = [n.op.name.lower() for n in item.root.toposort() if n.op in (Op.REDUCE, Op.MATMUL)]
-            lines.append(f"{i:3d} kernel {list(item.root.shape)} {item.root.dtype.name} "
-                         f"{'+'.join(heavy) or 'elementwise'} -> {item.out} reads {len(set(map(id, leaves)))}"
-                         + (f" frees {len(self.frees[i])}" if self.frees[i] else ""))
-        return "\n".join(lines)
-
 
 def is_input(n: Node, realized: Mapping[Node, BufferRef]) -> bool:
     return n.op is Op.BUFFER or n in realized

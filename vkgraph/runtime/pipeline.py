@@ -167,16 +167,11 @@ class PipelineManager:
                     self.sweep()
                     k = self._build(name or _guess_name(source), iface, spirv, spirv_hash, spec, subgroup_size, key)
                     self.live[key] = k
-                    # not at interpreter exit: the device's close destroys what is still live then
-                    weakref.finalize(k, self._retire, k.pipeline).atexit = False
+                    # not at interpreter exit: the device's close destroys what is still live then; the manager
+                    # weakly, so a Kernel kept in some cache does not keep a closed device alive
+                    weakref.finalize(k, _retire, weakref.ref(self), k.pipeline).atexit = False
                 self.kernels.put(key, k)
         return k
-
-    def _retire(self, pipeline: Any) -> None:
-        """A Kernel died (no cache or holder keeps it): its pipeline waits for every submission numbered so far,
-        the command buffer being recorded included (a finalizer makes no Vulkan call; `sweep` does)."""
-        if not self.destroyed:
-            self.retired.append((pipeline, self.device.queue.next_seq - 1))
 
     def sweep(self) -> None:
         """Destroy the retired pipelines the GPU is done with."""
@@ -326,6 +321,14 @@ class PipelineManager:
         self.live.clear()
         self.retired = []
         self.layouts.clear()
+
+
+def _retire(manager: weakref.ref[PipelineManager], pipeline: Any) -> None:
+    """A Kernel died (no cache or holder keeps it): its pipeline waits for every submission numbered so far, the
+    command buffer being recorded included (a finalizer makes no Vulkan call; `PipelineManager.sweep` does)."""
+    m = manager()
+    if m is not None and not m.destroyed:
+        m.retired.append((pipeline, m.device.queue.next_seq - 1))
 
 
 def _target(device: Device) -> str:
