@@ -33,13 +33,14 @@ ALLOWED: dict[str, set[str]] = {
     "tensor": {"realize", "graph", "view", "dtype"},
     "jit": {"tensor", "realize", "graph", "runtime", "caches", "interrupts"},
     # model code speaks Tensors: templates enter as graph ops (nn/template_ops.py); no runtime, no buffers
-    "nn": {"jit", "tensor", "realize", "templates", "quant", "dtype"},
+    "nn": {"jit", "tensor", "realize", "templates", "quant", "dtype", "view"},
     "generate": {"nn", "runtime"},
     "info": {"runtime"},
     "vkgraph": {"caches", "dtype", "graph", "jit", "runtime", "tensor"},
 }
-# modules that are part of another unit (autograd is the Tensor API's gradient half; each imports the other)
-PART_OF = {"autograd": "tensor"}
+# modules that are part of another unit (autograd is the Tensor API's gradient half, tensor_math its math
+# functions; each imports the other)
+PART_OF = {"autograd": "tensor", "tensor_math": "tensor"}
 
 
 def _module_name(path: Path) -> str:
