@@ -8,7 +8,9 @@
 from typing import Any
 
 from . import caches
+from .autograd import enable_grad, no_grad
 from .dtype import DType, dtypes
+from .einsum import einsum
 from .graph import Variable
 from .jit import jit
 from .runtime import (
@@ -25,7 +27,7 @@ from .tensor import Tensor, cat, custom, manual_seed, realize_all, stack, where
 __all__ = [
     "CaptureError", "CompileError", "DType", "DeviceError", "OutOfDeviceMemory", "Tensor", "Variable",
     "VkgraphError", "cat", "custom", "dtypes", "get_device", "jit", "manual_seed", "realize_all", "stack", "where",
-    "clear_caches", "stats",
+    "clear_caches", "stats", "einsum", "enable_grad", "no_grad",
 ]
 
 

@@ -30,6 +30,7 @@ from .dtype import (
 )
 from .graph import Node, Op, ReduceOp, Variable
 from .realize import allocate, assign, download, has_dtype, realize, require_dtype, upload
+from .tensor_index import TensorIndexing, needs_advanced
 from .tensor_math import TensorMath
 from .view import ShapeTracker
 
@@ -127,7 +128,7 @@ def _int_bounds(arr: np.ndarray) -> tuple[int | None, int | None]:
     return int(arr.min()), int(arr.max())
 
 
-class Tensor(TensorMath):
+class Tensor(TensorMath, TensorIndexing):
     """A lazy GPU array. Build from a numpy array, a (nested) list or a scalar; see the module doc."""
 
     __slots__ = ("node", "__weakref__")
@@ -950,11 +951,11 @@ class Tensor(TensorMath):
 
     # ---- indexing -----------------------------------------------------------------------------------------------
     def __getitem__(self, idx: Any) -> Tensor:
+        if needs_advanced(idx):  # boolean masks, several integer arrays: vkgraph/tensor_index.py
+            return self._advanced_read(idx)
         x, tensor_dims = _basic_index(self, idx)
         if not tensor_dims:
             return x
-        if len(tensor_dims) > 1:
-            raise NotImplementedError("indexing with more than one integer tensor at a time")
         axis, index = tensor_dims[0]
         return x.take(index, axis)
 
@@ -973,14 +974,16 @@ class Tensor(TensorMath):
         return Tensor(g.gather(self.node, index.node, a))
 
     def __setitem__(self, idx: Any, value: Tensor | Scalar | np.ndarray) -> None:
-        """Write into a region selected by ints, slices (positive steps) and Ellipsis, in place."""
+        """Write in place into what ints, slices (positive steps), Ellipsis, integer arrays and boolean masks select
+        (through arrays and masks the whole tensor is rewritten: vkgraph/tensor_index.py)."""
         if not isinstance(value, Tensor):
             value = Tensor(value, self.dtype) if not isinstance(value, (int, float, bool)) else \
                 Tensor.full((), value, self.dtype)
         self.realize()
-        region, tensor_dims = _basic_index(Tensor(self.node), idx, for_store=True)
-        if tensor_dims:
-            raise NotImplementedError("assignment through integer-tensor indices")
+        advanced = needs_advanced(idx)
+        region, tensor_dims = (None, None) if advanced else _basic_index(Tensor(self.node), idx, for_store=True)
+        if advanced or tensor_dims:  # through integer arrays or masks: the whole tensor, rewritten
+            value, region = self._write_indexed(idx, value), Tensor(self.node)
         ref = self.node.arg[0]
         st = region.node.arg if region.node.op is Op.VIEW else ShapeTracker.contiguous(region.shape)
         value = value.cast(self.dtype)
@@ -1080,9 +1083,17 @@ class Tensor(TensorMath):
         return out.cast(least_float(self.dtype))
 
     def scaled_dot_product_attention(self, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                                     is_causal: bool = False, scale: float | None = None) -> Tensor:
-        """softmax(q @ k^T * scale + mask) @ v for q = self of shape (..., L, D); a bool mask keeps True."""
+                                     is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False
+                                     ) -> Tensor:
+        """softmax(q @ k^T * scale + mask) @ v for q = self of shape (..., L, D); a bool mask keeps True. With
+        enable_gqa, key and value heads (axis -3) are shared by groups of query heads."""
         q = self
+        if enable_gqa and q.ndim >= 3 and key.ndim >= 3 and key.shape[-3] != q.shape[-3]:
+            hq, hk = q.shape[-3], key.shape[-3]
+            if hk == 0 or hq % hk or value.shape[-3] != hk:
+                raise ValueError(f"attention: {hq} query heads cannot share {hk} key/value heads")
+            key, value = (t.unsqueeze(-3).expand(*t.shape[:-2], hq // hk, *t.shape[-2:]).reshape(
+                *t.shape[:-3], hq, *t.shape[-2:]) for t in (key, value))
         if q.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2]:
             raise ValueError(f"attention: q {q.shape}, k {key.shape}, v {value.shape} do not fit")
         scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
