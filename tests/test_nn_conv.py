@@ -322,3 +322,15 @@ def test_pixel_shuffle_round_trip():
     want = x.reshape(n, c // 4, 2, 2, h, w).transpose(0, 1, 4, 2, 5, 3).reshape(n, c // 4, h * 2, w * 2)
     close(y, want.astype(np.float64))
     close(F.pixel_unshuffle(y, 2), x.astype(np.float64))
+
+
+def test_pool3d_and_area():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((1, 2, 4, 6, 5))
+    t = Tensor(x.astype(np.float32))
+    want_max = x[:, :, :4, :6, :4].reshape(1, 2, 2, 2, 3, 2, 2, 2).max((3, 5, 7))
+    close(F.max_pool3d(t, 2), want_max)
+    want_avg = x[:, :, :4, :6, :4].reshape(1, 2, 2, 2, 3, 2, 2, 2).mean((3, 5, 7))
+    close(F.avg_pool3d(t, 2), want_avg)
+    y = rng.standard_normal((1, 3, 7, 5))
+    close(F.interpolate(Tensor(y.astype(np.float32)), size=(3, 2), mode="area"), ref_adaptive(y, (3, 2), "avg"))

@@ -232,6 +232,11 @@ def max_pool2d(x: Tensor, kernel_size: IntOrTuple, stride: IntOrTuple | None = N
     return _max_pool(x, 2, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
 
 
+def max_pool3d(x: Tensor, kernel_size: IntOrTuple, stride: IntOrTuple | None = None, padding: IntOrTuple = 0,
+               dilation: IntOrTuple = 1, ceil_mode: bool = False, return_indices: bool = False):
+    return _max_pool(x, 3, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+
+
 def _avg_pool(x: Tensor, nd: int, kernel_size: IntOrTuple, stride: IntOrTuple | None, padding: IntOrTuple,
               ceil_mode: bool, count_include_pad: bool, divisor_override: int | None) -> Tensor:
     x, unbatched = _batched(x, nd, f"avg_pool{nd}d")
@@ -263,6 +268,11 @@ def avg_pool1d(x: Tensor, kernel_size: IntOrTuple, stride: IntOrTuple | None = N
 def avg_pool2d(x: Tensor, kernel_size: IntOrTuple, stride: IntOrTuple | None = None, padding: IntOrTuple = 0,
                ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None) -> Tensor:
     return _avg_pool(x, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def avg_pool3d(x: Tensor, kernel_size: IntOrTuple, stride: IntOrTuple | None = None, padding: IntOrTuple = 0,
+               ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None) -> Tensor:
+    return _avg_pool(x, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
 
 def _adaptive(x: Tensor, output_size: IntOrTuple, nd: int, kind: str) -> Tensor:
@@ -351,10 +361,18 @@ def _taps(mode: str, out: int, size: int, scale: float | None, align_corners: bo
 
 def interpolate(x: Tensor, size: IntOrTuple | None = None, scale_factor: float | Sequence[float] | None = None,
                 mode: str = "nearest", align_corners: bool | None = None) -> Tensor:
-    """Resize the spatial axes (after N, C): nearest, nearest-exact, linear, bilinear, bicubic, trilinear."""
+    """Resize the spatial axes (after N, C): nearest, nearest-exact, linear, bilinear, bicubic, trilinear, area."""
     nd = x.ndim - 2
     if nd < 1:
         raise ValueError(f"interpolate: input of shape {x.shape} has no spatial axis")
+    if mode == "area":  # PyTorch's area mode is adaptive average pooling to the output size
+        if align_corners is not None:
+            raise ValueError("align_corners applies to linear and cubic modes only")
+        sp = x.shape[2:]
+        outs = _tuple(size, nd, "size") if size is not None else tuple(
+            int(math.floor(L * s)) for L, s in zip(sp, scale_factor if isinstance(scale_factor, (list, tuple))
+                                                   else (scale_factor,) * nd, strict=True))
+        return _adaptive(x.cast(x.dtype if x.dtype.is_float else dtypes.float32), outs, nd, "avg")
     axis_mode = {"nearest": "nearest", "nearest-exact": "nearest-exact", "linear": "linear", "bilinear": "linear",
                  "trilinear": "linear", "bicubic": "cubic"}.get(mode)
     if axis_mode is None:
@@ -441,6 +459,6 @@ def pad(x: Tensor, pad: Sequence[int], mode: str = "constant", value: float = 0.
 
 
 __all__ = ["adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d", "avg_pool1d",
-           "avg_pool2d", "conv", "conv1d", "conv2d", "conv3d", "conv_transpose", "conv_transpose1d",
-           "conv_transpose2d", "interpolate", "max_pool1d", "max_pool2d", "pad", "pixel_shuffle", "pixel_unshuffle",
-           "windows"]
+           "avg_pool2d", "avg_pool3d", "conv", "conv1d", "conv2d", "conv3d", "conv_transpose", "conv_transpose1d",
+           "conv_transpose2d", "interpolate", "max_pool1d", "max_pool2d", "max_pool3d", "pad", "pixel_shuffle",
+           "pixel_unshuffle", "windows"]
