@@ -140,3 +140,48 @@ def test_flags_module_runs_without_runpy_warning():
     r = run_cli(module="vkgraph.flags")
     assert r.returncode == 0 and "VKGRAPH_DEVICE" in r.stdout
     assert "RuntimeWarning" not in r.stderr, r.stderr
+
+
+def run_chat(model: Path, lines: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "vkgraph.generate", "--model", str(model), "--chat", *args],
+                          input=lines, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "hf"])
+def test_chat_keeps_earlier_turns_in_the_cache(tiny, kind):
+    turn = "Once upon a time there was a little model that wanted to run on every GPU in the world."
+    r = run_chat(tiny[kind], f"{turn}\n\nThe quick brown fox.\n", "--max-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    reports = [line for line in r.stderr.splitlines() if "prompt tokens" in line]
+    assert len(reports) == 2, r.stderr  # the empty line is no turn
+    first, second = ([int(w) for w in line.split() if w.isdigit()] for line in reports)
+    assert first[1] == 0 and second[1] >= 16 and second[1] <= first[0] + 3  # a full block of turn one reused
+
+
+def test_chat_template_renders_as_hugging_face_does(tiny):
+    from vkgraph.nn.chat import ChatTemplate
+    from vkgraph.nn.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tiny["hf"])
+    t = ChatTemplate.load(tiny["hf"], tok)
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    assert t.render(msgs) == "<|begin_of_text|>user: Hi<|eot_id|>assistant: Hello<|eot_id|>assistant: "
+    assert t.render(msgs[:1], add_generation_prompt=False) == "<|begin_of_text|>user: Hi<|eot_id|>"
+    assert ChatTemplate.load(tiny["Q8_0"], Tokenizer.load(tiny["Q8_0"])).render(msgs) == t.render(msgs)
+    boom = ChatTemplate("{{ raise_exception('only user turns') }}")
+    with pytest.raises(ValueError, match="only user turns"):
+        boom.render(msgs)
+
+
+def test_chat_without_a_template_or_with_a_prompt_refused(tiny, tmp_path, capsys):
+    import shutil
+
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        shutil.copy(tiny["hf"] / name, tmp_path)
+    rc, out, err = in_process(capsys, "--model", str(tmp_path), "--chat")
+    assert rc == 2 and "has no chat template" in one_error_line(err)
+    rc, out, err = in_process(capsys, "--model", str(tiny["hf"]), "--chat", "--prompt", "x")
+    assert rc == 2 and "--chat takes neither --prompt" in one_error_line(err)
+    rc, out, err = in_process(capsys, "--model", str(tiny["hf"]))
+    assert rc == 2 and "--prompt is required (or --chat)" in one_error_line(err)

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", required=True,
                     help="a .gguf file, a Hugging Face model directory, or a .safetensors file inside one")
-    ap.add_argument("--prompt", action="append", required=True, help="repeat for several prompts (one batch)")
+    ap.add_argument("--prompt", action="append", help="repeat for several prompts (one batch); required unless "
+                                                      "--chat")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     ap.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
@@ -54,12 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
     ap.add_argument("--draft", help="a draft model (same vocabulary) for speculative decoding of one prompt")
     ap.add_argument("--speculate", type=int, default=4, help="draft tokens per round with --draft")
+    ap.add_argument("--chat", action="store_true", help="interactive chat through the model's chat template, one "
+                                                        "user turn per line of input; earlier turns stay in the "
+                                                        "KV cache")
     ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return ap
 
 
 def check_args(a: argparse.Namespace) -> SamplingParams:
     """Everything that can be told from the arguments alone; raises UsageError."""
+    if not a.chat and not a.prompt:
+        raise UsageError("--prompt is required (or --chat)")
+    if a.chat and (a.prompt or a.draft):
+        raise UsageError("--chat takes neither --prompt nor --draft")
     for name, value, low in (("--max-tokens", a.max_tokens, 1), ("--num-blocks", a.num_blocks, 1),
                              ("--speculate", a.speculate, 1), ("--max-context", a.max_context, 1)):
         if value is not None and value < low:
@@ -125,8 +133,14 @@ def _run(a: argparse.Namespace, params: SamplingParams) -> int:
     weights = load_weights(a.model, quantize=a.quantize, progress=sys.stderr.isatty())
     cfg = weights.config
     max_ctx = a.max_context or cfg.max_seq_len
-    extra = a.speculate + 1 if a.draft else 0
-    check_fit([len(tokenizer.encode(p)) for p in a.prompt], a.max_tokens, max_ctx, a.num_blocks, extra)
+    template = None
+    if a.chat:
+        from .nn.chat import ChatTemplate
+
+        template = ChatTemplate.load(a.model, tokenizer)
+    else:
+        extra = a.speculate + 1 if a.draft else 0
+        check_fit([len(tokenizer.encode(p)) for p in a.prompt], a.max_tokens, max_ctx, a.num_blocks, extra)
     if is_random_model(a.model):
         print(f"[vkgraph] {a.model} is vkgraph's demo model: its weights are random, so its text is noise",
               file=sys.stderr)
@@ -138,6 +152,10 @@ def _run(a: argparse.Namespace, params: SamplingParams) -> int:
     if a.draft:
         return _speculative(a, model, tokenizer, max_ctx)
     engine = Engine(model, tokenizer, seed=a.seed)
+    if template is not None:
+        from .nn.chat import chat_loop
+
+        return chat_loop(engine, template, params, max_tokens=a.max_tokens, stop=a.stop)
     for p in a.prompt:
         engine.add_request(p, params, max_tokens=a.max_tokens, stop=a.stop)
     single = len(a.prompt) == 1

@@ -31,6 +31,9 @@ from .config import ModelConfig, RopeScaling, llama3_freq_factors
 from .weights import MATRIX, expected_tensors, gguf_name, permute_rope_rows
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+# a chat template in the Llama 3 manner (shipped in both copies, as real models ship theirs)
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eot_id|>{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
 BOS_ID, EOS_ID, EOT_ID = 0, 1, 2
 BPE_VOCAB = 300  # trained tokens (specials + 256 bytes + merges); the rest of the vocabulary is reserved
 CORPUS = """\
@@ -141,6 +144,7 @@ def write_hf(out: Path, cfg: ModelConfig, seed: int, tok) -> None:
     hf = cfg.to_hf() | {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, EOT_ID], "_name_or_path": RANDOM_NAME}
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2))
     tensors = {name: tensor(seed, name, shape) for name, (shape, _) in expected_tensors(cfg).items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
@@ -233,6 +237,7 @@ def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, prog
     w.add_eos_token_id(EOS_ID)
     w.add_eot_token_id(EOT_ID)
     w.add_add_bos_token(True)
+    w.add_chat_template(CHAT_TEMPLATE)
 
     # group Hugging Face tensors by GGUF tensor (experts stack), keeping order
     plan: dict[str, tuple[list[tuple[str, tuple[int, ...]]], str]] = {}
