@@ -54,7 +54,7 @@ def search(m: int, n: int, k: int, dname: str, reps: int = 10) -> tuple[Any, dic
         if not cfg.fits(frag, lim):
             continue
         (prog,) = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, compute).programs
-        pipe = dev.kernel(prog.src, name=prog.name)
+        pipe = dev.pipeline(prog.src, name=prog.name)
         bufs = [ref.buf for ref, _, _ in prog.bindings]
         for _ in range(5):  # compile, then let the clocks rise
             dev.dispatch(pipe, bufs, prog.groups, None)

@@ -45,7 +45,7 @@ void main() { uint i = gl_GlobalInvocationID.x; if (i < pc.n) b[i] = a[i] * pc.s
 
 
 def bench_recording(dev) -> dict:
-    k = dev.kernel(TINY)
+    k = dev.pipeline(TINY)
     a = dev.alloc(4096)
     outs = [dev.alloc(4096) for _ in range(64)]
     q = dev.queue
@@ -77,7 +77,7 @@ def bench_recording(dev) -> dict:
 
 
 def bench_roundtrip(dev) -> float:
-    k = dev.kernel(TINY)
+    k = dev.pipeline(TINY)
     a, b = dev.alloc(256), dev.alloc(256)
 
     def once():
@@ -108,7 +108,7 @@ def bench_transfers(dev, nbytes: int) -> dict:
 def bench_copy_kernel(dev, nbytes: int, wg: int, groups_per_cu: list[int]) -> dict:
     """Read+write GB/s of a grid-stride vec4 copy of `nbytes`, held in buffers of at most what one allocation
     and one binding may hold (so 4 GiB is two or more buffer pairs on most devices)."""
-    k = dev.kernel(COPY, spec={"WG": wg})
+    k = dev.pipeline(COPY, spec={"WG": wg})
     piece = min(dev.info.max_storage_buffer_range, dev.info.max_allocation_size) // (1 << 20) * (1 << 20)
     sizes = [min(piece, nbytes - o) for o in range(0, nbytes, piece)]
     pairs = [(dev.alloc(n), dev.alloc(n)) for n in sizes]

@@ -51,7 +51,7 @@ def snapshot() -> dict[str, float]:
     counts = dev.queue.object_counts()
     return {"live MiB": pool.live_bytes / 2**20, "idle MiB": pool.idle_bytes / 2**20,
             "allocations": dev.memory.allocation_count, "command buffers": counts["command_buffers"],
-            "descriptor sets": counts["descriptor_sets"], "pipelines": len(dev.pipelines.kernels),
+            "descriptor sets": counts["descriptor_sets"], "pipelines": len(dev.pipelines.cached),
             "RSS MiB": rss_mib()}
 
 

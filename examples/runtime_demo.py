@@ -39,7 +39,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
     t0 = time.perf_counter()
-    k = dev.kernel(SAXPY, spec={"WG": 256})
+    k = dev.pipeline(SAXPY, spec={"WG": 256})
     t_compile = time.perf_counter() - t0
     bx, by, bo = dev.alloc(x.nbytes), dev.alloc(y.nbytes), dev.alloc(x.nbytes)
     t0 = time.perf_counter()

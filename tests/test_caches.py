@@ -61,7 +61,7 @@ def test_a_flood_of_programs_stays_within_every_bound(monkeypatch):
     every cache stays at its bound, evicted pipelines are destroyed once unused, and results stay right."""
     dev = get_device()
     cap = 4
-    bounded = [realize_mod._PLANS, lower_mod._CACHE, realize_mod._programs(dev), dev.pipelines.kernels,
+    bounded = [realize_mod._PLANS, lower_mod._CACHE, realize_mod._programs(dev), dev.pipelines.cached,
                dev.pipelines.sources, dev.compiler.memory]
     for c in bounded:
         monkeypatch.setattr(c, "capacity", cap)

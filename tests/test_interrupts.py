@@ -58,7 +58,7 @@ void main() {
 }
 """
 d = get_device()
-k = d.kernel(SPIN)
+k = d.pipeline(SPIN)
 b = d.alloc(64 * 64 * 4)
 iters = 1
 while True:  # about 3 s of GPU work

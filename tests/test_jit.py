@@ -25,7 +25,7 @@ def add_position(x: Tensor, pos: Variable | int) -> Tensor:
     n = x.numel()
 
     def run(dev, out, ins):
-        dev.dispatch(dev.kernel(ADD_POS), [out, ins[0]], ((n + 63) // 64, 1, 1), (n, pos))
+        dev.dispatch(dev.pipeline(ADD_POS), [out, ins[0]], ((n + 63) // 64, 1, 1), (n, pos))
 
     return custom(run, [x], x.shape, x.dtype, key=(id(pos),), name="add_position")
 
@@ -155,7 +155,7 @@ def test_no_leaks_over_10000_replays():
         s = dev.memory.pool.stats
         counts = dev.queue.object_counts()
         return (s.live_bytes, s.live_buffers, dev.memory.allocation_count,
-                counts["descriptor_sets"], counts["descriptor_pools"], len(dev.pipelines.kernels))
+                counts["descriptor_sets"], counts["descriptor_pools"], len(dev.pipelines.cached))
 
     start = snapshot()
     for i in range(10_000):

@@ -273,7 +273,7 @@ def test_every_tile_configuration_matches_numpy(tb):
             continue
         (prog,) = matmul_coop.lower_coop(kern, mm, lim, {}, cfg).programs
         dev.upload(out.buf, np.full(m * n, np.nan, np.float16).view(np.uint8))  # poison: every element is written
-        dev.dispatch(dev.kernel(prog.src, name=prog.name), [ref.buf for ref, _, _ in prog.bindings], prog.groups,
+        dev.dispatch(dev.pipeline(prog.src, name=prog.name), [ref.buf for ref, _, _ in prog.bindings], prog.groups,
                      prog.push or None)
         _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)
 

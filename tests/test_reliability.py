@@ -74,7 +74,7 @@ void main() { o[gl_GlobalInvocationID.x] = x[gl_GlobalInvocationID.x] * undefine
 """
 
     def run(dev, out, ins):
-        dev.dispatch(dev.kernel(bad), [out, ins[0]], (1, 1, 1))
+        dev.dispatch(dev.pipeline(bad), [out, ins[0]], (1, 1, 1))
 
     x = Tensor(np.ones(64, np.float32))
     with pytest.raises(CompileError, match="undefined_scale") as e:

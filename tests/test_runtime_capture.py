@@ -22,7 +22,7 @@ def _chain(dev, k, x, out, n, pos):
 
 def captured_chain(dev, n, pos=0.0):
     """(input buffer, output buffer, graph) of the chain captured once (and run once)."""
-    k = dev.kernel(AXPB)
+    k = dev.pipeline(AXPB)
     x, out = dev.alloc(4 * n), dev.alloc(4 * n)
     dev.queue.begin_capture()
     _chain(dev, k, x, out, n, pos)
@@ -37,7 +37,7 @@ def ref(x, pos):
 
 def test_replay_with_new_inputs_and_variable(dev):
     n = 1024
-    k = dev.kernel(AXPB)
+    k = dev.pipeline(AXPB)
     x, out = dev.alloc(4 * n), dev.alloc(4 * n)
     pos = Variable("pos", 0)
     rng = np.random.default_rng(0)
@@ -72,7 +72,7 @@ def test_replay_is_one_submit(dev):
 
 def test_graph_memory_is_exclusive_until_destroyed(dev):
     n = 256
-    k = dev.kernel(AXPB)
+    k = dev.pipeline(AXPB)
     x, out = dev.alloc(4 * n), dev.alloc(4 * n)
     dev.queue.begin_capture()
     _chain(dev, k, x, out, n, 0.0)
@@ -96,7 +96,7 @@ def test_capture_errors(dev):
 
 def test_no_leaks_over_10000_replays(dev):
     n = 256
-    k = dev.kernel(AXPB)
+    k = dev.pipeline(AXPB)
     x, out = dev.alloc(4 * n), dev.alloc(4 * n)
     dev.upload(x, np.zeros(n, np.float32))
     pos = Variable("pos", 0)
@@ -108,7 +108,7 @@ def test_no_leaks_over_10000_replays(dev):
     def snapshot():
         s = dev.memory.pool.stats
         return (s.live_bytes, s.idle_bytes, dev.memory.allocation_count, dev.queue.object_counts()["command_buffers"],
-                dev.queue.object_counts()["descriptor_sets"], len(dev.pipelines.kernels))
+                dev.queue.object_counts()["descriptor_sets"], len(dev.pipelines.cached))
 
     start = snapshot()
     for i in range(10_000):

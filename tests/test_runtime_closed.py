@@ -54,7 +54,7 @@ def run(body: str, timeout: float = 120, env: dict | None = None) -> tuple[subpr
 def test_every_entry_point_of_a_closed_device_raises_device_closed():
     r, _ = run('''
         d = get_device()
-        k = d.kernel(AXPB)
+        k = d.pipeline(AXPB)
         a, b = d.alloc(256), d.alloc(256)
         d.upload(a, np.arange(64, dtype=np.float32))
         x = np.random.default_rng(0).random((4, 8)).astype(np.float32)
@@ -64,8 +64,8 @@ def test_every_entry_point_of_a_closed_device_raises_device_closed():
         d.dispatch(k, [a, b], (1, 1, 1), (64, 2.0, 0.0))
         graph = d.queue.end_capture()
         d.close()
-        raises(DeviceClosed, d.kernel, AXPB + "// another kernel")
-        raises(DeviceClosed, d.kernel, AXPB)
+        raises(DeviceClosed, d.pipeline, AXPB + "// another kernel")
+        raises(DeviceClosed, d.pipeline, AXPB)
         raises(DeviceClosed, d.alloc, 64)
         raises(DeviceClosed, d.upload, a, np.zeros(4, np.float32))
         raises(DeviceClosed, d.download, a, np.float32, 4)
@@ -79,7 +79,7 @@ def test_every_entry_point_of_a_closed_device_raises_device_closed():
         d2 = get_device()
         assert d2 is not d
         raises(DeviceClosed, d2.queue.copy, b, 0, d2.alloc(64), 0, 64)
-        raises(DeviceClosed, d2.dispatch, d2.kernel(AXPB), [b, d2.alloc(256)], (1, 1, 1), (64, 2.0, 0.0))
+        raises(DeviceClosed, d2.dispatch, d2.pipeline(AXPB), [b, d2.alloc(256)], (1, 1, 1), (64, 2.0, 0.0))
         raises(DeviceClosed, d2.download, b, np.float32, 4)
         c = d2.alloc(256)
         d2.upload(c, np.arange(64, dtype=np.float32))
@@ -138,7 +138,7 @@ layout(set = 0, binding = 0) buffer B { float v[]; };
 void main() { v[0] += 1.0; }
 """
 d = get_device()
-runaway = d.kernel(SPIN)
+runaway = d.pipeline(SPIN)
 b = d.alloc(64)
 d.dispatch(runaway, [b], (65535, 65535, 1))  # hours of work on any device
 msg = raises(DeviceTimeout, d.synchronize)
@@ -159,7 +159,7 @@ def test_after_a_runaway_kernel_the_interpreter_exits():
 def test_after_a_runaway_kernel_the_next_wait_says_so_and_reset_device_gives_a_working_device():
     r, elapsed = run(RUNAWAY + textwrap.dedent('''
         c = d.alloc(256)
-        d.dispatch(d.kernel(AXPB), [b, c], (1, 1, 1), (16, 1.0, 0.0))
+        d.dispatch(d.pipeline(AXPB), [b, c], (1, 1, 1), (16, 1.0, 0.0))
         raises(DeviceTimeout, d.synchronize)  # queued behind the runaway kernel
         d2 = reset_device()  # abandons the old device (its work cannot be cancelled) at once
         assert d.closed and d.abandoned and d2 is not d

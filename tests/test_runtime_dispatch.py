@@ -55,7 +55,7 @@ def test_dispatch_matches_numpy(dev):
     bx, by = dev.alloc(x.nbytes), dev.alloc(x.nbytes)
     dev.upload(bx, x)
     for wg in (32, 64, 128):
-        k = dev.kernel(AXPB, spec={"WG": wg})
+        k = dev.pipeline(AXPB, spec={"WG": wg})
         assert k.local_size == (wg, 1, 1)
         dev.dispatch(k, [bx, by], ((n + wg - 1) // wg, 1, 1), push={"n": n, "a": 2.0, "b": -1.0})
         np.testing.assert_allclose(dev.download(by, np.float32, n), 2 * x - 1, rtol=1e-6)
@@ -64,8 +64,8 @@ def test_dispatch_matches_numpy(dev):
 def test_dependent_chain_in_one_submit(dev):
     """50 dispatches, each reading what the one before wrote, recorded into one command buffer."""
     n = 4096
-    k_axpb = dev.kernel(AXPB, spec={"WG": 64})
-    k_add = dev.kernel(ADD_INPLACE)
+    k_axpb = dev.pipeline(AXPB, spec={"WG": 64})
+    k_add = dev.pipeline(ADD_INPLACE)
     x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
     a, b, acc = dev.alloc(x.nbytes), dev.alloc(x.nbytes), dev.alloc(x.nbytes)
     dev.upload(a, x)
@@ -85,7 +85,7 @@ def test_dependent_chain_in_one_submit(dev):
 
 
 def test_independent_dispatches_need_no_barrier(dev):
-    k = dev.kernel(AXPB, spec={"WG": 64})
+    k = dev.pipeline(AXPB, spec={"WG": 64})
     x = dev.alloc(256)
     outs = [dev.alloc(256) for _ in range(8)]
     dev.synchronize()
@@ -100,7 +100,7 @@ def test_independent_dispatches_need_no_barrier(dev):
 
 
 def test_push_constant_errors(dev):
-    k = dev.kernel(AXPB, spec={"WG": 64})
+    k = dev.pipeline(AXPB, spec={"WG": 64})
     a, b = dev.alloc(64), dev.alloc(64)
     with pytest.raises(KernelInterfaceError, match="missing"):
         dev.dispatch(k, [a, b], (1, 1, 1), {"n": 4})
@@ -116,18 +116,18 @@ def test_push_constant_limit(dev):
     fields = " ".join(f"uint f{i};" for i in range(dev.info.max_push_constants_size // 4 + 1))
     src = AXPB.replace("uint n; float a; float b;", "uint n; float a; float b; " + fields)
     with pytest.raises(KernelInterfaceError, match="push constants take"):
-        dev.kernel(src)
+        dev.pipeline(src)
 
 
 def test_dispatch_limits(dev):
-    k = dev.kernel(AXPB, spec={"WG": 64})
+    k = dev.pipeline(AXPB, spec={"WG": 64})
     a, b = dev.alloc(64), dev.alloc(64)
     with pytest.raises(KernelInterfaceError, match="workgroups"):
         dev.dispatch(k, [a, b], (dev.info.max_workgroup_count[0] + 1, 1, 1), (4, 1.0, 1.0))
     with pytest.raises(KernelInterfaceError, match="local size"):
-        dev.kernel(AXPB, spec={"WG": dev.info.max_workgroup_invocations * 2})
+        dev.pipeline(AXPB, spec={"WG": dev.info.max_workgroup_invocations * 2})
     with pytest.raises(KernelInterfaceError, match="not declared"):
-        dev.kernel(AXPB, spec={"NOPE": 1})
+        dev.pipeline(AXPB, spec={"NOPE": 1})
     released = dev.alloc(64)
     released.release()
     with pytest.raises(KernelInterfaceError, match="released"):
@@ -140,7 +140,7 @@ def test_views_bind_ranges(dev):
     big = dev.alloc(x.nbytes)
     out = dev.alloc(x.nbytes)
     dev.upload(big, x)
-    k = dev.kernel(AXPB, spec={"WG": 64})
+    k = dev.pipeline(AXPB, spec={"WG": 64})
     dev.dispatch(k, [big.view(n * 4, n * 4), out.view(0, n * 4)], (n // 64, 1, 1), (n, 1.0, 0.0))
     np.testing.assert_array_equal(dev.download(out, np.float32, n), x[n:])
     with pytest.raises(ValueError, match="outside"):
@@ -176,7 +176,7 @@ def test_profile_trace(tmp_path):
         "import numpy as np\n"
         "from vkgraph.runtime import get_device\n"
         f"src = {AXPB!r}\n"
-        "dev = get_device(); k = dev.kernel(src, spec={'WG': 64})\n"
+        "dev = get_device(); k = dev.pipeline(src, spec={'WG': 64})\n"
         "a, b = dev.alloc(4096), dev.alloc(4096)\n"
         "for _ in range(5): dev.dispatch(k, [a, b], (16, 1, 1), (1024, 1.0, 0.0))\n"
         "dev.synchronize()\n"
@@ -197,7 +197,7 @@ def test_binding_count_limit(dev):
     decls = "\n".join(f"layout(set = 0, binding = {i}) buffer B{i} {{ float b{i}[]; }};" for i in range(n))
     src = f"#version 450\nlayout(local_size_x = 1) in;\n{decls}\nvoid main() {{ b0[0] = 1.0; }}\n"
     with pytest.raises(KernelInterfaceError, match="storage buffers"):
-        dev.kernel(src)
+        dev.pipeline(src)
 
 
 def test_descriptor_cache_eviction_never_frees_the_set_being_bound(dev, monkeypatch):
@@ -205,7 +205,7 @@ def test_descriptor_cache_eviction_never_frees_the_set_being_bound(dev, monkeypa
     from vkgraph.runtime import descriptors
 
     monkeypatch.setattr(descriptors, "CAPACITY", 4)
-    k = dev.kernel(AXPB)
+    k = dev.pipeline(AXPB)
     n = 64
     x, y = dev.alloc(n * 4 * 16), dev.alloc(n * 4 * 16)
     dev.upload(x, np.arange(n * 16, dtype=np.float32))

@@ -24,7 +24,7 @@ def _spin_iters(dev, seconds: float) -> int:
     """Iterations of the spin kernel that take about `seconds` on this device."""
     import time
 
-    k = dev.kernel(SPIN)
+    k = dev.pipeline(SPIN)
     b = dev.alloc(64 * 64 * 4)
     iters = 1
     while True:
@@ -41,7 +41,7 @@ def _spin_iters(dev, seconds: float) -> int:
 
 def test_fence_timeout_raises_then_recovers(dev):
     iters = _spin_iters(dev, 1.5)
-    k = dev.kernel(SPIN)
+    k = dev.pipeline(SPIN)
     b = dev.alloc(64 * 64 * 4)
     dev.upload(b, np.zeros(64 * 64, np.float32))
     q = dev.queue
@@ -86,7 +86,7 @@ def test_device_lost_raises_and_a_new_device_works(point):
 
     d = Device()
     try:
-        k = d.kernel(AXPB)
+        k = d.pipeline(AXPB)
         a, b = d.alloc(256), d.alloc(256)
         d.dispatch(k, [a, b], (1, 1, 1), (64, 2.0))
         faults.inject(point)
@@ -105,7 +105,7 @@ def test_device_lost_raises_and_a_new_device_works(point):
         x = fresh.alloc(256)
         y = fresh.alloc(256)
         fresh.upload(x, np.arange(64, dtype=np.float32))
-        fresh.dispatch(fresh.kernel(AXPB), [x, y], (1, 1, 1), (64, 2.0))
+        fresh.dispatch(fresh.pipeline(AXPB), [x, y], (1, 1, 1), (64, 2.0))
         assert fresh.download(y, np.float32, 64)[10] == 20.0
     finally:
         fresh.close()
@@ -138,7 +138,7 @@ def test_reset_device_in_process():
         "from vkgraph.runtime import get_device, reset_device, DeviceLost, faults\n"
         f"src = {AXPB!r}\n"
         "d = get_device(); a = d.alloc(256); b = d.alloc(256)\n"
-        "d.dispatch(d.kernel(src), [a, b], (1, 1, 1), (64, 2.0))\n"
+        "d.dispatch(d.pipeline(src), [a, b], (1, 1, 1), (64, 2.0))\n"
         "faults.inject('wait')\n"
         "try:\n    d.download(b, np.float32, 16)\nexcept DeviceLost:\n    pass\n"
         "else:\n    raise SystemExit('no DeviceLost')\n"

@@ -26,7 +26,7 @@ def errors_of(work, *args_per_thread) -> list[BaseException]:
 
 
 def test_two_threads_dispatch_concurrently(dev):
-    k = dev.kernel(AXPB)
+    k = dev.pipeline(AXPB)
     n = 1024
 
     def work(seed: int) -> None:
@@ -49,7 +49,7 @@ def test_two_threads_dispatch_concurrently(dev):
 def test_work_from_another_thread_waits_for_a_capture_and_stays_out_of_it(dev):
     """While one thread captures, another thread's allocations, dispatches and copies wait for the capture to end
     (they ran into it before, or took memory the capture was to keep); its reads of finished results do not."""
-    k = dev.kernel(AXPB)
+    k = dev.pipeline(AXPB)
     a, b = dev.alloc(256), dev.alloc(256)
     ready = dev.alloc(256)
     dev.upload(a, np.arange(64, dtype=np.float32))
@@ -86,7 +86,7 @@ def test_work_from_another_thread_waits_for_a_capture_and_stays_out_of_it(dev):
 def test_a_thread_waiting_on_a_capture_that_never_ends_gets_capture_error(dev):
     from vkgraph.runtime import CaptureError
 
-    k = dev.kernel(AXPB)
+    k = dev.pipeline(AXPB)
     a, b = dev.alloc(256), dev.alloc(256)
     q = dev.queue
     saved = q.timeout_s

@@ -167,7 +167,7 @@ def add_k(x: Tensor, k: float) -> Tensor:
     n = x.numel()
 
     def run(dev, out, ins):
-        dev.dispatch(dev.kernel(ADD), [out, ins[0]], ((n + 63) // 64, 1, 1), (n, k))
+        dev.dispatch(dev.pipeline(ADD), [out, ins[0]], ((n + 63) // 64, 1, 1), (n, k))
 
     return custom(run, [x], x.shape, x.dtype, name="add_k")
 

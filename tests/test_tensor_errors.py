@@ -70,7 +70,7 @@ void main() { uint i = gl_GlobalInvocationID.x; if (i < pc.n) b[i] = a[i] + 1.0;
 
 
 def _add_one(dev, out, inputs):
-    k = dev.kernel(ADD_ONE, name="add_one")
+    k = dev.pipeline(ADD_ONE, name="add_one")
     n = out.size // 4
     dev.dispatch(k, [inputs[0], out], groups=((n + 63) // 64, 1, 1), push={"n": n})
 

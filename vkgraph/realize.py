@@ -372,7 +372,7 @@ def _execute(plan: Plan, refs: list[BufferRef], customs: list[Node], params: lis
                         ref.buf = dev.alloc(max(ref.nbytes, 4))
                 kern = compiled.get(src)
                 if kern is None:
-                    kern = dev.kernel(src, name=name)
+                    kern = dev.pipeline(src, name=name)
                     if kern.push_names != fields:  # the values are packed by position
                         raise AssertionError(f"{name}: push fields {fields} are declared as {kern.push_names}")
                     compiled.put(src, kern)

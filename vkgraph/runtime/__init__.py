@@ -15,10 +15,10 @@ from .errors import (
     VkgraphError,
 )
 from .memory import Buffer, BufferView, size_class
-from .pipeline import Kernel
+from .pipeline import Pipeline
 
 __all__ = [
     "Buffer", "BufferView", "CaptureError", "CommandGraph", "CompileError", "Device", "DeviceClosed", "DeviceError",
-    "DeviceInfo", "DeviceLost", "DeviceTimeout", "Kernel", "KernelInterfaceError", "LiveValue", "OutOfDeviceMemory",
+    "DeviceInfo", "DeviceLost", "DeviceTimeout", "KernelInterfaceError", "LiveValue", "OutOfDeviceMemory", "Pipeline",
     "UnsupportedFeature", "VkgraphError", "current_device", "get_device", "reset_device", "size_class",
 ]

@@ -46,7 +46,7 @@ class CaptureLog:
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()  # the capturing thread: work from others would be captured too
-        # ("dispatch", kernel, buffers, groups, push) or ("copy", src, src_offset, dst, dst_offset, nbytes)
+        # ("dispatch", pipe, buffers, groups, push) or ("copy", src, src_offset, dst, dst_offset, nbytes)
         self.entries: list[tuple] = []
         # the Buffer objects used: a graph keeps the live ones from returning to the pool while it exists
         self.keep: list[Any] = []
@@ -103,22 +103,22 @@ class CommandGraph:
         read: set[int] = set()
         for e in self.entries:
             if e[0] == "dispatch":
-                _, kernel, bufs, groups, push = e
+                _, pipe, bufs, groups, push = e
                 allocs = [b.alloc for b in bufs]
-                writes = kernel.writes
+                writes = pipe.writes
             else:
                 _, src, so, dst, do, n = e
                 allocs = [src.alloc, dst.alloc]
                 writes = (False, True)
             hazard = track_hazards(allocs, writes, written, read)
             if e[0] == "dispatch":
-                key = (kernel.layout_id, tuple(b.key for b in bufs))  # as Queue.dispatch keys it
+                key = (pipe.layout_id, tuple(b.key for b in bufs))  # as Queue.dispatch keys it
                 sets = q.descriptors
-                entry = sets.sets.get(key) or sets.create(kernel, list(bufs), allocs, key, q.completed)
+                entry = sets.sets.get(key) or sets.create(pipe, list(bufs), allocs, key, q.completed)
                 sets.pin(entry)  # never evicted while the graph lives
                 dynamic = any(isinstance(v, LiveValue) for v in _push_values(push))
-                self._prepared.append(("dispatch", hazard, kernel, entry, groups, push, dynamic,
-                                       kernel.pack_push(push) if kernel.push_names else b""))
+                self._prepared.append(("dispatch", hazard, pipe, entry, groups, push, dynamic,
+                                       pipe.pack_push(push) if pipe.push_names else b""))
             else:
                 region = ffi.new("VkBufferCopy*", {"srcOffset": src.offset + so, "dstOffset": dst.offset + do,
                                                    "size": n})
@@ -138,16 +138,16 @@ class CommandGraph:
             if p[1]:
                 lib.vkCmdPipelineBarrier(cmd, _STAGES, _STAGES, 0, 1, barrier, 0, NULL, 0, NULL)
             if p[0] == "dispatch":
-                _, _, kernel, entry, (gx, gy, gz), push, dynamic, data = p
+                _, _, pipe, entry, (gx, gy, gz), push, dynamic, data = p
                 ds = entry[0]
-                if bound is not kernel.pipeline:
-                    lib.vkCmdBindPipeline(cmd, _COMPUTE, kernel.pipeline)
-                    bound = kernel.pipeline
-                lib.vkCmdBindDescriptorSets(cmd, _COMPUTE, kernel.layout, 0, 1, ds, 0, NULL)
+                if bound is not pipe.handle:
+                    lib.vkCmdBindPipeline(cmd, _COMPUTE, pipe.handle)
+                    bound = pipe.handle
+                lib.vkCmdBindDescriptorSets(cmd, _COMPUTE, pipe.layout, 0, 1, ds, 0, NULL)
                 if dynamic:
-                    data = kernel.pack_push(push)
+                    data = pipe.pack_push(push)
                 if data:
-                    lib.vkCmdPushConstants(cmd, kernel.layout, _STAGE_COMPUTE, 0, len(data), data)
+                    lib.vkCmdPushConstants(cmd, pipe.layout, _STAGE_COMPUTE, 0, len(data), data)
                 lib.vkCmdDispatch(cmd, gx, gy, gz)
             else:
                 lib.vkCmdCopyBuffer(cmd, p[2], p[3], 1, p[4])

@@ -16,7 +16,7 @@ from .vk import NULL, Keep, check, ffi, lib, vk
 if TYPE_CHECKING:
     from .device import Device
     from .memory import Allocation
-    from .pipeline import Kernel
+    from .pipeline import Pipeline
 
 CAPACITY = 8192
 SETS_PER_POOL = 1024
@@ -31,9 +31,9 @@ class DescriptorSets:
         self.by_buffer: dict[int, set[tuple]] = {}  # VkBuffer handle -> keys of the sets naming it
         self.pools: list[Any] = []
 
-    def create(self, kernel: Kernel, buffers: list[Any], allocs: list[Allocation], key: tuple,
+    def create(self, pipe: Pipeline, buffers: list[Any], allocs: list[Allocation], key: tuple,
                completed: int) -> list:
-        """A new set for (kernel's layout, bound ranges), cached; `completed`: the last finished submission
+        """A new set for (the pipeline's layout, bound ranges), cached; `completed`: the last finished submission
         (sets whose last use it passed may be evicted to make room)."""
         info = self.device.info
         k = Keep()
@@ -41,15 +41,15 @@ class DescriptorSets:
         infos = k.new("VkDescriptorBufferInfo[]", max(n, 1))
         for i, (a, b) in enumerate(zip(allocs, buffers)):
             if b.offset % info.min_storage_offset_alignment:
-                raise KernelInterfaceError(f"kernel {kernel.name} binding {i}: offset {b.offset} is not a multiple "
+                raise KernelInterfaceError(f"kernel {pipe.name} binding {i}: offset {b.offset} is not a multiple "
                                            f"of minStorageBufferOffsetAlignment ({info.min_storage_offset_alignment})")
             rng = min(max(b.size, 4), a.capacity - b.offset)
             if rng > info.max_storage_buffer_range:
                 raise KernelInterfaceError(
-                    f"kernel {kernel.name} binding {i}: {b.size} bytes bound, over the device's "
+                    f"kernel {pipe.name} binding {i}: {b.size} bytes bound, over the device's "
                     f"maxStorageBufferRange ({info.max_storage_buffer_range}); bind it in views")
             infos[i].buffer, infos[i].offset, infos[i].range = a.buffer, b.offset, rng
-        pool, ds = self._allocate_set(kernel.set_layout)
+        pool, ds = self._allocate_set(pipe.set_layout)
         if n:
             writes = k.new("VkWriteDescriptorSet[]", n)
             for i in range(n):

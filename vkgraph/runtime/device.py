@@ -22,7 +22,7 @@ from ..flags import flag, warn_unknown
 from .compiler import Compiler
 from .errors import DeviceClosed, DeviceError, DeviceLost, UnsupportedFeature
 from .memory import Buffer, BufferView, MemoryManager
-from .pipeline import Kernel, PipelineManager
+from .pipeline import Pipeline, PipelineManager
 from .queue import Queue
 from .transfer import Transfers
 from .vk import NULL, Keep, check, ffi, lib, vk
@@ -157,12 +157,12 @@ _ARITH_FEATURE = {"float16": "float16", "int8": "int8", "uint8": "int8", "int16"
 
 class Device:
     """A Vulkan device and everything vkgraph keeps per device. The layers above use the facade (alloc,
-    upload, download, kernel, dispatch, flush, synchronize) and `info`; the parts are its units."""
+    upload, download, pipeline, dispatch, flush, synchronize) and `info`; the parts are its units."""
 
     info: DeviceInfo
     compiler: Compiler  # GLSL -> SPIR-V
     memory: MemoryManager  # allocations and the buffer pools
-    pipelines: PipelineManager  # compiled kernels
+    pipelines: PipelineManager  # compiled programs
     queue: Queue  # recording, hazards, submission
     transfers: Transfers  # host uploads and downloads
 
@@ -362,19 +362,19 @@ class Device:
             self.check_usable()
         return self.transfers.download(buf, dtype, shape, offset)
 
-    def kernel(self, source: str, *, spec: dict[str, Any] | None = None, defines: dict[str, Any] | None = None,
+    def pipeline(self, source: str, *, spec: dict[str, Any] | None = None, defines: dict[str, Any] | None = None,
                name: str | None = None, include_dirs: list[str | Path] | None = None,
-               subgroup_size: int | None = None) -> Kernel:
-        """A compiled, cached compute pipeline for GLSL `source` (see docs/runtime.md)."""
+               subgroup_size: int | None = None) -> Pipeline:
+        """GLSL `source` compiled for this device, cached (see docs/runtime.md)."""
         if self.lost or self.closed:
             self.check_usable()
-        return self.pipelines.kernel(source, spec=spec, defines=defines, name=name, include_dirs=include_dirs,
+        return self.pipelines.get(source, spec=spec, defines=defines, name=name, include_dirs=include_dirs,
                                      subgroup_size=subgroup_size)
 
-    def dispatch(self, kernel: Kernel, buffers: list[Buffer | BufferView], groups: tuple[int, ...] | int,
+    def dispatch(self, pipeline: Pipeline, buffers: list[Buffer | BufferView], groups: tuple[int, ...] | int,
                  push: dict[str, Any] | tuple | list | None = None) -> None:
         """Record one dispatch; barriers follow from which bindings the kernel writes."""
-        self.queue.dispatch(kernel, buffers, groups, push)
+        self.queue.dispatch(pipeline, buffers, groups, push)
 
     def flush(self) -> None:
         """Submit the recorded work without waiting."""

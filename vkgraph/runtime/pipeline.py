@@ -1,6 +1,7 @@
 """Compute pipelines: compiled, keyed by (SPIR-V hash, specialization constants), with a disk pipeline cache.
 
-A Kernel carries everything the queue needs on the hot path, prepared once: the pipeline and layout handles,
+A Pipeline (a kernel's program compiled for the device) carries everything the queue needs on the hot path,
+prepared once: the VkPipeline and layout handles,
 which bindings it writes, and the push-constant packer.
 """
 
@@ -32,16 +33,16 @@ PIPELINES = 1024
 SOURCES = 1024
 
 
-class Kernel:
-    """A compute pipeline ready to dispatch."""
+class Pipeline:
+    """A kernel's program compiled for the device, ready to dispatch: `handle` is the VkPipeline."""
 
     def __init__(self, name: str, iface: KernelInterface, spec: dict[str, Any], local_size: tuple[int, int, int],
-                 pipeline: Any, layout: Any, set_layout: Any, key: tuple) -> None:
+                 handle: Any, layout: Any, set_layout: Any, key: tuple) -> None:
         self.name = name
         self.interface = iface
         self.spec = spec
         self.local_size = local_size
-        self.pipeline = pipeline
+        self.handle = handle
         self.layout = layout
         self.set_layout = set_layout
         self.layout_id = int(ffi.cast("uintptr_t", set_layout))
@@ -80,7 +81,7 @@ class Kernel:
                                        f"do not fit types {self._push_types}: {e}") from e
 
     def __repr__(self) -> str:
-        return f"Kernel({self.name}, local_size={self.local_size}, bindings={self.num_bindings})"
+        return f"Pipeline({self.name}, local_size={self.local_size}, bindings={self.num_bindings})"
 
 
 def _dict_packer(names: tuple[str, ...], pack: Callable[..., bytes]) -> Callable[[dict], bytes]:
@@ -94,14 +95,14 @@ def _dict_packer(names: tuple[str, ...], pack: Callable[..., bytes]) -> Callable
 
 class PipelineManager:
     """The device's pipelines, bounded: the most recently used `PIPELINES` stay cached; an evicted one lives on
-    while anything (a cached schedule, a captured graph, a template's launcher) still holds its Kernel, is found
-    again by its key meanwhile, and is destroyed once its Kernel is gone and the GPU is past its last possible use.
+    while anything (a cached schedule, a captured graph, a template's launcher) still holds its Pipeline, is found
+    again by its key meanwhile, and is destroyed once its Pipeline is gone and the GPU is past its last possible use.
     """
 
     def __init__(self, device: Device) -> None:
         self.device = device
-        self.kernels: LRU[tuple, Kernel] = LRU("pipelines", PIPELINES)
-        self.live: weakref.WeakValueDictionary[tuple, Kernel] = weakref.WeakValueDictionary()
+        self.cached: LRU[tuple, Pipeline] = LRU("pipelines", PIPELINES)
+        self.live: weakref.WeakValueDictionary[tuple, Pipeline] = weakref.WeakValueDictionary()
         self.retired: list[tuple[Any, int]] = []  # (VkPipeline, queue sequence number it waits for)
         self.built = 0  # pipelines created
         # prepared sources, keyed by their GLSL text
@@ -133,8 +134,8 @@ class PipelineManager:
         return out[0]
 
     @critical  # a pipeline built but not yet in the books would leak; its locks (see interrupts.py)
-    def kernel(self, source: str, *, spec: dict[str, Any] | None, defines: dict[str, Any] | None, name: str | None,
-               include_dirs: list[Any] | None, subgroup_size: int | None) -> Kernel:
+    def get(self, source: str, *, spec: dict[str, Any] | None, defines: dict[str, Any] | None, name: str | None,
+               include_dirs: list[Any] | None, subgroup_size: int | None) -> Pipeline:
         if self.device.closed or self.device.lost:
             self.device.check_usable()
         spec = dict(spec or {})
@@ -160,7 +161,7 @@ class PipelineManager:
         with self.lock:
             if self.destroyed:  # the device closed while this thread compiled
                 self.device.check_usable()
-            k = self.kernels.get(key)
+            k = self.cached.get(key)
             if k is None:
                 k = self.live.get(key)  # evicted, but still held somewhere
                 if k is None:
@@ -168,9 +169,9 @@ class PipelineManager:
                     k = self._build(name or _guess_name(source), iface, spirv, spirv_hash, spec, subgroup_size, key)
                     self.live[key] = k
                     # not at interpreter exit: the device's close destroys what is still live then; the manager
-                    # weakly, so a Kernel kept in some cache does not keep a closed device alive
-                    weakref.finalize(k, _retire, weakref.ref(self), k.pipeline).atexit = False
-                self.kernels.put(key, k)
+                    # weakly, so a Pipeline kept in some cache does not keep a closed device alive
+                    weakref.finalize(k, _retire, weakref.ref(self), k.handle).atexit = False
+                self.cached.put(key, k)
         return k
 
     def sweep(self) -> None:
@@ -187,7 +188,7 @@ class PipelineManager:
         self.retired = keep
 
     def _build(self, name: str, iface: KernelInterface, spirv: bytes, spirv_hash: str, spec: dict[str, Any],
-               subgroup_size: int | None, key: tuple) -> Kernel:
+               subgroup_size: int | None, key: tuple) -> Pipeline:
         info = self.device.info
         if iface.push_size > info.max_push_constants_size:
             raise KernelInterfaceError(f"kernel {name}: push constants take {iface.push_size} bytes; the device "
@@ -253,7 +254,7 @@ class PipelineManager:
         finally:
             lib.vkDestroyShaderModule(dev, module, NULL)
         self.built += 1
-        return Kernel(name, iface, spec, (local[0], local[1], local[2]), out[0], layout, set_layout, key)
+        return Pipeline(name, iface, spec, (local[0], local[1], local[2]), out[0], layout, set_layout, key)
 
     def _layout(self, num_bindings: int, push_size: int) -> tuple[Any, Any]:
         key = (num_bindings, push_size)
@@ -309,14 +310,14 @@ class PipelineManager:
         self.save_cache()
         self.destroyed = True
         for k in list(self.live.values()):
-            lib.vkDestroyPipeline(dev, k.pipeline, NULL)
+            lib.vkDestroyPipeline(dev, k.handle, NULL)
         for pipeline, _ in self.retired:
             lib.vkDestroyPipeline(dev, pipeline, NULL)
         for sl, pl in self.layouts.values():
             lib.vkDestroyPipelineLayout(dev, pl, NULL)
             lib.vkDestroyDescriptorSetLayout(dev, sl, NULL)
         lib.vkDestroyPipelineCache(dev, self.pipeline_cache, NULL)
-        self.kernels.clear()
+        self.cached.clear()
         self.sources.clear()
         self.live.clear()
         self.retired = []
@@ -324,7 +325,7 @@ class PipelineManager:
 
 
 def _retire(manager: weakref.ref[PipelineManager], pipeline: Any) -> None:
-    """A Kernel died (no cache or holder keeps it): its pipeline waits for every submission numbered so far, the
+    """A Pipeline died (no cache or holder keeps it): its pipeline waits for every submission numbered so far, the
     command buffer being recorded included (a finalizer makes no Vulkan call; `PipelineManager.sweep` does)."""
     m = manager()
     if m is not None and not m.destroyed:

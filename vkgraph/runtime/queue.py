@@ -29,7 +29,7 @@ from .vk import NULL, Keep, check, check_wait, ffi, lib, vk
 
 if TYPE_CHECKING:
     from .device import Device
-    from .pipeline import Kernel
+    from .pipeline import Pipeline
 
 _COMPUTE = vk.VK_PIPELINE_BIND_POINT_COMPUTE
 _STAGE_COMPUTE = vk.VK_SHADER_STAGE_COMPUTE_BIT
@@ -130,10 +130,10 @@ class Queue:
             self._await_capture()
 
     @critical
-    def dispatch(self, kernel: Kernel, buffers: list[Any], groups: Any, push: Any = None) -> None:
+    def dispatch(self, pipe: Pipeline, buffers: list[Any], groups: Any, push: Any = None) -> None:
         # The hot path: one pass over the bindings, cached descriptor sets, raw cffi calls.
-        if len(buffers) != kernel.num_bindings:
-            raise KernelInterfaceError(f"kernel {kernel.name} declares {kernel.num_bindings} buffers, got "
+        if len(buffers) != pipe.num_bindings:
+            raise KernelInterfaceError(f"kernel {pipe.name} declares {pipe.num_bindings} buffers, got "
                                        f"{len(buffers)}")
         if type(groups) is tuple and len(groups) == 3:
             gx, gy, gz = groups
@@ -141,20 +141,20 @@ class Queue:
             gx, gy, gz = _groups(groups)
         limits = self.max_groups
         if gx > limits[0] or gy > limits[1] or gz > limits[2] or gx < 0 or gy < 0 or gz < 0:
-            raise KernelInterfaceError(f"kernel {kernel.name}: {gx, gy, gz} workgroups are outside the device's "
+            raise KernelInterfaceError(f"kernel {pipe.name}: {gx, gy, gz} workgroups are outside the device's "
                                        f"limit {limits}")
         if type(push) is tuple:
             try:
-                data = kernel.push_pack(*push)
+                data = pipe.push_pack(*push)
             except struct.error:
-                data = kernel.pack_push(push)  # raises with a message naming the fields
-        elif type(push) is dict and push and len(push) == len(kernel.push_names):
+                data = pipe.pack_push(push)  # raises with a message naming the fields
+        elif type(push) is dict and push and len(push) == len(pipe.push_names):
             try:
-                data = kernel.push_from_dict(push)
+                data = pipe.push_from_dict(push)
             except (KeyError, struct.error):
-                data = kernel.pack_push(push)  # raises with a message naming the fields
+                data = pipe.pack_push(push)  # raises with a message naming the fields
         else:
-            data = kernel.pack_push(push) if (push or kernel.push_names) else b""
+            data = pipe.pack_push(push) if (push or pipe.push_names) else b""
         if gx == 0 or gy == 0 or gz == 0:
             return
         with self.lock:
@@ -167,21 +167,21 @@ class Queue:
             allocs = []
             hazard = False
             try:
-                for b, w in zip(buffers, kernel.writes):
+                for b, w in zip(buffers, pipe.writes):
                     a = b.alloc
                     if a.freed:
-                        raise stale_buffer(f"kernel {kernel.name}", a)
+                        raise stale_buffer(f"kernel {pipe.name}", a)
                     allocs.append(a)
                     if a.handle in written or (w and a.handle in read):
                         hazard = True
-                key = (kernel.layout_id, tuple([b.key for b in buffers]))
+                key = (pipe.layout_id, tuple([b.key for b in buffers]))
             except AttributeError:
-                raise KernelInterfaceError(f"kernel {kernel.name}: buffers must be Buffer or BufferView, got "
+                raise KernelInterfaceError(f"kernel {pipe.name}: buffers must be Buffer or BufferView, got "
                                            f"{[type(b).__name__ for b in buffers]}") from None
             seq = rec.seq
             entry = self.descriptors.sets.get(key)
             if entry is None:
-                entry = self.descriptors.create(kernel, buffers, allocs, key, self.completed)
+                entry = self.descriptors.create(pipe, buffers, allocs, key, self.completed)
             entry[2] = seq
             cmd = rec.cmd
             if hazard:
@@ -189,23 +189,23 @@ class Queue:
                 written.clear()
                 read.clear()
                 self.stats["barriers"] += 1
-            for a, w in zip(allocs, kernel.writes):
+            for a, w in zip(allocs, pipe.writes):
                 (written if w else read).add(a.handle)
                 a.last_use = seq
-            if self.bound_pipeline is not kernel.pipeline:
-                lib.vkCmdBindPipeline(cmd, _COMPUTE, kernel.pipeline)
-                self.bound_pipeline = kernel.pipeline
-            lib.vkCmdBindDescriptorSets(cmd, _COMPUTE, kernel.layout, 0, 1, entry[0], 0, NULL)
+            if self.bound_pipeline is not pipe.handle:
+                lib.vkCmdBindPipeline(cmd, _COMPUTE, pipe.handle)
+                self.bound_pipeline = pipe.handle
+            lib.vkCmdBindDescriptorSets(cmd, _COMPUTE, pipe.layout, 0, 1, entry[0], 0, NULL)
             if data:
-                lib.vkCmdPushConstants(cmd, kernel.layout, _STAGE_COMPUTE, 0, len(data), data)
+                lib.vkCmdPushConstants(cmd, pipe.layout, _STAGE_COMPUTE, 0, len(data), data)
             if self.profiler is not None:
-                self.profiler.before(rec, kernel.name)
+                self.profiler.before(rec, pipe.name)
             lib.vkCmdDispatch(cmd, gx, gy, gz)
             if self.profiler is not None:
                 self.profiler.after(rec)
             if self.capture is not None:
                 self.capture.keep += buffers
-                self.capture.entries.append(("dispatch", kernel, tuple(
+                self.capture.entries.append(("dispatch", pipe, tuple(
                     BoundRange(a, b.offset, b.size) for a, b in zip(allocs, buffers)), (gx, gy, gz), push))
             rec.dispatches += 1
             self.dispatch_count += 1

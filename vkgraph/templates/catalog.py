@@ -15,7 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ..runtime import Device, Kernel
+from ..runtime import Device, Pipeline
 from ..runtime.interface import KernelInterface, expand_includes, parse_interface
 
 # the GLSL sources and their shared includes (`#include "common.glsl"` resolves here)
@@ -63,13 +63,13 @@ def get(name: str) -> Template:
 
 
 def compile(dev: Device, name: str, *, spec: dict[str, Any] | None = None,
-            defines: dict[str, Any] | None = None) -> Kernel:
+            defines: dict[str, Any] | None = None) -> Pipeline:
     """The template compiled for `dev` (cached by the runtime on source, defines and spec)."""
-    return dev.kernel(get(name).source, spec=spec, defines=defines, name=name, include_dirs=[GLSL_DIR])
+    return dev.pipeline(get(name).source, spec=spec, defines=defines, name=name, include_dirs=[GLSL_DIR])
 
 
-def dispatch(dev: Device, kernel: Kernel, buffers: list[Any], groups: tuple[int, int, int],
+def dispatch(dev: Device, pipeline: Pipeline, buffers: list[Any], groups: tuple[int, int, int],
              push: dict[str, Any] | None = None) -> None:
     """Record a dispatch of a compiled template, counting it under the template's name."""
-    dev.dispatch(kernel, buffers, groups, push=push)
-    DISPATCHES[kernel.name] += 1
+    dev.dispatch(pipeline, buffers, groups, push=push)
+    DISPATCHES[pipeline.name] += 1

@@ -43,7 +43,7 @@ class DeviceWeights:
     w_stride: int  # uvec4 words per row of body
     s_stride: int  # float16 scales per row
     # compiled templates by launch variant (see _kernel): one lookup per call instead of the runtime's
-    kernels: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    pipelines: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -177,7 +177,7 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             has_bias: bool = False, has_residual: bool = False, expert_ids: bool = False) -> Any:
     """The format's template compiled for this launch variant, cached on `weights`."""
     key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids)
-    kern = weights.kernels.get(key)
+    kern = weights.pipelines.get(key)
     if kern is None:
         defines = {}
         if cfg.int_dot:
@@ -191,7 +191,7 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             defines["W_BF16"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
                 "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
-        kern = weights.kernels[key] = catalog.compile(dev, TEMPLATE[weights.format.name], spec=spec,
+        kern = weights.pipelines[key] = catalog.compile(dev, TEMPLATE[weights.format.name], spec=spec,
                                                       defines=defines)
     return kern
 
