@@ -38,9 +38,9 @@ ALLOWED: dict[str, set[str]] = {
     "info": {"runtime"},
     "vkgraph": {"caches", "dtype", "graph", "jit", "runtime", "tensor"},
 }
-# modules that are part of another unit (autograd is the Tensor API's gradient half, tensor_math its math
-# functions; each imports the other)
-PART_OF = {"autograd": "tensor", "tensor_math": "tensor"}
+# modules that are part of another unit: the Tensor API's gradient half (autograd), its math functions, its
+# advanced indexing and einsum (each imports tensor, tensor imports most of them)
+PART_OF = {"autograd": "tensor", "tensor_math": "tensor", "tensor_index": "tensor", "einsum": "tensor"}
 
 
 def _module_name(path: Path) -> str:
