@@ -35,6 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     # model code speaks Tensors: templates enter as graph ops (nn/template_ops.py); no runtime, no buffers
     "nn": {"jit", "tensor", "realize", "templates", "quant", "dtype", "view"},
     "generate": {"nn", "runtime"},
+    "serve": {"nn"},  # the HTTP server over the engine
     "info": {"runtime"},
     "vkgraph": {"caches", "dtype", "graph", "jit", "runtime", "tensor"},
 }

@@ -37,6 +37,7 @@ class Request:
     finished: str | None = None  # "stop", "length", "abort" or "error" once done
     cached_prompt_tokens: int = 0
     text_cut: bool = False  # a stop string ended the text
+    sent: int = 0  # characters of text streamed out so far
     preemptions: int = 0  # times its KV blocks were taken back and its tokens recomputed later
     error: str | None = None  # why it finished with "error"
 
@@ -64,6 +65,7 @@ class _Mark:
     text: str
     finished: str | None
     text_cut: bool
+    sent: int
     preemptions: int
     decoder: tuple[IncrementalDecoder, tuple[int, int, int]] | None
 
@@ -310,28 +312,26 @@ class Engine:
         """Record a sampled token. Its KV slot is reserved at the start of the next step (`_reserve_running`)."""
         req.output.append(token)
         self.stats["decode_tokens"] += 1
-        piece = ""
         dec = None
         if self.tokenizer is not None:
             dec = self.decoders.get(req.id)
             if dec is None:
                 dec = self.decoders[req.id] = self.tokenizer.stream()
-            piece = dec.push(token)
-            req.text += piece
+            req.text += dec.push(token)
         if token in req.stop_ids:
             req.finished = "stop"
         elif any(s in req.text for s in req.stop_strings):
             req.finished = "stop"
-            cut = min(req.text.find(s) for s in req.stop_strings if s in req.text)
-            piece = piece[:max(0, len(piece) - (len(req.text) - cut))]
-            req.text = req.text[:cut]
+            req.text = req.text[:min(req.text.find(s) for s in req.stop_strings if s in req.text)]
             req.text_cut = True
         elif len(req.output) >= req.max_tokens:
             req.finished = "length"
         if req.finished in ("stop", "length") and dec is not None and not req.text_cut:
-            rest = dec.flush()
-            piece += rest
-            req.text += rest
+            req.text += dec.flush()
+        # text that may begin a stop string is held back until the next tokens show whether it does
+        end = len(req.text) if req.finished else len(req.text) - _stop_prefix(req.text, req.stop_strings)
+        piece = req.text[req.sent:end]
+        req.sent = max(req.sent, end)
         if req.finished:
             self.running.remove(req)
             self.kv.free_sequence(req.id)
@@ -349,7 +349,7 @@ class Engine:
     # ---- rolling a failed step back -----------------------------------------------------------------------------
     def _mark(self, req: Request) -> _Mark:
         dec = self.decoders.get(req.id)
-        return _Mark(req, len(req.output), req.text, req.finished, req.text_cut, req.preemptions,
+        return _Mark(req, len(req.output), req.text, req.finished, req.text_cut, req.sent, req.preemptions,
                      None if dec is None else (dec, dec.mark()))
 
     def _roll_back(self, before: _Before, exc: BaseException) -> None:
@@ -358,7 +358,8 @@ class Engine:
         for m in self._marks:
             r = m.req
             del r.output[m.n_output:]
-            r.text, r.finished, r.text_cut, r.preemptions = m.text, m.finished, m.text_cut, m.preemptions
+            r.text, r.finished, r.text_cut, r.sent = m.text, m.finished, m.text_cut, m.sent
+            r.preemptions = m.preemptions
             if m.decoder is None:
                 self.decoders.pop(r.id, None)
             else:  # a request that finished in the step had its decoder dropped: bring it back
@@ -392,6 +393,12 @@ class Engine:
                 raise ValueError("a text prompt needs a tokenizer")
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
+
+
+def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins some stop string (without being all of it)."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
 
 
 def _pow2(n: int) -> int:

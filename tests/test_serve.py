@@ -1,0 +1,240 @@
+"""The OpenAI-compatible server: the real process on a free loopback port, driven by the official `openai`
+client (streaming and not) and by raw HTTP for malformed bodies, backpressure, disconnects and shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from vkgraph.nn import tiny_model as mk  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MAX_PENDING = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen([sys.executable, "-m", "vkgraph.serve", "--model", str(model), "--port",
+                                     str(self.port), "--served-model-name", "tiny", "--log-level", "warning", *args],
+                                    env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("server did not start")
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def stop(self) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return self.proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = mk.write_model(tmp_path_factory.mktemp("serve"), mk.tiny_config(n_layers=1), gguf_types=())["hf"]
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE,
+                                                         "bos_token": "<|begin_of_text|>"}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = Server(model_dir, "--max-pending", str(MAX_PENDING), "--num-blocks", "64", "--max-context", "256")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def complete(client, prompt, **kw):
+    kw = {"max_tokens": 12, "temperature": 0} | kw
+    return client.completions.create(model="tiny", prompt=prompt, **kw)
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vkgraph_requests_total", "vkgraph_prompt_tokens_total", "vkgraph_generation_tokens_total",
+                 "vkgraph_time_to_first_token_seconds", "vkgraph_inter_token_latency_seconds",
+                 "vkgraph_requests_waiting", "vkgraph_kv_blocks_used", "vkgraph_prefix_cache_hit_rate"):
+        assert name in text, name
+
+
+def test_completion_streamed_and_not(server, client):
+    full = complete(client, "Hello world")
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens == len(mk.build_tokenizer(300).encode("Hello world").ids)
+    chunks = list(complete(client, "Hello world", stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_concurrent_greedy_requests_equal_each_alone(client):
+    prompts = ["Hello world", "The lazy dog", "one two three", "Vulkan compute"]
+    alone = [complete(client, p).choices[0].text for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: complete(client, p).choices[0].text, prompts))
+    assert together == alone
+
+
+def test_n_choices_stop_and_token_prompts(client):
+    out = complete(client, [5, 17, 42], n=2)
+    assert [c.index for c in out.choices] == [0, 1] and out.choices[0].text == out.choices[1].text
+    text = complete(client, "Hello world", max_tokens=20).choices[0].text
+    if len(text) >= 4:
+        stop = text[2:4]
+        cut = complete(client, "Hello world", max_tokens=20, stop=[stop]).choices[0]
+        assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+
+
+def test_chat_completion_uses_the_chat_template(client):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    prompt = "<|begin_of_text|><|system|>Be brief.\n<|user|>Hello\n<|assistant|>"
+    want = complete(client, mk.build_tokenizer(300).encode(prompt, add_special_tokens=False).ids, max_tokens=8)
+    assert full.choices[0].message.content == want.choices[0].text
+    assert full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want.choices[0].text
+
+
+def test_sampling_parameters(client):
+    greedy = complete(client, "Hello", max_tokens=8).choices[0].text
+    top1 = complete(client, "Hello", temperature=1.5, max_tokens=8, extra_body={"top_k": 1}).choices[0].text
+    assert top1 == greedy  # top_k 1 leaves only the argmax, whatever the temperature
+    tiny_p = complete(client, "Hello", temperature=1.5, top_p=1e-6, max_tokens=8).choices[0].text
+    assert tiny_p == greedy  # as does a top_p below the largest probability
+    sampled = {complete(client, "Hello", temperature=1.5, max_tokens=8,
+                        extra_body={"min_p": 0.0}).choices[0].text for _ in range(3)}
+    assert sampled != {greedy}
+    with pytest.raises(openai.BadRequestError):
+        complete(client, "Hello", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        complete(client, "Hello", logprobs=2)
+
+
+def test_errors_in_openai_shape(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, [5] * 250, max_tokens=20)
+    assert e.value.body["code"] == "context_length_exceeded"
+    for body, param in ((b"{not json", None), (b'{"model": "tiny"}', "prompt"),
+                        (b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', "max_tokens"),
+                        (b'{"model": "tiny", "prompt": []}', "prompt"),
+                        (b'{"model": "tiny", "messages": []}', "messages")):
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, body
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"]
+        if param:
+            assert param in (err["param"] or err["message"]), (body, err)
+
+
+def _blocks_back(server, timeout=20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.metric("vkgraph_kv_blocks_used") == 0 and server.metric("vkgraph_requests_in_flight") == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_client_that_disconnects_frees_its_blocks(server):
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert any(line.startswith("data: ") for line in got)
+        assert server.metric("vkgraph_kv_blocks_used") > 0
+    assert _blocks_back(server)
+
+
+def test_a_full_queue_answers_429(server, client):
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "temperature": 0}
+    codes: list[int] = []
+    start = threading.Barrier(MAX_PENDING + 6)
+
+    def post() -> None:
+        with httpx.Client(timeout=120) as c:
+            c.get(server.url + "/health")  # connected before the race
+            start.wait()
+            codes.append(c.post(server.url + "/v1/completions", json=body).status_code)
+
+    threads = [threading.Thread(target=post) for _ in range(MAX_PENDING + 6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes.count(200) >= MAX_PENDING and 429 in codes and set(codes) <= {200, 429}
+    assert _blocks_back(server)
+
+
+def test_graceful_shutdown_finishes_requests_in_flight(model_dir):
+    s = Server(model_dir, "--num-blocks", "32", "--max-context", "256")
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 80, "temperature": 0}
+    result: dict = {}
+
+    def post() -> None:
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+        result["status"], result["json"] = r.status_code, r.json()
+
+    t = threading.Thread(target=post)
+    t.start()
+    deadline = time.monotonic() + 30
+    while s.metric("vkgraph_generation_tokens_total") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rc, out = s.stop()
+    t.join(60)
+    assert result["status"] == 200 and result["json"]["usage"]["completion_tokens"] == 80, result
+    assert rc in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal once it has shut down cleanly
+    assert "Traceback" not in out, out

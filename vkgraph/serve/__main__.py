@@ -1,0 +1,70 @@
+"""`python -m vkgraph.serve --model PATH [--host 127.0.0.1 --port 8000 --max-batch 32 ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+BLOCK_SIZE = 16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m vkgraph.serve", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", required=True, help="a .gguf file or a Hugging Face model directory")
+    ap.add_argument("--served-model-name", help="the name clients pass as `model` (default: the path's name)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--max-batch", type=int, default=32, help="requests decoded together")
+    ap.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
+    ap.add_argument("--num-blocks", type=int, default=512, help=f"KV cache blocks of {BLOCK_SIZE} tokens")
+    ap.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's, "
+                                                                  "bounded by the KV cache)")
+    ap.add_argument("--quantize", choices=["Q8_0", "Q4_0"], help="quantize float weights on load")
+    ap.add_argument("--kv-dtype", choices=["f16", "f32"], default="f16")
+    ap.add_argument("--seed", type=int, default=0, help="seeds all sampling")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests may run on after a shutdown signal before they are cancelled")
+    ap.add_argument("--log-level", default="info")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    import uvicorn
+
+    from ..nn.chat import ChatTemplate, NoChatTemplateError
+    from ..nn.engine import Engine
+    from ..nn.llama import LlamaModel
+    from ..nn.tokenizer import Tokenizer
+    from ..nn.weights import load_weights
+    from .app import ServerState, create_app
+    from .async_engine import AsyncEngine
+    from .metrics import Metrics
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    tokenizer = Tokenizer.load(a.model)
+    weights = load_weights(a.model, quantize=a.quantize, progress=sys.stderr.isatty())
+    max_ctx = a.max_context or weights.config.max_seq_len
+    model = LlamaModel(weights, num_blocks=a.num_blocks, block_size=BLOCK_SIZE, kv_dtype=a.kv_dtype,
+                       max_blocks_per_seq=-(-max_ctx // BLOCK_SIZE))
+    metrics = Metrics()
+    engine = AsyncEngine(Engine(model, tokenizer, max_batch=a.max_batch, seed=a.seed,
+                                prefix_caching=not a.no_prefix_caching),
+                         max_pending=a.max_pending, on_step=metrics.on_step)
+    try:
+        template: ChatTemplate | None = ChatTemplate.load(a.model, tokenizer)
+    except NoChatTemplateError:
+        template = None  # /v1/chat/completions then answers 400
+    state = ServerState(engine, tokenizer, a.served_model_name or Path(a.model).name, model.max_context, metrics,
+                        template, a.shutdown_timeout)
+    uvicorn.run(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
+                timeout_graceful_shutdown=a.shutdown_timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
