@@ -287,3 +287,14 @@ def test_llama3_8b_shape_streams_with_bounded_memory(tmp_path):
     assert w.config == dataclasses.replace(cfg, rope_scaling=None, rope_freq_factors=w.config.rope_freq_factors)
     assert w.embed.shape == (128256, 4096) and w.layers[0].w_down.shape == (4096, 14336)
     np.testing.assert_allclose(w.config.rope_inv_freq(), cfg.rope_inv_freq(), rtol=1e-6)
+
+
+def test_sliding_window_bounds_the_context(dense):
+    """Mistral 7B v0.1's window (4096 of 32768 positions) caps the context, where attention without a window is
+    exact; Qwen2's unused window and a window as long as the context change nothing."""
+    base = json.loads((dense["hf"] / "config.json").read_text()) | {"max_position_embeddings": 32768}
+    assert ModelConfig.from_hf(base | {"model_type": "mistral", "sliding_window": 4096}).max_seq_len == 4096
+    assert ModelConfig.from_hf(base | {"model_type": "mistral", "sliding_window": None}).max_seq_len == 32768
+    qwen = base | {"model_type": "qwen2", "sliding_window": 4096}
+    assert ModelConfig.from_hf(qwen | {"use_sliding_window": False}).max_seq_len == 32768
+    assert ModelConfig.from_hf(qwen | {"use_sliding_window": True}).max_seq_len == 4096

@@ -142,6 +142,14 @@ class ModelConfig:
                                        f"{n_heads} (and no head_dim is given)")
             head_dim = dim // n_heads
         n_experts = f.int("num_local_experts", 0, lo=0)
+        max_seq_len = f.int("max_position_embeddings", 2048)
+        # Mistral 7B v0.1 attends over a sliding window of 4096; the attention here has none for these models, so
+        # the context stops at the window, within which the two agree exactly (Qwen2 names a window it does not
+        # use unless use_sliding_window)
+        window = hf.get("sliding_window")
+        if (isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_seq_len
+                and (model_type != "qwen2" or hf.get("use_sliding_window") is True)):
+            max_seq_len = window
         return cls(
             arch=HF_ARCHS[model_type],
             vocab_size=f.int("vocab_size"),
@@ -154,7 +162,7 @@ class ModelConfig:
             norm_eps=f.float("rms_norm_eps", 1e-5, lo=0.0, hi=1.0),
             rope_theta=f.float("rope_theta", 10000.0, lo=1.0),
             rope_scaling=_hf_rope_scaling(hf.get("rope_scaling")),
-            max_seq_len=f.int("max_position_embeddings", 2048),
+            max_seq_len=max_seq_len,
             tie_embeddings=f.bool("tie_word_embeddings", False),
             attn_bias=model_type == "qwen2" or f.bool("attention_bias", False),
             n_experts=n_experts,
