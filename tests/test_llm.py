@@ -325,3 +325,29 @@ def test_quantized_moe_runs_only_the_chosen_experts(n_experts):
 def test_quantized_moe_model_groups_its_experts(models):
     _, model = build(models["moe-Q8_0"])
     assert all(layer.ffn.gate_up is not None for layer in model.layers)
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q3_K_L"])
+def test_mixed_quantization_files_match_reference(tmp_path, mix):
+    """Files whose tensors differ in type (llama.cpp's mixes: v, down and output projections in a wider type, a
+    tied or separate output) load as stored and run against the reference."""
+    cfg = tiny_model.tiny_config(dim=256, ffn_dim=256, n_heads=4, n_kv_heads=2, head_dim=64, n_layers=2)
+    path = tiny_model.write_model(tmp_path, cfg, gguf_types=(mix,), safetensors=False)[mix]
+    w, model = build(path)
+    base, overrides = tiny_model.MIXES[mix]
+    assert w.layers[0].wq.format.name == base and w.layers[1].w_down.format.name == overrides["ffn_down.weight"]
+    assert w.lm_head.format.name == overrides["output.weight"] and w.embed.format.name == base
+    ref = ReferenceLlama(w)
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11, 9, 33]
+    cache = RefCache()
+    want = ref.forward(prompt, cache)
+    n = len(prompt)
+    step = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
+                      cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
+    assert nerr(model(Tensor(np.array(prompt, np.int32)), step).numpy(), want) < 5e-4
+    tok = int(np.argmax(want[-1]))
+    want = ref.forward([tok], cache)
+    step = StepInputs(Tensor(np.array([n], np.int32)), Tensor(np.array([n], np.int32)),
+                      block_tables=Tensor(np.arange(6, dtype=np.int32)[None]),
+                      context_lens=Tensor(np.array([n + 1], np.int32)))
+    assert nerr(model(Tensor(np.array([tok], np.int32)), step).numpy(), want) < 5e-4

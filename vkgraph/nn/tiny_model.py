@@ -199,10 +199,18 @@ def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str,
     return pieces[0] if len(parts) == 1 else np.stack(pieces)
 
 
+# llama.cpp's usual mixes, simplified: a base type, and the tensors (by GGUF name suffix) it keeps in another
+MIXES = {"Q4_K_M": ("Q4_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
+         "Q5_K_M": ("Q5_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
+         "Q3_K_L": ("Q3_K", {"attn_v.weight": "Q5_K", "attn_output.weight": "Q5_K", "ffn_down.weight": "Q5_K",
+                             "output.weight": "Q6_K"})}
+
+
 def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, progress: bool = False,
                random_quants: bool = False) -> None:
     """Stream a GGUF file: all tensor infos first, then each tensor generated, quantized and written in turn.
-    random_quants: quantized matrices are random blocks rather than quantized random floats (benchmarks)."""
+    qtype is a GGUF type or one of MIXES. random_quants: quantized matrices are random blocks rather than
+    quantized random floats (benchmarks)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
     from tqdm import tqdm
 
@@ -244,7 +252,9 @@ def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, prog
     for name, (shape, kind) in expected_tensors(cfg).items():
         gname, _ = gguf_name(name)
         is_matrix = kind == MATRIX or name == "model.embed_tokens.weight"
-        plan.setdefault(gname, ([], qtype if is_matrix else "F32"))[0].append((name, shape))
+        base, overrides = MIXES.get(qtype, (qtype, {}))
+        t = next((o for suffix, o in overrides.items() if gname.endswith(suffix)), base)
+        plan.setdefault(gname, ([], t if is_matrix else "F32"))[0].append((name, shape))
     extra = {}
     if cfg.rope_scaling is not None and cfg.rope_scaling.type == "llama3":  # as llama.cpp's converter stores it
         inv = 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)
