@@ -298,3 +298,26 @@ def test_sliding_window_bounds_the_context(dense):
     qwen = base | {"model_type": "qwen2", "sliding_window": 4096}
     assert ModelConfig.from_hf(qwen | {"use_sliding_window": False}).max_seq_len == 32768
     assert ModelConfig.from_hf(qwen | {"use_sliding_window": True}).max_seq_len == 4096
+
+
+def test_phi3_fused_tensors_load_as_projections(tmp_path):
+    """Phi-3 (HF qkv_proj/gate_up_proj, GGUF attn_qkv/ffn_up) loads to the same per-projection weights as the
+    generator's, float and quantized; a Phi-4-style partial rotary factor is refused by name."""
+    cfg = mk.tiny_config(arch="phi3")
+    paths = mk.write_model(tmp_path, cfg, seed=SEED, gguf_types=("F32", "Q8_0"))
+    hf = json.loads((paths["hf"] / "config.json").read_text())
+    assert hf["model_type"] == "phi3" and "model.layers.0.self_attn.qkv_proj.weight" in _st_names(paths["hf"])
+    for key, tol in (("hf", 0.0), ("F32", 0.0), ("Q8_0", TYPE_TOL["Q8_0"])):
+        w = load_weights(paths[key], progress=False)
+        assert w.config.arch == "phi3"
+        assert_matches_generator(w, tol)
+    (tmp_path / "config.json").write_text(json.dumps(hf | {"partial_rotary_factor": 0.75}))
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
+        load_weights(paths["hf"], progress=False)
+
+
+def _st_names(d):
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), "np") as f:
+        return set(f.keys())

@@ -25,8 +25,8 @@ class UnsupportedModelError(ModelFormatError):
 
 
 # Hugging Face model_type -> our architecture name (Mistral and Mixtral are Llama-shaped; GGUF calls them "llama")
-HF_ARCHS = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2"}
-GGUF_ARCHS = ("llama", "qwen2")
+HF_ARCHS = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "phi3": "phi3"}
+GGUF_ARCHS = ("llama", "qwen2", "phi3")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" (also Mistral, Mixtral) or "qwen2"
+    arch: str  # "llama" (also Mistral, Mixtral), "qwen2" or "phi3" (Llama's blocks with fused qkv and gate/up)
     vocab_size: int
     dim: int
     n_layers: int
@@ -133,6 +133,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"model_type {model_type!r:.60} is not supported "
                                         f"(supported: {sorted(HF_ARCHS)})")
         f = _Fields(hf.get, "config.json: ")
+        if hf.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini's model_type is phi3 too
+            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor "
+                                        f"{hf['partial_rotary_factor']!r:.20}) are not supported")
         n_heads = f.int("num_attention_heads")
         dim = f.int("hidden_size")
         head_dim = f.int("head_dim", None)
@@ -173,7 +176,8 @@ class ModelConfig:
         """A config.json dict that `from_hf` reads back to this config (GGUF-only fields excepted)."""
         hf: dict[str, Any] = {
             "architectures": ["MixtralForCausalLM" if self.is_moe else
-                              "Qwen2ForCausalLM" if self.arch == "qwen2" else "LlamaForCausalLM"],
+                              {"qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM"}.get(self.arch,
+                                                                                          "LlamaForCausalLM")],
             "model_type": "mixtral" if self.is_moe else self.arch,
             "vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
             "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
@@ -221,8 +225,15 @@ class ModelConfig:
         if freqs is not None and (freqs.tensor_type.name != "F32" or freqs.n_elements != head_dim // 2):
             raise ModelFormatError(f"GGUF rope_freqs.weight: {freqs.n_elements} {freqs.tensor_type.name} values, "
                                    f"want {head_dim // 2} F32 (head_dim {head_dim} / 2)")
+        if "rope_factors_long.weight" in tensors:
+            raise UnsupportedModelError("long-context RoPE factors (Phi-3's rope_factors_long/short, 'longrope') "
+                                        "are not supported")
         n_experts = f.int("expert_count", 0, lo=0)
         ffn = f.int("expert_feed_forward_length", None) if n_experts else None
+        max_seq_len = f.int("context_length", 2048)
+        window = f.int("attention.sliding_window", None)  # as from_hf: the window bounds the context
+        if window is not None and 0 < window < max_seq_len:
+            max_seq_len = window
         return cls(
             arch=arch,
             vocab_size=f.int("vocab_size", int(embd.shape[1])),
@@ -236,7 +247,7 @@ class ModelConfig:
             rope_theta=_f32(f.float("rope.freq_base", 10000.0, lo=1.0)),
             rope_scaling=scaling,
             rope_freq_factors=None if freqs is None else tuple(float(x) for x in np.asarray(freqs.data).ravel()),
-            max_seq_len=f.int("context_length", 2048),
+            max_seq_len=max_seq_len,
             tie_embeddings="output.weight" not in tensors,
             attn_bias="blk.0.attn_q.bias" in tensors,
             n_experts=n_experts,

@@ -1,4 +1,4 @@
-"""A Llama-family model (Llama 1-3, Mistral, Mixtral, Qwen2) written with vkgraph's layers.
+"""A Llama-family model (Llama 1-3, Mistral, Mixtral, Qwen2, Phi-3) written with vkgraph's layers.
 
     weights = load_weights("model.gguf")
     model = LlamaModel(weights, num_blocks=256)

@@ -7,9 +7,10 @@
 
 OUT_DIR receives config.json, tokenizer.json, model.safetensors (Hugging Face Llama names; Mixtral names with
 --experts) and model-<type>.gguf per requested type (llama.cpp's "llama" architecture with q/k rows permuted as
-its converter does, or "qwen2" with --qwen2; byte-level BPE vocabulary embedded). Everything is deterministic
-in --seed: each tensor's values come from its own generator, seeded by (seed, tensor name, chunk), so the
-safetensors and GGUF copies hold the same weights and large tensors are generated and written one chunk at a time.
+its converter does, "qwen2" with --qwen2, or "phi3" and its fused tensors with --phi3; byte-level BPE vocabulary
+embedded; a type may be one of MIXES, such as Q4_K_M). Everything is deterministic in --seed: each tensor's
+values come from its own generator, seeded by (seed, tensor name, chunk), so the safetensors and GGUF copies hold
+the same weights and large tensors are generated and written one chunk at a time.
 
 The tokenizer is a byte-level BPE trained on a fixed built-in text (special tokens <|begin_of_text|>,
 <|end_of_text|>, <|eot_id|> first), padded with reserved special tokens up to the model's vocabulary size.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +148,13 @@ def write_hf(out: Path, cfg: ModelConfig, seed: int, tok) -> None:
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2))
     tensors = {name: tensor(seed, name, shape) for name, (shape, _) in expected_tensors(cfg).items()}
+    if cfg.arch == "phi3":  # Phi-3's fused q/k/v and gate/up, rows in that order
+        for i in range(cfg.n_layers):
+            p = f"model.layers.{i}."
+            for fused, names in (("self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj")),
+                                 ("mlp.gate_up_proj.weight", ("gate_proj", "up_proj"))):
+                prefix = fused.split(".")[0] + "."
+                tensors[p + fused] = np.concatenate([tensors.pop(p + prefix + n + ".weight") for n in names])
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -186,7 +195,7 @@ def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str,
     """One GGUF tensor (experts stacked on a leading axis), permuted and quantized as llama.cpp stores it.
     Encoded chunk by chunk, so only the encoded tensor and one float chunk are in memory at once."""
     if random_quants and qtype in quant.FORMATS and quant.FORMATS[qtype].block_size > 1:
-        shape = parts[0][1] if len(parts) == 1 else (len(parts), *parts[0][1])
+        shape = parts[0][1] if len(parts) == 1 else _joined_shape(parts)
         return _random_blocks(seed, gname, shape, qtype)
     pieces = []
     for hf_name, shape in parts:
@@ -196,7 +205,9 @@ def _gguf_tensor(seed: int, cfg: ModelConfig, gname: str, parts: list[tuple[str,
         else:
             chunks = tensor_chunks(seed, hf_name, shape)
         pieces.append(np.concatenate([_encode(c, qtype) for c in chunks]))
-    return pieces[0] if len(parts) == 1 else np.stack(pieces)
+    if len(parts) == 1:
+        return pieces[0]
+    return np.stack(pieces) if _is_experts(parts) else np.concatenate(pieces)
 
 
 # llama.cpp's usual mixes, simplified: a base type, and the tensors (by GGUF name suffix) it keeps in another
@@ -204,6 +215,17 @@ MIXES = {"Q4_K_M": ("Q4_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K",
          "Q5_K_M": ("Q5_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}),
          "Q3_K_L": ("Q3_K", {"attn_v.weight": "Q5_K", "attn_output.weight": "Q5_K", "ffn_down.weight": "Q5_K",
                              "output.weight": "Q6_K"})}
+
+
+def _is_experts(parts: list[tuple[str, tuple[int, ...]]]) -> bool:
+    return ".experts." in parts[0][0]
+
+
+def _joined_shape(parts: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...]:
+    """Experts stack on a new leading axis; Phi-3's fused projections concatenate rows."""
+    if _is_experts(parts):
+        return (len(parts), *parts[0][1])
+    return (sum(p[1][0] for p in parts), *parts[0][1][1:])
 
 
 def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, progress: bool = False,
@@ -252,6 +274,8 @@ def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, prog
     for name, (shape, kind) in expected_tensors(cfg).items():
         gname, _ = gguf_name(name)
         is_matrix = kind == MATRIX or name == "model.embed_tokens.weight"
+        if cfg.arch == "phi3":  # fused tensors (attn_qkv; ffn_up holds gate then up), rows concatenated
+            gname = re.sub(r"attn_[qkv]\.weight$", "attn_qkv.weight", gname.replace("ffn_gate.", "ffn_up."))
         base, overrides = MIXES.get(qtype, (qtype, {}))
         t = next((o for suffix, o in overrides.items() if gname.endswith(suffix)), base)
         plan.setdefault(gname, ([], t if is_matrix else "F32"))[0].append((name, shape))
@@ -264,7 +288,7 @@ def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, prog
         w.add_rope_scaling_factor(cfg.rope_scaling.factor)
 
     def info(parts: list[tuple[str, tuple[int, ...]]], t: str) -> tuple[tuple[int, ...], int]:
-        shape = parts[0][1] if len(parts) == 1 else (len(parts), *parts[0][1])
+        shape = parts[0][1] if len(parts) == 1 else _joined_shape(parts)
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t]]
         return shape, int(np.prod(shape)) // block * size
 
@@ -320,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rope-scaling", choices=("none", "linear", "llama3"))
     ap.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
     ap.add_argument("--qwen2", action="store_true", help="Qwen2 architecture (q/k/v biases)")
+    ap.add_argument("--phi3", action="store_true", help="Phi-3 architecture (fused q/k/v and gate/up tensors)")
     a = ap.parse_args(argv)
     cfg = llama3_8b_config() if a.preset == "llama3-8b" else tiny_config()
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -335,6 +360,8 @@ def main(argv: list[str] | None = None) -> None:
         over["tie_embeddings"] = True
     if a.qwen2:
         over |= {"arch": "qwen2", "attn_bias": True}
+    if a.phi3:
+        over["arch"] = "phi3"
     cfg = dataclasses.replace(cfg, **over)
     types = tuple(t.strip().upper() for t in a.gguf.split(",") if t.strip())
     paths = write_model(a.out, cfg, seed=a.seed, gguf_types=types,

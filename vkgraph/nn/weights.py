@@ -141,6 +141,8 @@ def load_weights(path: str | Path, *, quantize: str | None = None, progress: boo
         if not files:
             raise ModelFormatError(f"no .safetensors files in {d}")
         src = _SafetensorsSource(files, ModelConfig.from_hf(d))
+    if src.config.arch == "phi3":
+        src = _FusedSource(src)
     return _assemble(src, quantize, progress, p.name)
 
 
@@ -227,6 +229,47 @@ class _SafetensorsSource:
         return mm[start:end].view(dt).reshape(tuple(info["shape"]))
 
 
+# Phi-3 stores q/k/v as one matrix and gate/up as another, rows in that order: each projection is a row range
+# of the fused tensor (exact for quantized rows too, as rows are independent blocks)
+_FUSED = {"self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+          "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+          "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+          "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0), "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1)}
+
+
+class _FusedSource:
+    """The per-projection tensors of a source that stores them fused (Phi-3), by Hugging Face name."""
+
+    def __init__(self, inner: _Source) -> None:
+        self.inner, self.config, self.capacity = inner, inner.config, inner.capacity
+
+    def _part(self, name: str) -> tuple[str, list[int], int] | None:
+        m = _LAYER_RE.fullmatch(name)
+        if m is None or m.group(2) not in _FUSED:
+            return None
+        fused, i = _FUSED[m.group(2)]
+        c = self.config
+        q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        return f"model.layers.{m.group(1)}.{fused}", [q, kv, kv] if "qkv" in fused else [c.ffn_dim] * 2, i
+
+    def has(self, name: str) -> bool:
+        part = self._part(name)
+        return self.inner.has(part[0] if part else name)
+
+    def get(self, name: str) -> Weight:
+        part = self._part(name)
+        if part is None:
+            return self.inner.get(name)
+        fused, sizes, i = part
+        w = self.inner.get(fused)
+        if len(w.shape) != 2 or w.shape[0] != sum(sizes):
+            raise ShapeMismatchError(f"{fused} has shape {tuple(w.shape)}, the config implies {sum(sizes)} rows")
+        rows = slice(sum(sizes[:i]), sum(sizes[:i + 1]))
+        if isinstance(w, QuantizedTensor):
+            return QuantizedTensor(np.ascontiguousarray(w.data[rows]), w.format, (sizes[i], w.shape[1]))
+        return w[rows]
+
+
 def _open_safetensors(f: Path) -> tuple[np.memmap, dict[str, Any]]:
     header, offset, data_len = read_safetensors_header(f)
     return np.memmap(f, np.uint8, "r", offset=offset, shape=(data_len,)), header
@@ -247,6 +290,8 @@ _GGUF_LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's fused tensors (gate and up share ffn_up)
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
