@@ -352,3 +352,23 @@ def test_gradient_is_fused_and_one_schedule():
     t = np.tanh(1.5 * np.linspace(-1, 1, 64))
     np.testing.assert_allclose(w.grad.numpy(), t + np.linspace(-1, 1, 64) * 1.5 * (1 - t * t), rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.mark.slow
+def test_gradient_sweep():
+    """The long sweep: every unary, binary and reduction rule over many random shapes and values."""
+    rng = np.random.default_rng(123)
+    for k in range(25):
+        shape = tuple(int(s) for s in rng.integers(1, 5, rng.integers(0, 4)))
+        for name, (vk, ref) in UNARY.items():
+            check_grad(vk, ref, [draw(rng, shape, DOMAIN.get(name, ANY))], k)
+        for name, (vk, ref, dom) in BINARY.items():
+            other = tuple(1 if rng.random() < 0.3 else s for s in shape)
+            a, b = draw(rng, shape, dom), draw(rng, other, dom)
+            if name == "mod":
+                b = np.full(other, 0.7)
+                a = rng.integers(0, 3, shape) * 0.7 + rng.uniform(0.2, 0.5, shape)
+            check_grad(vk, ref, [a, b], k)
+        rows, cols = int(rng.integers(2, 4)), int(rng.integers(2, 6))
+        for vk, ref in REDUCE.values():
+            check_grad(vk, ref, [rng.standard_normal((rows, cols))], k)
