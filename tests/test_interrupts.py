@@ -22,19 +22,20 @@ def sweep(scenario: str, stride: int) -> None:
     r = subprocess.run([sys.executable, str(HERE / "interrupt_sweep.py"), scenario, str(stride)], capture_output=True,
                        text=True, timeout=600, env=ENV)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    ok, attempts, arrived = r.stdout.split()
-    assert ok == "ok" and int(attempts) >= 20 and int(arrived) == int(attempts)
+    ok, attempts, fired, arrived = r.stdout.split()
+    assert ok == "ok" and int(fired) >= 15 and int(arrived) == int(fired) and int(fired) >= int(attempts) // 2
 
 
 # every stride-th line vkgraph runs in one call (a few hundred to a few thousand lines); primes, so that the
 # default run covers different lines of each path; the slow run covers every line
-@pytest.mark.parametrize("scenario, stride", [("replay", 11), ("capture", 97), ("compile", 71), ("eager", 29)])
+@pytest.mark.parametrize("scenario, stride", [("replay", 23), ("replay_bound", 23), ("capture", 131),
+                                              ("compile", 107), ("eager", 47)])
 def test_interrupt_at_sampled_points_leaves_the_next_call_correct(scenario, stride):
     sweep(scenario, stride)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["replay", "capture", "compile", "eager"])
+@pytest.mark.parametrize("scenario", ["replay", "replay_bound", "capture", "compile", "eager"])
 def test_interrupt_at_every_point_leaves_the_next_call_correct(scenario):
     sweep(scenario, 1)
 

@@ -71,10 +71,103 @@ def test_llama3_pre_tokenizer_splits_digits_in_threes(paths, tmp_path):
     assert pieces == ["123", "456", "7"]
 
 
-def test_sentencepiece_gguf_is_rejected_clearly(paths, tmp_path):
-    gguf = _rewrite_gguf_tokenizer(paths["F32"], tmp_path / "spm.gguf", model="llama")
-    with pytest.raises(UnsupportedModelError, match="tokenizer.json"):
+def test_unknown_tokenizer_model_is_rejected_clearly(paths, tmp_path):
+    gguf = _rewrite_gguf_tokenizer(paths["F32"], tmp_path / "bert.gguf", model="bert")
+    with pytest.raises(UnsupportedModelError, match="'bert' is not supported.*tokenizer.json"):
         Tokenizer.load(gguf)
+
+
+# ---- SentencePiece vocabularies (tokenizer.ggml.model "llama"), against a port of llama.cpp's tokenizer -----------
+
+SPM_TEXTS = ["Hello world! The capital of France is Paris.", "The lazy dog did not mind.", "  two  spaces,\nnew line",
+             "ünïcödé 日本 😀 zzq", "one two three, 1 2 3.", "Vulkan compute shaders read weights"]
+
+
+def llama_cpp_spm(text: str, vocab: dict[str, int], scores: list[float]) -> list[int]:
+    """llama.cpp's llm_tokenizer_spm on one fragment: characters as symbols, repeatedly merge the adjacent pair
+    whose concatenation is the best-scoring token (leftmost on ties), then byte fallback for what is left."""
+    import heapq
+
+    syms = list(("\u2581" + text).replace(" ", "\u2581"))
+    nxt = list(range(1, len(syms))) + [-1]
+    prv = list(range(-1, len(syms) - 1))
+    heap: list[tuple[float, int, str]] = []
+
+    def bigram(left: int, right: int) -> None:
+        if left >= 0 and right >= 0 and syms[left] + syms[right] in vocab:
+            t = syms[left] + syms[right]
+            heapq.heappush(heap, (-scores[vocab[t]], left, t))
+
+    for i in range(len(syms) - 1):
+        bigram(i, i + 1)
+    while heap:
+        _, left, t = heapq.heappop(heap)
+        right = nxt[left]
+        if right < 0 or not syms[left] or syms[left] + syms[right] != t:
+            continue  # stale: one side was merged since
+        syms[left], syms[right] = t, ""
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prv[nxt[right]] = left
+        bigram(prv[left], left)
+        bigram(left, nxt[left])
+    out, i = [], 0
+    while i >= 0:
+        if syms[i] in vocab:
+            out.append(vocab[syms[i]])
+        else:
+            out += [vocab[f"<0x{b:02X}>"] for b in syms[i].encode()]
+        i = nxt[i]
+    return out
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory):
+    """A SentencePiece-style GGUF vocabulary: <unk>, <s>, </s>, 256 byte tokens, then pieces trained on the tiny
+    model's corpus, each scored by its training order (as Llama's are)."""
+    from gguf import GGUFWriter
+    from tokenizers import SentencePieceBPETokenizer
+
+    trainer = SentencePieceBPETokenizer()
+    trainer.train_from_iterator(mk.CORPUS.splitlines(), vocab_size=400, min_frequency=1, show_progress=False)
+    pieces = [t for t, _ in sorted(trainer.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return path, {t: i for i, t in enumerate(tokens)}, scores
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS)
+def test_sentencepiece_gguf_encodes_as_llama_cpp_does(spm_gguf, text):
+    path, vocab, scores = spm_gguf
+    tok = Tokenizer.load(path)
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_id == 1  # llama.cpp adds BOS to SentencePiece vocabularies by default
+    assert ids[1:] == llama_cpp_spm(text, vocab, scores)
+    assert tok.decode(ids) == text
+    assert tok.eos_ids == (2,)
+
+
+def test_sentencepiece_merges_and_byte_fallback(spm_gguf):
+    path, vocab, _ = spm_gguf
+    tok = Tokenizer.load(path)
+    ids = tok.encode("The capital 😀", add_special_tokens=False)
+    assert vocab["\u2581The"] in ids or vocab.get("\u2581capital") in ids  # whole pieces
+    assert [vocab["<0xF0>"], vocab["<0x9F>"], vocab["<0x98>"], vocab["<0x80>"]] == ids[-4:]  # the emoji as bytes
+    s = tok.stream()
+    assert "".join(s.push(i) for i in ids) + s.flush() == "The capital 😀"
 
 
 def test_model_files_are_deterministic(paths, tmp_path):

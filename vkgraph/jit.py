@@ -6,9 +6,10 @@
 
 Calls are keyed by the shapes and dtypes of the Tensor arguments and the values of all other arguments; each
 key captures separately (a bounded cache, least recently used out). A replay copies each Tensor argument into
-the graph's own input buffer (on the GPU), then submits that copy and the whole captured step in one
-`vkQueueSubmit`. `Variable` arguments (from `vkgraph.Variable`) are not frozen: kernels that take them as push
-constants see their value at each call.
+the graph's own input buffer (on the GPU) or, for inputs of 64 KiB and more, binds the argument's buffer in place
+of it (no copy), then submits the copies and the whole captured step in one `vkQueueSubmit`. `Variable`
+arguments (from `vkgraph.Variable`) are not frozen: kernels that take them as push constants see their value at
+each call.
 
 What is frozen at capture, and what is not (docs/jit.md says more):
 - Python control flow and Python scalars inside the function run only at capture: a branch on a value is
@@ -149,15 +150,30 @@ class _Capture:
             self.queue.abort_capture()
 
 
+BIND_BYTES = 64 << 10  # inputs at least this large are read in place; smaller ones are copied into their slot
+
+
 @critical
 def _submit(entry: _Captured, tensors: list[Tensor]) -> Any:
-    """Copy the inputs into the graph's slots, submit it, and mark its outputs rewritten: all or nothing."""
-    queue = entry.graph.queue
+    """Give the graph its inputs, submit it, and mark its outputs rewritten: all or nothing. A large input is read
+    where it lies (the graph is recorded again for new input buffers, which costs less than the eager call; a
+    loop over fresh tensors of one size meets the same pooled buffers again); a small one, or one the graph
+    writes, is copied into the graph's own slot (a copy costs less than recording again)."""
+    graph = entry.graph
+    queue = graph.queue
+    bound = []
     for t, slot in zip(tensors, entry.slots):
         ref = t.node.arg[0]
-        if ref is not slot and ref.nbytes:
+        if ref is slot or not ref.nbytes:
+            continue
+        home = slot.buf.alloc
+        written = graph.written  # a slot the graph writes, or an input it writes (its own output passed back)
+        if (ref.nbytes >= BIND_BYTES and ref.buf.offset == 0 and home.handle not in written
+                and ref.buf.alloc.handle not in written):
+            bound.append((home, ref.buf.alloc))
+        else:
             queue.copy(ref.buf, 0, slot.buf, 0, slot.nbytes)
-    entry.graph.replay()
+    graph.replay(tuple(bound))
     for ref in entry.out_refs:
         ref.version += 1  # lazy graphs built on the previous values must not reuse them
     return entry.outputs

@@ -4,8 +4,11 @@ GGUF: byte-level BPE vocabularies (tokenizer.ggml.model "gpt2": Llama 3, Qwen2, 
 `tokenizers` BPE model from the embedded tokens, merges and token types, with the pre-tokenizer regex that
 tokenizer.ggml.pre names (gpt-2, llama-bpe/llama3, qwen2, and GPT-2's with every digit alone for smollm,
 starcoder and the others llama.cpp groups with them; others fall back to GPT-2's, with a warning).
-SentencePiece vocabularies (model "llama": Llama 1/2, Mistral) are not supported from GGUF yet; use the model's
-tokenizer.json instead.
+SentencePiece vocabularies (model "llama": Llama 1/2, Mistral, TinyLlama) carry tokens and scores but no merges:
+they become a `tokenizers` BPE whose merges are every split of a normal token into two tokens, ranked by the
+merged token's score, with byte fallback (<0xXX> tokens) and "▁" for spaces (one prefixed to each text between
+special tokens, as llama.cpp does when tokenizer.ggml.add_space_prefix holds). Merging the adjacent pair whose
+result scores highest is exactly llama.cpp's SentencePiece tokenizer (tests/test_tokenizer.py runs a port of it).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ _GPT2_PRE = ("gpt-2", "gpt2", "default")
 # GPT-2's split after one that isolates every digit (llama.cpp: "\p{N}" before GPT-2's regex; these models'
 # tokenizer.json: Digits(individual_digits) then ByteLevel)
 _DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
-_CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4  # gguf.TokenType
 
 
 class Tokenizer:
@@ -91,38 +94,70 @@ class Tokenizer:
 
         reader = open_gguf(source) if isinstance(source, str | Path) else source
         kind = gguf_value(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, "
-                                        "'gpt2'); load the model's tokenizer.json instead")
+        if kind not in ("gpt2", "llama"):
+            raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+                                        "SentencePiece 'llama' are); load the model's tokenizer.json instead")
         tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
         types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-        tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
         pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
-        if pre in _PRE_REGEX:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(_PRE_REGEX[pre]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        elif pre in _DIGITS_PRE:
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        if kind == "llama":  # SentencePiece: no pre-tokenizer, it sees the whole text
+            tok = _sentencepiece(tokens, types, gguf_value(reader, "tokenizer.ggml.scores"),
+                                 gguf_value(reader, "tokenizer.ggml.add_space_prefix", True))
         else:
-            if pre not in _GPT2_PRE:
-                warnings.warn(f"GGUF pre-tokenizer {pre!r} unknown; splitting words as GPT-2 does", stacklevel=2)
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
+            merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
+            tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+            if pre in _PRE_REGEX:
+                tok.pre_tokenizer = pre_tokenizers.Sequence([
+                    pre_tokenizers.Split(Regex(_PRE_REGEX[pre]), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            elif pre in _DIGITS_PRE:
+                tok.pre_tokenizer = pre_tokenizers.Sequence([
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+            else:
+                if pre not in _GPT2_PRE:
+                    warnings.warn(f"GGUF pre-tokenizer {pre!r} unknown; splitting words as GPT-2 does", stacklevel=2)
+                tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, ty in zip(tokens, types) if ty == _CONTROL])
         tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
         bos = gguf_value(reader, "tokenizer.ggml.bos_token_id")
         eos = gguf_value(reader, "tokenizer.ggml.eos_token_id")
         eot = gguf_value(reader, "tokenizer.ggml.eot_token_id")
-        if bos is not None and gguf_value(reader, "tokenizer.ggml.add_bos_token", False):
+        # llama.cpp adds BOS by default for SentencePiece vocabularies, not for byte-level BPE ones
+        if bos is not None and gguf_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama"):
             tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]}:0 $A:0",
                                                                special_tokens=[(tokens[bos], bos)])
         eos_ids = [i for i in (eos, eot) if i is not None]
         return cls(tok, bos_id=bos, eos_ids=list(dict.fromkeys(eos_ids)))
+
+
+def _sentencepiece(tokens: list[str], types: list[int], scores: list[float] | None, add_space_prefix: bool) -> Any:
+    """A `tokenizers` BPE equivalent to llama.cpp's SentencePiece tokenizer over this vocabulary (module docstring)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    if scores is None or len(scores) != len(tokens):
+        raise UnsupportedModelError("GGUF SentencePiece vocabulary without a score per token")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = {t for t, ty in zip(tokens, types) if ty == _NORMAL}
+    ranked = []
+    for t in normal:
+        for k in range(1, len(t)):
+            left, right = t[:k], t[k:]
+            if left in normal and right in normal:
+                ranked.append((-scores[vocab[t]], vocab[t], k, left, right))
+    ranked.sort()
+    unk = next((t for t, ty in zip(tokens, types) if ty == _UNKNOWN), None)
+    tok = HFTokenizer(models.BPE(vocab, [(m[3], m[4]) for m in ranked], unk_token=unk, fuse_unk=True,
+                                 byte_fallback=True))
+    steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     *strip])
+    return tok
 
 
 class IncrementalDecoder:

@@ -18,6 +18,7 @@ from ..interrupts import critical
 from . import faults
 from .errors import DeviceClosed, DeviceError
 from .hazards import track_hazards
+from .memory import BoundRange
 from .submission import Submission
 from .vk import NULL, check, ffi, lib, vk
 
@@ -85,6 +86,10 @@ class CommandGraph:
         self.read = {a.handle for a in self.allocs} - written
         self.owned = queue.device.memory.pool.adopt(self.allocs)
         self._prepare()
+        self._home = self._prepared  # as captured, over its own input slots
+        self.bound: tuple = ()  # (slot, caller's allocation) pairs the recorded command buffer binds instead
+        self._bound_sets: list[list] = []  # descriptor sets pinned for them
+        self._bound_read: set[int] = set()
         self.recorded_values: tuple | None = None
         self.destroyed = False
         self._pair = ffi.new("VkCommandBuffer[2]")
@@ -150,10 +155,48 @@ class CommandGraph:
         check(lib.vkEndCommandBuffer(cmd), "vkEndCommandBuffer")
         self.recorded_values = tuple(v.value for v in self.variables)
 
+    def _bind(self, subs: tuple) -> None:
+        """Make the recorded command buffer read each pair's caller allocation wherever it read the slot (one
+        the graph never writes): descriptor sets for the new ranges (from the cache, pinned while bound), then
+        recorded again. The same pairs as last time cost nothing."""
+        if len(subs) == len(self.bound) and all(a is b and c is d for (a, c), (b, d) in zip(subs, self.bound)):
+            return
+        q = self.queue
+        sets = q.descriptors
+        for entry in self._bound_sets:
+            sets.unpin(entry, q.completed)
+        self._bound_sets = []
+        swap = {}
+        for slot, caller in subs:
+            if caller.freed:
+                raise DeviceClosed("replay: an input buffer is gone (released, or of a closed device)")
+            if slot.handle in self.written:
+                raise ValueError("a graph's input slot that it writes cannot be bound to a caller's buffer")
+            swap[slot.handle] = caller
+        prepared = []
+        for e, p in zip(self.entries, self._home):
+            if p[0] == "dispatch" and any(b.alloc.handle in swap for b in e[2]):
+                kernel = p[2]
+                bufs = [BoundRange(swap.get(b.alloc.handle, b.alloc), b.offset, b.size) for b in e[2]]
+                key = (kernel.layout_id, tuple(b.key for b in bufs))
+                entry = sets.sets.get(key) or sets.create(kernel, bufs, [b.alloc for b in bufs], key, q.completed)
+                if entry[2] != float("inf"):
+                    sets.pin(entry)
+                    self._bound_sets.append(entry)
+                p = (*p[:3], entry, *p[4:])
+            elif p[0] == "copy" and e[1].alloc.handle in swap:
+                p = (p[0], p[1], swap[e[1].alloc.handle].buffer, *p[3:])
+            prepared.append(p)
+        self._prepared = prepared
+        self.bound = subs
+        self._bound_read = {c.handle for _, c in subs}
+        self.recorded_values = None  # recorded again before this submit
+
     @critical
-    def replay(self) -> int:
+    def replay(self, inputs: tuple = ()) -> int:
         """Submit the graph once, after all work already recorded, in a single vkQueueSubmit together with
-        that work (e.g. the copies of new inputs); returns its sequence number."""
+        that work (e.g. the copies of new inputs); returns its sequence number. `inputs`: (slot allocation,
+        caller's allocation) pairs to read in place of slots the graph does not write (no copy)."""
         q = self.queue
         with q.lock:
             q.admit()
@@ -162,6 +205,8 @@ class CommandGraph:
             sub = self.sub
             if sub in q.in_flight:
                 q.wait(sub.seq)
+            if inputs or self.bound:
+                self._bind(inputs)
             if self.recorded_values is None or self.recorded_values != tuple(v.value for v in self.variables):
                 self._record()
             pending = q.take_recording()
@@ -191,8 +236,11 @@ class CommandGraph:
             seq = sub.seq
             for a in self.allocs:
                 a.last_use = seq
+            for _, a in self.bound:
+                a.last_use = seq
             q.written |= self.written  # later work must wait for the graph's writes
             q.read |= self.read  # and writes to what it reads for its reads
+            q.read |= self._bound_read
             return seq
 
     @critical
@@ -208,14 +256,16 @@ class CommandGraph:
             if self.sub in q.in_flight:
                 q.wait(self.sub.seq)
             self.destroyed = True
-            for p in self._prepared:
+            for p in self._home:
                 if p[0] == "dispatch":
                     q.descriptors.unpin(p[3], q.completed)  # evictable again
+            for entry in self._bound_sets:
+                q.descriptors.unpin(entry, q.completed)
             lib.vkFreeCommandBuffers(q.device.device, q.command_pool, 1, self.sub.cmd_array)
             lib.vkDestroyFence(q.device.device, self.sub.fence, NULL)
         q.device.memory.pool.release_adopted(self.owned)
         self.owned = []
-        self._prepared = []
+        self._prepared = self._home = []
         self.entries = []
         self.keep = []
 
@@ -224,12 +274,12 @@ class CommandGraph:
         if not self.destroyed:
             self.destroyed = True
             lib.vkDestroyFence(self.queue.device.device, self.sub.fence, NULL)
-            self._prepared, self.entries, self.keep, self.owned = [], [], [], []
+            self._prepared, self._home, self.entries, self.keep, self.owned = [], [], [], [], []
 
     def abandon(self) -> None:
         """The device is given up with work running: forget everything, destroy nothing."""
         self.destroyed = True
-        self._prepared, self.entries, self.keep, self.owned = [], [], [], []
+        self._prepared, self._home, self.entries, self.keep, self.owned = [], [], [], [], []
 
     @critical  # what a finalizer raises is lost
     def __del__(self) -> None:
