@@ -2,13 +2,16 @@
 shape with random weights in Q4_0 / Q8_0, beside an eager PyTorch float16 implementation of the same shape
 on the same GPU (when PyTorch with CUDA is present).
 
-    python benchmarks/bench_llm.py [--shape llama3-8b|small] [--formats Q4_0,Q8_0] [--batches 1,8,32]
+    python benchmarks/bench_llm.py [--shape llama3-8b|llama3.2-1b|small] [--formats Q4_0,Q8_0,Q4_K]
+                                   [--batches 1,8,32]
     python benchmarks/bench_llm.py --gguf model-q4_0.gguf [--gguf model-q8_0.gguf]   # same files as llama.cpp
 
-Without --gguf, random weights are valid GGUF blocks built directly (a small float16 scale per block, random
-quants), so no file is written. With --gguf (e.g. from `scripts/make_tiny_model.py OUT --preset llama3-8b
---gguf Q4_0`), vkgraph and llama.cpp's Vulkan backend (the `cyllama-vulkan` wheel, when importable) load the
-same file; llama.cpp's decode rate counts the tokens its stream yields (its own statistics re-tokenize).
+Without --gguf, random weights are valid GGUF blocks of any quantized format built directly (small finite
+float16 scales, random quants and bits: vkgraph.quant.random_blocks), so no file is written; a shape with tied
+embeddings (llama3.2-1b) reads its embedding table from the head's blocks.
+With --gguf (e.g. from `scripts/make_tiny_model.py OUT --preset llama3-8b --gguf Q4_0`), vkgraph and
+llama.cpp's Vulkan backend (the `cyllama-vulkan` wheel, when importable) load the same file; llama.cpp's decode
+rate counts the tokens its stream yields (its own statistics re-tokenize).
 The bandwidth bound printed is weight bytes read per decode step over the copy bandwidth
 given by --copy-gbs (measure it with benchmarks/bench_runtime.py on the same GPU).
 """
@@ -26,35 +29,33 @@ from vkgraph.nn.config import ModelConfig, RopeScaling
 from vkgraph.nn.engine import Engine
 from vkgraph.nn.llama import LlamaModel
 from vkgraph.nn.weights import LayerWeights, ModelWeights
-from vkgraph.quant import FORMATS, QuantizedTensor
+from vkgraph.quant import dequantize, random_blocks
 from vkgraph.runtime import get_device
 
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                       head_dim=128, rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)),
+    # Llama-3.2-1B: the head is the embedding matrix (tie_embeddings)
+    "llama3.2-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                        head_dim=64, rope_theta=500000.0, tie_embeddings=True,
+                        rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
     "small": dict(vocab_size=2048, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, head_dim=64),
 }
-
-
-def random_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> QuantizedTensor:
-    """Valid blocks of Q8_0 or Q4_0: scale (float16, small) then the quants, random."""
-    f = FORMATS[fmt]
-    nblocks = rows * cols // f.block_size
-    data = rng.integers(0, 256, (nblocks, f.type_size), dtype=np.uint8)
-    scales = (rng.random(nblocks, dtype=np.float32) * 0.01 + 0.001).astype(np.float16)
-    data[:, :2] = scales.view(np.uint8).reshape(nblocks, 2)
-    return QuantizedTensor.from_raw(data, fmt, (rows, cols))
 
 
 def random_model(cfg: ModelConfig, fmt: str, seed: int = 0) -> ModelWeights:
     rng = np.random.default_rng(seed)
     d, q, kv, f = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
-    mat = lambda r, c: random_blocks(fmt, r, c, rng)  # noqa: E731
+    mat = lambda r, c: random_blocks(rng, fmt, r, c, d_range=(1e-3, 1e-2))  # noqa: E731
     ones = np.ones(d, np.float32)
     layers = [LayerWeights(ones, mat(q, d), mat(kv, d), mat(kv, d), mat(d, q), ones, w_gate=mat(f, d),
                            w_up=mat(f, d), w_down=mat(d, f)) for _ in range(cfg.n_layers)]
-    embed = (rng.standard_normal((cfg.vocab_size, d), dtype=np.float32) * 0.02).astype(np.float16)
-    return ModelWeights(cfg, embed, layers, ones, mat(cfg.vocab_size, d))
+    head = mat(cfg.vocab_size, d)
+    if cfg.tie_embeddings:  # one matrix: the table the model gathers from is the head's, dequantized
+        embed = dequantize(head).astype(np.float16)
+    else:
+        embed = (rng.standard_normal((cfg.vocab_size, d), dtype=np.float32) * 0.02).astype(np.float16)
+    return ModelWeights(cfg, embed, layers, ones, head)
 
 
 def weight_bytes(w: ModelWeights) -> int:

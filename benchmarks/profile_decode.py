@@ -1,10 +1,17 @@
 """Where a decode step's GPU time goes: per-kernel timestamps of eager decode steps of a random-weight model.
 
-    python benchmarks/profile_decode.py [--shape llama3-8b|small] [--format Q4_0] [--batch 1] [--steps 5]
+    python benchmarks/profile_decode.py [--shape llama3-8b|llama3.2-1b|small] [--format Q4_0] [--batch 1]
+                                        [--steps 5] [--copy-mib 1024]
 
 Runs the engine's decode step without the JIT (the same kernels, recorded one by one) under VKGRAPH_PROFILE,
 and prints per kernel name: dispatches per step, GPU microseconds per step (sum of dispatch durations), and
 the share of the step. Also prints the wall time per step of the captured (JIT) step for comparison.
+
+Then the floor of a step on this device, from two probes: the copy bandwidth (bench_runtime's grid-stride
+copy of --copy-mib MiB, bytes read + written per second) and the cost of one dependent dispatch (a chain of
+CHAIN empty dispatches, each writing the buffer the next one reads, so a barrier separates every pair, in one
+submit: (time of the chain - time of a chain of one) / (CHAIN - 1)). A step is then modelled as
+weight bytes / bandwidth + dispatches x barrier cost, printed against the measured JIT step.
 """
 
 from __future__ import annotations
@@ -18,12 +25,48 @@ from collections import defaultdict
 os.environ["VKGRAPH_PROFILE"] = "1"
 os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
 
-from bench_llm import SHAPES, random_model  # noqa: E402
+from bench_llm import SHAPES, random_model, weight_bytes  # noqa: E402
+from bench_runtime import bench_copy_kernel  # noqa: E402
 
 from vkgraph.nn.config import ModelConfig  # noqa: E402
 from vkgraph.nn.engine import Engine  # noqa: E402
 from vkgraph.nn.llama import LlamaModel  # noqa: E402
 from vkgraph.runtime import get_device  # noqa: E402
+
+CHAIN = 400
+# an empty kernel over one read-write buffer: consecutive dispatches of it are ordered by a barrier
+EMPTY = """#version 450
+layout(local_size_x = 1) in;
+layout(set = 0, binding = 0) buffer B { uint v[]; };
+void main() {}
+"""
+
+
+def barrier_us(dev, reps: int = 7) -> float:
+    """Microseconds one dependent dispatch adds on the device (see the module doc); the profiler's timestamps
+    are left out of the chain, and the chain is recorded into one command buffer."""
+    kern = dev.pipeline(EMPTY, name="empty")
+    buf = dev.alloc(256)
+    queue = dev.queue
+    saved = queue.profiler, queue.max_recorded
+    queue.profiler, queue.max_recorded = None, 2 * CHAIN
+    dev.synchronize()
+
+    def chain(n: int) -> float:
+        for _ in range(n):
+            dev.dispatch(kern, [buf], (1, 1, 1))
+        t = time.perf_counter()
+        dev.synchronize()  # the submit: recording is outside the time
+        return time.perf_counter() - t
+
+    try:
+        chain(CHAIN)  # warm-up
+        long = statistics.median(chain(CHAIN) for _ in range(reps))
+        short = statistics.median(chain(1) for _ in range(reps))
+    finally:
+        queue.profiler, queue.max_recorded = saved
+        buf.release()
+    return max(long - short, 0.0) / (CHAIN - 1) * 1e6
 
 
 def main() -> None:
@@ -32,10 +75,14 @@ def main() -> None:
     ap.add_argument("--format", default="Q4_0")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
     a = ap.parse_args()
     cfg = ModelConfig(arch="llama", max_seq_len=8192, **SHAPES[a.shape])
     dev = get_device()
-    model = LlamaModel(random_model(cfg, a.format), num_blocks=a.batch * 8 + 16, max_blocks_per_seq=8)
+    weights = random_model(cfg, a.format)
+    nbytes = weight_bytes(weights)
+    model = LlamaModel(weights, num_blocks=a.batch * 8 + 16, max_blocks_per_seq=8)
+    del weights
     engine = Engine(model, max_batch=a.batch)
     for i in range(a.batch):
         engine.add_request([(i * 7 + j) % cfg.vocab_size for j in range(16)], max_tokens=3 * a.steps + 16,
@@ -66,9 +113,21 @@ def main() -> None:
     print(f"{dev.info.name}: {a.shape} {a.format} batch {a.batch}")
     print(f"JIT step wall {statistics.median(walls) * 1e3:.2f} ms; eager step wall {eager_wall * 1e3:.2f} ms; "
           f"GPU span {(last - first) / 1e6 / a.steps:.2f} ms/step, of which inside dispatches {busy / 1e3:.2f} ms")
+    dispatches = len(prof.events) / a.steps
+    print(f"dispatches per step: {dispatches:.0f}")
     print(f"{'kernel':28s} {'per step':>9s} {'us/step':>10s} {'share':>7s}")
     for name, (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
         print(f"{name[:28]:28s} {count / a.steps:9.1f} {us / a.steps:10.1f} {us / a.steps / busy:7.1%}")
+    gbs = bench_copy_kernel(dev, a.copy_mib << 20, 256, [256, 1024, 4096, 16384])["GB/s"]
+    barrier = barrier_us(dev)
+    bytes_ms = nbytes / (gbs * 1e9) * 1e3
+    floor_ms = bytes_ms + dispatches * barrier / 1e3
+    jit_ms = statistics.median(walls) * 1e3
+    print(f"copy bandwidth {gbs:.0f} GB/s; dependent dispatch {barrier:.2f} us (chain of {CHAIN})")
+    print(f"step model: {nbytes / 1e9:.3f} GB weights / bandwidth {bytes_ms:.3f} ms + {dispatches:.0f} dispatches x "
+          f"{barrier:.2f} us = {floor_ms:.3f} ms; measured (JIT) {jit_ms:.3f} ms = {floor_ms / jit_ms:.0%} of "
+          f"the step explained; {a.batch / (jit_ms / 1e3):.1f} tok/s measured, "
+          f"{a.batch / (floor_ms / 1e3):.1f} tok/s at the floor")
 
 
 if __name__ == "__main__":
