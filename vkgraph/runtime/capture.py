@@ -176,10 +176,10 @@ class CommandGraph:
         prepared = []
         for e, p in zip(self.entries, self._home):
             if p[0] == "dispatch" and any(b.alloc.handle in swap for b in e[2]):
-                kernel = p[2]
+                pipe = p[2]
                 bufs = [BoundRange(swap.get(b.alloc.handle, b.alloc), b.offset, b.size) for b in e[2]]
-                key = (kernel.layout_id, tuple(b.key for b in bufs))
-                entry = sets.sets.get(key) or sets.create(kernel, bufs, [b.alloc for b in bufs], key, q.completed)
+                key = (pipe.layout_id, tuple(b.key for b in bufs))
+                entry = sets.sets.get(key) or sets.create(pipe, bufs, [b.alloc for b in bufs], key, q.completed)
                 if entry[2] != float("inf"):
                     sets.pin(entry)
                     self._bound_sets.append(entry)

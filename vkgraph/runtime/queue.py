@@ -63,7 +63,6 @@ class Queue:
         self.bound_pipeline: Any = None
         self.max_recorded = flag("VKGRAPH_MAX_RECORDED")
         self.timeout_s = flag("VKGRAPH_TIMEOUT_S")
-        self.timeout_ns = int(self.timeout_s * 1e9)
         self.stalled = 0  # a submission that outlasted a wait and has not completed since
         self.barrier = ffi.new("VkMemoryBarrier*", {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
                                                     "srcAccessMask": _WRITE, "dstAccessMask": _ACCESS})
