@@ -473,3 +473,69 @@ def test_fuzz_config_json(good, tmp_path, changes):
 @given(changes=_cfg_changes)
 def test_fuzz_config_json_long(good, tmp_path, changes):
     _fuzz_config(good, tmp_path, changes)
+
+
+# ---- the tokenizer a GGUF carries (the command line reads it first) ---------------------------------------------
+
+VOCAB = {"tokenizer.ggml.model": ("gpt2", "STRING"),
+         "tokenizer.ggml.tokens": ([chr(ord("a") + i) for i in range(16)], "ARRAY:STRING"),
+         "tokenizer.ggml.token_type": ([1] * 16, "ARRAY:INT32"),
+         "tokenizer.ggml.bos_token_id": (0, "UINT32"), "tokenizer.ggml.eos_token_id": (1, "UINT32")}
+
+
+def _load_tokenizer(path: Path):
+    from vkgraph.nn.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.load(path)
+    except ModelFormatError as e:
+        return e
+
+
+def test_the_gguf_vocabulary_loads(tmp_path):
+    tok = _load_tokenizer(write_gguf(tmp_path / "m.gguf", META | VOCAB))
+    assert tok.decode(tok.encode("abc")) == "abc"
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("tokenizer.ggml.tokens", (7, "INT32"), "tokenizer.ggml.tokens must be a list of str"),
+    ("tokenizer.ggml.token_type", ([1, 1], "ARRAY:INT32"), "token_type must be a list of int of length 16"),
+    ("tokenizer.ggml.bos_token_id", (99, "UINT32"), "bos_token_id must be a int in [0, 16)"),
+    ("tokenizer.ggml.merges", (["ab"], "ARRAY:STRING"), "merges: a merge is not two tokens"),
+    ("tokenizer.ggml.model", ([1], "ARRAY:INT32"), "tokenizer.ggml.model must be a str"),
+])
+def test_gguf_vocabulary_fields_are_checked(tmp_path, key, value, words):
+    got = _load_tokenizer(write_gguf(tmp_path / "m.gguf", META | VOCAB | {key: value}))
+    assert isinstance(got, ModelFormatError) and words in str(got), got
+
+
+_VOCAB_KEYS = [*VOCAB, "tokenizer.ggml.merges", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.add_bos_token",
+               "tokenizer.ggml.pre", "tokenizer.ggml.scores", "tokenizer.ggml.add_space_prefix"]
+_vocab_changes = st.lists(st.tuples(st.sampled_from(_VOCAB_KEYS), st.none() | gguf_values()), min_size=1, max_size=3)
+
+
+def _fuzz_vocab(tmp_path, changes) -> None:
+    meta = META | VOCAB
+    for key, value in changes:
+        if value is None:
+            meta.pop(key, None)
+        else:
+            meta[key] = value
+    try:
+        p = write_gguf(tmp_path / "v.gguf", meta)
+    except (ValueError, OverflowError, struct.error):
+        return
+    _load_tokenizer(p)
+
+
+@_FUZZ
+@given(changes=_vocab_changes)
+def test_fuzz_gguf_vocabulary(tmp_path, changes):
+    _fuzz_vocab(tmp_path, changes)
+
+
+@pytest.mark.slow
+@_FUZZ_LONG
+@given(changes=_vocab_changes)
+def test_fuzz_gguf_vocabulary_long(tmp_path, changes):
+    _fuzz_vocab(tmp_path, changes)

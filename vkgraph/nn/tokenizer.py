@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import UnsupportedModelError, gguf_value
+from .config import ModelFormatError, UnsupportedModelError, gguf_value
 
 # pre-tokenizer regexes, as llama.cpp's llama-vocab.cpp and the models' tokenizer.json files define them
 _LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -93,18 +93,21 @@ class Tokenizer:
         from .weights import open_gguf
 
         reader = open_gguf(source) if isinstance(source, str | Path) else source
-        kind = gguf_value(reader, "tokenizer.ggml.model")
+        get = _VocabFields(reader)
+        kind = get("tokenizer.ggml.model", str)
         if kind not in ("gpt2", "llama"):
             raise UnsupportedModelError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
                                         "SentencePiece 'llama' are); load the model's tokenizer.json instead")
-        tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens")
-        types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-        pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
+        tokens: list[str] = get("tokenizer.ggml.tokens", list, of=str)
+        types: list[int] = get("tokenizer.ggml.token_type", list, [1] * len(tokens), of=int, length=len(tokens))
+        pre = get("tokenizer.ggml.pre", str, "default")
         if kind == "llama":  # SentencePiece: no pre-tokenizer, it sees the whole text
-            tok = _sentencepiece(tokens, types, gguf_value(reader, "tokenizer.ggml.scores"),
-                                 gguf_value(reader, "tokenizer.ggml.add_space_prefix", True))
+            tok = _sentencepiece(tokens, types, get("tokenizer.ggml.scores", list, None, of=float),
+                                 get("tokenizer.ggml.add_space_prefix", bool, True))
         else:
-            merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
+            merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges", list, [], of=str)]
+            if any(len(m) != 2 for m in merges):
+                raise ModelFormatError("GGUF metadata tokenizer.ggml.merges: a merge is not two tokens and a space")
             tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
             if pre in _PRE_REGEX:
                 tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -122,14 +125,15 @@ class Tokenizer:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, ty in zip(tokens, types) if ty == _CONTROL])
         tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-        bos = gguf_value(reader, "tokenizer.ggml.bos_token_id")
-        eos = gguf_value(reader, "tokenizer.ggml.eos_token_id")
-        eot = gguf_value(reader, "tokenizer.ggml.eot_token_id")
+        bos, eos, eot = (get(f"tokenizer.ggml.{k}_token_id", int, None, below=len(tokens))
+                         for k in ("bos", "eos", "eot"))
         # llama.cpp adds BOS by default for SentencePiece vocabularies, not for byte-level BPE ones
-        if bos is not None and gguf_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama"):
+        if bos is not None and get("tokenizer.ggml.add_bos_token", bool, kind == "llama"):
             tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]}:0 $A:0",
                                                                special_tokens=[(tokens[bos], bos)])
         eos_ids = [i for i in (eos, eot) if i is not None]
+        if not eos_ids:
+            raise ModelFormatError("GGUF metadata names no end of sequence (tokenizer.ggml.eos_token_id, eot_token_id)")
         return cls(tok, bos_id=bos, eos_ids=list(dict.fromkeys(eos_ids)))
 
 
@@ -158,6 +162,37 @@ def _sentencepiece(tokens: list[str], types: list[int], scores: list[float] | No
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      *strip])
     return tok
+
+
+_REQUIRED = object()
+
+
+class _VocabFields:
+    """GGUF tokenizer metadata, each value checked for its type (and items, length, range) before use, so a
+    malformed file is a `ModelFormatError` naming the key rather than a TypeError deep in the tokenizer."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+
+    def __call__(self, key: str, kind: type, default: Any = _REQUIRED, *, of: type | None = None,
+                 length: int | None = None, below: int | None = None) -> Any:
+        v = gguf_value(self.reader, key)
+        if v is None:
+            if default is _REQUIRED:
+                raise ModelFormatError(f"GGUF metadata lacks {key}")
+            return default
+        ok = isinstance(v, kind) and not (kind is int and isinstance(v, bool))
+        if ok and of is not None:
+            ok = all(isinstance(x, of) or of is float and isinstance(x, int) for x in v)
+        if ok and length is not None:
+            ok = len(v) == length
+        if ok and below is not None:
+            ok = 0 <= v < below
+        if not ok:
+            want = [f"a {kind.__name__}", f"of {of.__name__}" if of else "",
+                    f"of length {length}" if length is not None else "", f"in [0, {below})" if below else ""]
+            raise ModelFormatError(f"GGUF metadata {key} must be {' '.join(w for w in want if w)}, got {str(v)[:60]}")
+        return v
 
 
 class IncrementalDecoder:
