@@ -47,6 +47,12 @@ def test_import_is_quick_and_imports_no_heavy_module():
     assert best < IMPORT_BOUND_S, f"import vkgraph took {best:.2f} s"
 
 
+def test_model_code_imports_no_heavy_module_until_it_loads_weights():
+    code = ("import sys\nimport vkgraph.nn.engine, vkgraph.nn.llama, vkgraph.nn.weights\n"
+            f"print(','.join(m for m in {LAZY!r} if m in sys.modules))")
+    assert _python(code).strip() == ""
+
+
 def test_bfloat16_still_round_trips_after_a_lazy_import():
     out = _python("import numpy as np, vkgraph\n"
                   "x = vkgraph.Tensor(np.array([1.5, -2.0], np.float32)).cast('bfloat16').numpy()\n"

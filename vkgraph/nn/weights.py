@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import ml_dtypes
 import numpy as np
-from tqdm import tqdm
 
 from vkgraph import quant
+from vkgraph.dtype import dtypes
 from vkgraph.quant import QuantizedTensor
 
 from .config import ModelConfig, ModelFormatError, UnsupportedModelError
@@ -159,6 +158,8 @@ def _assemble(src: _Source, quantize: str | None, progress: bool, label: str) ->
         raise MissingTensorError(f"{label}: {len(missing)} tensors missing, e.g. {missing[:5]}")
     fmt = None if quantize is None else quant.get_format(quantize)
     got: dict[str, Weight] = {}
+    from tqdm import tqdm  # here, not at import: loading is the only user
+
     for name, (shape, kind) in tqdm(want.items(), desc=f"loading {label}", unit="tensor", disable=not progress):
         w = src.get(name)
         if tuple(w.shape) != shape:
@@ -197,7 +198,8 @@ def _layer(cfg: ModelConfig, got: dict[str, Weight], i: int) -> LayerWeights:
 
 # ---- safetensors ---------------------------------------------------------------------------------------------
 
-_ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
+# numpy dtypes by file type name; bfloat16's (ml_dtypes) is resolved on first use, not when vkgraph.nn is imported
+_FLOATS = {"F32": dtypes.float32, "F16": dtypes.float16, "BF16": dtypes.bfloat16}
 
 
 class _SafetensorsSource:
@@ -222,9 +224,10 @@ class _SafetensorsSource:
 
     def get(self, name: str) -> Weight:
         mm, info, f = self.index[name]
-        dt = _ST_DTYPES.get(info["dtype"])
-        if dt is None:
-            raise UnsupportedTensorTypeError(f"{f.name}: {name} is {info['dtype']}; supported: {sorted(_ST_DTYPES)}")
+        stored = _FLOATS.get(info["dtype"])
+        if stored is None:
+            raise UnsupportedTensorTypeError(f"{f.name}: {name} is {info['dtype']}; supported: {sorted(_FLOATS)}")
+        dt = stored.np
         start, end = info["data_offsets"]  # checked against the shape and the file by read_safetensors_header
         return mm[start:end].view(dt).reshape(tuple(info["shape"]))
 
@@ -277,8 +280,7 @@ def _open_safetensors(f: Path) -> tuple[np.memmap, dict[str, Any]]:
 
 # ---- GGUF -----------------------------------------------------------------------------------------------------
 
-_GGUF_FLOAT = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16)}
-_GGUF_QUANT = tuple(n for n in quant.FORMATS if n not in _GGUF_FLOAT)
+_GGUF_QUANT = tuple(n for n in quant.FORMATS if n not in _FLOATS)
 
 _GGUF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -350,8 +352,8 @@ class _GGUFSource:
         t = self.tensors[gname]
         kind = t.tensor_type.name
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dimensions innermost first
-        if kind in _GGUF_FLOAT:
-            arr = np.asarray(t.data).view(np.uint8).view(_GGUF_FLOAT[kind]).reshape(shape)
+        if kind in _FLOATS:
+            arr = np.asarray(t.data).view(np.uint8).view(_FLOATS[kind].np).reshape(shape)
             out: Weight = arr if expert is None else arr[expert]
         elif kind in _GGUF_QUANT:
             raw = np.asarray(t.data).view(np.uint8)
@@ -363,7 +365,7 @@ class _GGUFSource:
                 out = QuantizedTensor.from_raw(raw, kind, (1, int(np.prod(shape)))).dequantize().reshape(shape)
         else:
             raise UnsupportedTensorTypeError(f"{self.path.name}: {gname} is {kind}; supported: "
-                                             f"{sorted(_GGUF_FLOAT) + list(_GGUF_QUANT)}")
+                                             f"{sorted(_FLOATS) + list(_GGUF_QUANT)}")
         if self.unpermute and gname.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias")):
             heads = self.config.n_heads if ".attn_q." in gname else self.config.n_kv_heads
             if out.shape[0] == heads * self.config.head_dim:  # otherwise the caller's shape check reports it
