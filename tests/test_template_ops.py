@@ -170,3 +170,28 @@ def test_prefill_attention_op():
             p = np.exp(sc - sc.max(1, keepdims=True))
             want[a:b, h] = (p / p.sum(1, keepdims=True)) @ v[a:b, kv]
     assert nerr(got, want) < 5e-4
+
+
+@pytest.mark.parametrize("rows,k", [(1, 64), (11, 256)])
+def test_rms_norm_q8_feeds_quant_linear_as_the_unfused_path(rows, k, monkeypatch):
+    """rms_norm_q8 into QuantLinear (one kernel for norm and quantization; past 8 rows the matvec calls read
+    views of its buffer) equals the integer path over rms_norm's floats, with the residual fused; a product
+    that would not take the int8 path refuses the int8 activations."""
+    from vkgraph.runtime import get_device
+
+    if not get_device().info.integer_dot_product:
+        pytest.skip("no shaderIntegerDotProduct on this device")
+    monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
+    rng = np.random.default_rng(rows)
+    lin = QuantLinear(quantize(rng.standard_normal((48, k)).astype(np.float32), "Q4_0"))
+    assert lin.takes_int8(rows)
+    x = Tensor(rng.standard_normal((rows, k)).astype(np.float32))
+    g = Tensor(rng.standard_normal(k).astype(np.float32))
+    r = Tensor(rng.standard_normal((rows, 48)).astype(np.float32))
+    unfused = lin(x.rms_norm(g, 1e-5), residual=r).numpy()
+    fused = lin(template_ops.rms_norm_q8(x, g, 1e-5), residual=r).numpy()
+    assert nerr(fused, unfused) < 2e-3
+    monkeypatch.setenv("VKGRAPH_INT_DOT", "0")
+    assert not lin.takes_int8(rows)
+    with pytest.raises(ValueError, match="takes no int8"):
+        lin(template_ops.rms_norm_q8(x, g, 1e-5))

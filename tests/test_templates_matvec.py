@@ -11,6 +11,7 @@ from test_templates_common import check, device, snapshot, upload, weights
 
 from vkgraph import quant
 from vkgraph.templates import matvec as mv
+from vkgraph.templates import norms
 
 FORMATS = sorted(mv.TEMPLATE)
 
@@ -293,3 +294,52 @@ def test_int_dot_bad_input():
         mv.matvec(dev, mv.upload_weights(dev, qt), x, config=mv.MatvecConfig(64, 1, False, int_dot=True))
     with pytest.raises(ValueError, match="K % 32"):
         mv.quantize_activations(dev, x, 1, 48)
+
+
+@pytest.mark.parametrize("rows,k", [(1, 32), (3, 320), (9, 4096)])
+def test_rmsnorm_q8_matches_numpy(rows, k):
+    """The norm written as int8 blocks: values within one rounding step of numpy's quantization of numpy's
+    RMSNorm (rarely off), scales to float32 rounding, half-block sums exactly those of the int8 values."""
+    dev = device()
+    rng = np.random.default_rng(k + rows)
+    x = (rng.standard_normal((rows, k)) * 3).astype(np.float32)
+    w = rng.standard_normal(k).astype(np.float32)
+    w[:32] = 0  # a block of zeros: scale 0, levels 0
+    since = snapshot()
+    buf = norms.rmsnorm_q8(dev, upload(dev, x), upload(dev, w), rows, k, eps=1e-5)
+    acts = mv.Q8Acts.in_buffer(buf, rows, k)
+    q = dev.download(acts.xq, np.int8, (rows, k))
+    d = dev.download(acts.xd, np.float32, (rows * k // 32,))
+    s = dev.download(acts.xs, np.int32, (rows * k // 16,))
+    x64 = x.astype(np.float64)
+    y = (x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * w).astype(np.float32)
+    q_ref, d_ref = _quantize_q8_ref(y)
+    assert np.abs(q.astype(int) - q_ref).max() <= 1 and (q != q_ref).mean() < 0.01
+    np.testing.assert_allclose(d, d_ref, rtol=1e-5)
+    assert (s == q.reshape(-1, 16).astype(np.int32).sum(1)).all()
+    assert (d.reshape(rows, -1)[:, 0] == 0).all() and (q[:, :32] == 0).all()
+    check(q.astype(np.float64), q_ref.astype(np.float64), since, tol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
+def test_matvec_from_rmsnorm_q8_equals_unfused(fmt):
+    """matvec over rmsnorm_q8's int8 blocks gives what matvec gives over rmsnorm's floats on the integer path
+    (its own quantization kernel), within the rare one-step rounding difference of the two kernels."""
+    _needs_int_dot()
+    dev = device()
+    rng = np.random.default_rng(7)
+    n, k, batch = 40, 512, 3
+    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, 7)
+    dw = mv.upload_weights(dev, qt)
+    x = rng.standard_normal((batch, k)).astype(np.float32)
+    g = rng.standard_normal(k).astype(np.float32)
+    xb, gb = upload(dev, x), upload(dev, g)
+    cfg = mv.choose_config(dev, qt.format, n, k, batch, int_dot=True)
+    since = snapshot()
+    unfused = mv.matvec(dev, dw, norms.rmsnorm(dev, xb, gb, batch, k, eps=1e-5), batch, config=cfg)
+    acts = mv.Q8Acts.in_buffer(norms.rmsnorm_q8(dev, xb, gb, batch, k, eps=1e-5), batch, k)
+    fused = mv.matvec(dev, dw, acts, batch)
+    want = dev.download(unfused, np.float32, (batch, n)).astype(np.float64)
+    check(dev.download(fused, np.float32, (batch, n)), want, since, tol=2e-3)
+    with pytest.raises(ValueError, match="integer dot-product path"):
+        mv.matvec(dev, dw, acts, batch, config=mv.MatvecConfig(cfg.wg, cfg.rows, cfg.use_subgroup, int_dot=False))

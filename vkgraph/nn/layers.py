@@ -8,6 +8,7 @@ lengths) comes in as integer Tensors, so one JIT capture serves every step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,16 @@ from ..dtype import dtypes
 from ..quant import ROW_ALIGN_ELEMS, QuantizedTensor, dequantize, quantize, stack_rows
 from ..tensor import Tensor, cat
 from .config import ModelConfig
-from .template_ops import ExpertLinear, KVCache, QuantLinear, paged_decode, prefill_attention, write_kv
+from .template_ops import (
+    ExpertLinear,
+    Int8Activations,
+    KVCache,
+    QuantLinear,
+    paged_decode,
+    prefill_attention,
+    rms_norm_q8,
+    write_kv,
+)
 
 
 class Linear:
@@ -39,7 +49,11 @@ class Linear:
             self.weight_t = Tensor(np.ascontiguousarray(np.asarray(weight, np.float32).T), dtype=float_dtype).realize()
         self.bias = Tensor(np.asarray(bias, np.float32)).realize() if bias is not None else None
 
-    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    def takes_int8(self, rows: int) -> bool:
+        """Whether `rows` rows of input may come as Int8Activations (see QuantLinear.takes_int8)."""
+        return self.quant is not None and self.quant.takes_int8(rows)
+
+    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
         if self.quant is not None:
             y = self.quant(x, residual=residual if self.bias is None else None)
         else:
@@ -58,7 +72,11 @@ class RMSNorm:
         self.weight = Tensor(np.asarray(weight, np.float32)).realize()
         self.eps = eps
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, into: Linear | ParallelLinear | None = None) -> Tensor | Int8Activations:
+        """The normalised x; where `into` (the one consumer of the result) takes int8 activations for these
+        rows, the norm writes them directly (one kernel instead of the norm's and the quantization's)."""
+        if into is not None and into.takes_int8(math.prod(x.shape[:-1])):
+            return rms_norm_q8(x, self.weight, self.eps)
         return x.rms_norm(self.weight, self.eps)
 
 
@@ -138,7 +156,11 @@ class ParallelLinear:
                                    for n, b in zip(self.sizes, biases, strict=True)])
         self.parts = [Linear(stacked, bias, float_dtype)]
 
-    def __call__(self, x: Tensor) -> list[Tensor]:
+    def takes_int8(self, rows: int) -> bool:
+        """Whether `rows` rows of input may come as Int8Activations: one stacked product that takes them."""
+        return len(self.parts) == 1 and self.parts[0].takes_int8(rows)
+
+    def __call__(self, x: Tensor | Int8Activations) -> list[Tensor]:
         if len(self.parts) > 1:
             return [p(x) for p in self.parts]
         y = self.parts[0](x)
@@ -156,7 +178,7 @@ class Attention:
         self.qkv = ParallelLinear([wq, wk, wv], [bq, bk, bv], float_dtype)
         self.o = Linear(wo, float_dtype=float_dtype)
 
-    def __call__(self, x: Tensor, residual: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache,
+    def __call__(self, x: Tensor | Int8Activations, residual: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache,
                  step: StepInputs) -> Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x)
@@ -182,7 +204,7 @@ class MLP:
         self.gate_up = ParallelLinear([w_gate, w_up], float_dtype=float_dtype)
         self.down = Linear(w_down, float_dtype=float_dtype)
 
-    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
         gate, up = self.gate_up(x)
         return self.down(gate.silu() * up, residual=residual)
 

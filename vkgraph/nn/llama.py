@@ -27,8 +27,10 @@ class TransformerBlock:
             self.ffn = MLP(w.w_gate, w.w_up, w.w_down, float_dtype)
 
     def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, step: StepInputs) -> Tensor:
-        x = self.attn(self.attn_norm(x), x, rope, cache, step)
-        return self.ffn(self.ffn_norm(x), residual=x)
+        # each norm names the product it feeds, so it can write that product's int8 activations itself
+        x = self.attn(self.attn_norm(x, into=self.attn.qkv), x, rope, cache, step)
+        h = self.ffn_norm(x, into=self.ffn.gate_up if isinstance(self.ffn, MLP) else None)
+        return self.ffn(h, residual=x)
 
 
 class LlamaModel:
@@ -60,4 +62,4 @@ class LlamaModel:
             x = layer(x, rope, cache, step)
         if logit_rows is not None:
             x = x.take(logit_rows, 0)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x, into=self.lm_head))

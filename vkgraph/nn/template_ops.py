@@ -17,6 +17,7 @@ from ..quant import QuantizedTensor
 from ..realize import has_dtype, limits
 from ..templates import dequant as dq
 from ..templates import matvec as mv
+from ..templates import norms
 from ..templates import paged_attention as pa
 from ..tensor import Tensor, custom
 
@@ -25,6 +26,37 @@ _MATVEC_ROWS = mv.MAX_BATCH
 # which reads W once per 64-row tile, instead of the matvec, which reads all of W once per 8 rows. An estimate:
 # the crossover has not been measured on a GPU yet.
 DEQUANT_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Int8Activations:
+    """Activations [*lead, K] already quantized for the integer matvec (int8 blocks of 32, their scales and
+    half-block sums: templates.matvec.Q8Acts), all in the uint32 Tensor `words`: what `rms_norm_q8` makes and
+    QuantLinear takes in place of float activations, so no quantization kernel runs between the two."""
+
+    words: Tensor
+    lead: tuple[int, ...]
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.lead, self.k)
+
+
+def rms_norm_q8(x: Tensor, weight: Tensor, eps: float) -> Int8Activations:
+    """x.rms_norm(weight, eps) over the last axis, written by one kernel as int8 activations (norms.rmsnorm_q8);
+    K % 32 == 0."""
+    *lead, k = x.shape
+    rows = math.prod(lead)
+    if k % 32:
+        raise ValueError(f"rms_norm_q8 quantizes blocks of 32: the last axis must be a multiple of 32, got {k}")
+
+    def run(dev: Any, out: Any, ins: list[Any]) -> None:
+        norms.rmsnorm_q8(dev, ins[0], ins[1], rows, k, eps=eps, out=out)
+
+    words = custom(run, [x.float().reshape(rows, k), weight.float()], (mv.Q8Acts.layout(rows, k)[0] // 4,),
+                   dtypes.uint32, key=(rows, k, eps), name="rmsnorm_q8")
+    return Int8Activations(words, tuple(lead), k)
 
 
 class QuantLinear:
@@ -48,8 +80,14 @@ class QuantLinear:
 
         self._dequantize = dequantize  # one function for every call, so a graph shares one W_f16 node
 
-    def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """x [..., in_features] float32 -> [..., out_features] float32 (+ residual, fused)."""
+    def takes_int8(self, rows: int) -> bool:
+        """Whether `rows` rows of activations may come as Int8Activations (they would take the integer path)."""
+        return (rows < DEQUANT_ROWS or not self.can_dequantize) and mv.takes_int8(self.weights.format, rows,
+                                                                                 self.in_features)
+
+    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
+        """x [..., in_features] float32, or Int8Activations where takes_int8 -> [..., out_features] float32
+        (+ residual, fused)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}): input's last "
                              f"dimension is {x.shape[-1]}")
@@ -59,6 +97,8 @@ class QuantLinear:
         if residual is not None and residual.shape != out_shape:
             raise ValueError(f"QuantLinear residual has shape {residual.shape}, expected {out_shape}")
         w, n, k = self.weights, self.out_features, self.in_features
+        if isinstance(x, Int8Activations):
+            return self._from_int8(x, rows, residual)
         if rows >= DEQUANT_ROWS and self.can_dequantize:
             # W_f16 is a temporary of the graph: made by the template, released after the matmul reads it
             w16 = custom(self._dequantize, self.tensors, (n, k), dtypes.float16, key=(id(self),),
@@ -80,6 +120,25 @@ class QuantLinear:
                 mv.matvec(dev, w, xin, b, out=o, residual=res)
 
         return custom(run, acts + self.tensors, out_shape, dtypes.float32, key=(id(self),),
+                      name=f"matvec_{self.format}")
+
+    def _from_int8(self, x: Int8Activations, rows: int, residual: Tensor | None) -> Tensor:
+        if not self.takes_int8(rows):
+            raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}) takes no int8 "
+                             f"activations for {rows} rows here (see takes_int8)")
+        w, n, k = self.weights, self.out_features, self.in_features
+        acts = [x.words] + ([residual.float()] if residual is not None else [])
+
+        def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            _bind(dev, w, ins[len(acts):])
+            q8 = mv.Q8Acts.in_buffer(ins[0], rows, k)
+            for r0 in range(0, rows, _MATVEC_ROWS):
+                b = min(_MATVEC_ROWS, rows - r0)
+                res = ins[1].view(r0 * n * 4, b * n * 4) if residual is not None else None
+                o = out.view(r0 * n * 4, b * n * 4) if rows > b else out
+                mv.matvec(dev, w, q8.rows(r0, b, k) if rows > b else q8, b, out=o, residual=res)
+
+        return custom(run, acts + self.tensors, (*x.lead, n), dtypes.float32, key=(id(self),),
                       name=f"matvec_{self.format}")
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..flags import flag
 from ..quant import QuantFormat, QuantizedTensor, kernel_layout, stack_rows
-from ..runtime import Device
+from ..runtime import Device, get_device
 from . import catalog
 from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
 
@@ -166,6 +166,15 @@ def int_dot_default(dev: Device, fmt: QuantFormat) -> bool:
     return setting == "1"
 
 
+def takes_int8(fmt: QuantFormat, rows: int, k: int) -> bool:
+    """Whether `rows` activation rows of width k into a matvec of this format on the default device take the
+    integer path (int_dot_default) in a form a producer may write directly as one Q8Acts buffer: K % 32 == 0,
+    and past MAX_BATCH rows (several calls, each on a view of its rows) K % Q8_ALIGN == 0, so that every
+    call's rows start on an offset any device can bind."""
+    fits = k % 32 == 0 and (rows <= MAX_BATCH or k % Q8_ALIGN == 0)
+    return rows >= 1 and fits and int_dot_default(get_device(), fmt)
+
+
 def _check_act_dtype(act_dtype: str) -> int:
     """Bytes per activation of `act_dtype`; ValueError when the templates do not take it."""
     if act_dtype not in ACT_DTYPES:
@@ -201,14 +210,23 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
            config: MatvecConfig | None = None) -> Any:
     """y[b, n] = sum_k W[n, k] x[b, k] (+ bias[n]) (+ residual[b, n]) for b < batch; returns y [batch, N].
 
-    x holds `batch` rows of K activations (float32, or float16 with act_dtype="f16"); bias is float32 [N],
-    residual float32 [batch, N] (it may be `out` itself); y is float32. Records the dispatch; does not wait.
+    x holds `batch` rows of K activations (float32, or float16 with act_dtype="f16"), or is a `Q8Acts`: the
+    rows already quantized for the integer path (e.g. by norms.rmsnorm_q8), which then needs no quantization
+    kernel. bias is float32 [N], residual float32 [batch, N] (it may be `out` itself); y is float32. Records
+    the dispatch; does not wait.
     """
     n, k = weights.shape
     act_bytes = _check_act_dtype(act_dtype)
     if not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch} (more rows: dequantize and matmul)")
-    check_buffer("x", x, batch * k * act_bytes)
+    if isinstance(x, Q8Acts):
+        x.check(batch, k)
+        if config is not None and not config.int_dot:
+            raise ValueError("int8-quantized activations need the integer dot-product path (config.int_dot)")
+        if config is None:
+            config = choose_config(dev, weights.format, n, k, batch, int_dot=True)
+    else:
+        check_buffer("x", x, batch * k * act_bytes)
     if out is None:
         out = dev.alloc(batch * n * 4)
     check_buffer("out", out, batch * n * 4)
@@ -231,13 +249,16 @@ def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x
     activation rows are quantized to int8 first, and the copies released once the matvec is recorded."""
     w = weights.body
     acts = [x, w, w]
-    if cfg.int_dot:
+    quantized = cfg.int_dot and not isinstance(x, Q8Acts)
+    if isinstance(x, Q8Acts):
+        acts = [x.xq, x.xd, x.xs]
+    elif cfg.int_dot:
         acts = list(quantize_activations(dev, x, x_rows, weights.shape[1], act_dtype))
     catalog.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:]],
                      groups, push={"n_rows": weights.shape[0] // n_experts, "k": weights.shape[1],
                                    "w_stride": weights.w_stride, "s_stride": weights.s_stride, "groups_x": groups[0],
                                    "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
-    if cfg.int_dot:
+    if quantized:
         for buf in acts:
             buf.release()
 
@@ -264,6 +285,48 @@ def quantize_activations(dev: Device, x: Any, rows: int, k: int, act_dtype: str 
     groups = grid_2d(dev, -(-n_blocks // wg))
     catalog.dispatch(dev, kern, [x, xq, xd, xs], groups, push={"n_blocks": n_blocks, "groups_x": groups[0]})
     return xq, xd, xs
+
+
+Q8_ALIGN = 256  # bytes: each part of a Q8Acts buffer starts on this boundary (any device's storage alignment)
+
+
+@dataclass(frozen=True)
+class Q8Acts:
+    """Activations [rows, K] quantized for the integer dot-product path, as quantize_activations returns them:
+    xq (int8 [rows, K]), xd (float32 per block of 32), xs (int32 per 16 values), each a buffer or view."""
+
+    xq: Any
+    xd: Any
+    xs: Any
+
+    @staticmethod
+    def layout(rows: int, k: int) -> tuple[int, tuple[int, int, int]]:
+        """(bytes, offsets of xq, xd and xs) of the three parts of `rows` rows kept in one buffer."""
+        sizes = (rows * k, rows * k // 8, rows * k // 4)
+        offsets, at = [], 0
+        for size in sizes:
+            offsets.append(at)
+            at += -(-size // Q8_ALIGN) * Q8_ALIGN
+        return at, (offsets[0], offsets[1], offsets[2])
+
+    @classmethod
+    def in_buffer(cls, buf: Any, rows: int, k: int) -> Q8Acts:
+        """The parts of `rows` rows in one buffer laid out by `layout`."""
+        nbytes, (q, d, s) = cls.layout(rows, k)
+        check_buffer("quantized activations", buf, nbytes)
+        return cls(buf.view(q, rows * k), buf.view(d, rows * k // 8), buf.view(s, rows * k // 4))
+
+    def rows(self, r0: int, count: int, k: int) -> Q8Acts:
+        """Rows r0 .. r0 + count (views: their offsets keep the device's storage alignment where K % 256 == 0)."""
+        return Q8Acts(self.xq.view(r0 * k, count * k), self.xd.view(r0 * k // 8, count * k // 8),
+                      self.xs.view(r0 * k // 4, count * k // 4))
+
+    def check(self, rows: int, k: int) -> None:
+        if k % 32:
+            raise ValueError(f"int8 activations come in blocks of 32: K % 32 == 0 needed, got K={k}")
+        for name, buf, nbytes in (("xq", self.xq, rows * k), ("xd", self.xd, rows * k // 8),
+                                  ("xs", self.xs, rows * k // 4)):
+            check_buffer(name, buf, nbytes)
 
 
 def upload_experts(dev: Device, experts: list[QuantizedTensor]) -> DeviceWeights:

@@ -1,4 +1,5 @@
-"""The small templates of a decoder step: RMSNorm, softmax, argmax (greedy sampling), SwiGLU and RoPE."""
+"""The small templates of a decoder step: RMSNorm (also straight into the integer matvec's int8 activations),
+softmax, argmax (greedy sampling), SwiGLU and RoPE."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 from ..runtime import Device
 from . import catalog
 from .common import check_buffer, grid_2d, pow2_floor
+from .matvec import Q8Acts
 
 ROW_WG = 128
 
@@ -31,6 +33,25 @@ def rmsnorm(dev: Device, x: Any, weight: Any, rows: int, n: int, *, eps: float =
     check_buffer("out", out, rows * n * 4)
     kern = catalog.compile(dev, "rmsnorm", spec={"WG": _row_wg(dev, n)})
     catalog.dispatch(dev, kern, [x, weight, out], (rows, 1, 1), push={"n": n, "eps": eps})
+    return out
+
+
+def rmsnorm_q8(dev: Device, x: Any, weight: Any, rows: int, n: int, *, eps: float = 1e-6,
+               out: Any | None = None) -> Any:
+    """RMSNorm of x [rows, n] (as `rmsnorm`) written int8-quantized for the integer dot-product matvec, in one
+    kernel: returns the buffer `out` (or a new one) holding matvec.Q8Acts.layout(rows, n); n % 32 == 0. The
+    values equal quantize_activations of rmsnorm's output up to a rounding step where the two kernels' float
+    results differ in the last bit."""
+    _check_rows(dev, rows, n)
+    if n % 32:
+        raise ValueError(f"rmsnorm_q8 quantizes blocks of 32: n % 32 == 0 needed, got n={n}")
+    check_buffer("x", x, rows * n * 4)
+    check_buffer("weight", weight, n * 4)
+    nbytes = Q8Acts.layout(rows, n)[0]
+    out = out if out is not None else dev.alloc(nbytes)
+    acts = Q8Acts.in_buffer(out, rows, n)
+    kern = catalog.compile(dev, "rmsnorm_q8", spec={"WG": _row_wg(dev, n // 4)})
+    catalog.dispatch(dev, kern, [x, weight, acts.xq, acts.xd, acts.xs], (rows, 1, 1), push={"n": n, "eps": eps})
     return out
 
 
