@@ -281,3 +281,23 @@ def test_a_stop_string_across_streamed_pieces_is_never_streamed(model_dir, weigh
         events = list(engine.generate([prompt], max_tokens=16, stop=[stop], stop_token_ids=[]))
         assert "".join(e.text for e in events) == full[:full.index(stop)] and events[-1].finished == "stop"
     assert_all_blocks_free(engine)
+
+
+def test_a_seeded_request_samples_the_same_alone_in_a_batch_and_when_preempted(weights):
+    from vkgraph.nn.sampling import SamplingParams
+
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    engine = Engine(model(weights, 16), max_batch=4)
+    rid = engine.add_request(PROMPTS[1], seeded, max_tokens=40, stop_token_ids=[])
+    alone = drain(engine)[rid]
+    other = SamplingParams(temperature=1.0, top_k=50)
+    crowded = Engine(model(weights, 8), max_batch=4, seed=5)  # too few blocks for all three: preemption
+    ids = [crowded.add_request(PROMPTS[0], other, max_tokens=40, stop_token_ids=[]),
+           crowded.add_request(PROMPTS[1], seeded, max_tokens=40, stop_token_ids=[]),
+           crowded.add_request(PROMPTS[2], other, max_tokens=40, stop_token_ids=[])]
+    outs = drain(crowded)
+    assert crowded.stats["preemptions"] > 0
+    assert outs[ids[1]] == alone
+    rid = engine.add_request(PROMPTS[1], SamplingParams(temperature=1.0, seed=4321), max_tokens=40,
+                             stop_token_ids=[])
+    assert drain(engine)[rid] != alone

@@ -154,6 +154,8 @@ def test_sampling_parameters(client):
     sampled = {complete(client, "Hello", temperature=1.5, max_tokens=8,
                         extra_body={"min_p": 0.0}).choices[0].text for _ in range(3)}
     assert sampled != {greedy}
+    seeded = [complete(client, "Hello", temperature=1.5, max_tokens=8, seed=s).choices[0].text for s in (7, 7, 8)]
+    assert seeded[0] == seeded[1] != seeded[2]
     with pytest.raises(openai.BadRequestError):
         complete(client, "Hello", temperature=-1)
     with pytest.raises(openai.BadRequestError, match="logprobs"):

@@ -112,6 +112,7 @@ class Engine:
         self._failed: list[Event] = []  # error events of requests a failed step finished, for the next step
         self._marks: list[_Mark] = []  # the state before this step of each request it has touched
         manual_seed(seed)
+        self._host_rng = np.random.default_rng(seed)  # rows batched with a seeded request (see _noise)
         self._decode = jit(self._decode_step, max_entries=16)
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -267,7 +268,7 @@ class Engine:
                              pad_tokens=rows)
         st = SamplingTensors.build([r.params for r in reqs], rows, self.vocab)
         presence = self._presence(reqs, rows)
-        noise = self._noise(st, rows)
+        noise = self._noise(st, reqs, rows)
         tokens = self._decode(Tensor(meta.input_ids), Tensor(meta.positions), Tensor(meta.slot_mapping),
                               Tensor(meta.block_tables), Tensor(meta.context_lens), st.temperature, st.top_k, st.top_p,
                               st.min_p, st.penalty, presence, noise, st.use_top_k, st.use_top_p,
@@ -288,12 +289,22 @@ class Engine:
 
     def _sample(self, logits: Tensor, reqs: list[Request]) -> np.ndarray:
         st = SamplingTensors.build([r.params for r in reqs], len(reqs), self.vocab)
-        return sample(logits, st, self._presence(reqs, len(reqs)), self._noise(st, len(reqs))).numpy()
+        return sample(logits, st, self._presence(reqs, len(reqs)), self._noise(st, reqs, len(reqs))).numpy()
 
-    def _noise(self, st: SamplingTensors, rows: int) -> Tensor:
+    def _noise(self, st: SamplingTensors, reqs: list[Request], rows: int) -> Tensor:
         """Uniform noise for the Gumbel draw; a (rows, 1) placeholder when every row is greedy (no vocabulary-
-        sized random kernel per step)."""
-        return Tensor.rand(rows, self.vocab) if st.use_sampling else Tensor(np.zeros((rows, 1), np.float32))
+        sized random kernel per step). A request with a seed draws from a generator keyed by (seed, the index of
+        the token drawn), so its output does not depend on the batch it runs in or on preemption; a batch holding
+        one is drawn on the host (the other rows from the engine's own seeded generator)."""
+        if not st.use_sampling:
+            return Tensor(np.zeros((rows, 1), np.float32))
+        if all(r.params.seed is None for r in reqs):
+            return Tensor.rand(rows, self.vocab)
+        noise = self._host_rng.random((rows, self.vocab), dtype=np.float32)
+        for i, r in enumerate(reqs):
+            if r.params.seed is not None:
+                noise[i] = np.random.default_rng([r.params.seed, len(r.output)]).random(self.vocab, np.float32)
+        return Tensor(noise)
 
     def _presence(self, reqs: list[Request], rows: int) -> Tensor:
         """Tokens each request has seen, for the repetition penalty; a (rows, 1) zero column (broadcast, and no

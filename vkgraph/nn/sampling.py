@@ -30,6 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    seed: int | None = None  # draws of this request depend only on (seed, token index), not on its batch
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -40,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 

@@ -9,6 +9,7 @@ while shutting down, 500 when the engine failed on the request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -148,9 +149,8 @@ def _completion_prompts(tok: Tokenizer, prompt: object) -> list[list[int]]:
 def _params(body: _Sampling) -> SamplingParams:
     if body.logprobs or body.top_logprobs:
         raise APIError(400, "logprobs are not supported by this server", param="logprobs")
-    if body.seed is not None:
-        raise APIError(400, "per-request seeds are not supported (the server's --seed seeds all sampling)",
-                       param="seed")
+    if body.seed is not None and not 0 <= body.seed < 2**63:
+        raise APIError(400, f"seed must be in [0, 2**63), got {body.seed}", param="seed")
     return SamplingParams(body.temperature, body.top_k, body.top_p, body.min_p, body.repetition_penalty)
 
 
@@ -160,9 +160,9 @@ async def _submit_all(state: ServerState, body: _Sampling, prompts: list[list[in
     try:
         for prompt in prompts:
             max_tokens = body.max_tokens or max(1, state.max_context - len(prompt))
-            for _ in range(body.n):
-                streams.append(await state.engine.submit(prompt, params, max_tokens=max_tokens,
-                                                         stop=body.stop_list()))
+            for j in range(body.n):  # with a seed, choice j draws from seed + j: reproducible, and distinct
+                p = params if body.seed is None else dataclasses.replace(params, seed=(body.seed + j) % 2**64)
+                streams.append(await state.engine.submit(prompt, p, max_tokens=max_tokens, stop=body.stop_list()))
     except ShuttingDown as e:
         _abort(state, streams)
         raise APIError(503, str(e), "server_error", code="shutting_down") from None
