@@ -11,6 +11,8 @@ lowering, and runs the remembered plan (programs, buffer lifetimes) with its own
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -342,6 +344,48 @@ def _programs(dev) -> LRU[str, object]:
     return compiled
 
 
+COMPILE_THREADS = 8  # at most, and at most the machine's cores
+PROGRESS_MIN = 8  # a new plan compiling this many programs shows a progress bar on a terminal
+
+
+def _compile_ahead(plan: Plan) -> None:
+    """Compile a new plan's programs that this device lacks, several at once (glslang runs on threads; its C
+    calls release the GIL), with a progress bar on a terminal when they are many. A first run of a model meets
+    dozens of programs at once; compiled one by one, in the order of dispatch, they took most of its time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dev = get_device()
+    compiled = _programs(dev)
+    todo: dict[str, tuple[str, tuple]] = {}
+    for step in plan.steps:
+        if type(step) is not CustomStep:
+            for src, name, _, _, fields, _, _ in step.programs:
+                if src not in todo and src not in compiled:
+                    todo[src] = (name, fields)
+    if len(todo) < 2:
+        return  # _execute compiles the one there is
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(todo), desc=f"compiling {len(todo)} kernels", unit="kernel", leave=False,
+               disable=len(todo) < PROGRESS_MIN or not sys.stderr.isatty())
+
+    def one(item: tuple[str, tuple[str, tuple]]) -> tuple[str, object]:
+        src, (name, fields) = item
+        kern = dev.pipeline(src, name=name)
+        if kern.push_names != fields:  # the values are packed by position
+            raise AssertionError(f"{name}: push fields {fields} are declared as {kern.push_names}")
+        return src, kern
+
+    pool = ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, COMPILE_THREADS), "vkgraph-compile")
+    try:
+        for src, kern in pool.map(one, todo.items()):
+            compiled.put(src, kern)
+            bar.update()
+    finally:
+        pool.shutdown(cancel_futures=True)  # on an error or Ctrl-C, what has not started is dropped
+        bar.close()
+
+
 def _execute(plan: Plan, refs: list[BufferRef], customs: list[Node], params: list, debug: int) -> None:
     dev = get_device()
     compiled = _programs(dev)
@@ -405,6 +449,7 @@ def run(sched: Schedule) -> None:
                 inputs.append(r)
     params, param_slot = _params(sched)
     plan, refs = _plan(sched, inputs, customs, param_slot)
+    _compile_ahead(plan)
     _execute(plan, refs, customs, params, flag("VKGRAPH_DEBUG"))
 
 
@@ -436,6 +481,7 @@ def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[Buff
             return sched.outputs
         if st.key is not None:
             _PLANS.put(st.key, plan)
+        _compile_ahead(plan)
     _execute(plan, refs, st.customs, st.params, debug)
     return [refs[i] for i in plan.outputs]
 
