@@ -53,6 +53,7 @@ def in_process(capsys, *args: str) -> tuple[int, str, str]:
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--max-tokens", "ten"], "invalid int value"),
     (["--quantize", "Q3_X"], "invalid choice"),
+    (["--quantize", "IQ4_XS"], "invalid choice"),  # no quantizer
     (["--prompt", "b", "--draft", "{hf}"], "--draft decodes one prompt at a time"),
 ])
 def test_bad_arguments_refused_before_loading(tiny, capsys, monkeypatch, args, words):
@@ -185,3 +186,8 @@ def test_chat_without_a_template_or_with_a_prompt_refused(tiny, tmp_path, capsys
     assert rc == 2 and "--chat takes neither --prompt" in one_error_line(err)
     rc, out, err = in_process(capsys, "--model", str(tiny["hf"]))
     assert rc == 2 and "--prompt is required (or --chat)" in one_error_line(err)
+
+
+def test_quantize_on_load_to_a_format_the_rows_cannot_hold(tiny, capsys):
+    rc, out, err = in_process(capsys, "--model", str(tiny["hf"]), "--prompt", "a", "--quantize", "Q4_K")
+    assert rc == 2 and "not a multiple of the block size 256" in one_error_line(err)

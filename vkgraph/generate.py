@@ -19,6 +19,7 @@ from typing import NoReturn
 from .nn.config import ModelFormatError
 from .nn.kv_cache import OutOfKVBlocks
 from .nn.sampling import SamplingParams
+from .quant import QUANTIZERS
 from .runtime import OutOfDeviceMemory
 
 PROG = "python -m vkgraph.generate"
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is none")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
-    ap.add_argument("--quantize", choices=["Q8_0", "Q4_0"], help="quantize float weights on load")
+    ap.add_argument("--quantize", choices=[f for f in QUANTIZERS if f not in ("F16", "BF16")],
+                    help="quantize float weights on load (K-quants need rows that are multiples of 256)")
     ap.add_argument("--kv-dtype", choices=["f16", "f32"], default="f16", help="KV cache element type")
     ap.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks of 16 tokens")
     ap.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
