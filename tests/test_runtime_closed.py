@@ -135,7 +135,12 @@ RUNAWAY = '''
 SPIN = """#version 450
 layout(local_size_x = 1) in;
 layout(set = 0, binding = 0) buffer B { float v[]; };
-void main() { v[0] += 1.0; }
+void main() {
+    float x = v[0];
+    // a million steps per invocation (nested: lavapipe caps one loop at 65535), stored so none is dropped
+    for (uint o = 0u; o < 1000u; o++) { for (uint i = 0u; i < 1000u; i++) { x = sin(x) + 1e-3; } }
+    v[gl_WorkGroupID.x & 15u] = x;
+}
 """
 d = get_device()
 runaway = d.pipeline(SPIN)
