@@ -441,8 +441,8 @@ def create_schedule(targets: list[Node], realized: Mapping[Node, BufferRef],
                     add_kernel(root, ref, st)
                 stored.add(id(n))
                 continue
-        if n.op is Op.VIEW and src is not None and is_input(src, realized) and n.arg.is_contiguous:
-            refs[n] = ref_of(src)  # a plain reshape of a realized buffer needs no copy
+        if n.op is Op.VIEW and src is not None and (is_input(src, realized) or src in refs) and n.arg.is_contiguous:
+            refs[n] = ref_of(src)  # a plain reshape of a realized buffer (an input, or stored above) needs no copy
         elif n.op is Op.CUSTOM:
             refs[n] = BufferRef(n.dtype, n.numel)
             temps.append(refs[n])
