@@ -3,8 +3,8 @@
 Plain and slow on purpose: float64 by default, one function per piece, no paging. It consumes the same
 `ModelWeights` the loader returns (quantized tensors are dequantized), uses Hugging Face's rotate-half RoPE
 layout (the one the loader guarantees) and `ModelConfig.rope_inv_freq` for RoPE frequencies (Llama 3 scaling
-included). Supports GQA, q/k/v biases, RMSNorm, SwiGLU and the Mixtral mixture of experts (router softmax,
-top-k, renormalised weights).
+included). Supports GQA, q/k/v biases, RMSNorm, SwiGLU, Gemma's GeGLU and embedding scale, and the Mixtral
+mixture of experts (router softmax, top-k, renormalised weights).
 
 `vkgraph.nn.tiny_model` writes the models this reference runs.
 """
@@ -60,8 +60,13 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1 + np.exp(-x))
 
 
-def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    return (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def swiglu(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, act=silu) -> np.ndarray:
+    """down(act(gate x) * up x): SwiGLU, or GeGLU with act=gelu_tanh (Gemma)."""
+    return (act(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
 
 
 def moe(x: np.ndarray, router: np.ndarray, experts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
@@ -114,6 +119,8 @@ class ReferenceLlama:
         start = cache.length if cache is not None else 0
         pos = np.arange(start, start + len(tokens))
         x = self.embed[np.asarray(tokens)]
+        if c.arch == "gemma":  # embeddings scaled by sqrt(dim) (a float32 constant in Hugging Face's Gemma)
+            x = x * np.float32(np.sqrt(c.dim))
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], c.norm_eps)
             q, k, v = h @ L["wq"].T, h @ L["wk"].T, h @ L["wv"].T
@@ -134,7 +141,7 @@ class ReferenceLlama:
             if c.is_moe:
                 x = x + moe(h, L["router"], L["experts"], c.n_experts_per_tok)
             else:
-                x = x + swiglu(h, L["w_gate"], L["w_up"], L["w_down"])
+                x = x + swiglu(h, L["w_gate"], L["w_up"], L["w_down"], gelu_tanh if c.arch == "gemma" else silu)
         return rms_norm(x, self.norm, c.norm_eps) @ self.lm_head.T
 
     def greedy(self, prompt: Sequence[int], n_new: int) -> list[int]:

@@ -354,3 +354,23 @@ def test_mixed_quantization_files_match_reference(tmp_path, mix):
                       block_tables=Tensor(np.arange(6, dtype=np.int32)[None]),
                       context_lens=Tensor(np.array([n + 1], np.int32)))
     assert nerr(model(Tensor(np.array([tok], np.int32)), step).numpy(), want) < 5e-4
+
+
+@pytest.mark.parametrize("kind", ["hf", "Q8_0"])
+def test_gemma_matches_reference(tmp_path, kind):
+    """Gemma: GeGLU with tanh GELU, embeddings scaled by sqrt(dim), norms of 1 + w (Hugging Face stores w, GGUF
+    1 + w: both load to the same scale), tied output."""
+    cfg = tiny_model.tiny_config(arch="gemma", tie_embeddings=True)
+    paths = tiny_model.write_model(tmp_path, cfg, gguf_types=("Q8_0",))
+    w, model = build(paths[kind])
+    assert w.config.arch == "gemma" and w.config.tie_embeddings
+    np.testing.assert_allclose(w.layers[0].attn_norm, tiny_model.tensor(0, "model.layers.0.input_layernorm.weight",
+                                                                        (cfg.dim,)), rtol=1e-6)
+    ref = ReferenceLlama(w)
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11]
+    want = ref.forward(prompt)
+    n = len(prompt)
+    step = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
+                      cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
+    assert nerr(model(Tensor(np.array(prompt, np.int32)), step).numpy(), want) < 5e-4
+    assert ref.greedy(prompt, 6) == run(Engine(model), [prompt], max_tokens=6)[0]

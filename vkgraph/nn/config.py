@@ -25,8 +25,9 @@ class UnsupportedModelError(ModelFormatError):
 
 
 # Hugging Face model_type -> our architecture name (Mistral and Mixtral are Llama-shaped; GGUF calls them "llama")
-HF_ARCHS = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "phi3": "phi3"}
-GGUF_ARCHS = ("llama", "qwen2", "phi3")
+HF_ARCHS = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "phi3": "phi3",
+            "gemma": "gemma"}
+GGUF_ARCHS = ("llama", "qwen2", "phi3", "gemma")
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # "llama" (also Mistral, Mixtral), "qwen2" or "phi3" (Llama's blocks with fused qkv and gate/up)
+    # "llama" (also Mistral, Mixtral), "qwen2", "phi3" (Llama's blocks with fused qkv and gate/up) or "gemma" (GeGLU
+    # with tanh GELU, the embedding scaled by sqrt(dim), norms scaling by 1 + w: stored so in GGUF, added on load)
+    arch: str
     vocab_size: int
     dim: int
     n_layers: int
@@ -166,7 +169,7 @@ class ModelConfig:
             rope_theta=f.float("rope_theta", 10000.0, lo=1.0),
             rope_scaling=_hf_rope_scaling(hf.get("rope_scaling")),
             max_seq_len=max_seq_len,
-            tie_embeddings=f.bool("tie_word_embeddings", False),
+            tie_embeddings=f.bool("tie_word_embeddings", model_type == "gemma"),
             attn_bias=model_type == "qwen2" or f.bool("attention_bias", False),
             n_experts=n_experts,
             n_experts_per_tok=f.int("num_experts_per_tok") if n_experts else 0,
@@ -176,15 +179,15 @@ class ModelConfig:
         """A config.json dict that `from_hf` reads back to this config (GGUF-only fields excepted)."""
         hf: dict[str, Any] = {
             "architectures": ["MixtralForCausalLM" if self.is_moe else
-                              {"qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM"}.get(self.arch,
-                                                                                          "LlamaForCausalLM")],
+                              {"qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM",
+                               "gemma": "GemmaForCausalLM"}.get(self.arch, "LlamaForCausalLM")],
             "model_type": "mixtral" if self.is_moe else self.arch,
             "vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
             "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
             "intermediate_size": self.ffn_dim, "head_dim": self.head_dim, "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta, "max_position_embeddings": self.max_seq_len,
             "tie_word_embeddings": self.tie_embeddings, "attention_bias": self.attn_bias,
-            "hidden_act": "silu", "torch_dtype": "float32",
+            "hidden_act": "gelu_pytorch_tanh" if self.arch == "gemma" else "silu", "torch_dtype": "float32",
         }
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {"rope_type": self.rope_scaling.type,

@@ -198,15 +198,17 @@ class Attention:
 
 
 class MLP:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); GeGLU (gelu="tanh", Gemma): down(gelu(gate(x)) * up(x))."""
 
-    def __init__(self, w_gate, w_up, w_down, float_dtype: str = "float16") -> None:
+    def __init__(self, w_gate, w_up, w_down, float_dtype: str = "float16", gelu: str | None = None) -> None:
         self.gate_up = ParallelLinear([w_gate, w_up], float_dtype=float_dtype)
         self.down = Linear(w_down, float_dtype=float_dtype)
+        self.gelu = gelu
 
     def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
         gate, up = self.gate_up(x)
-        return self.down(gate.silu() * up, residual=residual)
+        act = gate.silu() if self.gelu is None else gate.gelu(self.gelu)
+        return self.down(act * up, residual=residual)
 
 
 class MoE:

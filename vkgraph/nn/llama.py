@@ -1,4 +1,4 @@
-"""A Llama-family model (Llama 1-3, Mistral, Mixtral, Qwen2, Phi-3) written with vkgraph's layers.
+"""A Llama-family model (Llama 1-3, Mistral, Mixtral, Qwen2, Phi-3, Gemma) written with vkgraph's layers.
 
     weights = load_weights("model.gguf")
     model = LlamaModel(weights, num_blocks=256)
@@ -8,6 +8,8 @@ The forward pass is plain Tensor code: read it as the reference for writing your
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from ..tensor import Tensor
 from .config import ModelConfig
@@ -24,7 +26,7 @@ class TransformerBlock:
         if cfg.is_moe:
             self.ffn: MLP | MoE = MoE(w.router, w.experts, cfg.n_experts_per_tok, float_dtype)
         else:
-            self.ffn = MLP(w.w_gate, w.w_up, w.w_down, float_dtype)
+            self.ffn = MLP(w.w_gate, w.w_up, w.w_down, float_dtype, gelu="tanh" if cfg.arch == "gemma" else None)
 
     def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, step: StepInputs) -> Tensor:
         # each norm names the product it feeds, so it can write that product's int8 activations itself
@@ -57,6 +59,8 @@ class LlamaModel:
     def __call__(self, tokens: Tensor, step: StepInputs, logit_rows: Tensor | None = None) -> Tensor:
         """Logits (rows, vocab) float32 for the tokens at `logit_rows` (all tokens when None)."""
         x = self.embed(tokens)
+        if self.config.arch == "gemma":  # Gemma scales its embeddings by sqrt(dim), rounded to float32 as HF does
+            x = x * float(np.float32(np.sqrt(self.config.dim)))
         rope = self.rope.tables(step.positions)
         for layer, cache in zip(self.layers, self.caches):
             x = layer(x, rope, cache, step)

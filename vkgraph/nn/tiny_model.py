@@ -148,6 +148,8 @@ def write_hf(out: Path, cfg: ModelConfig, seed: int, tok) -> None:
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2))
     tensors = {name: tensor(seed, name, shape) for name, (shape, _) in expected_tensors(cfg).items()}
+    if cfg.arch == "gemma":  # Hugging Face's Gemma stores w for a norm scale of 1 + w (GGUF stores 1 + w)
+        tensors = {k: v - np.float32(1) if k.endswith("norm.weight") else v for k, v in tensors.items()}
     if cfg.arch == "phi3":  # Phi-3's fused q/k/v and gate/up, rows in that order
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
@@ -345,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tie", action="store_true", help="tie lm_head to the embedding")
     ap.add_argument("--qwen2", action="store_true", help="Qwen2 architecture (q/k/v biases)")
     ap.add_argument("--phi3", action="store_true", help="Phi-3 architecture (fused q/k/v and gate/up tensors)")
+    ap.add_argument("--gemma", action="store_true", help="Gemma architecture (GeGLU, scaled embedding, 1 + w norms)")
     a = ap.parse_args(argv)
     cfg = llama3_8b_config() if a.preset == "llama3-8b" else tiny_config()
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -362,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         over |= {"arch": "qwen2", "attn_bias": True}
     if a.phi3:
         over["arch"] = "phi3"
+    if a.gemma:
+        over |= {"arch": "gemma", "tie_embeddings": True}
     cfg = dataclasses.replace(cfg, **over)
     types = tuple(t.strip().upper() for t in a.gguf.split(",") if t.strip())
     paths = write_model(a.out, cfg, seed=a.seed, gguf_types=types,

@@ -16,7 +16,7 @@ too), so the same model code serves both formats. Qwen2 GGUF files are stored un
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -142,7 +142,20 @@ def load_weights(path: str | Path, *, quantize: str | None = None, progress: boo
         src = _SafetensorsSource(files, ModelConfig.from_hf(d))
     if src.config.arch == "phi3":
         src = _FusedSource(src)
-    return _assemble(src, quantize, progress, p.name)
+    weights = _assemble(src, quantize, progress, p.name)
+    if weights.config.arch == "gemma" and p.suffix != ".gguf":
+        weights = _gemma_norms(weights)
+    return weights
+
+
+def _gemma_norms(w: ModelWeights) -> ModelWeights:
+    """Gemma's norms scale by 1 + w, w as Hugging Face stores it (llama.cpp's converter stores 1 + w): added here
+    in float32, as Gemma's RMSNorm computes it, so every format reaches the model code as a plain scale."""
+    def plus1(v: np.ndarray) -> np.ndarray:
+        return np.asarray(v, np.float32) + np.float32(1)
+
+    layers = [replace(lw, attn_norm=plus1(lw.attn_norm), ffn_norm=plus1(lw.ffn_norm)) for lw in w.layers]
+    return replace(w, layers=layers, norm=plus1(w.norm))
 
 
 def _assemble(src: _Source, quantize: str | None, progress: bool, label: str) -> ModelWeights:
