@@ -372,3 +372,14 @@ def test_gradient_sweep():
         rows, cols = int(rng.integers(2, 4)), int(rng.integers(2, 6))
         for vk, ref in REDUCE.values():
             check_grad(vk, ref, [rng.standard_normal((rows, cols))], k)
+
+
+def test_embedding_gradient_through_the_tiled_matmul():
+    rng = np.random.default_rng(9)
+    w = Tensor(rng.standard_normal((300, 20)).astype(np.float32)).requires_grad_()
+    idx = rng.integers(0, 300, (4, 25))
+    g = rng.standard_normal((4, 25, 20)).astype(np.float32)
+    (vkgraph.tensor.embedding(Tensor(idx.astype(np.int32)), w) * Tensor(g)).sum().backward()
+    want = np.zeros((300, 20))
+    np.add.at(want, idx.ravel(), g.reshape(-1, 20))
+    close(w.grad.numpy(), want, 1e-6)

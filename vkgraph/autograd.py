@@ -489,8 +489,9 @@ def _gather(n, gr, s):
     pos = (pos < 0).where(pos + size, pos)
     hot = (pos.reshape(k, 1) == _arange(size).reshape(1, size)).cast(gr.dtype)
     pn, qn = math.prod(pre), math.prod(post)
-    flat = gr.reshape(pn, k, qn)
-    out = (flat.reshape(pn, k, 1, qn) * hot.reshape(1, k, size, 1)).sum(1)
+    # the transpose of a gather is a scatter-add: a one-hot matmul (size, k) @ (k, post), so a large one takes
+    # the tiled matmul path
+    out = hot.transpose(0, 1).reshape(1, size, k) @ gr.reshape(pn, k, qn)
     return out.reshape(x.shape), None
 
 
