@@ -294,3 +294,12 @@ def test_dropout():
     assert set(np.unique(y)) <= {0.0, np.float32(1 / 0.75)}
     assert abs((y == 0).mean() - 0.25) < 0.05
     assert F.dropout(x, 0.5, training=False) is x
+
+
+def test_dropout_draws_anew_at_each_replay():
+    import vkgraph
+    f = vkgraph.jit(lambda x: F.dropout(x, 0.5))
+    x = Tensor(np.ones(2048, np.float32))
+    masks = [f(x).numpy() == 0 for _ in range(5)]  # eager, capture, three replays
+    assert all(abs(m.mean() - 0.5) < 0.05 for m in masks)
+    assert all(not np.array_equal(masks[i], masks[i + 1]) for i in range(4))

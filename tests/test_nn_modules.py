@@ -62,3 +62,32 @@ def test_layers_match_functional():
     np.testing.assert_allclose(nn.GroupNorm(3, 3)(x).numpy(), F.group_norm(x, 3).numpy(), rtol=1e-6)
     emb = nn.Embedding(5, 2, rng=rng)
     np.testing.assert_array_equal(emb(Tensor(np.array([4, 0], np.int32))).numpy(), emb.weight.numpy()[[4, 0]])
+
+
+def test_training_step_with_batch_norm_under_jit():
+    """Running statistics are written in place inside the forward: a captured step keeps updating them."""
+    import vkgraph
+
+    def make():
+        net = Net()
+        net.head.layers[1].p = 0.0  # no dropout: eager and replayed runs draw no random numbers
+        return net, optim.Adam(net.parameters(), lr=0.01)
+
+    rng = np.random.default_rng(3)
+    data = [(rng.standard_normal((6, 1, 4, 4)).astype(np.float32), rng.integers(0, 3, 6).astype(np.int32))
+            for _ in range(5)]
+
+    def run(net, opt, x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    ne, oe = make()
+    eager = [run(ne, oe, Tensor(x), Tensor(y)).item() for x, y in data]
+    nj, oj = make()
+    step = vkgraph.jit(lambda x, y: run(nj, oj, x, y))
+    got = [step(Tensor(x), Tensor(y)).item() for x, y in data]
+    np.testing.assert_allclose(got, eager, rtol=1e-5)
+    np.testing.assert_allclose(nj.features[1].running_var.numpy(), ne.features[1].running_var.numpy(), rtol=1e-5)

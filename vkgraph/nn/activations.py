@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from ..tensor import Tensor, _axis
 
 
@@ -119,15 +123,39 @@ def tanhshrink(x: Tensor) -> Tensor:
     return _f(x) - x.tanh()
 
 
+_STREAM: list[Tensor] = []  # a device counter (uint32) of the random numbers dropout has used
+
+
+def _uniform(shape: tuple[int, ...]) -> Tensor:
+    """Uniform [0, 1) numbers from a hash of (a device counter + position). The counter lives in a device tensor
+    and moves on in place at each call, so a step captured by `vkgraph.jit` draws new numbers at every replay
+    (Tensor.rand's counters are push constants, frozen at capture)."""
+    from ..autograd import no_grad
+    from ..tensor import _rng
+    if not _STREAM:
+        _STREAM.append(Tensor(np.zeros((), np.uint32)))
+    counter = _STREAM[0]
+    n = math.prod(shape)
+    with no_grad():
+        start = counter.clone().realize()  # read before the in-place step below
+        counter.assign(counter + (n & 0xFFFFFFFF))
+    h = (Tensor.arange(n, dtype="uint32") + start) * 0x9E3779B1 + (_rng["seed"] & 0xFFFFFFFF)
+    h = h ^ (h >> 16)  # murmur3's finalizer: every input bit reaches every output bit
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    h = h ^ (h >> 16)
+    return ((h >> 8).cast("float32") * (1.0 / (1 << 24))).reshape(shape)
+
+
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
-    """Zero each element with probability p and scale the rest by 1 / (1 - p) (only when training)."""
+    """Zero each element with probability p and scale the rest by 1 / (1 - p) (only when training). The mask is
+    drawn anew at every call, replays of a captured step included."""
     if not 0 <= p <= 1:
         raise ValueError(f"dropout probability {p} is not in [0, 1]")
     if not training or p == 0:
         return x
     if p == 1:
         return x * 0.0
-    keep = Tensor.rand(*x.shape) >= p
+    keep = _uniform(x.shape) >= p
     return keep.where(_f(x) * (1.0 / (1.0 - p)), 0.0)
-
-
