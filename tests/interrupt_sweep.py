@@ -106,12 +106,12 @@ class Sweep:
                 call()
             finally:
                 sys.settrace(None)
-            time.sleep(0.01)  # an interrupt deferred out of a critical section arrives by now
         except KeyboardInterrupt:  # a call that was not interrupted must be correct: other errors propagate
             self.arrived += 1
-        for _ in range(3):  # at most one interrupt per attempt; a late one lands in these sleeps
-            try:
-                time.sleep(0.004)
+        deadline = time.monotonic() + 5.0
+        while self.arrived < self.fired and time.monotonic() < deadline:
+            try:  # an interrupt deferred out of a critical section arrives a few milliseconds later
+                time.sleep(0.002)
             except KeyboardInterrupt:
                 self.arrived += 1
         return count
