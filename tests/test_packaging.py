@@ -21,7 +21,9 @@ from vkgraph import templates
 ROOT = Path(vkgraph.__file__).resolve().parent.parent
 # heavy modules that only model loading, tokenizers or bfloat16 numpy arrays need
 LAZY = ("ml_dtypes", "gguf", "tokenizers", "safetensors", "tqdm")
-# the target is 0.5 s (about 0.15 s on an idle machine); the bound leaves room for a machine shared by many jobs
+# the target is 0.5 s (about 0.15 s wall time on an idle machine). Measured as the process's CPU time, which a
+# machine shared by many jobs stretches far less than wall time (5x at a load of 10 on 2 cores, CPU time ~0.25 s);
+# the bound leaves room on top of that
 IMPORT_BOUND_S = 1.5
 
 
@@ -36,15 +38,15 @@ def _python(code: str, **kwargs) -> str:
 def test_import_is_quick_and_imports_no_heavy_module():
     code = textwrap.dedent(f"""
         import sys, time
-        t = time.perf_counter()
+        t = time.process_time()
         import vkgraph
-        print(time.perf_counter() - t)
+        print(time.process_time() - t)
         print(",".join(m for m in {LAZY!r} if m in sys.modules))
     """)
     runs = [_python(code).split("\n") for _ in range(2)]
     assert all(r[1] == "" for r in runs), f"imported eagerly: {runs[0][1]}"
     best = min(float(r[0]) for r in runs)
-    assert best < IMPORT_BOUND_S, f"import vkgraph took {best:.2f} s"
+    assert best < IMPORT_BOUND_S, f"import vkgraph took {best:.2f} s of CPU time"
 
 
 def test_model_code_imports_no_heavy_module_until_it_loads_weights():
