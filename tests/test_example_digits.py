@@ -14,7 +14,7 @@ from train_digits_cnn import train  # noqa: E402
 
 
 def test_digits_cnn_learns():
-    # deterministic (fixed seeds, no sampling): this run goes from 2.39 to 2.07 mean loss and 48% test accuracy
+    # deterministic (fixed seeds, no sampling): this run goes from 2.39 to 1.86 mean loss and 57% test accuracy
     r = train(epochs=1, batch=16, lr=1e-2, max_steps=20)
     assert len(r.losses) == 20 and len(set(r.losses)) > 15  # one loss per step, each its own
     assert np.mean(r.losses[-5:]) < np.mean(r.losses[:5]) - 0.15

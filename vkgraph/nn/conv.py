@@ -83,11 +83,11 @@ def conv(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: IntOrTup
     win = windows(x.reshape(n, groups, cg, *x.shape[2:]), kernel, stride, dilation)  # (N, G, Cg, *O, *K)
     out_sp = win.shape[3:3 + nd]
     p, ck, og = math.prod(out_sp), cg * math.prod(kernel), o // groups
-    if p * og >= 4096 and p >= 16 and og >= 16:  # big enough for the tiled matmul: (N, G, P, CK) @ (G, CK, Og)
-        order = (0, 1) + tuple(range(3, 3 + nd)) + (2,) + tuple(range(3 + nd, 3 + 2 * nd))
-        a = win.permute(order).reshape(n, groups, p, ck)
-        w = weight.cast(d).reshape(groups, og, ck).transpose(-1, -2)
-        out = (a @ w).transpose(-1, -2).reshape(n, o, *out_sp)
+    if n * p * og >= 4096 and n * p >= 16 and og >= 16:  # im2col as a view, one GEMM per group: the tiled matmul
+        order = (1, 0) + tuple(range(3, 3 + nd)) + (2,) + tuple(range(3 + nd, 3 + 2 * nd))
+        a = win.permute(order).reshape(groups, n * p, ck)  # (G, N * P, Cg * K), rows of the batch stacked
+        w = weight.cast(d).reshape(groups, og, ck).transpose(-1, -2)  # (G, Cg * K, Og)
+        out = (a @ w).reshape(groups, n, p, og).permute(1, 0, 3, 2).reshape(n, o, *out_sp)
     else:  # one reduction over (Cg, *K) read straight through the window view (no reshape of it: less index math)
         a = win.reshape(n, groups, 1, cg, *out_sp, *kernel)  # only a size-1 axis comes in: the same view
         acc = dtypes.float32 if d in (dtypes.float16, dtypes.bfloat16) else d
