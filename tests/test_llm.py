@@ -374,3 +374,40 @@ def test_gemma_matches_reference(tmp_path, kind):
                       cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
     assert nerr(model(Tensor(np.array(prompt, np.int32)), step).numpy(), want) < 5e-4
     assert ref.greedy(prompt, 6) == run(Engine(model), [prompt], max_tokens=6)[0]
+
+
+@pytest.mark.parametrize("int_dot", ["0", "1"])
+def test_fused_decode_layers_match_unfused(models, int_dot, monkeypatch):
+    """A decode step with the fused templates (the norm writing int8 activations where the products take
+    them; keys rotated and written from the q/k/v rows) against the same model built unfused
+    (VKGRAPH_DECODE_FUSION=0), float and integer paths; the fused step dispatches fewer kernels."""
+    from vkgraph import templates
+    from vkgraph.realize import count_kernels
+    from vkgraph.runtime import get_device
+
+    if int_dot == "1" and not get_device().info.integer_dot_product:
+        pytest.skip("no shaderIntegerDotProduct on this device")
+    monkeypatch.setenv("VKGRAPH_INT_DOT", int_dot)
+    _, model = build(models["Q4_0"])
+    prompt = [5, 17, 42, 99, 7, 3]
+    n = len(prompt)
+    model(Tensor(np.array(prompt, np.int32)), StepInputs(
+        Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
+        cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)).numpy()
+
+    def decode(pos: int) -> tuple[np.ndarray, int]:
+        step = StepInputs(Tensor(np.array([pos], np.int32)), Tensor(np.array([pos], np.int32)),
+                          block_tables=Tensor(np.array([[0, 1, 2, 3, 4, 5]], np.int32)),
+                          context_lens=Tensor(np.array([pos + 1], np.int32)))
+        with count_kernels() as c:
+            got = model(Tensor(np.array([11], np.int32)), step).numpy()
+        return got, c.count
+
+    before = templates.DISPATCHES["kv_write"]
+    fused, fused_kernels = decode(n)
+    monkeypatch.setenv("VKGRAPH_DECODE_FUSION", "0")
+    q8 = templates.DISPATCHES["rmsnorm_q8"]
+    unfused, unfused_kernels = decode(n)  # the same position again: rewrites the same cache slot
+    assert templates.DISPATCHES["rmsnorm_q8"] == q8 and templates.DISPATCHES["kv_write"] > before
+    assert fused_kernels < unfused_kernels
+    assert nerr(fused, unfused) < (1e-2 if int_dot == "1" else 1e-5)

@@ -181,3 +181,43 @@ def test_attention_bad_input():
     with pytest.raises(ValueError, match="part_tokens"):
         pa.paged_decode(dev, cache, q, ints, ints, num_seqs=1, num_heads=4, max_blocks_per_seq=1,
                         max_context_len=16, part_tokens=10)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_kv_write_rows_with_rope(dtype):
+    """Keys and values read from the rows of one fused q/k/v product (stride and offsets), keys rotated on the
+    way in (rotate-half RoPE), against numpy; offsets past the row are refused."""
+    dev = device()
+    rng = np.random.default_rng(5)
+    tokens, hkv, d, bs, q_width = 5, 2, 64, 4, 3 * 64
+    row = q_width + 2 * hkv * d
+    num_blocks = 4
+    cache = pa.PagedKVCache.create(dev, num_blocks, hkv, d, bs, dtype)
+    init_k, init_v = _random_cache(rng, num_blocks, hkv, bs, d, dtype)
+    dev.upload(cache.key, init_k)
+    dev.upload(cache.value, init_v)
+    slots = rng.permutation(num_blocks * bs)[:tokens].astype(np.int32)
+    slots[2] = -1
+    rows = rng.standard_normal((tokens, row)).astype(np.float32)
+    ang = rng.random((tokens, d // 2)) * 6
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    since = snapshot()
+    rbuf = upload(dev, rows)
+    pa.write_kv(dev, cache, rbuf, rbuf, upload(dev, slots), tokens, src_stride=row, k_off=q_width,
+                v_off=q_width + hkv * d, rope=(upload(dev, cos), upload(dev, sin)))
+    k = rows[:, q_width:q_width + hkv * d].reshape(tokens, hkv, d).astype(np.float64)
+    v = rows[:, q_width + hkv * d:].reshape(tokens, hkv, d)
+    c, s = cos[:, None, :], sin[:, None, :]
+    k1, k2 = k[..., :d // 2], k[..., d // 2:]
+    k = np.concatenate([k1 * c - k2 * s, k2 * c + k1 * s], -1)
+    ref_k, ref_v = init_k.astype(np.float64), init_v.astype(np.float64)
+    ok = slots >= 0
+    ref_k[slots[ok] // bs, :, slots[ok] % bs] = k[ok]
+    ref_v[slots[ok] // bs, :, slots[ok] % bs] = v[ok]
+    got_k = dev.download(cache.key, NP_KV[dtype], ref_k.shape)
+    got_v = dev.download(cache.value, NP_KV[dtype], ref_v.shape)
+    check(np.concatenate([got_k, got_v]), np.concatenate([ref_k, ref_v]), since,
+          tol=1e-3 if dtype == "f16" else 1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        pa.write_kv(dev, cache, rbuf, rbuf, upload(dev, slots), tokens, src_stride=row, k_off=q_width,
+                    v_off=q_width + hkv * d + 1)

@@ -50,6 +50,9 @@ FLAGS: dict[str, Flag] = {
              "matrices (float16 or bfloat16; rounds the operands, accumulates in float32); empty: exact float32"),
         Flag("VKGRAPH_MATMUL_TUNE", int, 1, "0 ignores tuned matmul tile configurations (codegen.tune) and uses "
              "the default ones"),
+        Flag("VKGRAPH_DECODE_FUSION", int, 1, "0 builds model layers unfused: norms write floats that the matvec "
+             "quantizes, keys are rotated and copied by generated kernels before the KV write (to measure the "
+             "fused templates against)"),
         Flag("VKGRAPH_FUZZ_EXAMPLES", int, 10000, "examples per long fuzz test (pytest -m slow)"),
     ]
 }

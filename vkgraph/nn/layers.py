@@ -15,6 +15,7 @@ import numpy as np
 
 from ..dtype import dtypes
 from ..quant import ROW_ALIGN_ELEMS, QuantizedTensor, dequantize, quantize, stack_rows
+from ..templates.common import decode_fusion
 from ..tensor import Tensor, cat
 from .config import ModelConfig
 from .template_ops import (
@@ -26,6 +27,7 @@ from .template_ops import (
     prefill_attention,
     rms_norm_q8,
     write_kv,
+    write_kv_rows,
 )
 
 
@@ -160,10 +162,17 @@ class ParallelLinear:
         """Whether `rows` rows of input may come as Int8Activations: one stacked product that takes them."""
         return len(self.parts) == 1 and self.parts[0].takes_int8(rows)
 
+    def stacked(self, x: Tensor | Int8Activations) -> Tensor | None:
+        """The one stacked product's output [..., sum of the widths], or None where the parts run apart."""
+        return self.parts[0](x) if len(self.parts) == 1 else None
+
     def __call__(self, x: Tensor | Int8Activations) -> list[Tensor]:
         if len(self.parts) > 1:
             return [p(x) for p in self.parts]
-        y = self.parts[0](x)
+        return self.split(self.parts[0](x))
+
+    def split(self, y: Tensor) -> list[Tensor]:
+        """The stacked output's column ranges, one per weight."""
         outs, start = [], 0
         for n in self.sizes:
             outs.append(y[..., start:start + n])
@@ -181,12 +190,20 @@ class Attention:
     def __call__(self, x: Tensor | Int8Activations, residual: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache,
                  step: StepInputs) -> Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x)
+        fused = self.qkv.stacked(x) if decode_fusion() else None
+        q, k, v = self.qkv(x) if fused is None else self.qkv.split(fused)
         q = q.reshape(t, self.n_heads, self.head_dim)
         k = k.reshape(t, self.n_kv_heads, self.head_dim)
         v = v.reshape(t, self.n_kv_heads, self.head_dim)
         q, k = RotaryEmbedding.rotate(q, *rope), RotaryEmbedding.rotate(k, *rope)
-        written = write_kv(cache, k, v, step.slot_mapping)
+        if fused is not None:
+            # one kernel rotates the keys and writes keys and values, reading the product's rows in place
+            q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            half = (t, self.head_dim // 2)
+            written = write_kv_rows(cache, fused, step.slot_mapping, k_off=q_width, v_off=q_width + kv_width,
+                                    rope=(rope[0].reshape(half), rope[1].reshape(half)))
+        else:
+            written = write_kv(cache, k, v, step.slot_mapping)
         if step.cu_seqlens is not None:
             # a prefill from scratch attends over the prompt's own keys; the cache write still happens
             att = prefill_attention(q, k, v, step.cu_seqlens, num_seqs=step.cu_seqlens.shape[0] - 1,

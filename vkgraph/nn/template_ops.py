@@ -229,6 +229,28 @@ def write_kv(cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -
     return custom(run, ins, (1,), dtypes.int32, key=(id(cache),), name="kv_write")
 
 
+def write_kv_rows(cache: KVCache, rows: Tensor, slot_mapping: Tensor, *, k_off: int, v_off: int,
+                  rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """write_kv from rows [tokens, width] that hold each token's keys from column k_off and its values from
+    v_off (the rows of a fused q/k/v product, read where they are: no copies of the key and value columns);
+    `rope` = (cos, sin) [tokens, head_size / 2] rotates the keys as they are written (rotate-half RoPE), in
+    the same kernel. Returns write_kv's ordering token."""
+    tokens, width = rows.shape
+    if slot_mapping.shape != (tokens,):
+        raise ValueError(f"write_kv_rows: slot_mapping {slot_mapping.shape} must be ({tokens},)")
+    half = (tokens, cache.head_size // 2)
+    if rope is not None and (rope[0].shape != half or rope[1].shape != half):
+        raise ValueError(f"write_kv_rows: cos {rope[0].shape} and sin {rope[1].shape} must be {half}")
+
+    def run(dev: Any, out: Any, ins: list[Any]) -> None:
+        pa.write_kv(dev, cache.on(dev, ins[2], ins[3]), ins[0], ins[0], ins[1], tokens, src_stride=width,
+                    k_off=k_off, v_off=v_off, rope=(ins[4], ins[5]) if rope is not None else None)
+
+    ins = [rows.float(), slot_mapping.cast(dtypes.int32), cache.key, cache.value]
+    ins += [t.float() for t in rope] if rope is not None else []
+    return custom(run, ins, (1,), dtypes.int32, key=(id(cache), k_off, v_off, rope is not None), name="kv_write")
+
+
 def paged_decode(cache: KVCache, q: Tensor, block_tables: Tensor, context_lens: Tensor, after: Tensor,
                  *, max_context_len: int, scale: float | None = None, window: int = 0) -> Tensor:
     """One query token per sequence over its cached context: q [B, heads, D] -> [B, heads, D] float32.

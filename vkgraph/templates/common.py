@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..flags import flag
 from ..runtime import Device
 
 
@@ -34,3 +35,9 @@ def grid_2d(dev: Device, groups: int) -> tuple[int, int, int]:
 
 def pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
+
+
+def decode_fusion() -> bool:
+    """Whether model code may use the fused templates (rmsnorm_q8, kv_write from the q/k/v rows with RoPE):
+    VKGRAPH_DECODE_FUSION, read when a graph is built."""
+    return bool(flag("VKGRAPH_DECODE_FUSION"))

@@ -17,7 +17,7 @@ from ..flags import flag
 from ..quant import QuantFormat, QuantizedTensor, kernel_layout, stack_rows
 from ..runtime import Device, get_device
 from . import catalog
-from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
+from .common import check_binding_range, check_buffer, decode_fusion, grid_2d, pow2_floor
 
 TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_1": "matvec_q4_1", "Q5_0": "matvec_q5_0",
             "Q5_1": "matvec_q5_1", "Q2_K": "matvec_q2_k", "Q3_K": "matvec_q3_k", "Q4_K": "matvec_q4_k",
@@ -170,8 +170,8 @@ def takes_int8(fmt: QuantFormat, rows: int, k: int) -> bool:
     """Whether `rows` activation rows of width k into a matvec of this format on the default device take the
     integer path (int_dot_default) in a form a producer may write directly as one Q8Acts buffer: K % 32 == 0,
     and past MAX_BATCH rows (several calls, each on a view of its rows) K % Q8_ALIGN == 0, so that every
-    call's rows start on an offset any device can bind."""
-    fits = k % 32 == 0 and (rows <= MAX_BATCH or k % Q8_ALIGN == 0)
+    call's rows start on an offset any device can bind. Never with VKGRAPH_DECODE_FUSION=0."""
+    fits = decode_fusion() and k % 32 == 0 and (rows <= MAX_BATCH or k % Q8_ALIGN == 0)
     return rows >= 1 and fits and int_dot_default(get_device(), fmt)
 
 

@@ -82,21 +82,40 @@ def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str) -> int:
 
 
 def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mapping: Any,
-             num_tokens: int) -> None:
+             num_tokens: int, *, src_stride: int | None = None, k_off: int = 0, v_off: int = 0,
+             rope: tuple[Any, Any] | None = None) -> None:
     """Scatter key/value ([num_tokens, num_kv_heads, head_size] float32) into the cache at slot_mapping
-    (int32; slot = block * block_size + offset, negative = skip)."""
-    per_token = cache.num_kv_heads * cache.head_size * 4
-    check_buffer("key", key, num_tokens * per_token)
-    check_buffer("value", value, num_tokens * per_token)
+    (int32; slot = block * block_size + offset, negative = skip).
+
+    Token t's keys are key[t * src_stride + k_off ...], its values value[t * src_stride + v_off ...]
+    (src_stride defaults to kv_heads * head_size: packed rows), so both may be read from the rows of one
+    q/k/v product. `rope`: (cos, sin), float32 [num_tokens, head_size / 2], rotates the keys as they are
+    written (rotate-half RoPE)."""
+    row = cache.num_kv_heads * cache.head_size
+    stride = row if src_stride is None else src_stride
+    if k_off < 0 or v_off < 0 or k_off + row > stride or v_off + row > stride:
+        raise ValueError(f"keys at {k_off} and values at {v_off} (each {row} wide) do not fit rows of {stride}")
+    span = (num_tokens - 1) * stride * 4 if num_tokens else 0
+    check_buffer("key", key, span + (k_off + row) * 4)
+    check_buffer("value", value, span + (v_off + row) * 4)
     check_buffer("slot_mapping", slot_mapping, num_tokens * 4)
+    defines = _defines(dev, cache.head_size, cache.dtype)
+    tables = [key, key]
+    if rope is not None:
+        if cache.head_size % 2:
+            raise ValueError(f"RoPE needs an even head size, got {cache.head_size}")
+        for name, buf in zip(("cos", "sin"), rope):
+            check_buffer(name, buf, num_tokens * cache.head_size // 2 * 4)
+        tables = list(rope)
+        defines["ROPE"] = 1
     wg = 256
     words = num_tokens * cache.num_kv_heads * cache.head_size // (2 if cache.dtype == "f16" else 1)
-    kern = catalog.compile(dev, "kv_write", spec={"WG": wg}, defines=_defines(dev, cache.head_size, cache.dtype))
+    kern = catalog.compile(dev, "kv_write", spec={"WG": wg}, defines=defines)
     groups = grid_2d(dev, -(-words // wg))
-    catalog.dispatch(dev, kern, [key, value, slot_mapping, cache.key, cache.value], groups,
+    catalog.dispatch(dev, kern, [key, value, slot_mapping, cache.key, cache.value, *tables], groups,
                      push={"num_tokens": num_tokens, "num_kv_heads": cache.num_kv_heads,
                            "head_size": cache.head_size, "block_size": cache.block_size,
-                           "groups_x": groups[0]})
+                           "groups_x": groups[0], "src_stride": stride, "k_off": k_off, "v_off": v_off})
 
 
 SPLIT_PAIRS = 128  # split below this many (sequence, KV head) pairs

@@ -3,6 +3,10 @@
 // token t goes to block slot[t] / block_size, offset slot[t] % block_size; a negative slot skips the token
 // (padding). Cache layout [num_blocks, num_kv_heads, block_size, head_size], float16 with -DKV_F16 (two
 // values per uint, rounded to nearest even) or float32. One invocation per cache word.
+// Token t's keys start at key[t * src_stride + k_off], its values at value[t * src_stride + v_off]: both may be
+// column ranges of one fused q/k/v product's rows. -DROPE rotates the keys on the way in (Hugging Face's
+// rotate-half RoPE): element j < head/2 of a head becomes x[j] cos[t, j] - x[j + head/2] sin[t, j], element
+// j + head/2 becomes x[j + head/2] cos[t, j] + x[j] sin[t, j], with cos/sin [T, head/2] per token.
 #include "common.glsl"
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 256;
@@ -18,6 +22,8 @@ layout(set = 0, binding = 1) readonly buffer Value { float value[]; };
 layout(set = 0, binding = 2) readonly buffer Slots { int slot_mapping[]; };
 layout(set = 0, binding = 3) buffer KC { uint kc[]; };
 layout(set = 0, binding = 4) buffer VC { uint vc[]; };
+layout(set = 0, binding = 5) readonly buffer Cos { float rope_cos[]; };  // ROPE only (else any buffer)
+layout(set = 0, binding = 6) readonly buffer Sin { float rope_sin[]; };
 
 layout(push_constant) uniform Push {
     uint num_tokens;
@@ -25,7 +31,23 @@ layout(push_constant) uniform Push {
     uint head_size;
     uint block_size;
     uint groups_x;
+    uint src_stride;  // floats per token in key/value
+    uint k_off;       // where a token's keys start in its row of `key`
+    uint v_off;       // where its values start in its row of `value`
 } pc;
+
+float key_at(uint t, uint h, uint e) {  // element e of head h of token t's key, rotated with -DROPE
+    const uint base = t * pc.src_stride + pc.k_off + h * pc.head_size;
+#ifdef ROPE
+    const uint half_size = pc.head_size / 2;
+    const uint j = e % half_size;
+    const float c = rope_cos[t * half_size + j], s = rope_sin[t * half_size + j];
+    return e < half_size ? key[base + e] * c - key[base + e + half_size] * s
+                         : key[base + e] * c + key[base + j] * s;
+#else
+    return key[base + e];
+#endif
+}
 
 void main() {
     const uint words = pc.head_size / PER_WORD;
@@ -37,12 +59,13 @@ void main() {
     if (slot < 0) return;
     const uint block = uint(slot) / pc.block_size, off = uint(slot) % pc.block_size;
     const uint dst = ((block * pc.num_kv_heads + h) * pc.block_size + off) * words + c;
-    const uint src = (t * pc.num_kv_heads + h) * pc.head_size + c * PER_WORD;
+    const uint e = c * PER_WORD;
+    const uint src = t * pc.src_stride + pc.v_off + h * pc.head_size + e;
 #ifdef KV_F16
-    kc[dst] = packHalf2x16(vec2(key[src], key[src + 1]));
+    kc[dst] = packHalf2x16(vec2(key_at(t, h, e), key_at(t, h, e + 1)));
     vc[dst] = packHalf2x16(vec2(value[src], value[src + 1]));
 #else
-    kc[dst] = floatBitsToUint(key[src]);
+    kc[dst] = floatBitsToUint(key_at(t, h, e));
     vc[dst] = floatBitsToUint(value[src]);
 #endif
 }
