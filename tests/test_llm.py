@@ -378,8 +378,8 @@ def test_gemma_matches_reference(tmp_path, kind):
 
 @pytest.mark.parametrize("int_dot", ["0", "1"])
 def test_fused_decode_layers_match_unfused(models, int_dot, monkeypatch):
-    """A decode step with the fused templates (the norm writing int8 activations where the products take
-    them; keys rotated and written from the q/k/v rows) against the same model built unfused
+    """A decode step with the fused templates (the norm and the gated unit writing int8 activations where the
+    products take them; keys rotated and written from the q/k/v rows) against the same model built unfused
     (VKGRAPH_DECODE_FUSION=0), float and integer paths; the fused step dispatches fewer kernels."""
     from vkgraph import templates
     from vkgraph.realize import count_kernels
@@ -403,8 +403,9 @@ def test_fused_decode_layers_match_unfused(models, int_dot, monkeypatch):
             got = model(Tensor(np.array([11], np.int32)), step).numpy()
         return got, c.count
 
-    before = templates.DISPATCHES["kv_write"]
+    before, glu = templates.DISPATCHES["kv_write"], templates.DISPATCHES["glu_q8"]
     fused, fused_kernels = decode(n)
+    assert (templates.DISPATCHES["glu_q8"] > glu) == (int_dot == "1")
     monkeypatch.setenv("VKGRAPH_DECODE_FUSION", "0")
     q8 = templates.DISPATCHES["rmsnorm_q8"]
     unfused, unfused_kernels = decode(n)  # the same position again: rewrites the same cache slot

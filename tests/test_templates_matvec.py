@@ -344,3 +344,26 @@ def test_matvec_from_rmsnorm_q8_equals_unfused(fmt):
     check(dev.download(fused, np.float32, (batch, n)), want, since, tol=2e-3)
     with pytest.raises(ValueError, match="integer dot-product path"):
         mv.matvec(dev, dw, acts, batch, config=mv.MatvecConfig(cfg.wg, cfg.rows, cfg.use_subgroup, int_dot=False))
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("rows,f", [(1, 32), (3, 352)])
+def test_glu_q8_matches_numpy(gelu, rows, f):
+    """act(gate) * up from a stacked gate/up row, written as int8 blocks: against numpy's quantization of
+    numpy's gated unit (one rounding step at most, rarely), scales to float32 rounding, exact half-block sums."""
+    dev = device()
+    rng = np.random.default_rng(f + rows + gelu)
+    gu = (rng.standard_normal((rows, 2 * f)) * 4).astype(np.float32)
+    gu[:, f:f + 32] = 0  # up is zero over the first block: scale 0
+    since = snapshot()
+    acts = mv.Q8Acts.in_buffer(norms.glu_q8(dev, upload(dev, gu), rows, f, gelu_tanh=gelu), rows, f)
+    q = dev.download(acts.xq, np.int8, (rows, f))
+    d = dev.download(acts.xd, np.float32, (rows * f // 32,))
+    s = dev.download(acts.xs, np.int32, (rows * f // 16,))
+    g, u = gu[:, :f].astype(np.float64), gu[:, f:].astype(np.float64)
+    a = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if gelu else g / (1 + np.exp(-g))
+    q_ref, d_ref = _quantize_q8_ref((a * u).astype(np.float32))
+    assert np.abs(q.astype(int) - q_ref).max() <= 1 and (q != q_ref).mean() < 0.02
+    np.testing.assert_allclose(d, d_ref, rtol=1e-5)
+    assert (s == q.reshape(-1, 16).astype(np.int32).sum(1)).all() and (d.reshape(rows, -1)[:, 0] == 0).all()
+    check(q.astype(np.float64), q_ref.astype(np.float64), since, tol=1e-2)

@@ -23,6 +23,7 @@ from .template_ops import (
     Int8Activations,
     KVCache,
     QuantLinear,
+    glu_q8,
     paged_decode,
     prefill_attention,
     rms_norm_q8,
@@ -223,6 +224,10 @@ class MLP:
         self.gelu = gelu
 
     def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
+        if self.gelu in (None, "tanh") and self.down.takes_int8(math.prod(x.shape[:-1])):
+            stacked = self.gate_up.stacked(x)
+            if stacked is not None:  # one kernel: the gated unit, written as the down product's int8 input
+                return self.down(glu_q8(stacked, gelu_tanh=self.gelu == "tanh"), residual=residual)
         gate, up = self.gate_up(x)
         act = gate.silu() if self.gelu is None else gate.gelu(self.gelu)
         return self.down(act * up, residual=residual)

@@ -59,6 +59,22 @@ def rms_norm_q8(x: Tensor, weight: Tensor, eps: float) -> Int8Activations:
     return Int8Activations(words, tuple(lead), k)
 
 
+def glu_q8(gate_up: Tensor, gelu_tanh: bool = False) -> Int8Activations:
+    """act(gate) * up from the rows [..., 2F] of a stacked gate/up product (act: SiLU, or the tanh GELU), written
+    by one kernel as int8 activations (norms.glu_q8) for the down product; F % 32 == 0."""
+    *lead, width = gate_up.shape
+    rows, f = math.prod(lead), width // 2
+    if width % 64:
+        raise ValueError(f"glu_q8 quantizes blocks of 32: the gate and up halves must be multiples of 32, got {width}")
+
+    def run(dev: Any, out: Any, ins: list[Any]) -> None:
+        norms.glu_q8(dev, ins[0], rows, f, gelu_tanh=gelu_tanh, out=out)
+
+    words = custom(run, [gate_up.float().reshape(rows, width)], (mv.Q8Acts.layout(rows, f)[0] // 4,),
+                   dtypes.uint32, key=(rows, f, gelu_tanh), name="glu_q8")
+    return Int8Activations(words, tuple(lead), f)
+
+
 class QuantLinear:
     """A weight matrix in a GGUF format (Q8_0, Q4_0, Q4_K, Q6_K, F16, BF16) on the device, as `x @ W.T`.
 

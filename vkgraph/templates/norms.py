@@ -1,5 +1,5 @@
-"""The small templates of a decoder step: RMSNorm (also straight into the integer matvec's int8 activations),
-softmax, argmax (greedy sampling), SwiGLU and RoPE."""
+"""The small templates of a decoder step: RMSNorm and the MLP's gated unit (each also straight into the integer
+matvec's int8 activations), softmax, argmax (greedy sampling), SwiGLU and RoPE."""
 
 from __future__ import annotations
 
@@ -52,6 +52,24 @@ def rmsnorm_q8(dev: Device, x: Any, weight: Any, rows: int, n: int, *, eps: floa
     acts = Q8Acts.in_buffer(out, rows, n)
     kern = catalog.compile(dev, "rmsnorm_q8", spec={"WG": _row_wg(dev, n // 4)})
     catalog.dispatch(dev, kern, [x, weight, acts.xq, acts.xd, acts.xs], (rows, 1, 1), push={"n": n, "eps": eps})
+    return out
+
+
+def glu_q8(dev: Device, gu: Any, rows: int, f: int, *, gelu_tanh: bool = False, out: Any | None = None) -> Any:
+    """act(gate) * up from the rows of a stacked gate/up product gu [rows, 2f] (act: SiLU, or the tanh GELU),
+    written int8-quantized for the integer dot-product matvec in one kernel: returns the buffer `out` (or a
+    new one) holding matvec.Q8Acts.layout(rows, f); f % 32 == 0."""
+    if rows < 1 or f < 1 or f % 32:
+        raise ValueError(f"glu_q8 quantizes blocks of 32: rows >= 1 and f % 32 == 0 needed, got {rows} x {f}")
+    check_buffer("gu", gu, rows * 2 * f * 4)
+    out = out if out is not None else dev.alloc(Q8Acts.layout(rows, f)[0])
+    acts = Q8Acts.in_buffer(out, rows, f)
+    wg = 64
+    n_blocks = rows * f // 32
+    groups = grid_2d(dev, -(-n_blocks // wg))
+    kern = catalog.compile(dev, "glu_q8", spec={"WG": wg}, defines={"GELU_TANH": 1} if gelu_tanh else None)
+    catalog.dispatch(dev, kern, [gu, acts.xq, acts.xd, acts.xs], groups,
+                     push={"n_blocks": n_blocks, "f": f, "groups_x": groups[0]})
     return out
 
 
