@@ -1,11 +1,12 @@
 """Where a decode step's GPU time goes: per-kernel timestamps of eager decode steps of a random-weight model.
 
-    python benchmarks/profile_decode.py [--shape llama3-8b|llama3.2-1b|small] [--format Q4_0] [--batch 1]
-                                        [--steps 5] [--copy-mib 1024]
+    python benchmarks/profile_decode.py [--shape llama3-8b|llama3.2-1b|small] [--format Q4_0] [--batches 1,8]
+                                        [--fusion 0,1] [--steps 5] [--copy-mib 1024] [--kernels]
 
-Runs the engine's decode step without the JIT (the same kernels, recorded one by one) under VKGRAPH_PROFILE,
-and prints per kernel name: dispatches per step, GPU microseconds per step (sum of dispatch durations), and
-the share of the step. Also prints the wall time per step of the captured (JIT) step for comparison.
+Per batch size (and per VKGRAPH_DECODE_FUSION setting, on the same model: 0 is the unfused layers), runs the
+engine's decode step captured (JIT, timed by wall clock) and then without the JIT (the same kernels, recorded
+one by one) under VKGRAPH_PROFILE, and prints the dispatches per step and the GPU time inside them; with
+--kernels also per kernel name: dispatches per step, GPU microseconds per step, and the share of the step.
 
 Then the floor of a step on this device, from two probes: the copy bandwidth (bench_runtime's grid-stride
 copy of --copy-mib MiB, bytes read + written per second) and the cost of one dependent dispatch (a chain of
@@ -69,65 +70,75 @@ def barrier_us(dev, reps: int = 7) -> float:
     return max(long - short, 0.0) / (CHAIN - 1) * 1e6
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    ap.add_argument("--format", default="Q4_0")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
-    a = ap.parse_args()
-    cfg = ModelConfig(arch="llama", max_seq_len=8192, **SHAPES[a.shape])
-    dev = get_device()
-    weights = random_model(cfg, a.format)
-    nbytes = weight_bytes(weights)
-    model = LlamaModel(weights, num_blocks=a.batch * 8 + 16, max_blocks_per_seq=8)
-    del weights
-    engine = Engine(model, max_batch=a.batch)
-    for i in range(a.batch):
-        engine.add_request([(i * 7 + j) % cfg.vocab_size for j in range(16)], max_tokens=3 * a.steps + 16,
-                           stop_token_ids=[])
+def profile(dev, model, vocab: int, batch: int, steps: int) -> tuple[float, float, dict]:
+    """(median JIT step seconds, dispatches per step, {kernel: [dispatches, GPU us]} over the eager steps)."""
+    engine = Engine(model, max_batch=batch)
+    for i in range(batch):
+        engine.add_request([(i * 7 + j) % vocab for j in range(16)], max_tokens=2 * steps + 8, stop_token_ids=[])
     for _ in range(4):  # prefill, then the JIT's eager call, capture and first replay
         engine.step()
     dev.synchronize()
     walls = []
-    for _ in range(a.steps):
+    for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
     prof = dev.queue.profiler
     prof.events.clear()
     engine._decode = engine._decode_step  # eager: every dispatch is recorded, so every one is timed
-    t = time.perf_counter()
-    for _ in range(a.steps):
+    for _ in range(steps):
         engine.step()
     dev.synchronize()
-    eager_wall = (time.perf_counter() - t) / a.steps
     per: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    first = min(t0 for _, t0, _ in prof.events)
-    last = max(t1 for _, _, t1 in prof.events)
     for name, t0, t1 in prof.events:
         per[name][0] += 1
         per[name][1] += (t1 - t0) / 1e3
-    busy = sum(v[1] for v in per.values()) / a.steps
-    print(f"{dev.info.name}: {a.shape} {a.format} batch {a.batch}")
-    print(f"JIT step wall {statistics.median(walls) * 1e3:.2f} ms; eager step wall {eager_wall * 1e3:.2f} ms; "
-          f"GPU span {(last - first) / 1e6 / a.steps:.2f} ms/step, of which inside dispatches {busy / 1e3:.2f} ms")
-    dispatches = len(prof.events) / a.steps
-    print(f"dispatches per step: {dispatches:.0f}")
-    print(f"{'kernel':28s} {'per step':>9s} {'us/step':>10s} {'share':>7s}")
-    for name, (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
-        print(f"{name[:28]:28s} {count / a.steps:9.1f} {us / a.steps:10.1f} {us / a.steps / busy:7.1%}")
+    dispatches = len(prof.events) / steps
+    while engine.has_work():  # the requests' last tokens, so their KV blocks return for the next run
+        engine.step()
+    dev.synchronize()
+    prof.events.clear()  # no table of every run at exit
+    return statistics.median(walls), dispatches, per
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--format", default="Q4_0")
+    ap.add_argument("--batches", default="1", help="decode batch sizes, e.g. 1,8,32")
+    ap.add_argument("--fusion", default="1",
+                    help="VKGRAPH_DECODE_FUSION settings to run on the same model, e.g. 0,1 (unfused, then fused)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
+    ap.add_argument("--kernels", action="store_true", help="also print the per-kernel table of each run")
+    a = ap.parse_args()
+    cfg = ModelConfig(arch="llama", max_seq_len=8192, **SHAPES[a.shape])
+    batches = [int(b) for b in a.batches.split(",")]
+    dev = get_device()
+    weights = random_model(cfg, a.format)
+    nbytes = weight_bytes(weights)
+    model = LlamaModel(weights, num_blocks=max(batches) * 8 + 16, max_blocks_per_seq=8)
+    del weights
     gbs = bench_copy_kernel(dev, a.copy_mib << 20, 256, [256, 1024, 4096, 16384])["GB/s"]
     barrier = barrier_us(dev)
     bytes_ms = nbytes / (gbs * 1e9) * 1e3
-    floor_ms = bytes_ms + dispatches * barrier / 1e3
-    jit_ms = statistics.median(walls) * 1e3
-    print(f"copy bandwidth {gbs:.0f} GB/s; dependent dispatch {barrier:.2f} us (chain of {CHAIN})")
-    print(f"step model: {nbytes / 1e9:.3f} GB weights / bandwidth {bytes_ms:.3f} ms + {dispatches:.0f} dispatches x "
-          f"{barrier:.2f} us = {floor_ms:.3f} ms; measured (JIT) {jit_ms:.3f} ms = {floor_ms / jit_ms:.0%} of "
-          f"the step explained; {a.batch / (jit_ms / 1e3):.1f} tok/s measured, "
-          f"{a.batch / (floor_ms / 1e3):.1f} tok/s at the floor")
+    print(f"{dev.info.name}: {a.shape} {a.format}, {nbytes / 1e9:.3f} GB of weights per step; copy bandwidth "
+          f"{gbs:.0f} GB/s ({bytes_ms:.3f} ms per step); dependent dispatch {barrier:.2f} us (chain of {CHAIN})")
+    print(f"{'fusion':>6s} {'batch':>5s} {'dispatches':>10s} {'GPU busy ms':>11s} {'floor ms':>9s} {'JIT ms':>8s} "
+          f"{'explained':>9s} {'tok/s':>9s} {'floor tok/s':>11s}", flush=True)
+    for fusion in a.fusion.split(","):
+        os.environ["VKGRAPH_DECODE_FUSION"] = fusion  # read when the step's graph is built
+        for b in batches:
+            wall, dispatches, per = profile(dev, model, cfg.vocab_size, b, a.steps)
+            busy = sum(v[1] for v in per.values()) / a.steps
+            floor_ms = bytes_ms + dispatches * barrier / 1e3
+            jit_ms = wall * 1e3
+            print(f"{fusion:>6s} {b:5d} {dispatches:10.0f} {busy / 1e3:11.3f} {floor_ms:9.3f} {jit_ms:8.3f} "
+                  f"{floor_ms / jit_ms:9.0%} {b / wall:9.1f} {b / (floor_ms / 1e3):11.1f}", flush=True)
+            if a.kernels:
+                print(f"  {'kernel':28s} {'per step':>9s} {'us/step':>10s} {'share':>7s}")
+                for name, (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+                    print(f"  {name[:28]:28s} {count / a.steps:9.1f} {us / a.steps:10.1f} {us / a.steps / busy:7.1%}")
 
 
 if __name__ == "__main__":
