@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "jit": {"tensor", "realize", "graph", "runtime", "caches", "interrupts"},
     # model code speaks Tensors: templates enter as graph ops (nn/template_ops.py); no runtime, no buffers
     "nn": {"jit", "tensor", "realize", "templates", "quant", "dtype", "view"},
-    "generate": {"nn", "runtime"},
+    "generate": {"nn", "runtime", "quant"},
     "serve": {"nn"},  # the HTTP server over the engine
     "info": {"runtime"},
     "vkgraph": {"caches", "dtype", "graph", "jit", "runtime", "tensor"},
