@@ -81,6 +81,7 @@ class Sweep:
     def __init__(self) -> None:
         self.fired = 0
         self.arrived = 0
+        self.where = ""  # the line the last interrupt was fired at
 
     def run(self, call, at: int) -> int:
         """Run call, firing one SIGINT at vkgraph's `at`-th line; returns how many lines vkgraph ran."""
@@ -94,6 +95,8 @@ class Sweep:
                 if count == at and not fired:
                     fired = True
                     self.fired += 1
+                    code = frame.f_code
+                    self.where = f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} ({code.co_name})"
                     _thread.interrupt_main()
             return local
 
@@ -128,11 +131,16 @@ def main() -> None:
     for at in range(1, total + 1, stride):
         sweep.run(call, at)
         attempts += 1
-        call()  # the next call, untraced, is correct
         q = get_device().queue
-        assert q.capture is None and get_device().memory.pool.keep_all == 0, "a capture was left open"
+        if q.capture is not None or get_device().memory.pool.keep_all:
+            raise SystemExit(f"a capture was left open by an interrupt at {sweep.where}")
         if sweep.arrived != sweep.fired:
-            raise SystemExit(f"{sweep.fired} interrupts fired, {sweep.arrived} arrived (at line {at} of {total})")
+            raise SystemExit(f"{sweep.fired} interrupts fired, {sweep.arrived} arrived (the last at {sweep.where})")
+        try:
+            call()  # the next call, untraced, is correct
+        except BaseException:
+            print(f"after an interrupt at {sweep.where}:", file=sys.stderr)
+            raise
     print("ok", attempts, sweep.fired, sweep.arrived)
 
 

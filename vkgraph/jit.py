@@ -114,11 +114,17 @@ class Jit:
         swap = {id(t): s for t, s in zip(tensors, slots)}
         args = tuple(swap.get(id(a), a) for a in args)
         kwargs = {k: swap.get(id(v), v) for k, v in kwargs.items()}
-        with _Capture(dev.queue) as cap:
+        cap = _Capture(dev.queue)
+        try:  # opened and closed inside the try: an exception landing between the steps still aborts it
+            cap.open()
             out = self.fn(*args, **kwargs)
             outs = _tensors_in(out)
             realize_all(*outs)
-        entry = _Captured(cap.graph, [s.node.arg[0] for s in slots], out, [t.node.arg[0] for t in outs])
+            graph = cap.close()
+        except BaseException:
+            cap.abort()
+            raise
+        entry = _Captured(graph, [s.node.arg[0] for s in slots], out, [t.node.arg[0] for t in outs])
         st.cache.put(key, entry)  # the least recently used capture beyond max_entries is destroyed
         return out
 
@@ -129,24 +135,30 @@ class Jit:
 
 
 class _Capture:
-    """The capture of one call: opened and closed (or aborted on any exception, Ctrl-C included) as a unit."""
+    """The capture of one call, opened, then closed or aborted (on any exception, Ctrl-C included); each step is
+    critical, and `opened` tells abort whether there is anything to undo."""
 
     def __init__(self, queue: Any) -> None:
         self.queue = queue
-        self.graph: CommandGraph | None = None
+        self.opened = False
 
     @critical
-    def __enter__(self) -> _Capture:
+    def open(self) -> None:
         self.queue.begin_capture()
         _capturing.depth = getattr(_capturing, "depth", 0) + 1
-        return self
+        self.opened = True
 
     @critical
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+    def close(self) -> CommandGraph:
         _capturing.depth -= 1
-        if kind is None:
-            self.graph = self.queue.end_capture()
-        else:
+        self.opened = False
+        return self.queue.end_capture()
+
+    @critical
+    def abort(self) -> None:
+        if self.opened:
+            _capturing.depth -= 1
+            self.opened = False
             self.queue.abort_capture()
 
 
