@@ -19,7 +19,7 @@ from typing import NoReturn
 from .nn.config import ModelFormatError
 from .nn.kv_cache import OutOfKVBlocks
 from .nn.sampling import SamplingParams
-from .quant import QUANTIZERS
+from .nn.weights import QUANTIZE_FORMATS
 from .runtime import OutOfDeviceMemory
 
 PROG = "python -m vkgraph.generate"
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is none")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
-    ap.add_argument("--quantize", choices=[f for f in QUANTIZERS if f not in ("F16", "BF16")],
+    ap.add_argument("--quantize", choices=QUANTIZE_FORMATS,
                     help="quantize float weights on load (K-quants need rows that are multiples of 256)")
     ap.add_argument("--kv-dtype", choices=["f16", "f32"], default="f16", help="KV cache element type")
     ap.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks of 16 tokens")

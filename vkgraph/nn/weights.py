@@ -125,6 +125,10 @@ class _Source(Protocol):
     def get(self, name: str) -> Weight: ...
 
 
+# the formats `load_weights(quantize=...)` can quantize float projections to
+QUANTIZE_FORMATS = tuple(f for f in quant.QUANTIZERS if f not in ("F16", "BF16"))
+
+
 def load_weights(path: str | Path, *, quantize: str | None = None, progress: bool = True) -> ModelWeights:
     """Load a model: a .gguf file, or a directory (or one .safetensors file inside it) with config.json and
     *.safetensors. `quantize` ("Q8_0", "Q4_0", ...) quantizes float projection matrices and lm_head on load;
