@@ -186,7 +186,8 @@ def test_attention_bad_input():
 @pytest.mark.parametrize("dtype", ["f16", "f32"])
 def test_kv_write_rows_with_rope(dtype):
     """Keys and values read from the rows of one fused q/k/v product (stride and offsets), keys rotated on the
-    way in (rotate-half RoPE), against numpy; offsets past the row are refused."""
+    way in (rotate-half RoPE) and the queries rotated into their own buffer by the same dispatch, against
+    numpy; offsets past the row are refused."""
     dev = device()
     rng = np.random.default_rng(5)
     tokens, hkv, d, bs, q_width = 5, 2, 64, 4, 3 * 64
@@ -203,13 +204,18 @@ def test_kv_write_rows_with_rope(dtype):
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     since = snapshot()
     rbuf = upload(dev, rows)
+    q_out = dev.alloc(tokens * q_width * 4)
     pa.write_kv(dev, cache, rbuf, rbuf, upload(dev, slots), tokens, src_stride=row, k_off=q_width,
-                v_off=q_width + hkv * d, rope=(upload(dev, cos), upload(dev, sin)))
-    k = rows[:, q_width:q_width + hkv * d].reshape(tokens, hkv, d).astype(np.float64)
-    v = rows[:, q_width + hkv * d:].reshape(tokens, hkv, d)
+                v_off=q_width + hkv * d, rope=(upload(dev, cos), upload(dev, sin)), q_out=q_out, q_heads=3)
     c, s = cos[:, None, :], sin[:, None, :]
-    k1, k2 = k[..., :d // 2], k[..., d // 2:]
-    k = np.concatenate([k1 * c - k2 * s, k2 * c + k1 * s], -1)
+
+    def rotate(x):
+        x1, x2 = x[..., :d // 2], x[..., d // 2:]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    k = rotate(rows[:, q_width:q_width + hkv * d].reshape(tokens, hkv, d).astype(np.float64))
+    v = rows[:, q_width + hkv * d:].reshape(tokens, hkv, d)
+    q = rotate(rows[:, :q_width].reshape(tokens, 3, d).astype(np.float64))
     ref_k, ref_v = init_k.astype(np.float64), init_v.astype(np.float64)
     ok = slots >= 0
     ref_k[slots[ok] // bs, :, slots[ok] % bs] = k[ok]
@@ -218,6 +224,7 @@ def test_kv_write_rows_with_rope(dtype):
     got_v = dev.download(cache.value, NP_KV[dtype], ref_v.shape)
     check(np.concatenate([got_k, got_v]), np.concatenate([ref_k, ref_v]), since,
           tol=1e-3 if dtype == "f16" else 1e-6)
+    check(dev.download(q_out, np.float32, q.shape), q, since, tol=1e-6)
     with pytest.raises(ValueError, match="do not fit"):
         pa.write_kv(dev, cache, rbuf, rbuf, upload(dev, slots), tokens, src_stride=row, k_off=q_width,
                     v_off=q_width + hkv * d + 1)

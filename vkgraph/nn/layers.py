@@ -27,8 +27,8 @@ from .template_ops import (
     paged_decode,
     prefill_attention,
     rms_norm_q8,
+    rope_write_kv,
     write_kv,
-    write_kv_rows,
 )
 
 
@@ -196,14 +196,16 @@ class Attention:
         q = q.reshape(t, self.n_heads, self.head_dim)
         k = k.reshape(t, self.n_kv_heads, self.head_dim)
         v = v.reshape(t, self.n_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.rotate(q, *rope), RotaryEmbedding.rotate(k, *rope)
+        k = RotaryEmbedding.rotate(k, *rope)
         if fused is not None:
-            # one kernel rotates the keys and writes keys and values, reading the product's rows in place
-            q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            half = (t, self.head_dim // 2)
-            written = write_kv_rows(cache, fused, step.slot_mapping, k_off=q_width, v_off=q_width + kv_width,
-                                    rope=(rope[0].reshape(half), rope[1].reshape(half)))
+            # one kernel rotates queries and keys and writes keys and values, reading the product's rows in place;
+            # its output, the rotated queries, orders the cache's readers after the write
+            q_width, half = self.n_heads * self.head_dim, (t, self.head_dim // 2)
+            tables = (rope[0].reshape(half), rope[1].reshape(half))
+            q = written = rope_write_kv(cache, fused, step.slot_mapping, tables, q_heads=self.n_heads, k_off=q_width,
+                                        v_off=q_width + self.n_kv_heads * self.head_dim)
         else:
+            q = RotaryEmbedding.rotate(q, *rope)
             written = write_kv(cache, k, v, step.slot_mapping)
         if step.cu_seqlens is not None:
             # a prefill from scratch attends over the prompt's own keys; the cache write still happens

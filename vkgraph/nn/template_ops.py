@@ -245,26 +245,28 @@ def write_kv(cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -
     return custom(run, ins, (1,), dtypes.int32, key=(id(cache),), name="kv_write")
 
 
-def write_kv_rows(cache: KVCache, rows: Tensor, slot_mapping: Tensor, *, k_off: int, v_off: int,
-                  rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """write_kv from rows [tokens, width] that hold each token's keys from column k_off and its values from
-    v_off (the rows of a fused q/k/v product, read where they are: no copies of the key and value columns);
-    `rope` = (cos, sin) [tokens, head_size / 2] rotates the keys as they are written (rotate-half RoPE), in
-    the same kernel. Returns write_kv's ordering token."""
+def rope_write_kv(cache: KVCache, rows: Tensor, slot_mapping: Tensor, rope: tuple[Tensor, Tensor], *,
+                  q_heads: int, k_off: int, v_off: int) -> Tensor:
+    """From the rows [tokens, width] of a fused q/k/v product (queries from column 0, keys from k_off, values
+    from v_off, read where they are), one kernel writes the keys rotated by RoPE (rotate-half; cos, sin
+    [tokens, head_size / 2]) and the values into the paged cache at slot_mapping, and returns the queries
+    rotated the same way, [tokens, q_heads, head_size] float32. Cache readers take the returned queries, so
+    the graph orders them after the write."""
     tokens, width = rows.shape
+    d = cache.head_size
     if slot_mapping.shape != (tokens,):
-        raise ValueError(f"write_kv_rows: slot_mapping {slot_mapping.shape} must be ({tokens},)")
-    half = (tokens, cache.head_size // 2)
-    if rope is not None and (rope[0].shape != half or rope[1].shape != half):
-        raise ValueError(f"write_kv_rows: cos {rope[0].shape} and sin {rope[1].shape} must be {half}")
+        raise ValueError(f"rope_write_kv: slot_mapping {slot_mapping.shape} must be ({tokens},)")
+    half = (tokens, d // 2)
+    if rope[0].shape != half or rope[1].shape != half:
+        raise ValueError(f"rope_write_kv: cos {rope[0].shape} and sin {rope[1].shape} must be {half}")
 
     def run(dev: Any, out: Any, ins: list[Any]) -> None:
         pa.write_kv(dev, cache.on(dev, ins[2], ins[3]), ins[0], ins[0], ins[1], tokens, src_stride=width,
-                    k_off=k_off, v_off=v_off, rope=(ins[4], ins[5]) if rope is not None else None)
+                    k_off=k_off, v_off=v_off, rope=(ins[4], ins[5]), q_out=out, q_heads=q_heads)
 
-    ins = [rows.float(), slot_mapping.cast(dtypes.int32), cache.key, cache.value]
-    ins += [t.float() for t in rope] if rope is not None else []
-    return custom(run, ins, (1,), dtypes.int32, key=(id(cache), k_off, v_off, rope is not None), name="kv_write")
+    ins = [rows.float(), slot_mapping.cast(dtypes.int32), cache.key, cache.value, rope[0].float(), rope[1].float()]
+    return custom(run, ins, (tokens, q_heads, d), dtypes.float32, key=(id(cache), q_heads, k_off, v_off),
+                  name="kv_write")
 
 
 def paged_decode(cache: KVCache, q: Tensor, block_tables: Tensor, context_lens: Tensor, after: Tensor,

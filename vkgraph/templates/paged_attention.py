@@ -83,14 +83,16 @@ def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str) -> int:
 
 def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mapping: Any,
              num_tokens: int, *, src_stride: int | None = None, k_off: int = 0, v_off: int = 0,
-             rope: tuple[Any, Any] | None = None) -> None:
+             rope: tuple[Any, Any] | None = None, q_out: Any | None = None, q_heads: int = 0,
+             q_off: int = 0) -> None:
     """Scatter key/value ([num_tokens, num_kv_heads, head_size] float32) into the cache at slot_mapping
     (int32; slot = block * block_size + offset, negative = skip).
 
     Token t's keys are key[t * src_stride + k_off ...], its values value[t * src_stride + v_off ...]
     (src_stride defaults to kv_heads * head_size: packed rows), so both may be read from the rows of one
     q/k/v product. `rope`: (cos, sin), float32 [num_tokens, head_size / 2], rotates the keys as they are
-    written (rotate-half RoPE)."""
+    written (rotate-half RoPE). With rope, `q_out` [num_tokens, q_heads, head_size] float32 receives the
+    same rotation of the q_heads query heads at key[t * src_stride + q_off ...], in the same dispatch."""
     row = cache.num_kv_heads * cache.head_size
     stride = row if src_stride is None else src_stride
     if k_off < 0 or v_off < 0 or k_off + row > stride or v_off + row > stride:
@@ -99,6 +101,15 @@ def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mappin
     check_buffer("key", key, span + (k_off + row) * 4)
     check_buffer("value", value, span + (v_off + row) * 4)
     check_buffer("slot_mapping", slot_mapping, num_tokens * 4)
+    q_items = num_tokens * q_heads * cache.head_size if q_out is not None else 0
+    if q_out is not None:
+        if rope is None or q_heads < 1:
+            raise ValueError("q_out takes the rotated queries: it needs rope and q_heads >= 1")
+        q_row = q_heads * cache.head_size
+        if q_off < 0 or q_off + q_row > stride:
+            raise ValueError(f"queries at {q_off} ({q_row} wide) do not fit rows of {stride}")
+        check_buffer("key", key, span + (q_off + q_row) * 4)
+        check_buffer("q_out", q_out, q_items * 4)
     defines = _defines(dev, cache.head_size, cache.dtype)
     tables = [key, key]
     if rope is not None:
@@ -111,11 +122,13 @@ def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mappin
     wg = 256
     words = num_tokens * cache.num_kv_heads * cache.head_size // (2 if cache.dtype == "f16" else 1)
     kern = catalog.compile(dev, "kv_write", spec={"WG": wg}, defines=defines)
-    groups = grid_2d(dev, -(-words // wg))
-    catalog.dispatch(dev, kern, [key, value, slot_mapping, cache.key, cache.value, *tables], groups,
+    groups = grid_2d(dev, -(-(words + q_items) // wg))
+    catalog.dispatch(dev, kern, [key, value, slot_mapping, cache.key, cache.value, *tables,
+                                 q_out if q_out is not None else cache.key], groups,
                      push={"num_tokens": num_tokens, "num_kv_heads": cache.num_kv_heads,
                            "head_size": cache.head_size, "block_size": cache.block_size,
-                           "groups_x": groups[0], "src_stride": stride, "k_off": k_off, "v_off": v_off})
+                           "groups_x": groups[0], "src_stride": stride, "k_off": k_off, "v_off": v_off,
+                           "q_heads": q_heads if q_out is not None else 0, "q_off": q_off})
 
 
 SPLIT_PAIRS = 128  # split below this many (sequence, KV head) pairs
