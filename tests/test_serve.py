@@ -201,6 +201,22 @@ def test_a_client_that_disconnects_frees_its_blocks(server):
     assert _blocks_back(server)
 
 
+def test_a_client_that_gives_up_on_a_whole_response_frees_its_blocks(server):
+    """Not streamed: the handler sees the disconnect, aborts the request, and ends (it does not wait forever)."""
+    def aborted() -> float:
+        return server.metric('vkgraph_requests_total{outcome="abort",route="completions"}')
+
+    before = aborted()
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 240, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # 240 decode steps take longer than this
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.15)
+    assert _blocks_back(server)
+    deadline = time.monotonic() + 10
+    while aborted() == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborted() == before + 1
+
+
 def test_a_full_queue_answers_429(server, client):
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 200, "temperature": 0}
     codes: list[int] = []

@@ -220,8 +220,8 @@ def _finish_error(ev: Event) -> APIError | None:
     if ev.finished == "error":
         return APIError(500, "the engine failed on this request", "server_error", code="engine_error")
     if ev.finished == "abort":
-        return APIError(503, "the request was cancelled: the server is shutting down", "server_error",
-                        code="shutting_down")
+        return APIError(503, "the request was cancelled (its client went away, or the server is shutting down)",
+                        "server_error", code="cancelled")
     return None
 
 

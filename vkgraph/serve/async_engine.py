@@ -145,9 +145,15 @@ class AsyncEngine:
             fut.set_result(stream)
         elif kind == "abort":
             with self._lock:
-                if self._streams.pop(payload, None) is not None:
+                entry = self._streams.pop(payload, None)
+                if entry is not None:
                     self._in_flight -= 1
             self.engine.abort(payload)
+            if entry is not None:  # whoever still waits on the stream (a request handler) learns it ended
+                try:
+                    entry[0].call_soon_threadsafe(_put_all, [(entry[1], Event(payload, None, "", "abort"))])
+                except RuntimeError:  # that loop has closed
+                    pass
 
     def _deliver(self, events: list[Event]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Event]]] = {}
