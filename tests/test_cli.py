@@ -191,3 +191,36 @@ def test_chat_without_a_template_or_with_a_prompt_refused(tiny, tmp_path, capsys
 def test_quantize_on_load_to_a_format_the_rows_cannot_hold(tiny, capsys):
     rc, out, err = in_process(capsys, "--model", str(tiny["hf"]), "--prompt", "a", "--quantize", "Q4_K")
     assert rc == 2 and "not a multiple of the block size 256" in one_error_line(err)
+
+
+def test_warmup_fills_the_disk_caches_and_a_later_run_compiles_nothing_from_glsl(tiny, tmp_path):
+    cache = {"VKGRAPH_CACHE_DIR": str(tmp_path), "VKGRAPH_DISK_CACHE": "1"}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **cache)
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", "import sys, vkgraph, vkgraph.generate as g; rc = g.main("
+                               "sys.argv[1:]); print(vkgraph.stats()['device']['compiles'], file=sys.stderr); "
+                               "sys.exit(rc)", *args], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+
+    w = cli("--model", str(tiny["Q8_0"]), "--warmup")
+    assert w.returncode == 0 and w.stdout == "", w.stderr
+    assert "[vkgraph] warm-up:" in w.stderr and "compiled from GLSL" in w.stderr
+    assert any((tmp_path / "spirv").rglob("*.spv")) and any((tmp_path / "pipelines").glob("*.bin"))
+    r = cli("--model", str(tiny["Q8_0"]), "--prompt", "Hello", "--max-tokens", "3")
+    assert r.returncode == 0 and r.stdout.startswith("Hello"), r.stderr
+    assert "'misses': 0" in r.stderr  # every program came from the disk cache the warm-up filled
+    assert "not counted:" in r.stderr and "compiling kernels" in r.stderr
+
+
+def test_warmup_call_reports_what_it_compiled(dev):
+    import numpy as np
+
+    import vkgraph
+
+    x = np.linspace(-1, 1, 37, dtype=np.float32)
+    vkgraph.clear_caches()  # the program may have been compiled by an earlier test
+    w = vkgraph.warmup(lambda t: (t * 2.5 + 0.125).exp().sum(), vkgraph.Tensor(x))
+    assert w.pipelines >= 1 and w.compile_seconds > 0 and w.seconds >= w.compile_seconds
+    np.testing.assert_allclose(w.result.numpy(), np.exp(x * 2.5 + 0.125).sum(), rtol=1e-5)
+    again = vkgraph.warmup(lambda t: (t * 2.5 + 0.125).exp().sum(), vkgraph.Tensor(x))
+    assert again.pipelines == 0 and again.spirv_compiled == 0 and again.compile_seconds == 0

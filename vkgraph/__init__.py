@@ -23,11 +23,12 @@ from .runtime import (
     get_device,
 )
 from .tensor import Tensor, cat, custom, manual_seed, realize_all, stack, where
+from .warmup import Warmup, warmup
 
 __all__ = [
     "CaptureError", "CompileError", "DType", "DeviceError", "OutOfDeviceMemory", "Tensor", "Variable",
     "VkgraphError", "cat", "custom", "dtypes", "get_device", "jit", "manual_seed", "realize_all", "stack", "where",
-    "clear_caches", "stats", "einsum", "enable_grad", "no_grad",
+    "clear_caches", "stats", "einsum", "enable_grad", "no_grad", "Warmup", "warmup",
 ]
 
 

@@ -12,6 +12,7 @@ import os
 import struct
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from operator import itemgetter
@@ -93,6 +94,36 @@ def _dict_packer(names: tuple[str, ...], pack: Callable[..., bytes]) -> Callable
     return lambda push: pack(*get(push))
 
 
+class CompileClock:
+    """Wall time during which at least one program was being compiled (GLSL to SPIR-V, or a pipeline created),
+    and how many pipelines were created: what speed figures leave out (generate) and warmup() reports. Compiles
+    on several threads at once count their overlap once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self._total = 0.0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.perf_counter()
+            self._active += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._total += time.perf_counter() - self._since
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent compiling so far (an ongoing compile counts up to now)."""
+        with self._lock:
+            return self._total + (time.perf_counter() - self._since if self._active else 0.0)
+
+
 class PipelineManager:
     """The device's pipelines, bounded: the most recently used `PIPELINES` stay cached; an evicted one lives on
     while anything (a cached schedule, a captured graph, a template's launcher) still holds its Pipeline, is found
@@ -105,6 +136,7 @@ class PipelineManager:
         self.live: weakref.WeakValueDictionary[tuple, Pipeline] = weakref.WeakValueDictionary()
         self.retired: list[tuple[Any, int]] = []  # (VkPipeline, queue sequence number it waits for)
         self.built = 0  # pipelines created
+        self.clock = CompileClock()
         # prepared sources, keyed by their GLSL text
         self.sources: LRU[tuple, tuple[str, KernelInterface, bytes]] = LRU("glsl sources", SOURCES)
         self.layouts: dict[tuple, tuple[Any, Any]] = {}  # by (bindings, push bytes): a handful per process
@@ -146,9 +178,10 @@ class PipelineManager:
             from .compiler import with_defines
 
             dirs = [Path(d) for d in (include_dirs or [])]
-            expanded = expand_includes(source, dirs)
-            iface = parse_interface(with_defines(expanded, defines))
-            spirv = self.device.compiler.compile(expanded, defines, target=_target(self.device))
+            with self.clock:
+                expanded = expand_includes(source, dirs)
+                iface = parse_interface(with_defines(expanded, defines))
+                spirv = self.device.compiler.compile(expanded, defines, target=_target(self.device))
             prepared = (hashlib.sha256(spirv).hexdigest(), iface, spirv)
             with self.lock:
                 self.sources.put(src_key, prepared)
@@ -166,7 +199,9 @@ class PipelineManager:
                 k = self.live.get(key)  # evicted, but still held somewhere
                 if k is None:
                     self.sweep()
-                    k = self._build(name or _guess_name(source), iface, spirv, spirv_hash, spec, subgroup_size, key)
+                    with self.clock:
+                        k = self._build(name or _guess_name(source), iface, spirv, spirv_hash, spec, subgroup_size,
+                                        key)
                     self.live[key] = k
                     # not at interpreter exit: the device's close destroys what is still live then; the manager
                     # weakly, so a Pipeline kept in some cache does not keep a closed device alive
