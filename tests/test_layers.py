@@ -32,12 +32,13 @@ ALLOWED: dict[str, set[str]] = {
     "realize": {"codegen", "schedule", "graph", "view", "dtype", "runtime", "flags", "caches", "interrupts"},
     "tensor": {"realize", "graph", "view", "dtype"},
     "jit": {"tensor", "realize", "graph", "runtime", "caches", "interrupts"},
+    "warmup": {"jit", "tensor", "runtime", "flags"},  # runs a function once to fill the compile caches
     # model code speaks Tensors: templates enter as graph ops (nn/template_ops.py); no runtime, no buffers
     "nn": {"jit", "tensor", "realize", "templates", "quant", "dtype", "view"},
-    "generate": {"nn", "runtime", "quant"},
+    "generate": {"nn", "runtime", "quant", "warmup"},
     "serve": {"nn"},  # the HTTP server over the engine
     "info": {"runtime"},
-    "vkgraph": {"caches", "dtype", "graph", "jit", "runtime", "tensor"},
+    "vkgraph": {"caches", "dtype", "graph", "jit", "runtime", "tensor", "warmup"},
 }
 # modules that are part of another unit: the Tensor API's gradient half (autograd), its math functions, its
 # advanced indexing and einsum (each imports tensor, tensor imports most of them)

@@ -213,11 +213,10 @@ def _run(a: argparse.Namespace, params: SamplingParams) -> int:
 
 
 def _warmup(fn) -> int:
-    from .flags import flag
     from .warmup import warmup
 
     w = warmup(fn)
-    where = f"in {flag('VKGRAPH_CACHE_DIR')}" if flag("VKGRAPH_DISK_CACHE") else "not kept (VKGRAPH_DISK_CACHE=0)"
+    where = f"in {w.cache_dir}" if w.cache_dir is not None else "not kept (VKGRAPH_DISK_CACHE=0)"
     print(f"[vkgraph] warm-up: {w.pipelines} pipelines created, {w.spirv_compiled} programs compiled from GLSL and "
           f"{w.spirv_from_disk} read from the disk cache, in {w.seconds:.2f} s ({w.compile_seconds:.2f} s "
           f"compiling); the caches are {where}", file=sys.stderr)

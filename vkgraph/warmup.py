@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .flags import flag
 from .runtime import get_device
 
 
@@ -26,6 +27,7 @@ class Warmup:
     pipelines: int
     spirv_compiled: int
     spirv_from_disk: int
+    cache_dir: str | None  # where the caches are (None: VKGRAPH_DISK_CACHE=0, nothing kept)
     result: Any
 
 
@@ -46,4 +48,4 @@ def warmup(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Warmup:
     with pipes.lock:  # no pipeline is created while the cache's data is read
         pipes.save_cache()
     return Warmup(time.perf_counter() - t0, clock.seconds - c0, pipes.built - p0, stats.misses - m0,
-                  stats.disk_hits - d0, result)
+                  stats.disk_hits - d0, flag("VKGRAPH_CACHE_DIR") if flag("VKGRAPH_DISK_CACHE") else None, result)
