@@ -166,3 +166,38 @@ def test_jit_captures_and_replays_from_several_threads():
 
     errors = errors_of(work, (0,), (1,), (2,))
     assert not errors, errors[0]
+
+
+def test_pipelines_are_created_by_several_threads_at_once_and_one_kept_per_key(dev, monkeypatch):
+    """Two threads creating pipelines meet inside the creation (a lock around it would keep them apart and
+    break the barrier); two creating the same one end with one Pipeline, the extra handle destroyed."""
+    meet = threading.Barrier(2, timeout=20)
+    real = dev.pipelines._build
+
+    def build(*args):
+        meet.wait()
+        return real(*args)
+
+    monkeypatch.setattr(dev.pipelines, "_build", build)
+    got: dict[int, object] = {}
+
+    def work(i: int, src: str) -> None:
+        got[i] = dev.pipeline(src)
+
+    def unique(k: int) -> str:  # a program not compiled before in this process (a branch never taken here)
+        tag = (id(meet) + k) % 1_000_000_000 + 1_000_000
+        return AXPB.replace("y[i] = pc.a", f"if (pc.n == {tag}u) y[0] = 1.0; else y[i] = pc.a")
+
+    distinct = [unique(0), unique(1)]
+    assert errors_of(work, (0, distinct[0]), (1, distinct[1])) == []
+    assert got[0] is not got[1]
+    same = unique(2)
+    built = dev.pipelines.built
+    assert errors_of(work, (2, same), (3, same)) == []
+    assert got[2] is got[3] and dev.pipelines.built == built + 2 and dev.pipelines.building == 0
+    n = 256
+    x = np.arange(n, dtype=np.float32)
+    a, b = dev.alloc(4 * n), dev.alloc(4 * n)
+    dev.upload(a, x)
+    dev.dispatch(got[2], [a, b], (n // 64, 1, 1), (n, 2.0, 1.0))
+    np.testing.assert_array_equal(dev.download(b, np.float32, (n,)), 2 * x + 1)

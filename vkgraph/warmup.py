@@ -45,7 +45,6 @@ def warmup(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Warmup:
     result = fn(*args, **kwargs)
     realize_all(*_tensors_in(result))
     dev.synchronize()
-    with pipes.lock:  # no pipeline is created while the cache's data is read
-        pipes.save_cache()
+    pipes.save_cache()
     return Warmup(time.perf_counter() - t0, clock.seconds - c0, pipes.built - p0, stats.misses - m0,
                   stats.disk_hits - d0, flag("VKGRAPH_CACHE_DIR") if flag("VKGRAPH_DISK_CACHE") else None, result)

@@ -142,6 +142,8 @@ class PipelineManager:
         self.layouts: dict[tuple, tuple[Any, Any]] = {}  # by (bindings, push bytes): a handful per process
         self.destroyed = False
         self.lock = threading.RLock()
+        self.building = 0  # pipelines being created outside the lock
+        self.idle = threading.Condition(self.lock)  # notified when `building` comes back to 0
         info = device.info
         self.cache_path = (Path(flag("VKGRAPH_CACHE_DIR")) / "pipelines"
                            / f"{info.vendor_id:04x}-{info.device_id:04x}-{info.driver_version:x}-"
@@ -197,17 +199,39 @@ class PipelineManager:
             k = self.cached.get(key)
             if k is None:
                 k = self.live.get(key)  # evicted, but still held somewhere
-                if k is None:
-                    self.sweep()
-                    with self.clock:
-                        k = self._build(name or _guess_name(source), iface, spirv, spirv_hash, spec, subgroup_size,
-                                        key)
-                    self.live[key] = k
-                    # not at interpreter exit: the device's close destroys what is still live then; the manager
-                    # weakly, so a Pipeline kept in some cache does not keep a closed device alive
-                    weakref.finalize(k, _retire, weakref.ref(self), k.handle).atexit = False
+            if k is not None:
                 self.cached.put(key, k)
+                return k
+            self.sweep()
+            self.building += 1  # close() waits for it to come back to 0
+        # created outside the lock, so threads compiling a new plan's programs create their pipelines at once
+        # (a driver compiles the shader here; the pipeline cache is internally synchronized)
+        try:
+            with self.clock:
+                k = self._build(name or _guess_name(source), iface, spirv, spirv_hash, spec, subgroup_size, key)
+        except BaseException:
+            with self.lock:
+                self._built_one()
+            raise
+        with self.lock:
+            self._built_one()
+            other = self.live.get(key)
+            if other is not None:  # another thread created the same pipeline meanwhile: keep that one
+                lib.vkDestroyPipeline(self.device.device, k.handle, NULL)
+                k = other
+            else:
+                self.live[key] = k
+                # not at interpreter exit: the device's close destroys what is still live then; the manager
+                # weakly, so a Pipeline kept in some cache does not keep a closed device alive
+                weakref.finalize(k, _retire, weakref.ref(self), k.handle).atexit = False
+            self.cached.put(key, k)
         return k
+
+    def _built_one(self) -> None:
+        """A creation outside the lock has ended (the caller holds the lock)."""
+        self.building -= 1
+        if not self.building:
+            self.idle.notify_all()
 
     def sweep(self) -> None:
         """Destroy the retired pipelines the GPU is done with."""
@@ -247,7 +271,8 @@ class PipelineManager:
                                        f"({info.max_workgroup_size}, {info.max_workgroup_invocations} invocations)")
         dev = self.device.device
         k = Keep()
-        set_layout, layout = self._layout(len(iface.bindings), iface.push_size)
+        with self.lock:
+            set_layout, layout = self._layout(len(iface.bindings), iface.push_size)
         # the module is needed only while the pipeline is created (Vulkan allows destroying it right after)
         words = k.new("uint32_t[]", len(spirv) // 4)
         ffi.memmove(words, spirv, len(spirv))
@@ -288,7 +313,8 @@ class PipelineManager:
                   f"vkCreateComputePipelines({name})")
         finally:
             lib.vkDestroyShaderModule(dev, module, NULL)
-        self.built += 1
+        with self.lock:
+            self.built += 1
         return Pipeline(name, iface, spec, (local[0], local[1], local[2]), out[0], layout, set_layout, key)
 
     def _layout(self, num_bindings: int, push_size: int) -> tuple[Any, Any]:
@@ -337,7 +363,9 @@ class PipelineManager:
     @critical
     def destroy(self) -> None:
         """The GPU is idle: destroy every pipeline, cached, still held or retired."""
-        with self.lock:  # no thread builds a pipeline meanwhile (kernel() checks `destroyed` under it)
+        with self.lock:  # no thread builds a pipeline meanwhile (get() checks `destroyed` under it)
+            while self.building:  # creations under way finish (one pipeline each) and enter the books first
+                self.idle.wait()
             self._destroy()
 
     def _destroy(self) -> None:
