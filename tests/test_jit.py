@@ -140,6 +140,19 @@ def test_outputs_are_reused_between_calls():
     np.testing.assert_array_equal(first.numpy(), np.full(4, 6.0, np.float32))  # the tensor shares the buffer
 
 
+@pytest.mark.parametrize("n", [1000, 20000])  # a copied input, and one read in place (over BIND_BYTES)
+def test_fresh_outputs_are_not_overwritten_by_later_calls(n):
+    f = jit(lambda x, y: (x * 2.0 + 1.0, {"s": (x + y).sum()}), fresh_outputs=True)
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(4)]
+    y = Tensor(np.ones(n, np.float32))
+    outs = [f(Tensor(x), y) for x in xs]  # eager, captured, replayed twice
+    assert len(f.cache) == 1
+    for x, (o, d) in zip(xs, outs):
+        np.testing.assert_allclose(o.numpy(), x * 2 + 1, rtol=1e-6)
+        np.testing.assert_allclose(d["s"].numpy(), (x + 1).sum(), rtol=1e-4)
+    assert len({id(o.node.arg[0]) for o, _ in outs}) == 4  # four buffers
+
+
 def test_no_leaks_over_10000_replays():
     pos = Variable("pos", 0)
     f = jit(lambda x: add_position(x + 1.0, pos).sum())

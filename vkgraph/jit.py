@@ -16,7 +16,8 @@ What is frozen at capture, and what is not (docs/jit.md says more):
   taken the way it went then. Non-Tensor arguments are part of the key, so a new value captures anew.
 - `.numpy()`, `.item()`, `.tolist()` inside the function raise `CaptureError` during capture.
 - Outputs live in the graph's buffers: the next call overwrites them. Take `.numpy()` or `.clone()` of an
-  output you want to keep.
+  output you want to keep, or ask for `jit(fn, fresh_outputs=True)`: each call's outputs are then GPU copies
+  in buffers of their own (one copy per output, recorded after the graph and submitted with the next work).
 
 Each thread has its own captures of a jit function (a replay's outputs are the graph's buffers, which another
 thread's replay would overwrite). Captures belong to the device they were made on: after `reset_device()` (or
@@ -67,9 +68,10 @@ class _State:
 class Jit:
     """A jit-compiled function (see the module doc)."""
 
-    def __init__(self, fn: Callable[..., Any], max_entries: int = 8) -> None:
+    def __init__(self, fn: Callable[..., Any], max_entries: int = 8, fresh_outputs: bool = False) -> None:
         self.fn = fn
         self.max_entries = max_entries
+        self.fresh_outputs = fresh_outputs
         self._local = threading.local()
         self._states: weakref.WeakSet[_State] = weakref.WeakSet()  # every thread's, for reset()
         functools.update_wrapper(self, fn)
@@ -98,7 +100,8 @@ class Jit:
         hit = st.cache.get(key)
         if hit is not None:
             realize_all(*tensors)
-            return _rebuild(_submit(hit, tensors))
+            out = _rebuild(_submit(hit, tensors))
+            return _copied(st.device, out) if self.fresh_outputs else out
         if st.seen.get(key) is None:
             st.seen.put(key, True)
             out = self.fn(*args, **kwargs)
@@ -126,7 +129,7 @@ class Jit:
             raise
         entry = _Captured(graph, [s.node.arg[0] for s in slots], out, [t.node.arg[0] for t in outs])
         st.cache.put(key, entry)  # the least recently used capture beyond max_entries is destroyed
-        return out
+        return _copied(dev, out) if self.fresh_outputs else out
 
     def reset(self) -> None:
         """Drop every capture, of every thread (frees their command buffers and memory)."""
@@ -195,11 +198,12 @@ def _destroy(key: tuple, entry: _Captured) -> None:
     entry.graph.destroy()
 
 
-def jit(fn: Callable[..., Any] | None = None, *, max_entries: int = 8) -> Any:
-    """Decorator: capture `fn` on its second call per input signature and replay it after (module doc)."""
+def jit(fn: Callable[..., Any] | None = None, *, max_entries: int = 8, fresh_outputs: bool = False) -> Any:
+    """Decorator: capture `fn` on its second call per input signature and replay it after (module doc).
+    fresh_outputs: return copies of the graph's outputs that later calls do not overwrite."""
     if fn is None:
-        return lambda f: Jit(f, max_entries)
-    return Jit(fn, max_entries)
+        return lambda f: Jit(f, max_entries, fresh_outputs)
+    return Jit(fn, max_entries, fresh_outputs)
 
 
 def _key(args: tuple, kwargs: dict) -> tuple:
@@ -240,6 +244,17 @@ def _rebuild(out: Any) -> Any:
         return type(out)(_rebuild(o) for o in out)
     if isinstance(out, dict):
         return {k: _rebuild(v) for k, v in out.items()}
+    return out
+
+
+def _copied(dev: Any, out: Any) -> Any:
+    """out (a structure fn returned, over the graph's output buffers) with each Tensor a GPU copy of its own."""
+    if isinstance(out, Tensor):
+        return _private_copy(dev, out)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_copied(dev, o) for o in out)
+    if isinstance(out, dict):
+        return {k: _copied(dev, v) for k, v in out.items()}
     return out
 
 
