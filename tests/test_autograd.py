@@ -383,3 +383,12 @@ def test_embedding_gradient_through_the_tiled_matmul():
     want = np.zeros((300, 20))
     np.add.at(want, idx.ravel(), g.reshape(-1, 20))
     close(w.grad.numpy(), want, 1e-6)
+
+
+def test_requires_grad_as_a_constructor_argument():
+    """`Tensor(data, requires_grad=True)` as PyTorch's `torch.tensor(data, requires_grad=True)`: a leaf at once."""
+    a = np.array([1.0, -2.0, 3.0], np.float32)
+    x = Tensor(a, requires_grad=True)
+    assert x.is_leaf and Tensor(a).grad is None
+    (x * x).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), 2 * a)

@@ -134,10 +134,15 @@ class Tensor(TensorMath, TensorIndexing):
     __slots__ = ("node", "__weakref__")
     __hash__ = object.__hash__  # == is elementwise
 
-    def __init__(self, data: Any, dtype: DType | str | None = None):
-        if isinstance(data, Node):
+    def __init__(self, data: Any, dtype: DType | str | None = None, requires_grad: bool = False):
+        if isinstance(data, Node):  # the hot path: every op's result
             self.node = data
-            return
+        else:
+            self._from_data(data, dtype)
+        if requires_grad:
+            self.requires_grad_()
+
+    def _from_data(self, data: Any, dtype: DType | str | None) -> None:
         want = to_dtype(dtype) if dtype is not None else None
         if isinstance(data, Variable):
             self.node = g.var(data)
