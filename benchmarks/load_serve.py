@@ -34,6 +34,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# the checkout first, then what PYTHONPATH already holds (dependencies may live in a folder on it)
+CHILD_PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "Once upon a time there was a little",
            "What is the capital of France?", "one two three four five six", "Vulkan compute shaders read weights,",
            "A lazy tensor waits until the last moment", "Hello, tiny model."]
@@ -58,7 +60,7 @@ def write_model(preset: str, out: Path) -> Path:
 def start_server(model: Path, args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH)
     proc = subprocess.Popen([sys.executable, "-m", "vkgraph.serve", "--model", str(model), "--port", str(port),
                              "--served-model-name", "m", "--log-level", "warning", *args], env=env, cwd=ROOT)
     deadline = time.monotonic() + 600

@@ -15,6 +15,8 @@ from vkgraph import generate
 from vkgraph.nn import tiny_model as mk
 
 ROOT = Path(__file__).resolve().parents[1]
+# the checkout first, then what PYTHONPATH already holds (dependencies may live in a folder on it)
+CHILD_PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,7 @@ def tiny(tmp_path_factory):
 
 
 def run_cli(*args: str, module: str = "vkgraph.generate") -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH)
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
                           timeout=300, cwd=ROOT)
 
@@ -144,7 +146,7 @@ def test_flags_module_runs_without_runpy_warning():
 
 
 def run_chat(model: Path, lines: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH)
     return subprocess.run([sys.executable, "-m", "vkgraph.generate", "--model", str(model), "--chat", *args],
                           input=lines, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
@@ -195,7 +197,7 @@ def test_quantize_on_load_to_a_format_the_rows_cannot_hold(tiny, capsys):
 
 def test_warmup_fills_the_disk_caches_and_a_later_run_compiles_nothing_from_glsl(tiny, tmp_path):
     cache = {"VKGRAPH_CACHE_DIR": str(tmp_path), "VKGRAPH_DISK_CACHE": "1"}
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **cache)
+    env = dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH, **cache)
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", "import sys, vkgraph, vkgraph.generate as g; rc = g.main("

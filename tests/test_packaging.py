@@ -21,9 +21,13 @@ from vkgraph import templates
 ROOT = Path(vkgraph.__file__).resolve().parent.parent
 # heavy modules that only model loading, tokenizers or bfloat16 numpy arrays need
 LAZY = ("ml_dtypes", "gguf", "tokenizers", "safetensors", "tqdm")
+# heavy modules vkgraph never needs at import, which may be installed next to it (a torch environment)
+NEVER_AT_IMPORT = ("torch", "scipy", "pandas", "jax")
 # the target is 0.5 s (about 0.15 s wall time on an idle machine). Measured as the process's CPU time, which a
 # machine shared by many jobs stretches far less than wall time (5x at a load of 10 on 2 cores, CPU time ~0.25 s);
-# the bound leaves room on top of that
+# the bound leaves room on top of that. It bounds vkgraph's own cost: its unavoidable dependencies (numpy, cffi,
+# vulkan) are imported first and not counted, since their cost is the environment's (on a 16-core machine with a
+# torch environment's numpy, the whole import once took 2.1 s of CPU time)
 IMPORT_BOUND_S = 1.5
 
 
@@ -38,15 +42,19 @@ def _python(code: str, **kwargs) -> str:
 def test_import_is_quick_and_imports_no_heavy_module():
     code = textwrap.dedent(f"""
         import sys, time
-        t = time.process_time()
+        t0 = time.process_time()
+        import numpy, cffi, vulkan
+        t1 = time.process_time()
         import vkgraph
-        print(time.process_time() - t)
-        print(",".join(m for m in {LAZY!r} if m in sys.modules))
+        t2 = time.process_time()
+        print(t2 - t1, t1 - t0)
+        print(",".join(m for m in {LAZY + NEVER_AT_IMPORT!r} if m in sys.modules))
     """)
     runs = [_python(code).split("\n") for _ in range(2)]
     assert all(r[1] == "" for r in runs), f"imported eagerly: {runs[0][1]}"
-    best = min(float(r[0]) for r in runs)
-    assert best < IMPORT_BOUND_S, f"import vkgraph took {best:.2f} s of CPU time"
+    own, deps = min(tuple(float(x) for x in r[0].split()) for r in runs)
+    assert own < IMPORT_BOUND_S, (f"import vkgraph took {own:.2f} s of CPU time on top of its dependencies "
+                                  f"(numpy, cffi, vulkan: {deps:.2f} s)")
 
 
 def test_model_code_imports_no_heavy_module_until_it_loads_weights():
@@ -122,6 +130,12 @@ print("ok")
 """
 
 
+def _pythonpath_but_the_checkout() -> list[str]:
+    """The folders on PYTHONPATH, made absolute, less the checkout and any other folder holding a vkgraph."""
+    entries = [Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return [str(p) for p in entries if p.is_dir() and p != ROOT and not (p / "vkgraph").exists()]
+
+
 def test_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
     src, dist, env = tmp_path / "src", tmp_path / "dist", tmp_path / "env"
     _checkout_copy(src)
@@ -134,8 +148,10 @@ def test_wheel_installs_into_a_fresh_environment_and_runs(tmp_path):
     purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
     # the dependencies come from this interpreter's site-packages; a path added by a .pth file has its own .pth
-    # files ignored, so an editable vkgraph installed there stays invisible
-    (Path(purelib) / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    # files ignored, so an editable vkgraph installed there stays invisible. Dependencies found through PYTHONPATH
+    # (a folder of packages outside site-packages) are seen the same way; the checkout itself is not
+    (Path(purelib) / "deps.pth").write_text("\n".join([*_pythonpath_but_the_checkout(), *site.getsitepackages()])
+                                            + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
                     str(wheel)], check=True, capture_output=True)
     names = ",".join(sorted(p.stem for p in (src / "vkgraph" / "templates" / "glsl").glob("*.comp")))

@@ -23,6 +23,8 @@ openai = pytest.importorskip("openai")
 from vkgraph.nn import tiny_model as mk  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# the checkout first, then what PYTHONPATH already holds (dependencies may live in a folder on it)
+CHILD_PYTHONPATH = os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MAX_PENDING = 6
@@ -38,7 +40,7 @@ class Server:
     def __init__(self, model: Path, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH)
         self.proc = subprocess.Popen([sys.executable, "-m", "vkgraph.serve", "--model", str(model), "--port",
                                      str(self.port), "--served-model-name", "tiny", "--log-level", "warning", *args],
                                     env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
