@@ -80,6 +80,12 @@ MATH = {
     "log1p": (lambda x: x.log1p(), np.log1p, (-0.9, 5)),
 }
 
+# Vulkan bounds sin and cos by an absolute error of 2^-11 in [-pi, pi] (the precision table of the SPIR-V
+# environment), and some drivers (NVIDIA's) use all of it. tan = sin / cos: errors ds and dc move it by
+# ds / cos + sin * dc / cos^2, at most 2^-11 * (|cos| + |sin|) / cos^2.
+SIN_COS_ABS = 2.0**-11
+TRIG_ABS = {"tan": lambda x: SIN_COS_ABS * (np.abs(np.cos(x)) + np.abs(np.sin(x))) / np.cos(x) ** 2}
+
 
 @pytest.mark.parametrize("name", sorted(MATH))
 @FAST
@@ -94,8 +100,12 @@ def test_math(name, shape, seed, tiny):
     got = vk(Tensor(x)).numpy()
     assert got.shape == want.shape
     if want.size:
-        rel = np.abs(got - want) / np.maximum(np.abs(want), 1e-30)
-        assert rel.max() <= 2e-6 if name != "atanh" else 5e-6, (x, got, want)
+        err = np.abs(got - want)
+        rel = err / np.maximum(np.abs(want), 1e-30)
+        ok = rel <= (2e-6 if name != "atanh" else 5e-6)
+        if name in TRIG_ABS:  # or within the device's precision of the sin and cos it is built from
+            ok |= err <= TRIG_ABS[name](x.astype(np.float64))
+        assert ok.all(), (x[~ok], got[~ok], want[~ok])
     if shape and all(shape) and not tiny:
         check_grad(vk, ref, [x.astype(np.float64)], seed, tol=5e-3)
 
