@@ -33,6 +33,12 @@ float bf2f(uint b) { return uintBitsToFloat(b << 16); }""",
   uint m = floatBitsToUint(a);
   return uintBitsToFloat(sign | ((m + 0xfffu + ((m >> 13) & 1u)) & 0xffffe000u));
 }""",
+    "fdiv": """float fdiv(float a, float b) {  // IEEE a / b: Vulkan bounds a / b only for |b| in [2^-126, 2^126]
+  float m = abs(b);
+  if (m > 8.50705917e37) { precise float q = (a * 0.25) / (b * 0.25); return q; }  // scaled by powers of two: exact
+  if (m < 1.17549435e-38 && m != 0.0) { precise float q = (a / (b * 16777216.0)) * 16777216.0; return q; }
+  return a / b;
+}""",
     "fpow": """float fpow(float a, float b) {  // C's powf (numpy's) at every special value
   const float INF = uintBitsToFloat(0x7f800000u);
   if (b == 0.0 || a == 1.0) return 1.0;  // even for a NaN
@@ -347,6 +353,9 @@ def alu(op: Op, dtype: DType, srcs: list[DType], args: list[str], need: set[str]
     if op in (Op.MAX, Op.MIN):
         return minmax(op.name.lower(), a, b, s)
     if op is Op.DIV:
+        if s.glsl == "float":  # NVIDIA's a / b past that range: x / 2e38 gave 0 for x = -2e38, inf / 1e-40 NaN
+            need.add("fdiv")
+            return f"fdiv({a}, {b})"
         return f"({a} / {b})"
     if op in (Op.IDIV, Op.MOD):
         if s.is_float:
