@@ -22,12 +22,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-from train_digits_cnn import DigitsCNN, accuracy, load_digits_split  # noqa: E402
+from train_digits_cnn import DigitsCNN, accuracy, load_digits_split, training_step  # noqa: E402
 
 import vkgraph  # noqa: E402
 from vkgraph import Tensor  # noqa: E402
-from vkgraph.nn import functional as F  # noqa: E402
-from vkgraph.nn import optim  # noqa: E402
 
 
 def batches(n: int, batch: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -38,16 +36,7 @@ def batches(n: int, batch: int, rng: np.random.Generator) -> list[np.ndarray]:
 def run_vkgraph(data, batch: int, epochs: int, lr: float) -> tuple[list[float], float]:
     xtr, ytr, xte, yte = data
     model = DigitsCNN(0)
-    opt = optim.Adam(optim.parameters(model), lr=lr)
-
-    @vkgraph.jit
-    def step(x: Tensor, y: Tensor) -> Tensor:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = vkgraph.jit(training_step(model, lr))
     rng = np.random.default_rng(1)
     times = []
     for epoch in range(epochs + 1):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,10 +72,8 @@ def accuracy(model: DigitsCNN, x: np.ndarray, y: np.ndarray) -> float:
     return float((pred == y).mean())
 
 
-def train(epochs: int = 15, batch: int = 64, lr: float = 3e-3, max_steps: int | None = None, use_jit: bool = True,
-          seed: int = 0, log: bool = False) -> Result:
-    xtr, ytr, xte, yte = load_digits_split(seed=seed)
-    model = DigitsCNN(seed)
+def training_step(model: DigitsCNN, lr: float) -> Callable[[Tensor, Tensor], Tensor]:
+    """One Adam step on a batch's cross-entropy; returns the loss (capture it with vkgraph.jit)."""
     opt = optim.Adam(optim.parameters(model), lr=lr)
 
     def step(x: Tensor, y: Tensor) -> Tensor:
@@ -84,6 +83,14 @@ def train(epochs: int = 15, batch: int = 64, lr: float = 3e-3, max_steps: int | 
         opt.step()
         return loss
 
+    return step
+
+
+def train(epochs: int = 15, batch: int = 64, lr: float = 3e-3, max_steps: int | None = None, use_jit: bool = True,
+          seed: int = 0, log: bool = False) -> Result:
+    xtr, ytr, xte, yte = load_digits_split(seed=seed)
+    model = DigitsCNN(seed)
+    step = training_step(model, lr)
     run = vkgraph.jit(step) if use_jit else step
     rng = np.random.default_rng(seed + 1)
     losses, steps, epoch_times = [], 0, []
