@@ -348,6 +348,14 @@ COMPILE_THREADS = 8  # at most, and at most the machine's cores
 PROGRESS_MIN = 8  # a new plan compiling this many programs shows a progress bar on a terminal
 
 
+def _compile(dev, src: str, name: str, fields: tuple[str, ...]) -> object:
+    """The pipeline of one program, checked to declare the push fields the plan packs (by position)."""
+    kern = dev.pipeline(src, name=name)
+    if kern.push_names != fields:
+        raise AssertionError(f"{name}: push fields {fields} are declared as {kern.push_names}")
+    return kern
+
+
 def _compile_ahead(plan: Plan) -> None:
     """Compile a new plan's programs that this device lacks, several at once (glslang runs on threads; its C
     calls release the GIL), with a progress bar on a terminal when they are many. A first run of a model meets
@@ -371,10 +379,7 @@ def _compile_ahead(plan: Plan) -> None:
 
     def one(item: tuple[str, tuple[str, tuple]]) -> tuple[str, object]:
         src, (name, fields) = item
-        kern = dev.pipeline(src, name=name)
-        if kern.push_names != fields:  # the values are packed by position
-            raise AssertionError(f"{name}: push fields {fields} are declared as {kern.push_names}")
-        return src, kern
+        return src, _compile(dev, src, name, fields)
 
     pool = ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, COMPILE_THREADS), "vkgraph-compile")
     try:
@@ -416,9 +421,7 @@ def _execute(plan: Plan, refs: list[BufferRef], customs: list[Node], params: lis
                         ref.buf = dev.alloc(max(ref.nbytes, 4))
                 kern = compiled.get(src)
                 if kern is None:
-                    kern = dev.pipeline(src, name=name)
-                    if kern.push_names != fields:  # the values are packed by position
-                        raise AssertionError(f"{name}: push fields {fields} are declared as {kern.push_names}")
+                    kern = _compile(dev, src, name, fields)
                     compiled.put(src, kern)
                 bufs = [ref.buf if b[2] is None else ref.buf.view(b[1], b[2]) for ref, b in zip(brefs, bindings)]
                 dispatch(kern, bufs, groups=groups, push=push)
