@@ -278,15 +278,20 @@ def _dynamic(k: Kernel, nodes: list[Node], lim: Limits) -> _Dynamic | None:
     return _Dynamic(rows, shapes, sts, refs)
 
 
+def _group_index(r: Renderer, groups: int) -> bool:
+    """Emit `grp`, the flat workgroup index of a launch of `groups` workgroups: an int64_t where the count passes
+    32 bits. Returns whether it does."""
+    wide = groups >= symbolic.NARROW
+    r.emit(f"int64_t grp = {GROUP_ID64};" if wide else f"int grp = {GROUP_ID};")
+    return wide
+
+
 def _launch(r: Renderer, dyn: _Dynamic | None, units: int, per_row: int, per_group: int,
             groups: int) -> tuple[str, tuple[str, int, int] | None]:
     """Emit `grp`, the flat workgroup index, and the early return of the workgroups past the end: past `groups`,
     or with run-time rows past those covering rows * per_row units at per_group a workgroup. Returns GLSL for
     the units' count (`units` when static) and Program.rows."""
-    if groups >= symbolic.NARROW:
-        r.emit(f"int64_t grp = {GROUP_ID64};")
-    else:
-        r.emit(f"int grp = {GROUP_ID};")
+    _group_index(r, groups)
     if dyn is None:
         r.emit(f"if (grp >= {lit(groups)}) return;")
         return lit(units), None
@@ -751,8 +756,7 @@ def _split(k: Kernel, red: Node, lim: Limits, params: dict[int, int], axes: tupl
     scratch = BufferRef(acc_d, groups)
     r = _renderer(lim, params)
     shared: list[str] = []
-    gwide = groups >= symbolic.NARROW
-    r.emit(f"int64_t grp = {GROUP_ID64};" if gwide else f"int grp = {GROUP_ID};")
+    gwide = _group_index(r, groups)
     r.emit(f"if (grp >= {lit(groups)}) return;")
     r.emit("int lid = int(gl_LocalInvocationID.x);")
     cast = "int" if gwide else ""
