@@ -141,12 +141,9 @@ class ModelConfig:
                                         f"{hf['partial_rotary_factor']!r:.20}) are not supported")
         n_heads = f.int("num_attention_heads")
         dim = f.int("hidden_size")
-        head_dim = f.int("head_dim", None)
-        if head_dim is None:
-            if dim % n_heads:
-                raise ModelFormatError(f"config.json: hidden_size {dim} is not a multiple of num_attention_heads "
-                                       f"{n_heads} (and no head_dim is given)")
-            head_dim = dim // n_heads
+        head_dim = _head_dim(f.int("head_dim", None), dim, n_heads,
+                             f"config.json: hidden_size {dim} is not a multiple of num_attention_heads {n_heads} "
+                             "(and no head_dim is given)")
         n_experts = f.int("num_local_experts", 0, lo=0)
         max_seq_len = f.int("max_position_embeddings", 2048)
         # Mistral 7B v0.1 attends over a sliding window of 4096; the attention here has none for these models, so
@@ -210,12 +207,9 @@ class ModelConfig:
             raise ModelFormatError("GGUF file has no two-dimensional token_embd.weight")
         n_heads = f.int("attention.head_count")
         dim = f.int("embedding_length")
-        head_dim = f.int("attention.key_length", None)
-        if head_dim is None:
-            if dim % n_heads:
-                raise ModelFormatError(f"GGUF metadata: {arch}.embedding_length {dim} is not a multiple of "
-                                       f"{arch}.attention.head_count {n_heads} (and no key_length is given)")
-            head_dim = dim // n_heads
+        head_dim = _head_dim(f.int("attention.key_length", None), dim, n_heads,
+                             f"GGUF metadata: {arch}.embedding_length {dim} is not a multiple of "
+                             f"{arch}.attention.head_count {n_heads} (and no key_length is given)")
         if f.int("rope.dimension_count", head_dim) != head_dim:
             raise UnsupportedModelError("partial rotary embeddings (rope.dimension_count < head_dim) are not supported")
         scaling = None
@@ -342,6 +336,15 @@ class _Fields:
         if not isinstance(v, str):
             raise ModelFormatError(f"{self.where}{key} must be a string, got {v!r:.60}")
         return v
+
+
+def _head_dim(given: int | None, dim: int, n_heads: int, error: str) -> int:
+    """The head size a config gives, else dim / n_heads, which must then divide evenly (else `error`)."""
+    if given is not None:
+        return given
+    if dim % n_heads:
+        raise ModelFormatError(error)
+    return dim // n_heads
 
 
 def _check_int(name: str, v: Any, lo: int = 1) -> None:
