@@ -667,8 +667,7 @@ def _int_var(r: Renderer, name: str, expr: str, expr64: str, lo: int, hi: int, t
     return Var(name, lo, hi, wide)
 
 
-def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = True,
-            dyn: _Dynamic | None = None) -> Lowered:
+def _reduce(k: Kernel, lim: Limits, params: dict[int, int], dyn: _Dynamic | None = None) -> Lowered:
     root = k.root
     reds = [n for n in root.toposort() if n.op is Op.REDUCE]
     shape_of = dyn.shape if dyn else (lambda n: n.shape)
@@ -683,7 +682,7 @@ def _reduce(k: Kernel, lim: Limits, params: dict[int, int], allow_split: bool = 
         raise OverflowError(f"argmax/argmin over {rlen} elements: the index of the result is 32-bit")
     row_root = root.numel == real_rows
     split, grouped, wg, local = _reduce_plan(k, reds, lim)
-    if allow_split and split:
+    if split:
         return _split(k, reds[0], lim, params, axes, scale)
     groups = real_rows if grouped else math.ceil(real_rows / local)
     r = _renderer(lim, params)
