@@ -157,7 +157,8 @@ def promote(a: DType, b: DType) -> DType:
 
 def fits(value: int, d: DType) -> bool:
     """Whether the integer value is one of d's (d an integer or bool dtype)."""
-    return min_value(d) <= value <= max_value(d)
+    lo, hi = _BOUNDS[d]
+    return lo <= value <= hi
 
 
 def int_dtype(value: int) -> DType:
@@ -223,17 +224,22 @@ def least_float(d: DType) -> DType:
     return d if d.is_float else dtypes.default_float
 
 
-def min_value(d: DType) -> int | float | bool:
+def _bounds(d: DType) -> tuple[int | float | bool, int | float | bool]:
     if d.is_float:
-        return -float("inf")
+        return -float("inf"), float("inf")
     if d.kind == "b":
-        return False
-    return int(np.iinfo(d.np).min)
+        return False, True
+    info = np.iinfo(d.np_name)
+    return int(info.min), int(info.max)
+
+
+# looked up, not recomputed: `fits` runs on every op between an integer tensor and a Python int
+_BOUNDS: dict[DType, tuple[int | float | bool, int | float | bool]] = {d: _bounds(d) for d in ALL}
+
+
+def min_value(d: DType) -> int | float | bool:
+    return _BOUNDS[d][0]
 
 
 def max_value(d: DType) -> int | float | bool:
-    if d.is_float:
-        return float("inf")
-    if d.kind == "b":
-        return True
-    return int(np.iinfo(d.np).max)
+    return _BOUNDS[d][1]
