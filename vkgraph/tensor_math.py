@@ -244,7 +244,7 @@ class TensorMath:
         return self._running(dim, "min")
 
     def _running(self: Tensor, dim: int, kind: str) -> tuple[Tensor, Tensor | None]:
-        from .dtype import dtypes
+        from .dtype import dtypes, max_value
         from .tensor import Tensor, _axis, _sum_dtype
         a = _axis(dim, self.ndim) if self.ndim else 0
         x = self if self.ndim else self.reshape(1)
@@ -260,7 +260,7 @@ class TensorMath:
             xp = xe.cast(_sum_dtype(x.dtype))
             out = tri.where(xp, Tensor.full((), 1, xp.dtype)).prod(a + 1)
             return (out if self.ndim else out.reshape(())), None
-        big = float("inf") if x.dtype.is_float else int(__import__("numpy").iinfo(x.dtype.np).max)
+        big = max_value(x.dtype)
         fill = -big if kind == "max" else big
         masked = tri.where(xe, Tensor.full((), fill, x.dtype))
         vals = masked.max(a + 1) if kind == "max" else masked.min(a + 1)
