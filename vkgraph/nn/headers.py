@@ -57,6 +57,17 @@ class _Cursor:
         self.pos += n
         return s
 
+    def new_name(self, what: str, seen: set[str], kind: str) -> str:
+        """A UTF-8 string not in `seen`, added to it (an error calls a repeat "`kind` 'name'")."""
+        try:
+            name = self.string(what).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ModelFormatError(f"{self.path}: {what} is not UTF-8") from None
+        if name in seen:
+            raise ModelFormatError(f"{self.path}: {kind} {name!r} appears twice")
+        seen.add(name)
+        return name
+
     def skip_strings(self, count: int, what: str) -> None:
         """count strings, walked by their length prefixes (each needs at least its 8 bytes)."""
         self.need(count * 8, what)
@@ -101,10 +112,7 @@ def check_gguf(path: str | Path) -> None:
             alignment = _DEFAULT_ALIGNMENT
             keys: set[str] = set()
             for i in range(n_kv):
-                key = _utf8(c.string(f"metadata key {i}"), p, f"metadata key {i}")
-                if key in keys:
-                    raise ModelFormatError(f"{p}: metadata key {key!r} appears twice")
-                keys.add(key)
+                key = c.new_name(f"metadata key {i}", keys, "metadata key")
                 vtype = c.uint(4, f"type of {key}")
                 if key == "general.alignment":
                     if vtype != _UINT32:
@@ -118,10 +126,7 @@ def check_gguf(path: str | Path) -> None:
             names: set[str] = set()
             spans: list[tuple[str, int, int]] = []
             for i in range(n_tensors):
-                name = _utf8(c.string(f"tensor name {i}"), p, f"tensor name {i}")
-                if name in names:
-                    raise ModelFormatError(f"{p}: tensor {name!r} appears twice")
-                names.add(name)
+                name = c.new_name(f"tensor name {i}", names, "tensor")
                 n_dims = c.uint(4, f"dimension count of {name}")
                 if not 1 <= n_dims <= _MAX_DIMS:
                     raise ModelFormatError(f"{p}: tensor {name} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
@@ -170,13 +175,6 @@ def _skip_value(c: _Cursor, vtype: int, key: str, depth: int) -> None:
             raise ModelFormatError(f"{c.path}: {key}: unknown array item type {itype}")
     else:
         raise ModelFormatError(f"{c.path}: {key}: unknown value type {vtype}")
-
-
-def _utf8(b: bytes, p: Path, what: str) -> str:
-    try:
-        return b.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ModelFormatError(f"{p}: {what} is not UTF-8") from None
 
 
 # ---- safetensors ------------------------------------------------------------------------------------------------
