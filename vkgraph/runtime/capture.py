@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..interrupts import critical
 from . import faults
+from .descriptors import PINNED
 from .errors import DeviceClosed, DeviceError
 from .hazards import track_hazards
 from .memory import BoundRange
@@ -114,7 +115,7 @@ class CommandGraph:
             if e[0] == "dispatch":
                 key = (pipe.layout_id, tuple(b.key for b in bufs))  # as Queue.dispatch keys it
                 sets = q.descriptors
-                entry = sets.sets.get(key) or sets.create(pipe, list(bufs), allocs, key, q.completed)
+                entry = sets.get(pipe, list(bufs), allocs, key, q.completed)
                 sets.pin(entry)  # never evicted while the graph lives
                 dynamic = any(isinstance(v, LiveValue) for v in _push_values(push))
                 self._prepared.append(("dispatch", hazard, pipe, entry, groups, push, dynamic,
@@ -179,8 +180,8 @@ class CommandGraph:
                 pipe = p[2]
                 bufs = [BoundRange(swap.get(b.alloc.handle, b.alloc), b.offset, b.size) for b in e[2]]
                 key = (pipe.layout_id, tuple(b.key for b in bufs))
-                entry = sets.sets.get(key) or sets.create(pipe, bufs, [b.alloc for b in bufs], key, q.completed)
-                if entry[2] != float("inf"):
+                entry = sets.get(pipe, bufs, [b.alloc for b in bufs], key, q.completed)
+                if entry[2] != PINNED:
                     sets.pin(entry)
                     self._bound_sets.append(entry)
                 p = (*p[:3], entry, *p[4:])

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 CAPACITY = 8192
 SETS_PER_POOL = 1024
+PINNED = float("inf")  # the last use of a pinned set: never evicted
 
 
 class DescriptorSets:
@@ -30,6 +31,11 @@ class DescriptorSets:
         self.sets: dict[tuple, list] = {}
         self.by_buffer: dict[int, set[tuple]] = {}  # VkBuffer handle -> keys of the sets naming it
         self.pools: list[Any] = []
+
+    def get(self, pipe: Pipeline, buffers: list[Any], allocs: list[Allocation], key: tuple, completed: int) -> list:
+        """The cached set for `key`, or a new one (`create`). The queue's dispatch inlines the lookup."""
+        entry = self.sets.get(key)
+        return entry if entry is not None else self.create(pipe, buffers, allocs, key, completed)
 
     def create(self, pipe: Pipeline, buffers: list[Any], allocs: list[Allocation], key: tuple,
                completed: int) -> list:
@@ -120,7 +126,7 @@ class DescriptorSets:
     @staticmethod
     def pin(entry: list) -> None:
         """Never evicted until unpinned (a captured graph's sets, while it lives)."""
-        entry[2] = float("inf")
+        entry[2] = PINNED
 
     @staticmethod
     def unpin(entry: list, completed: int) -> None:
@@ -128,6 +134,11 @@ class DescriptorSets:
 
     def counts(self) -> dict[str, int]:
         return {"descriptor_sets": len(self.sets), "descriptor_pools": len(self.pools)}
+
+    def abandon(self) -> None:
+        """Forget every set, free none (the device is given up with work still running)."""
+        self.sets.clear()
+        self.by_buffer.clear()
 
     def destroy(self) -> None:
         for pool in self.pools:

@@ -424,8 +424,7 @@ class Queue:
         use them; the process's exit frees them)."""
         for graph in list(self.graphs):
             graph.abandon()
-        self.descriptors.sets.clear()
-        self.descriptors.by_buffer.clear()
+        self.descriptors.abandon()
         self.in_flight.clear()
         self.free.clear()
         self.recording = None
