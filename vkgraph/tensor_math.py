@@ -123,15 +123,14 @@ class TensorMath:
 
     def _div_rounded(self: Tensor, other: Any, rounding_mode: str) -> Tensor:
         """Division with PyTorch's rounding_mode 'trunc' or 'floor'."""
-        q = self / other
         if rounding_mode not in ("trunc", "floor"):
             raise ValueError(f"rounding_mode must be None, 'trunc' or 'floor', not {rounding_mode!r}")
+        if rounding_mode == "floor":
+            return self // other
         from .tensor import _as_tensor
         o = _as_tensor(other, self)
         if self.dtype.is_float or o.dtype.is_float:
-            return q.trunc() if rounding_mode == "trunc" else self // other
-        if rounding_mode == "floor":
-            return self // other
+            return (self / other).trunc()
         out = self // other  # integers: floor division, moved toward zero where the signs differ and it is inexact
         fix = (out * o != self).logical_and((self < 0).logical_xor(o < 0))
         return fix.where(out + 1, out)
