@@ -46,25 +46,7 @@ class Module:
         return [t for _, t in self.named_parameters()]
 
     def modules(self) -> Iterator[Module]:
-        seen: set[int] = set()
-
-        def walk(obj: Any) -> Iterator[Module]:
-            if id(obj) in seen:
-                return
-            seen.add(id(obj))
-            if isinstance(obj, Module):
-                yield obj
-                children: Any = vars(obj).values()
-            elif isinstance(obj, (list, tuple)):
-                children = obj
-            elif isinstance(obj, dict):
-                children = obj.values()
-            else:
-                return
-            for c in children:
-                yield from walk(c)
-
-        return walk(self)
+        return (m for _, m in _named_modules(self))
 
     def train(self, mode: bool = True) -> Module:
         for m in self.modules():
