@@ -152,14 +152,13 @@ def _operand(src: Node, compute: DType, lim: Limits, refs_elsewhere: set[int]) -
     if strides is not None:
         col_major = strides[-2] == 1 and strides[-1] != 1
         inner = rows if col_major else cols
-        ok = (strides[-1 if not col_major else -2] == 1 and inner % 8 == 0 and offset % 8 == 0
-              and all(s % 8 == 0 for i, s in enumerate(strides) if i != (len(strides) - (2 if col_major else 1)))
+        inner_axis = len(strides) - (2 if col_major else 1)
+        ok = (strides[inner_axis] == 1 and inner % 8 == 0 and offset % 8 == 0
+              and all(s % 8 == 0 for i, s in enumerate(strides) if i != inner_axis)
               and all(s >= 0 for s in strides) and ref.nbytes <= lim.max_storage_range
               and id(ref) not in refs_elsewhere)
         if ok:
-            vs = tuple(s // 8 for i, s in enumerate(strides))
-            inner_axis = len(strides) - (2 if col_major else 1)
-            vs = tuple(0 if i == inner_axis else s for i, s in enumerate(vs))
+            vs = tuple(0 if i == inner_axis else s // 8 for i, s in enumerate(strides))
             return _Operand(src, rows, cols, col_major, (ref, vs, offset // 8))
     else:
         from .lower import _column_major  # the tiled path's rule: unit stride along the next-to-last axis
