@@ -233,29 +233,31 @@ def _tensors_in(out: Any) -> list[Tensor]:
     return []
 
 
+def _map_tensors(out: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """out (a structure fn returned: Tensors in lists, tuples and dicts) with fn applied to each Tensor."""
+    if isinstance(out, Tensor):
+        return fn(out)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_map_tensors(o, fn) for o in out)
+    if isinstance(out, dict):
+        return {k: _map_tensors(v, fn) for k, v in out.items()}
+    return out
+
+
 def _rebuild(out: Any) -> Any:
     """Fresh Tensors over the graph's output buffers, at their new version, in the structure fn returned."""
     from . import graph as g
 
-    if isinstance(out, Tensor):
-        ref = out.node.arg[0]
-        return Tensor(g.buffer(ref, ref.version, out.dtype, out.shape))
-    if isinstance(out, (list, tuple)):
-        return type(out)(_rebuild(o) for o in out)
-    if isinstance(out, dict):
-        return {k: _rebuild(v) for k, v in out.items()}
-    return out
+    def one(t: Tensor) -> Tensor:
+        ref = t.node.arg[0]
+        return Tensor(g.buffer(ref, ref.version, t.dtype, t.shape))
+
+    return _map_tensors(out, one)
 
 
 def _copied(dev: Any, out: Any) -> Any:
     """out (a structure fn returned, over the graph's output buffers) with each Tensor a GPU copy of its own."""
-    if isinstance(out, Tensor):
-        return _private_copy(dev, out)
-    if isinstance(out, (list, tuple)):
-        return type(out)(_copied(dev, o) for o in out)
-    if isinstance(out, dict):
-        return {k: _copied(dev, v) for k, v in out.items()}
-    return out
+    return _map_tensors(out, lambda t: _private_copy(dev, t))
 
 
 def _private_copy(dev: Any, t: Tensor) -> Tensor:
