@@ -104,13 +104,14 @@ def broadcast_shape(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _infer_dtype(arr: np.ndarray, data: Any) -> DType:
+def _infer_dtype(arr: np.ndarray, data: Any, int_bounds: tuple[int | None, int | None] | None) -> DType:
+    """The dtype of data made into arr; int_bounds are its least and greatest where data holds Python ints."""
     if isinstance(data, np.ndarray | np.generic):
         return to_dtype(arr.dtype)
     if arr.dtype.kind == "b":
         return dtypes.bool
-    if arr.dtype.kind in "iu" or (arr.dtype.kind == "O" and arr.size and _all_ints(arr)):
-        lo, hi = _int_bounds(arr)  # Python ints: int32, or int64 where a value needs it
+    if int_bounds is not None:
+        lo, hi = int_bounds  # Python ints: int32, or int64 where a value needs it
         return dtypes.default_int if lo is None else promote(int_dtype(lo), int_dtype(hi))
     if arr.dtype.kind == "f" or arr.size == 0:
         return dtypes.default_float
@@ -158,11 +159,13 @@ class Tensor(TensorMath, TensorIndexing):
             self.node = g.const(data, d, ())
             return
         arr = np.asarray(data)
-        d = want or _infer_dtype(arr, data)
-        if not isinstance(data, np.ndarray | np.generic) and (
-                arr.dtype.kind in "iu" or arr.dtype.kind == "O" and arr.size and _all_ints(arr)):
+        ints = not isinstance(data, np.ndarray | np.generic) and (
+            arr.dtype.kind in "iu" or arr.dtype.kind == "O" and arr.size and _all_ints(arr))
+        bounds = _int_bounds(arr) if ints and (want is None or want.is_int) else None  # one pass, read twice
+        d = want or _infer_dtype(arr, data, bounds)
+        if ints:
             if d.is_int:  # Python ints must be values of the dtype (numpy 2's OverflowError), never wrapped
-                for v in _int_bounds(arr):
+                for v in bounds:
                     if v is not None:
                         check_fits(v, d)
             if arr.dtype.kind in "uO":  # uint64 or ints past it, each in range of d now
