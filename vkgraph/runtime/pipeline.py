@@ -196,9 +196,10 @@ class PipelineManager:
         with self.lock:
             if self.destroyed:  # the device closed while this thread compiled
                 self.device.check_usable()
-            k = self.cached.get(key)
-            if k is None:
-                k = self.live.get(key)  # evicted, but still held somewhere
+            k = self.cached.get(key)  # a hit is now the most recently used
+            if k is not None:
+                return k
+            k = self.live.get(key)  # evicted, but still held somewhere: cached again
             if k is not None:
                 self.cached.put(key, k)
                 return k
