@@ -643,10 +643,10 @@ SERIAL_SPLIT = 1 << 20
 SPLIT_ROW = 32768  # rows at least this long split where they are few (under 64)
 
 
-def _reduce_plan(k: Kernel, reds: list[Node], lim: Limits) -> tuple[bool, bool, int, int]:
-    """How kernel k's reductions `reds` run: (split into two programs or more, a workgroup per row, its size,
-    local size)."""
-    full, axes = reds[0].srcs[0].shape, _fold_axes(k, reds)[0]
+def _reduce_plan(k: Kernel, reds: list[Node], lim: Limits, axes: tuple[int, ...]) -> tuple[bool, bool, int, int]:
+    """How kernel k's reductions `reds`, walking `axes` (_fold_axes), run: (split into two programs or more, a
+    workgroup per row, its size, local size)."""
+    full = reds[0].srcs[0].shape
     rows = prod(reds[0].shape)
     rlen = prod(full[a] for a in axes)
     split = (k.root.numel == rows and len(reds) == 1 and reds[0].arg[0] not in _ARG
@@ -681,7 +681,7 @@ def _reduce(k: Kernel, lim: Limits, params: dict[int, int], dyn: _Dynamic | None
     if any(red.arg[0] in _ARG for red in reds) and rlen >= 1 << 31:
         raise OverflowError(f"argmax/argmin over {rlen} elements: the index of the result is 32-bit")
     row_root = root.numel == real_rows
-    split, grouped, wg, local = _reduce_plan(k, reds, lim)
+    split, grouped, wg, local = _reduce_plan(k, reds, lim, axes)
     if split:
         return _split(k, reds[0], lim, params, axes, scale)
     groups = real_rows if grouped else math.ceil(real_rows / local)
@@ -973,7 +973,7 @@ def lower(k: Kernel, lim: Limits) -> Lowered:
     if dyn is not None:
         # the launch shape follows from the real rows, so it keys the program; split reductions keep baked shapes
         reds = [n for n in nodes if n.op is Op.REDUCE]
-        plan = _reduce_plan(k, reds, lim) if reds else _vec4_loads(k, lim, dyn) is not None
+        plan = _reduce_plan(k, reds, lim, _fold_axes(k, reds)[0]) if reds else _vec4_loads(k, lim, dyn) is not None
         # the row count needs a push-constant field of its own beside the largest offsets and values
         fields = sum(len(runtime_values(n)) for n in leaves) + MAX_PUSH_OFFSETS + RESERVED_FIELDS + 1
         if (isinstance(plan, tuple) and plan[0]) or 4 * fields > PUSH_BYTES:
