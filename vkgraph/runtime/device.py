@@ -365,9 +365,8 @@ class Device:
     def pipeline(self, source: str, *, spec: dict[str, Any] | None = None, defines: dict[str, Any] | None = None,
                name: str | None = None, include_dirs: list[str | Path] | None = None,
                subgroup_size: int | None = None) -> Pipeline:
-        """GLSL `source` compiled for this device, cached (see docs/runtime.md)."""
-        if self.lost or self.closed:
-            self.check_usable()
+        """GLSL `source` compiled for this device, cached (see docs/runtime.md); `pipelines.get` checks first
+        that the device is usable."""
         return self.pipelines.get(source, spec=spec, defines=defines, name=name, include_dirs=include_dirs,
                                      subgroup_size=subgroup_size)
 
