@@ -340,18 +340,25 @@ _KEYS = [*META, "llama.attention.key_length", "llama.rope.dimension_count", "lla
          "llama.expert_used_count", "llama.rope.scaling.type", "llama.rope.scaling.factor", "general.alignment"]
 
 
-def _fuzz_gguf_fields(tmp_path, changes) -> None:
-    meta = dict(META)
+def _write_changed_gguf(path: Path, meta: dict, changes) -> Path | None:
+    """Writes `meta` with each (key, value) of `changes` set, or removed where value is None;
+    None where the writer itself refuses the values."""
+    meta = dict(meta)
     for key, value in changes:
         if value is None:
             meta.pop(key, None)
         else:
             meta[key] = value
     try:
-        p = write_gguf(tmp_path / "f.gguf", meta)
+        return write_gguf(path, meta)
     except (ValueError, OverflowError, struct.error):  # values the writer itself refuses
-        return
-    load_quickly(p)
+        return None
+
+
+def _fuzz_gguf_fields(tmp_path, changes) -> None:
+    p = _write_changed_gguf(tmp_path / "f.gguf", META, changes)
+    if p is not None:
+        load_quickly(p)
 
 
 _field_changes = st.lists(st.tuples(st.sampled_from(_KEYS), st.none() | gguf_values()), min_size=1, max_size=3)
@@ -515,17 +522,9 @@ _vocab_changes = st.lists(st.tuples(st.sampled_from(_VOCAB_KEYS), st.none() | gg
 
 
 def _fuzz_vocab(tmp_path, changes) -> None:
-    meta = META | VOCAB
-    for key, value in changes:
-        if value is None:
-            meta.pop(key, None)
-        else:
-            meta[key] = value
-    try:
-        p = write_gguf(tmp_path / "v.gguf", meta)
-    except (ValueError, OverflowError, struct.error):
-        return
-    _load_tokenizer(p)
+    p = _write_changed_gguf(tmp_path / "v.gguf", META | VOCAB, changes)
+    if p is not None:
+        _load_tokenizer(p)
 
 
 @_FUZZ
