@@ -120,6 +120,15 @@ def test_parameter_finder():
         optim.SGD(object())
 
 
+def _mse_step(w, opt, x, y):
+    """One training step of x @ w against y (mean squared error); returns the loss."""
+    opt.zero_grad()
+    loss = ((x @ w - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def test_jit_training_step_replays_in_one_submit():
     def make():
         np.random.seed(7)
@@ -129,17 +138,10 @@ def test_jit_training_step_replays_in_one_submit():
     xs = [rng.standard_normal((8, 4)).astype(np.float32) for _ in range(6)]
     ys = [rng.standard_normal((8, 3)).astype(np.float32) for _ in range(6)]
 
-    def run(w, opt, x, y):
-        opt.zero_grad()
-        loss = ((x @ w - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
     w_eager, opt_eager = make()
-    eager = [run(w_eager, opt_eager, Tensor(x), Tensor(y)).item() for x, y in zip(xs, ys)]
+    eager = [_mse_step(w_eager, opt_eager, Tensor(x), Tensor(y)).item() for x, y in zip(xs, ys)]
     w_jit, opt_jit = make()
-    step = vkgraph.jit(lambda x, y: run(w_jit, opt_jit, x, y))
+    step = vkgraph.jit(lambda x, y: _mse_step(w_jit, opt_jit, x, y))
     dev = vkgraph.get_device()
     got = []
     for i, (x, y) in enumerate(zip(xs, ys)):
@@ -164,17 +166,10 @@ def test_jit_replays_with_inputs_freed_at_once():
     data = [(rng.standard_normal((16, 6)).astype(np.float32), rng.standard_normal((16, 2)).astype(np.float32))
             for _ in range(12)]
 
-    def run(w, opt, x, y):
-        opt.zero_grad()
-        loss = ((x @ w - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
     w_e, o_e = make()
-    eager = [run(w_e, o_e, Tensor(x), Tensor(y)).item() for x, y in data]
+    eager = [_mse_step(w_e, o_e, Tensor(x), Tensor(y)).item() for x, y in data]
     w_j, o_j = make()
-    step = vkgraph.jit(lambda x, y: run(w_j, o_j, x, y))
+    step = vkgraph.jit(lambda x, y: _mse_step(w_j, o_j, x, y))
     kept = [step(Tensor(x), Tensor(y)).clone().realize() for x, y in data]
     np.testing.assert_allclose([k.item() for k in kept], eager, rtol=1e-5)
 
