@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from common import median_time
 
 import vkgraph
 from vkgraph.runtime import get_device
@@ -26,12 +27,7 @@ from vkgraph.tensor import Tensor
 def median_s(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_time(fn, reps)
 
 
 def cases(small: bool) -> list[tuple[str, float, list[tuple[int, ...]], Callable, str]]:
