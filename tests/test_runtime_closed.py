@@ -8,20 +8,15 @@ import sys
 import textwrap
 import time
 
+from glsl_samples import AXPB
+
 PRELUDE = '''
 import sys
 import numpy as np
 import vkgraph
 from vkgraph import Tensor
 from vkgraph.runtime import DeviceClosed, DeviceLost, DeviceTimeout, faults, get_device, reset_device
-
-AXPB = """#version 450
-layout(local_size_x = 64) in;
-layout(set = 0, binding = 0) readonly buffer X { float x[]; };
-layout(set = 0, binding = 1) writeonly buffer Y { float y[]; };
-layout(push_constant) uniform Push { uint n; float a; float b; } pc;
-void main() { uint i = gl_GlobalInvocationID.x; if (i < pc.n) y[i] = pc.a * x[i] + pc.b; }
-"""
+''' + f"\nAXPB = {AXPB!r}\n" + '''
 
 
 def raises(kind, fn, *args, **kwargs):
