@@ -249,3 +249,17 @@ def test_sdpa_enable_gqa():
     np.testing.assert_allclose(got, p / p.sum(-1, keepdims=True) @ vv, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError):
         F.scaled_dot_product_attention(Tensor(q[:, :3]), Tensor(k), Tensor(v), enable_gqa=True)
+
+
+def test_running_and_scattered_extremes_of_unsigned_and_int_min_values():
+    """The masked-out fill is the identity of max (the dtype's minimum), not -max: unsigned types and INT_MIN."""
+    u = np.array([3, 1, 5, 2], np.uint8)
+    vals, idx = Tensor(u).cummax(0)
+    np.testing.assert_array_equal(vals.numpy(), np.maximum.accumulate(u))
+    np.testing.assert_array_equal(idx.numpy(), [0, 0, 2, 2])
+    lo = np.iinfo(np.int32).min
+    m = np.array([lo, lo, 4], np.int32)
+    np.testing.assert_array_equal(Tensor(m).cummax(0)[0].numpy(), np.maximum.accumulate(m))
+    got = Tensor(np.zeros(2, np.uint8)).scatter_reduce(0, Tensor(np.array([1, 1], np.int32)),
+                                                       Tensor(np.array([7, 9], np.uint8)), "amax", include_self=False)
+    np.testing.assert_array_equal(got.numpy(), [0, 9])

@@ -162,7 +162,7 @@ class TensorIndexing:
         """Combine src into self at index along dim with 'sum', 'prod', 'mean', 'amax' or 'amin'."""
         if reduce not in _REDUCES:
             raise ValueError(f"scatter_reduce: reduce must be one of {_REDUCES}, not {reduce!r}")
-        from .dtype import max_value
+        from .dtype import max_value, min_value
         Tensor = _T()
         index = _int_index(index)
         a, hit = self._hits(dim, index)
@@ -182,8 +182,7 @@ class TensorIndexing:
         if reduce == "prod":
             part = self._spread(hit.where(s, Tensor.full((), 1, self.dtype)).prod(a, dtype=self.dtype), a)
             return any_hit.where(self * part if include_self else part, self)
-        big = max_value(self.dtype)
-        fill = -big if reduce == "amax" else big
+        fill = min_value(self.dtype) if reduce == "amax" else max_value(self.dtype)
         masked = hit.where(s, Tensor.full((), fill, self.dtype))
         part = self._spread(masked.max(a) if reduce == "amax" else masked.min(a), a)
         if include_self:

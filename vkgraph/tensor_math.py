@@ -243,7 +243,7 @@ class TensorMath:
         return self._running(dim, "min")
 
     def _running(self: Tensor, dim: int, kind: str) -> tuple[Tensor, Tensor | None]:
-        from .dtype import dtypes, max_value
+        from .dtype import dtypes, max_value, min_value
         from .tensor import Tensor, _axis, _sum_dtype
         a = _axis(dim, self.ndim) if self.ndim else 0
         x = self if self.ndim else self.reshape(1)
@@ -259,8 +259,7 @@ class TensorMath:
             xp = xe.cast(_sum_dtype(x.dtype))
             out = tri.where(xp, Tensor.full((), 1, xp.dtype)).prod(a + 1)
             return (out if self.ndim else out.reshape(())), None
-        big = max_value(x.dtype)
-        fill = -big if kind == "max" else big
+        fill = min_value(x.dtype) if kind == "max" else max_value(x.dtype)  # the identities, unsigned types included
         masked = tri.where(xe, Tensor.full((), fill, x.dtype))
         vals = masked.max(a + 1) if kind == "max" else masked.min(a + 1)
         hit = tri.logical_and((xe == vals.unsqueeze(a + 1)).logical_or(xe.isnan() if x.dtype.is_float else False))
