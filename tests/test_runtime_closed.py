@@ -173,3 +173,17 @@ def test_after_a_runaway_kernel_the_next_wait_says_so_and_reset_device_gives_a_w
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == "ok"
     assert elapsed < 45, f"took {elapsed:.1f} s"
+
+
+def test_skipping_the_drivers_teardown_keeps_the_exit_status_and_the_output():
+    # what an abandoned device arranges for the process's exit: status and buffered output survive
+    for tail, code in (("sys.exit(3)", 3), ("raise ValueError('boom')", 1), ("pass", 0)):
+        r, _ = run(f'''
+            from vkgraph.runtime import device
+            (Tensor(np.ones(4, np.float32)) + 1).numpy()
+            device._skip_driver_teardown_at_exit()
+            print("unflushed", end="")
+            {tail}
+        ''')
+        assert r.returncode == code, (tail, r.stdout, r.stderr)
+        assert r.stdout == "unflushed"

@@ -7,6 +7,7 @@ The Device ties the runtime together: its pool, compiler, pipelines and queue. L
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import sys
 import threading
@@ -421,6 +422,7 @@ class Device:
             self.closed = True
             if not idle:
                 self.abandoned = True
+                _skip_driver_teardown_at_exit()
                 self.queue.abandon()
                 self.memory.abandon()
                 self.pipelines.save_cache()
@@ -613,6 +615,30 @@ def reset_device() -> Device:
         except DeviceError:
             pass  # a lost device may fail its teardown; the new one does not depend on it
     return get_device()
+
+
+_TEARDOWN_SKIPPED = False
+
+
+def _skip_driver_teardown_at_exit() -> None:
+    """Make the C-level exit end with `_exit(status)` before the driver's own teardown runs.
+
+    A driver's library destructors may wait for the GPU to go idle, and work on an abandoned device may run for
+    hours: the interpreter would finish but the process would never end. glibc's `on_exit` hands the handler
+    the exit status, so `_exit` itself can be the handler and the status is kept. Handlers run last-in first-out,
+    so those registered before this one (the driver's, loaded at instance creation) are the ones skipped; Python's
+    own finalization (atexit, stream flushes) has already run by then. Elsewhere than glibc this does nothing."""
+    global _TEARDOWN_SKIPPED
+    if _TEARDOWN_SKIPPED:
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        on_exit, exit_now = libc.on_exit, libc._exit
+    except (OSError, AttributeError):
+        return
+    on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    on_exit(ctypes.cast(exit_now, ctypes.c_void_p), None)
+    _TEARDOWN_SKIPPED = True
 
 
 EXIT_WAIT_S = 1.0  # at exit, work not waited for is abandoned after this long: its results can no longer be read
