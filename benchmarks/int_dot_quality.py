@@ -30,6 +30,7 @@ import numpy as np
 from vkgraph import quant
 from vkgraph.nn.layers import StepInputs
 from vkgraph.nn.llama import LlamaModel
+from vkgraph.nn.model_file import open_model
 from vkgraph.nn.tokenizer import Tokenizer
 from vkgraph.nn.weights import ModelWeights, load_weights
 from vkgraph.runtime import get_device
@@ -111,13 +112,14 @@ def main() -> None:
     dev = get_device()
     if not dev.info.integer_dot_product:
         ap.error(f"{dev.info.name} has no integer dot products: nothing to compare")
-    ids = Tokenizer.load(a.model).encode(a.text.read_text(errors="replace"))
+    source = open_model(a.model)
+    ids = Tokenizer.load(source).encode(a.text.read_text(errors="replace"))
     windows = [ids[i * a.ctx:(i + 1) * a.ctx] for i in range(min(a.chunks, len(ids) // a.ctx))]
     if not windows:
         ap.error(f"{a.text} has {len(ids)} tokens, fewer than --ctx {a.ctx}")
     print(f"{a.model.name} on {dev.info.name} (int8 dot products accelerated: "
           f"{dev.info.integer_dot_product_accelerated}); {a.text.name}: {len(windows)} windows of {a.ctx} tokens")
-    w = load_weights(a.model, progress=False)
+    w = load_weights(source, progress=False)
     measure("as stored", w, windows, a.step)
     for fmt in (f.strip().upper() for f in a.formats.split(",") if f.strip()):
         measure(fmt, requantize(w, fmt), windows, a.step)

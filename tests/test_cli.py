@@ -190,6 +190,26 @@ def test_chat_without_a_template_or_with_a_prompt_refused(tiny, tmp_path, capsys
     assert rc == 2 and "--prompt is required (or --chat)" in one_error_line(err)
 
 
+def test_a_gguf_file_is_parsed_once_per_run(tiny, capsys, monkeypatch):
+    import io
+
+    import gguf
+
+    opened = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            opened.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # a chat that ends at once: tokenizer, weights, template
+    rc, out, err = in_process(capsys, "--model", str(tiny["Q8_0"]), "--chat")
+    assert rc == 0, err
+    assert "weights are random" in err  # the demo-model check read the same open file
+    assert len(opened) == 1, opened
+
+
 def test_quantize_on_load_to_a_format_the_rows_cannot_hold(tiny, capsys):
     rc, out, err = in_process(capsys, "--model", str(tiny["hf"]), "--prompt", "a", "--quantize", "Q4_K")
     assert rc == 2 and "not a multiple of the block size 256" in one_error_line(err)

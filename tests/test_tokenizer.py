@@ -183,7 +183,7 @@ def _rewrite_gguf_tokenizer(src, dst, **changes: str):
     from gguf import GGUFWriter
 
     from vkgraph.nn.config import gguf_value
-    from vkgraph.nn.weights import open_gguf
+    from vkgraph.nn.model_file import open_gguf
 
     r = open_gguf(src)
     w = GGUFWriter(str(dst), "llama")

@@ -13,10 +13,10 @@ import pytest
 
 from vkgraph.nn import tiny_model as mk
 from vkgraph.nn.config import ModelConfig, ModelFormatError, RopeScaling, UnsupportedModelError
+from vkgraph.nn.headers import TruncatedFileError
 from vkgraph.nn.weights import (
     MissingTensorError,
     ShapeMismatchError,
-    TruncatedFileError,
     UnsupportedTensorTypeError,
     expected_tensors,
     load_weights,

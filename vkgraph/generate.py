@@ -138,25 +138,27 @@ def main(argv: list[str] | None = None) -> int:
 def _run(a: argparse.Namespace, params: SamplingParams) -> int:
     from .nn.engine import Engine
     from .nn.llama import LlamaModel
+    from .nn.model_file import open_model
     from .nn.tiny_model import is_random_model
     from .nn.tokenizer import Tokenizer
     from .nn.weights import load_weights
     from .runtime import get_device
 
     t0 = time.perf_counter()
-    tokenizer = Tokenizer.load(a.model)
-    weights = load_weights(a.model, quantize=a.quantize, progress=sys.stderr.isatty())
+    source = open_model(a.model)  # a GGUF file's metadata is parsed once, for every loader below
+    tokenizer = Tokenizer.load(source)
+    weights = load_weights(source, quantize=a.quantize, progress=sys.stderr.isatty())
     cfg = weights.config
     max_ctx = a.max_context or cfg.max_seq_len
     template = None
     if a.chat:
         from .nn.chat import ChatTemplate
 
-        template = ChatTemplate.load(a.model, tokenizer)
+        template = ChatTemplate.load(source, tokenizer)
     else:
         extra = a.speculate + 1 if a.draft else 0
         check_fit([len(tokenizer.encode(p)) for p in a.prompt], a.max_tokens, max_ctx, a.num_blocks, extra)
-    if is_random_model(a.model):
+    if is_random_model(source):
         print(f"[vkgraph] {a.model} is vkgraph's demo model: its weights are random, so its text is noise",
               file=sys.stderr)
     model = LlamaModel(weights, num_blocks=a.num_blocks, kv_dtype=a.kv_dtype,

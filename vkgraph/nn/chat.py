@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, TextIO
 
 from .config import ModelFormatError, gguf_value
+from .model_file import ModelSource, open_model
 
 
 class NoChatTemplateError(ModelFormatError):
@@ -51,16 +51,16 @@ class ChatTemplate:
                                     bos_token=self.bos_token, eos_token=self.eos_token)
 
     @classmethod
-    def load(cls, path: str | Path, tokenizer: Any) -> ChatTemplate:
-        """From a .gguf file or a Hugging Face folder (or a file inside one); `tokenizer` names BOS and EOS."""
-        p = Path(path)
+    def load(cls, model: ModelSource, tokenizer: Any) -> ChatTemplate:
+        """From a .gguf file or a Hugging Face folder (or a file inside one), by path or as an open `ModelFile`;
+        `tokenizer` names BOS and EOS."""
+        m = open_model(model)
+        p = m.path
         source: str | None = None
-        if p.suffix == ".gguf":
-            from .weights import open_gguf
-
-            source = gguf_value(open_gguf(p), "tokenizer.chat_template")
+        if m.gguf is not None:
+            source = gguf_value(m.gguf, "tokenizer.chat_template")
         else:
-            d = p if p.is_dir() else p.parent
+            d = m.folder
             cfg = d / "tokenizer_config.json"
             if cfg.exists():
                 t = json.loads(cfg.read_text()).get("chat_template")

@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import quant
-from .config import ModelConfig, RopeScaling, llama3_freq_factors
+from .config import ModelConfig, RopeScaling, gguf_value, llama3_freq_factors
+from .model_file import ModelSource, open_model
 from .weights import MATRIX, expected_tensors, gguf_name, permute_rope_rows
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
@@ -62,17 +63,14 @@ def llama3_8b_config() -> ModelConfig:
                        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))
 
 
-def is_random_model(path: str | Path) -> bool:
-    """Whether `path` (a .gguf file, a model directory or a file inside one) was written by this module."""
-    p = Path(path)
+def is_random_model(model: ModelSource) -> bool:
+    """Whether `model` (a .gguf file, a model directory or a file inside one, by path or as an open `ModelFile`)
+    was written by this module."""
     try:
-        if p.suffix == ".gguf":
-            from .config import gguf_value
-            from .weights import open_gguf
-
-            return gguf_value(open_gguf(p), "general.name") == RANDOM_NAME
-        cfg = (p if p.is_dir() else p.parent) / "config.json"
-        return json.loads(cfg.read_text()).get("_name_or_path") == RANDOM_NAME
+        m = open_model(model)
+        if m.gguf is not None:
+            return gguf_value(m.gguf, "general.name") == RANDOM_NAME
+        return json.loads((m.folder / "config.json").read_text()).get("_name_or_path") == RANDOM_NAME
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelFormatError, UnsupportedModelError, gguf_value
+from .model_file import ModelSource, open_gguf, open_model
 
 # pre-tokenizer regexes, as llama.cpp's llama-vocab.cpp and the models' tokenizer.json files define them
 _LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -63,13 +64,14 @@ class Tokenizer:
         return IncrementalDecoder(self)
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
+    def load(cls, source: ModelSource) -> Tokenizer:
         """From a .gguf file, a tokenizer.json, or a model directory holding one (or a weights file inside it,
-        such as model.safetensors, as `load_weights` takes)."""
-        p = Path(path)
-        if p.suffix == ".gguf":
-            return cls.from_gguf(p)
-        return cls.from_file(p.parent if p.is_file() and p.suffix != ".json" else p)
+        such as model.safetensors, as `load_weights` takes), by path or as an open `ModelFile`."""
+        m = open_model(source)
+        if m.gguf is not None:
+            return cls.from_gguf(m.gguf)
+        p = m.path
+        return cls.from_file(m.folder if p.is_file() and p.suffix != ".json" else p)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -89,8 +91,6 @@ class Tokenizer:
         """From a GGUF path or an open `gguf.GGUFReader`."""
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
         from tokenizers import Tokenizer as HFTokenizer
-
-        from .weights import open_gguf
 
         reader = open_gguf(source) if isinstance(source, str | Path) else source
         get = _VocabFields(reader)

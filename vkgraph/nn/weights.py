@@ -27,7 +27,8 @@ from vkgraph.dtype import dtypes
 from vkgraph.quant import QuantizedTensor
 
 from .config import ModelConfig, ModelFormatError, UnsupportedModelError
-from .headers import TruncatedFileError, check_gguf, read_safetensors_header
+from .headers import read_safetensors_header
+from .model_file import ModelSource, open_model
 
 Weight = np.ndarray | QuantizedTensor
 
@@ -129,17 +130,16 @@ class _Source(Protocol):
 QUANTIZE_FORMATS = tuple(f for f in quant.QUANTIZERS if f not in ("F16", "BF16"))
 
 
-def load_weights(path: str | Path, *, quantize: str | None = None, progress: bool = True) -> ModelWeights:
+def load_weights(source: ModelSource, *, quantize: str | None = None, progress: bool = True) -> ModelWeights:
     """Load a model: a .gguf file, or a directory (or one .safetensors file inside it) with config.json and
-    *.safetensors. `quantize` ("Q8_0", "Q4_0", ...) quantizes float projection matrices and lm_head on load;
-    the embedding, norms, biases and router stay float."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"no model at {p}")
-    if p.suffix == ".gguf":
-        src: _Source = _GGUFSource(p)
+    *.safetensors, by path or as an open `ModelFile`. `quantize` ("Q8_0", "Q4_0", ...) quantizes float projection
+    matrices and lm_head on load; the embedding, norms, biases and router stay float."""
+    m = open_model(source)
+    p = m.path
+    if m.gguf is not None:
+        src: _Source = _GGUFSource(p, m.gguf)
     else:
-        d = p if p.is_dir() else p.parent
+        d = m.folder
         files = sorted(d.glob("*.safetensors")) if p.is_dir() else [p]
         if not files:
             raise ModelFormatError(f"no .safetensors files in {d}")
@@ -147,7 +147,7 @@ def load_weights(path: str | Path, *, quantize: str | None = None, progress: boo
     if src.config.arch == "phi3":
         src = _FusedSource(src)
     weights = _assemble(src, quantize, progress, p.name)
-    if weights.config.arch == "gemma" and p.suffix != ".gguf":
+    if weights.config.arch == "gemma" and m.gguf is None:
         weights = _gemma_norms(weights)
     return weights
 
@@ -334,26 +334,10 @@ def gguf_name(hf_name: str) -> tuple[str, int | None]:
     raise KeyError(f"no GGUF name for {hf_name}")
 
 
-def open_gguf(path: str | Path) -> Any:
-    """A `gguf.GGUFReader`, with truncation and corruption turned into clear errors."""
-    from gguf import GGUFReader
-
-    p = Path(path)
-    check_gguf(p)  # every count and size bounds-checked first: the reader trusts them
-    try:
-        reader = GGUFReader(p)
-    except (ValueError, IndexError, KeyError, OverflowError) as e:
-        raise ModelFormatError(f"{p}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    for t in reader.tensors:
-        if t.data.nbytes != t.n_bytes:
-            raise TruncatedFileError(f"{p}: truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}")
-    return reader
-
-
 class _GGUFSource:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, reader: Any) -> None:
         self.path = path
-        self.reader = open_gguf(path)
+        self.reader = reader
         self.config = ModelConfig.from_gguf(self.reader)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.capacity = sum(max(1, int(t.n_elements) // max(1, int(t.shape[0]) * int(t.shape[1])))

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..nn.chat import ChatTemplate, NoChatTemplateError
     from ..nn.engine import Engine
     from ..nn.llama import LlamaModel
+    from ..nn.model_file import open_model
     from ..nn.tokenizer import Tokenizer
     from ..nn.weights import load_weights
     from .app import ServerState, create_app
@@ -46,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     from .metrics import Metrics
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    tokenizer = Tokenizer.load(a.model)
-    weights = load_weights(a.model, quantize=a.quantize, progress=sys.stderr.isatty())
+    source = open_model(a.model)  # a GGUF file's metadata is parsed once, for every loader below
+    tokenizer = Tokenizer.load(source)
+    weights = load_weights(source, quantize=a.quantize, progress=sys.stderr.isatty())
     max_ctx = a.max_context or weights.config.max_seq_len
     model = LlamaModel(weights, num_blocks=a.num_blocks, block_size=BLOCK_SIZE, kv_dtype=a.kv_dtype,
                        max_blocks_per_seq=-(-max_ctx // BLOCK_SIZE))
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                                 prefix_caching=not a.no_prefix_caching),
                          max_pending=a.max_pending, on_step=metrics.on_step)
     try:
-        template: ChatTemplate | None = ChatTemplate.load(a.model, tokenizer)
+        template: ChatTemplate | None = ChatTemplate.load(source, tokenizer)
     except NoChatTemplateError:
         template = None  # /v1/chat/completions then answers 400
     state = ServerState(engine, tokenizer, a.served_model_name or Path(a.model).name, model.max_context, metrics,
