@@ -55,8 +55,21 @@ def gbs(gb: float, seconds: float) -> str:
     return f"{rate:.0f}" if rate >= 10 else f"{rate:.3f}"
 
 
+def compiled_rate(torch, tf: Callable, xs: list, gb: float, reps: int, notes: list[str]) -> str:
+    """torch.compile's figure, or "n/a" with a note where it cannot compile here (no Triton, no C compiler, a
+    PyTorch without it): the compile happens at the first call, inside the warm-up."""
+    try:
+        tc = torch.compile(tf)
+        return gbs(gb, median_s(lambda: (tc(*xs), torch.cuda.synchronize()), reps))
+    except Exception as e:  # whatever the compiler stack raises: the other columns still stand
+        note = f"torch.compile unavailable: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        if note not in notes:
+            notes.append(note)
+        return "n/a"
+
+
 def measure(dev, name: str, gb: float, host: list[np.ndarray], fn: Callable, tname: str, torch, reps: int,
-            compile_: bool) -> list[str]:
+            compile_: bool, notes: list[str]) -> list[str]:
     ts = [Tensor(h).realize() for h in host]
     dev.synchronize()
 
@@ -86,8 +99,7 @@ def measure(dev, name: str, gb: float, host: list[np.ndarray], fn: Callable, tna
         tf = torch_fn(torch, tname)
         row[3] = gbs(gb, median_s(lambda: (tf(*xs), torch.cuda.synchronize()), reps))
         if compile_:
-            tc = torch.compile(tf)
-            row[4] = gbs(gb, median_s(lambda: (tc(*xs), torch.cuda.synchronize()), reps))
+            row[4] = compiled_rate(torch, tf, xs, gb, reps, notes)
         del xs
         torch.cuda.empty_cache()
     return row
@@ -106,17 +118,23 @@ def main() -> None:
         torch = torch if torch.cuda.is_available() else None
     except ImportError:
         torch = None
+    notes = [] if torch is not None else ["PyTorch columns: no PyTorch with CUDA here"]
+    if torch is not None and not a.no_compile and not hasattr(torch, "compile"):
+        notes.append(f"torch.compile unavailable: PyTorch {torch.__version__} has none")
+        a.no_compile = True
     rng = np.random.default_rng(0)
     rows = []
     for name, gb, shapes, fn, tname in cases(a.small):
         host = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
-        rows.append(measure(dev, name, gb, host, fn, tname, torch, a.reps, not a.no_compile))
+        rows.append(measure(dev, name, gb, host, fn, tname, torch, a.reps, not a.no_compile, notes))
     header = [f"case (GB/s, median of {a.reps}, wait included)", "vkgraph eager", "vkgraph.jit", "PyTorch eager",
               "torch.compile", "eager host us", "jit = eager"]
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     print(f"device: {dev.info.name}")
     for r in [header] + rows:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)))
+    for note in notes:
+        print(note)
 
 
 if __name__ == "__main__":

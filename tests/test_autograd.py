@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import vkgraph
 from vkgraph import Tensor, autograd
-from vkgraph.tensor import cat, where
+from vkgraph.tensor import cat, realize_all, where
 
 FAST = settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 SLOW = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
@@ -312,6 +312,24 @@ def test_detach_and_no_grad():
     w.grad = None
     (w * y).sum().backward()
     np.testing.assert_allclose(w.grad.numpy(), [2.0, 4.0])
+
+
+def test_requires_grad_turned_off_is_forgotten():
+    """Turning a leaf off (or a new leaf in one realize with others) answers from the leaves of now, not from what
+    was remembered about the earlier ones."""
+    w = Tensor(np.array([1.0, 2.0], np.float32)).requires_grad_()
+    v = Tensor(np.array([5.0], np.float32)).requires_grad_()  # a leaf that stays on
+    y = w * 3
+    assert y.requires_grad and v.requires_grad
+    w.requires_grad_(False)
+    assert not y.requires_grad and not (w * 3).requires_grad and (w * v).requires_grad
+    assert not (w * 2).realize().requires_grad
+    w.requires_grad_(True)
+    assert y.requires_grad
+    c, d = w * 2, w + 1
+    realize_all(c, d)  # both remember their graph, found with one set of leaves
+    (c * d).sum().backward()
+    np.testing.assert_allclose(w.grad.numpy(), [2 * (2 * 1.0 + 1), 2 * (2 * 2.0 + 1)])
 
 
 def test_functional_grad_and_second_order():

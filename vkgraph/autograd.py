@@ -66,6 +66,7 @@ _LEAVES = _ByIdentity()  # tensors with requires_grad set by the user
 _GRADS = _ByIdentity()  # leaf tensor -> its .grad
 _HISTORY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # realized buffer node -> the node it was
 _REACH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # node -> whether it reaches a leaf
+_reach_for: frozenset[int] = frozenset()  # ids of the leaf nodes _REACH's answers are about
 _state = threading.local()
 
 
@@ -100,7 +101,16 @@ class enable_grad(no_grad):
 
 
 def _leaf_nodes() -> set[Node]:
-    return {t.node for t in _LEAVES.keys()}
+    """The leaves' nodes, with _REACH emptied if they are not the ones its answers are about (a leaf added,
+    turned off or dropped). An id reused by a new leaf node after the old one died cannot mislead it: nodes
+    built before the new leaf cannot reach it."""
+    global _reach_for
+    leaves = {t.node for t in _LEAVES.keys()}
+    ids = frozenset(map(id, leaves))
+    if ids != _reach_for:
+        _REACH.clear()
+        _reach_for = ids
+    return leaves
 
 
 def requires_grad(t: Tensor) -> bool:
@@ -122,7 +132,6 @@ def set_requires_grad(t: Tensor, flag: bool) -> None:
             raise RuntimeError("requires_grad_ on a tensor computed from others that require grad; use detach()")
         t.realize()
     _LEAVES[t] = True
-    _REACH.clear()  # nodes built before may reach this new leaf
 
 
 def is_leaf(t: Tensor) -> bool:
@@ -149,10 +158,15 @@ def detach(t: Tensor) -> Tensor:
     return Tensor(g.alu(Op.BITCAST, t.dtype, t.node))
 
 
-def on_realize(old: Node, new: Node) -> None:
-    """Called by realize_all as a tensor's node becomes a buffer: keep the graph if it leads to a leaf."""
-    if _LEAVES and is_grad_enabled() and old.op is not Op.BUFFER and _reaches(old, _leaf_nodes()):
-        _HISTORY[new] = old
+def on_realize(pairs: Sequence[tuple[Node, Node]]) -> None:
+    """Called by realize_all as tensors' nodes become buffers, with (old node, buffer node) pairs: keep each
+    graph that leads to a leaf."""
+    if not _LEAVES or not is_grad_enabled():
+        return
+    leaves = _leaf_nodes()  # once for all of them
+    for old, new in pairs:
+        if old.op is not Op.BUFFER and _reaches(old, leaves):
+            _HISTORY[new] = old
 
 
 def _sources(n: Node) -> tuple[Node, ...]:

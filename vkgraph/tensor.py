@@ -1125,10 +1125,10 @@ def realize_all(*tensors: Tensor) -> None:
     if not todo:
         return
     refs = realize([t.node for t in todo])
-    for t, ref in zip(todo, refs, strict=True):
-        node = g.buffer(ref, ref.version, t.dtype, t.shape)
-        autograd.on_realize(t.node, node)
+    pairs = [(t.node, g.buffer(ref, ref.version, t.dtype, t.shape)) for t, ref in zip(todo, refs, strict=True)]
+    for t, (_, node) in zip(todo, pairs, strict=True):
         t.node = node
+    autograd.on_realize(pairs)
 
 
 def where(cond: Tensor, x: Tensor | Scalar, y: Tensor | Scalar) -> Tensor:
