@@ -412,3 +412,32 @@ def test_fused_decode_layers_match_unfused(models, int_dot, monkeypatch):
     assert templates.DISPATCHES["rmsnorm_q8"] == q8 and templates.DISPATCHES["kv_write"] > before
     assert fused_kernels < unfused_kernels
     assert nerr(fused, unfused) < (1e-2 if int_dot == "1" else 1e-5)
+
+
+def test_logprobs_equal_numpy_log_softmax_of_the_reference_logits(models):
+    """Prefill and decode steps, greedy and sampled rows, batched with a request that asks for none."""
+    w, model = build(models["float32"])
+    ref = ReferenceLlama(w)
+    eng = Engine(model)
+    prompts = {eng.add_request([5, 17, 42], max_tokens=6, logprobs=3): [5, 17, 42],
+               eng.add_request([9, 8, 7, 6], SamplingParams(temperature=1.0, seed=3), max_tokens=6, logprobs=0):
+               [9, 8, 7, 6]}
+    plain = eng.add_request([9, 8], max_tokens=6)
+    events: dict[int, list] = {}
+    while eng.has_work():
+        for ev in eng.step():
+            events.setdefault(ev.request_id, []).append(ev)
+    assert all(ev.logprobs is None for ev in events[plain])
+    for rid, prompt in prompts.items():
+        toks = [ev.token for ev in events[rid]]
+        logits = ref.forward(prompt + toks)[len(prompt) - 1:-1]
+        z = logits - logits.max(-1, keepdims=True)
+        want = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        for j, ev in enumerate(events[rid]):
+            assert abs(ev.logprobs.logprob - want[j, toks[j]]) < 1e-4
+            k = len(ev.logprobs.top)
+            assert k == (3 if rid == 0 else 0)
+            assert [i for i, _ in ev.logprobs.top] == list(np.argsort(-want[j])[:k])
+            np.testing.assert_allclose([v for _, v in ev.logprobs.top], np.sort(want[j])[::-1][:k], atol=1e-4)
+    with pytest.raises(ValueError, match="logprobs"):
+        eng.add_request([5], logprobs=21)

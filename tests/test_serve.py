@@ -16,11 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+from reference_llama import ReferenceLlama
 
 openai = pytest.importorskip("openai")
 
 from vkgraph.nn import tiny_model as mk  # noqa: E402
+from vkgraph.nn.tokenizer import Tokenizer  # noqa: E402
+from vkgraph.nn.weights import load_weights  # noqa: E402
+from vkgraph.serve.logprobs import TokenNames  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # the checkout first, then what PYTHONPATH already holds (dependencies may live in a folder on it)
@@ -160,8 +165,6 @@ def test_sampling_parameters(client):
     assert seeded[0] == seeded[1] != seeded[2]
     with pytest.raises(openai.BadRequestError):
         complete(client, "Hello", temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        complete(client, "Hello", logprobs=2)
 
 
 def test_errors_in_openai_shape(server, client):
@@ -258,3 +261,90 @@ def test_graceful_shutdown_finishes_requests_in_flight(model_dir):
     assert result["status"] == 200 and result["json"]["usage"]["completion_tokens"] == 80, result
     assert rc in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal once it has shut down cleanly
     assert "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """A numpy log-softmax of the model's logits (float64 reference forward), and token names back to ids."""
+    ref = ReferenceLlama(load_weights(model_dir, progress=False))
+    tok = Tokenizer.load(model_dir)
+    names = TokenNames(tok)
+    ids = {names.name(i): i for i in range(tok.vocab_size)}
+
+    def log_softmax(prompt: list[int], generated: list[int]) -> np.ndarray:
+        logits = ref.forward(prompt + generated)[len(prompt) - 1:-1]
+        z = logits - logits.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    return tok, ids, log_softmax
+
+
+def name_bytes(name: str) -> bytes:
+    """A token's bytes from its OpenAI name (text, or "bytes:" and escapes for part of a character)."""
+    if name.startswith("bytes:"):
+        return bytes(int(h, 16) for h in name[len("bytes:"):].split("\\x")[1:])
+    return name.encode()
+
+
+LP_TOL = 1e-2  # the server keeps weights and KV cache in float16; the reference is float64
+
+
+def test_completion_logprobs_equal_numpy_log_softmax(client, reference):
+    tok, ids, log_softmax = reference
+    kw = dict(max_tokens=10, temperature=1.0, seed=11, logprobs=3)  # sampled: not only the most likely tokens
+    full = complete(client, "Hello world", **kw).choices[0]
+    lp = full.logprobs
+    assert len(lp.tokens) == 10  # a random model: tokens may hold parts of characters, named "bytes:\\x.."
+    assert b"".join(name_bytes(t) for t in lp.tokens).decode("utf-8", "replace") == full.text
+    generated = [ids[t] for t in lp.tokens]
+    for j, offset in enumerate(lp.text_offset):  # where each token's text starts, once its characters are whole
+        before = tok.decode(generated[:j])
+        if not before.endswith("\ufffd"):
+            assert offset == len(before), (j, lp.text_offset)
+    want = log_softmax(tok.encode("Hello world"), generated)
+    np.testing.assert_allclose(lp.token_logprobs, want[np.arange(10), generated], atol=LP_TOL)
+    for j, top in enumerate(lp.top_logprobs):
+        best = np.argsort(-want[j])[:3]
+        assert set(top) == {lp.tokens[j], *(tok_name for tok_name, i in ids.items() if i in best)}
+        for name, v in top.items():
+            assert abs(v - want[j, ids[name]]) < LP_TOL
+    assert any(want[j].argmax() != g for j, g in enumerate(generated))  # some draws were not the argmax
+    chunks = [c.choices[0] for c in complete(client, "Hello world", stream=True, **kw)]
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for c in streamed for t in c.tokens] == lp.tokens
+    # a later request may reuse the prompt's cached KV: the same values, computed another way
+    np.testing.assert_allclose([v for c in streamed for v in c.token_logprobs], lp.token_logprobs, atol=LP_TOL)
+    assert [o for c in streamed for o in c.text_offset] == lp.text_offset
+    assert complete(client, "Hello world", max_tokens=4).choices[0].logprobs is None
+
+
+def test_chat_logprobs_equal_numpy_log_softmax(client, reference):
+    tok, ids, log_softmax = reference
+    msgs = [{"role": "user", "content": "Hello"}]
+    prompt = tok.encode("<|begin_of_text|><|user|>Hello\n<|assistant|>", add_special_tokens=False)
+    kw = dict(model="tiny", messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(**kw).choices[0]
+    content = full.logprobs.content
+    assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == full.message.content
+    generated = [ids[c.token] for c in content]
+    want = log_softmax(prompt, generated)
+    for j, c in enumerate(content):
+        assert c.bytes == list(name_bytes(c.token))
+        assert abs(c.logprob - want[j, generated[j]]) < LP_TOL
+        assert [ids[t.token] for t in c.top_logprobs] == list(np.argsort(-want[j])[:2])
+        assert c.top_logprobs[0].token == c.token  # greedy: the sampled token is the most likely
+        np.testing.assert_allclose([t.logprob for t in c.top_logprobs], np.sort(want[j])[::-1][:2], atol=LP_TOL)
+    streamed = [x for ch in client.chat.completions.create(stream=True, **kw) if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.content]
+    assert [x.token for x in streamed] == [c.token for c in content]
+    np.testing.assert_allclose([x.logprob for x in streamed], [c.logprob for c in content], atol=LP_TOL)
+    plain = client.chat.completions.create(**(kw | {"top_logprobs": None})).choices[0].logprobs.content
+    assert [c.top_logprobs for c in plain] == [[]] * len(plain)
+
+
+def test_logprobs_requests_out_of_range_are_400(client):
+    for kw in ({"logprobs": 21}, {"logprobs": -1}, {"echo": True}):
+        with pytest.raises(openai.BadRequestError):
+            complete(client, "Hello", **kw)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_logprobs=2)

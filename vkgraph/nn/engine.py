@@ -20,7 +20,7 @@ from ..tensor import Tensor, manual_seed
 from .kv_cache import KVCacheManager, OutOfKVBlocks
 from .layers import StepInputs
 from .llama import LlamaModel
-from .sampling import SamplingParams, SamplingTensors, sample
+from .sampling import SamplingParams, SamplingTensors, sample, token_logprobs
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -40,20 +40,37 @@ class Request:
     sent: int = 0  # characters of text streamed out so far
     preemptions: int = 0  # times its KV blocks were taken back and its tokens recomputed later
     error: str | None = None  # why it finished with "error"
+    logprobs: int | None = None  # report each token's log-probability and this many most likely alternatives
 
     def tokens(self) -> list[int]:
         """What its KV cache holds once computed: the prompt and every generated token."""
         return self.prompt + self.output
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of its raw logits) and the most likely
+    tokens at that position as (id, log-probability), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass
 class Event:
-    """One streamed piece of output. `token` is None only in the event of a request finished by an error."""
+    """One streamed piece of output. `token` is None only in the event of a request finished by an error.
+    `logprobs` is set for a token of a request that asked for them."""
 
     request_id: int
     token: int | None
     text: str
     finished: str | None
+    logprobs: TokenLogprob | None = None
+
+
+# top-k widths a step computes (the smallest that covers every request's), so a handful of captures serve all
+_TOP_BUCKETS = (1, 5, 20)
+MAX_TOP_LOGPROBS = _TOP_BUCKETS[-1]
 
 
 @dataclass
@@ -117,7 +134,10 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, max_tokens: int = 64,
-                    stop: Sequence[str] = (), stop_token_ids: Sequence[int] | None = None) -> int:
+                    stop: Sequence[str] = (), stop_token_ids: Sequence[int] | None = None,
+                    logprobs: int | None = None) -> int:
+        """Queue a request. With `logprobs` (0 to MAX_TOP_LOGPROBS) each of its events carries the token's
+        log-probability and that many most likely alternatives."""
         ids = self._encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
@@ -130,9 +150,12 @@ class Engine:
                              f"{self.kv.block_size})")
         if max(ids) >= self.vocab or min(ids) < 0:
             raise ValueError(f"token ids must be in [0, {self.vocab})")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         eos = set(stop_token_ids if stop_token_ids is not None else
                   (self.tokenizer.eos_ids if self.tokenizer is not None else ()))
-        req = Request(next(self.ids), ids, params or SamplingParams(), max_tokens, frozenset(eos), tuple(stop))
+        req = Request(next(self.ids), ids, params or SamplingParams(), max_tokens, frozenset(eos), tuple(stop),
+                      logprobs=logprobs)
         self.waiting.append(req)
         return req.id
 
@@ -232,13 +255,13 @@ class Engine:
             return []
         reqs = [r for r, _ in admitted]
         logits = self._prefill(reqs, continue_cached=any(c for _, c in admitted))
-        tokens = self._sample(logits, reqs)
+        tokens, lps = self._sample(logits, reqs)
         for r in reqs:  # after the pass ran: only KV actually written may enter the prefix cache
             self.kv.mark_computed(r.id)
         events = []
-        for r, t in zip(reqs, tokens):
+        for i, (r, t) in enumerate(zip(reqs, tokens)):
             self.running.append(r)
-            events.append(self._emit(r, int(t)))
+            events.append(self._emit(r, int(t), _row_logprob(lps, i, r)))
         return events
 
     def _prefill(self, reqs: list[Request], continue_cached: bool) -> Tensor:
@@ -269,27 +292,38 @@ class Engine:
         st = SamplingTensors.build([r.params for r in reqs], rows, self.vocab)
         presence = self._presence(reqs, rows)
         noise = self._noise(st, reqs, rows)
-        tokens = self._decode(Tensor(meta.input_ids), Tensor(meta.positions), Tensor(meta.slot_mapping),
-                              Tensor(meta.block_tables), Tensor(meta.context_lens), st.temperature, st.top_k, st.top_p,
-                              st.min_p, st.penalty, presence, noise, st.use_top_k, st.use_top_p,
-                              st.use_sampling).numpy()
+        out = self._decode(Tensor(meta.input_ids), Tensor(meta.positions), Tensor(meta.slot_mapping),
+                           Tensor(meta.block_tables), Tensor(meta.context_lens), st.temperature, st.top_k, st.top_p,
+                           st.min_p, st.penalty, presence, noise, st.use_top_k, st.use_top_p, st.use_sampling,
+                           self._top_width(reqs))
+        tokens, lps = _host(out)
         self.stats["decode_steps"] += 1
         events = []
-        for r, t in zip(list(reqs), tokens[:len(reqs)]):
+        for i, (r, t) in enumerate(zip(list(reqs), tokens[:len(reqs)])):
             self.kv.mark_computed(r.id)
-            events.append(self._emit(r, int(t)))
+            events.append(self._emit(r, int(t), _row_logprob(lps, i, r)))
         return events
 
     def _decode_step(self, ids, positions, slots, tables, ctx, temperature, top_k, top_p, min_p, penalty, presence,
-                     noise, use_top_k, use_top_p, use_sampling):
+                     noise, use_top_k, use_top_p, use_sampling, top_width):
         step = StepInputs(positions=positions, slot_mapping=slots, block_tables=tables, context_lens=ctx)
         logits = self.model(ids, step)
         st = SamplingTensors(temperature, top_k, top_p, min_p, penalty, use_top_k, use_top_p, use_sampling)
-        return sample(logits, st, presence, noise)
+        tokens = sample(logits, st, presence, noise)
+        return tokens if top_width == 0 else (tokens, *token_logprobs(logits, tokens, top_width))
 
-    def _sample(self, logits: Tensor, reqs: list[Request]) -> np.ndarray:
+    def _sample(self, logits: Tensor, reqs: list[Request]) -> tuple[np.ndarray, tuple[np.ndarray, ...] | None]:
         st = SamplingTensors.build([r.params for r in reqs], len(reqs), self.vocab)
-        return sample(logits, st, self._presence(reqs, len(reqs)), self._noise(st, reqs, len(reqs))).numpy()
+        tokens = sample(logits, st, self._presence(reqs, len(reqs)), self._noise(st, reqs, len(reqs)))
+        width = self._top_width(reqs)
+        return _host(tokens if width == 0 else (tokens, *token_logprobs(logits, tokens, width)))
+
+    def _top_width(self, reqs: list[Request]) -> int:
+        """How many most likely tokens a step computes: 0 when no request asks for logprobs (none computed)."""
+        want = [r.logprobs for r in reqs if r.logprobs is not None]
+        if not want:
+            return 0
+        return min(next(b for b in _TOP_BUCKETS if b >= max(want)), self.vocab)
 
     def _noise(self, st: SamplingTensors, reqs: list[Request], rows: int) -> Tensor:
         """Uniform noise for the Gumbel draw; a (rows, 1) placeholder when every row is greedy (no vocabulary-
@@ -319,7 +353,7 @@ class Engine:
         return Tensor(mask)
 
     # ---- output and stopping ------------------------------------------------------------------------------
-    def _emit(self, req: Request, token: int) -> Event:
+    def _emit(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> Event:
         """Record a sampled token. Its KV slot is reserved at the start of the next step (`_reserve_running`)."""
         req.output.append(token)
         self.stats["decode_tokens"] += 1
@@ -347,7 +381,7 @@ class Engine:
             self.running.remove(req)
             self.kv.free_sequence(req.id)
             self.decoders.pop(req.id, None)
-        return Event(req.id, token, piece, req.finished)
+        return Event(req.id, token, piece, req.finished, logprob)
 
     def _fail(self, req: Request, why: str) -> None:
         """Finish a request that is in no queue with an error, reported by an event at the next step."""
@@ -404,6 +438,22 @@ class Engine:
                 raise ValueError("a text prompt needs a tokenizer")
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
+
+
+def _host(out: Tensor | tuple[Tensor, ...]) -> tuple[np.ndarray, tuple[np.ndarray, ...] | None]:
+    """A step's sampled tokens, and its (chosen, top ids, top log-probabilities) when it computed them."""
+    if isinstance(out, Tensor):
+        return out.numpy(), None
+    tokens, *lps = (t.numpy() for t in out)
+    return tokens, tuple(lps)
+
+
+def _row_logprob(lps: tuple[np.ndarray, ...] | None, row: int, req: Request) -> TokenLogprob | None:
+    if lps is None or req.logprobs is None:
+        return None
+    chosen, ids, vals = lps
+    top = tuple((int(i), float(v)) for i, v in zip(ids[row, :req.logprobs], vals[row, :req.logprobs]))
+    return TokenLogprob(float(chosen[row]), top)
 
 
 def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dtype import dtypes
-from ..tensor import Tensor, where
+from ..tensor import Tensor, cat, where
 
 _BISECT = 24
 
@@ -105,3 +105,23 @@ def sample(logits: Tensor, s: SamplingTensors, presence: Tensor, uniform: Tensor
     gumbel = -(-u.log()).log()
     drawn = where(keep, z + gumbel, float("-inf")).argmax(-1)
     return where(s.temperature.reshape(-1) > 0, drawn, greedy).cast(dtypes.int32)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-probabilities under the model's own distribution (log-softmax of the raw logits: before temperature,
+    repetition penalty and filters, so they do not depend on how a token was drawn), as (rows,) of `tokens`, and
+    the k most likely per row: ids (rows, k) int32 and log-probabilities (rows, k), most likely first (ties: the
+    lower id first). k >= 1. The top k come from k rounds of argmax, each masking the one found (no sort)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    lp = logits.float().log_softmax(-1)
+    vocab = lp.shape[-1]
+    ids = Tensor.arange(vocab, dtype=dtypes.int32).reshape(1, vocab)
+    chosen = where(ids == tokens.reshape(-1, 1).cast(dtypes.int32), lp, 0.0).sum(-1)
+    top_ids, top_lp, masked = [], [], lp
+    for _ in range(k):
+        i = masked.argmax(-1, keepdim=True).cast(dtypes.int32)
+        top_ids.append(i)
+        top_lp.append(masked.max(-1, keepdim=True))
+        masked = where(ids == i, float("-inf"), masked)
+    return chosen, cat(top_ids, 1), cat(top_lp, 1)

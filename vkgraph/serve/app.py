@@ -27,6 +27,7 @@ from ..nn.engine import Event
 from ..nn.sampling import SamplingParams
 from ..nn.tokenizer import Tokenizer
 from .async_engine import AsyncEngine, QueueFull, ShuttingDown, Stream
+from .logprobs import CompletionLogprobs, TokenNames, chat_logprobs
 from .metrics import Metrics
 from .protocol import ChatRequest, CompletionRequest, _Sampling
 
@@ -54,6 +55,10 @@ class ServerState:
     metrics: Metrics
     chat_template: ChatTemplate | None = None
     shutdown_timeout: float = 30.0
+    token_names: TokenNames = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_names = TokenNames(self.tokenizer)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -147,8 +152,10 @@ def _completion_prompts(tok: Tokenizer, prompt: object) -> list[list[int]]:
 
 
 def _params(body: _Sampling) -> SamplingParams:
-    if body.logprobs or body.top_logprobs:
-        raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+    if getattr(body, "echo", False):
+        raise APIError(400, "echo is not supported by this server", param="echo")
+    if getattr(body, "top_logprobs", None) is not None and not getattr(body, "logprobs", False):
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     if body.seed is not None and not 0 <= body.seed < 2**63:
         raise APIError(400, f"seed must be in [0, 2**63), got {body.seed}", param="seed")
     return SamplingParams(body.temperature, body.top_k, body.top_p, body.min_p, body.repetition_penalty)
@@ -162,7 +169,8 @@ async def _submit_all(state: ServerState, body: _Sampling, prompts: list[list[in
             max_tokens = body.max_tokens or max(1, state.max_context - len(prompt))
             for j in range(body.n):  # with a seed, choice j draws from seed + j: reproducible, and distinct
                 p = params if body.seed is None else dataclasses.replace(params, seed=(body.seed + j) % 2**64)
-                streams.append(await state.engine.submit(prompt, p, max_tokens=max_tokens, stop=body.stop_list()))
+                streams.append(await state.engine.submit(prompt, p, max_tokens=max_tokens, stop=body.stop_list(),
+                                                         logprobs=body.logprob_count()))
     except ShuttingDown as e:
         _abort(state, streams)
         raise APIError(503, str(e), "server_error", code="shutting_down") from None
@@ -238,11 +246,14 @@ async def _serve(state: ServerState, request: Request, body: _Sampling, prompts:
     texts = [""] * len(streams)
     counts = [0] * len(streams)
     reasons: list[str | None] = [None] * len(streams)
+    tokens: list[list[Event]] = [[] for _ in streams]  # events of generated tokens, for their logprobs
     watcher = asyncio.ensure_future(_watch_disconnect(request, state, streams))
     try:
         async for i, ev in _events(state, streams):
             texts[i] += ev.text
             counts[i] += ev.token is not None
+            if ev.token is not None:
+                tokens[i].append(ev)
             if ev.finished:
                 err = _finish_error(ev)
                 if err is not None:
@@ -253,7 +264,9 @@ async def _serve(state: ServerState, request: Request, body: _Sampling, prompts:
     finally:
         watcher.cancel()
     state.metrics.requests.labels(route, "ok").inc()
-    choices = [_choice(i, t, r, chat) for i, (t, r) in enumerate(zip(texts, reasons))]
+    want = body.logprob_count() is not None
+    choices = [_choice(i, t, r, chat, _logprobs(state, chat, evs) if want else None)
+               for i, (t, r, evs) in enumerate(zip(texts, reasons, tokens))]
     prompt_tokens = sum(len(p) for p in prompts)
     return JSONResponse({
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -262,17 +275,25 @@ async def _serve(state: ServerState, request: Request, body: _Sampling, prompts:
                   "total_tokens": prompt_tokens + sum(counts)}})
 
 
-def _choice(i: int, text: str, reason: str | None, chat: bool) -> dict:
+def _choice(i: int, text: str, reason: str | None, chat: bool, logprobs: dict | None) -> dict:
     if chat:
-        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": reason}
-    return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+    return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _logprobs(state: ServerState, chat: bool, events: list[Event]) -> dict:
+    if chat:
+        return chat_logprobs(state.token_names, events)
+    return CompletionLogprobs(state.token_names, state.tokenizer).add(events)
 
 
 async def _sse(state: ServerState, streams: list[Stream], body: _Sampling, rid: str, created: int, chat: bool,
                route: str, include_usage: bool) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if chat else "text_completion"
     counts = [0] * len(streams)
+    want = body.logprob_count() is not None  # then every token has a chunk, to carry its logprobs
+    builders = [CompletionLogprobs(state.token_names, state.tokenizer) for _ in streams] if want and not chat else []
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         out = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": choices}
@@ -293,12 +314,15 @@ async def _sse(state: ServerState, streams: list[Stream], body: _Sampling, rid: 
             yield f"data: {json.dumps(_error_body(err.message, err.type, None, err.code))}\n\n"
             break
         reason = ev.finished if ev.finished else None
-        if not ev.text and reason is None:
+        if not ev.text and reason is None and not (want and ev.token is not None):
             continue
+        lp = None
+        if want and ev.token is not None:
+            lp = chat_logprobs(state.token_names, [ev]) if chat else builders[i].add([ev])
         if chat:
-            yield chunk([{"index": i, "delta": {"content": ev.text}, "logprobs": None, "finish_reason": reason}])
+            yield chunk([{"index": i, "delta": {"content": ev.text}, "logprobs": lp, "finish_reason": reason}])
         else:
-            yield chunk([{"index": i, "text": ev.text, "logprobs": None, "finish_reason": reason}])
+            yield chunk([{"index": i, "text": ev.text, "logprobs": lp, "finish_reason": reason}])
     state.metrics.requests.labels(route, outcome).inc()
     if include_usage and outcome == "ok":
         prompt_tokens = sum(s.prompt_tokens for s in streams) // body.n

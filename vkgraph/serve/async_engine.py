@@ -69,7 +69,8 @@ class AsyncEngine:
         return self._in_flight
 
     async def submit(self, prompt: Sequence[int], params: SamplingParams, *, max_tokens: int,
-                     stop: Sequence[str] = (), stop_token_ids: Sequence[int] | None = None) -> Stream:
+                     stop: Sequence[str] = (), stop_token_ids: Sequence[int] | None = None,
+                     logprobs: int | None = None) -> Stream:
         """Queue a request; `ValueError` for one the engine refuses (too long, bad ids), `QueueFull` when full."""
         if self._closing:
             raise ShuttingDown("the server is shutting down")
@@ -78,7 +79,7 @@ class AsyncEngine:
                 raise QueueFull(f"{self.max_pending} requests are in flight; retry later")
             self._in_flight += 1
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", (list(prompt), params, max_tokens, tuple(stop), stop_token_ids,
+        self._commands.put(("add", (list(prompt), params, max_tokens, tuple(stop), stop_token_ids, logprobs,
                                     asyncio.get_running_loop()), fut))
         return await asyncio.wrap_future(fut)
 
@@ -130,10 +131,10 @@ class AsyncEngine:
 
     def _command(self, kind: str, payload: Any, fut: concurrent.futures.Future | None) -> None:
         if kind == "add":
-            prompt, params, max_tokens, stop, stop_ids, loop = payload
+            prompt, params, max_tokens, stop, stop_ids, logprobs, loop = payload
             try:
                 rid = self.engine.add_request(prompt, params, max_tokens=max_tokens, stop=stop,
-                                              stop_token_ids=stop_ids)
+                                              stop_token_ids=stop_ids, logprobs=logprobs)
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 with self._lock:
                     self._in_flight -= 1

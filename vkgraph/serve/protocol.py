@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..nn.engine import MAX_TOP_LOGPROBS
+
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -22,8 +24,10 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     seed: int | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+
+    def logprob_count(self) -> int | None:
+        """How many most likely alternatives to report with each token's log-probability; None: no logprobs."""
+        return None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -34,6 +38,11 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows up to 5, vLLM 20
+    echo: bool = False
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -51,3 +60,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
