@@ -35,8 +35,10 @@ ALLOWED: dict[str, set[str]] = {
     "warmup": {"jit", "tensor", "runtime", "flags"},  # runs a function once to fill the compile caches
     # model code speaks Tensors: templates enter as graph ops (nn/template_ops.py); no runtime, no buffers
     "nn": {"jit", "tensor", "realize", "templates", "quant", "dtype", "view"},
-    "generate": {"nn", "runtime", "quant", "warmup"},
-    "serve": {"nn"},  # the HTTP server over the engine
+    # tensor parallel: model shards (nn) on several devices (runtime), one thread per rank
+    "parallel": {"nn", "runtime", "tensor", "flags"},
+    "generate": {"nn", "runtime", "quant", "warmup", "parallel"},
+    "serve": {"nn", "parallel"},  # the HTTP server over the engine
     "info": {"runtime"},
     "vkgraph": {"caches", "dtype", "graph", "jit", "runtime", "tensor", "warmup"},
 }

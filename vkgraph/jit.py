@@ -20,8 +20,9 @@ What is frozen at capture, and what is not (docs/jit.md says more):
   in buffers of their own (one copy per output, recorded after the graph and submitted with the next work).
 
 Each thread has its own captures of a jit function (a replay's outputs are the graph's buffers, which another
-thread's replay would overwrite). Captures belong to the device they were made on: after `reset_device()` (or
-`close()`) the next call starts afresh (eager, then capture).
+thread's replay would overwrite). Captures belong to the device they were made on (the one `get_device()`
+gives: a thread that works on several devices through `runtime.use_device` keeps captures for each): after
+`reset_device()` (or `close()`) the next call starts afresh (eager, then capture).
 """
 
 from __future__ import annotations
@@ -78,11 +79,16 @@ class Jit:
 
     def _state(self) -> _State:
         dev = get_device()
-        st = getattr(self._local, "state", None)
-        if st is None or st.device is not dev:  # first call in this thread, or captures of a closed device
-            if st is not None:
-                st.clear()
-            st = self._local.state = _State(dev, self.max_entries)
+        states = getattr(self._local, "states", None)
+        if states is None:
+            states = self._local.states = {}
+        st = states.get(id(dev))
+        if st is None or st.device is not dev:  # first call on this device in this thread
+            for key, old in list(states.items()):  # captures of closed devices (reset_device) are dropped
+                if old.device.closed or old is st:
+                    old.clear()
+                    del states[key]
+            st = states[id(dev)] = _State(dev, self.max_entries)
             self._states.add(st)
         return st
 

@@ -69,6 +69,8 @@ class _Realized:
         ref = self._map.get(key)
         if ref is None or ref.version != self._version.get(key):
             return None
+        if ref.buf is not None and ref.buf.alloc.owner is not get_device().memory:
+            return None  # computed on another device (runtime.use_device): compute it again on this one
         return ref
 
     def __contains__(self, n: object) -> bool:

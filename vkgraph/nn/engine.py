@@ -99,6 +99,7 @@ class _Before:
 
 class Engine:
     """Serve many requests on one model. `generate()` streams; `step()` advances every request by a token.
+    The model is a LlamaModel or one called the same way (vkgraph.parallel.TensorParallelModel).
 
     Scheduling, each step: every running request first gets a KV slot for the token it sampled last; when blocks
     run out the newest running request is preempted (its blocks freed, it goes back to the front of the queue
@@ -130,7 +131,9 @@ class Engine:
         self._marks: list[_Mark] = []  # the state before this step of each request it has touched
         manual_seed(seed)
         self._host_rng = np.random.default_rng(seed)  # rows batched with a seeded request (see _noise)
-        self._decode = jit(self._decode_step, max_entries=16)
+        # a model whose step cannot be one captured graph (vkgraph.parallel's: host all-reduces inside) runs eagerly
+        capturable = getattr(model, "capturable", True)
+        self._decode = jit(self._decode_step, max_entries=16) if capturable else self._decode_step
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, max_tokens: int = 64,

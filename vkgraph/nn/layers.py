@@ -188,8 +188,8 @@ class Attention:
         self.qkv = ParallelLinear([wq, wk, wv], [bq, bk, bv], float_dtype)
         self.o = Linear(wo, float_dtype=float_dtype)
 
-    def __call__(self, x: Tensor | Int8Activations, residual: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache,
-                 step: StepInputs) -> Tensor:
+    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None, rope: tuple[Tensor, Tensor],
+                 cache: KVCache, step: StepInputs) -> Tensor:
         t = x.shape[0]
         fused = self.qkv.stacked(x) if decode_fusion() else None
         q, k, v = self.qkv(x) if fused is None else self.qkv.split(fused)
@@ -293,17 +293,19 @@ class MoE:
         w = (hit.float() * probs.unsqueeze(1)).sum(-1)
         return ids, w / w.sum(-1, keepdim=True)
 
-    def __call__(self, x: Tensor, residual: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, residual: Tensor | None) -> Tensor:
+        """The experts' weighted sum for each token (+ residual, where given)."""
         if self.gate_up is not None:
             t, k = x.shape[0], self.top_k
             ids, w = self.routing_slots(x)
             pair_ids = ids.reshape(t * k)
             gu = self.gate_up(x, pair_ids)  # (t * k, 2 * ffn): the k pairs of a token share its x
             h = gu[:, :self.ffn_dim].silu() * gu[:, self.ffn_dim:]
-            y = self.down(h, pair_ids).reshape(t, k, -1)
-            return residual + (y * w.unsqueeze(-1)).sum(1)
+            y = (self.down(h, pair_ids).reshape(t, k, -1) * w.unsqueeze(-1)).sum(1)
+            return y if residual is None else residual + y
         weights = self.routing(x)
         out = residual
         for i, expert in enumerate(self.experts):
-            out = out + expert(x) * weights[:, i:i + 1]
+            y = expert(x) * weights[:, i:i + 1]
+            out = y if out is None else out + y
         return out

@@ -1,7 +1,7 @@
 """The Vulkan runtime: device, buffer pool, compiler, pipelines, dispatch queue. Knows nothing of tensors."""
 
 from .capture import CommandGraph, LiveValue
-from .device import Device, DeviceInfo, current_device, get_device, reset_device
+from .device import Device, DeviceInfo, current_device, get_device, open_device, reset_device, use_device
 from .errors import (
     CaptureError,
     CompileError,
@@ -20,5 +20,6 @@ from .pipeline import Pipeline
 __all__ = [
     "Buffer", "BufferView", "CaptureError", "CommandGraph", "CompileError", "Device", "DeviceClosed", "DeviceError",
     "DeviceInfo", "DeviceLost", "DeviceTimeout", "KernelInterfaceError", "LiveValue", "OutOfDeviceMemory", "Pipeline",
-    "UnsupportedFeature", "VkgraphError", "current_device", "get_device", "reset_device", "size_class",
+    "UnsupportedFeature", "VkgraphError", "current_device", "get_device", "open_device", "reset_device", "size_class",
+    "use_device",
 ]

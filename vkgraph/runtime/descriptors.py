@@ -23,6 +23,14 @@ SETS_PER_POOL = 1024
 PINNED = float("inf")  # the last use of a pinned set: never evicted
 
 
+def foreign_buffer(what: str, alloc: Any, device: Any) -> KernelInterfaceError:
+    """The error for binding a buffer of one device in another device's work."""
+    owner = getattr(alloc, "owner", None)
+    where = f"another device ({owner.device.info.name})" if owner is not None else "no device"
+    return KernelInterfaceError(f"{what}: a buffer belongs to {where}, not to the device recording this work "
+                                f"({device.info.name}); move its values through the host")
+
+
 class DescriptorSets:
     """The cache: `sets` maps a key to [VkDescriptorSet array, its pool, sequence number of its last use]."""
 
@@ -46,6 +54,8 @@ class DescriptorSets:
         n = len(buffers)
         infos = k.new("VkDescriptorBufferInfo[]", max(n, 1))
         for i, (a, b) in enumerate(zip(allocs, buffers)):
+            if a.owner is not self.device.memory:  # checked here, once per new set, not on the hot path
+                raise foreign_buffer(f"kernel {pipe.name} binding {i}", a, self.device)
             if b.offset % info.min_storage_offset_alignment:
                 raise KernelInterfaceError(f"kernel {pipe.name} binding {i}: offset {b.offset} is not a multiple "
                                            f"of minStorageBufferOffsetAlignment ({info.min_storage_offset_alignment})")

@@ -7,11 +7,14 @@ The Device ties the runtime together: its pool, compiler, pipelines and queue. L
 from __future__ import annotations
 
 import atexit
+import contextvars
 import ctypes
 import os
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -263,14 +266,22 @@ class Device:
         self._messenger_info = info
         self.messenger = create(self.instance, info, None)
 
-    def _choose_physical(self, selector: str) -> tuple[Any, DeviceInfo]:
+    def _physical_devices(self) -> list[tuple[Any, DeviceInfo]]:
         count = ffi.new("uint32_t*")
         check(lib.vkEnumeratePhysicalDevices(self.instance, count, NULL), "vkEnumeratePhysicalDevices")
         if count[0] == 0:
             raise DeviceError("Vulkan found no physical device (install mesa-vulkan-drivers for lavapipe)")
         handles = ffi.new("VkPhysicalDevice[]", count[0])
         check(lib.vkEnumeratePhysicalDevices(self.instance, count, handles), "vkEnumeratePhysicalDevices")
-        found = [(handles[i], _query_info(handles[i], self.instance)) for i in range(count[0])]
+        return [(handles[i], _query_info(handles[i], self.instance)) for i in range(count[0])]
+
+    def physical_devices(self) -> list[tuple[str, bool]]:
+        """Every physical device Vulkan lists, in its order (what VKGRAPH_DEVICE's index counts): (name, whether it
+        is the one this Device runs on)."""
+        return [(info.name, h == self.physical) for h, info in self._physical_devices()]
+
+    def _choose_physical(self, selector: str) -> tuple[Any, DeviceInfo]:
+        found = self._physical_devices()
         if selector != "":
             if selector.isdigit():
                 idx = int(selector)
@@ -581,12 +592,20 @@ def _query_info(physical: Any, instance: Any) -> DeviceInfo:
 _DEVICE: Device | None = None
 _DEVICE_LOCK = threading.Lock()
 _LIVE: weakref.WeakSet[Device] = weakref.WeakSet()
+# the device `use_device` routes this context's work to (a thread starts with none: the default device)
+_SCOPED: contextvars.ContextVar[Device | None] = contextvars.ContextVar("vkgraph_device", default=None)
 
 
 @interrupts.critical
 def get_device() -> Device:
-    """The process-wide default Device, created on first use."""
+    """The device work goes to: the one `use_device` chose for this thread (context), else the process-wide
+    default Device, created on first use."""
     global _DEVICE
+    scoped = _SCOPED.get()
+    if scoped is not None:
+        if scoped.closed or scoped.lost:
+            scoped.check_usable()
+        return scoped
     dev = _DEVICE
     if dev is not None and not dev.closed:
         return dev
@@ -598,9 +617,32 @@ def get_device() -> Device:
 
 
 def current_device() -> Device | None:
-    """The default Device if one is open, without creating one."""
-    dev = _DEVICE
+    """The device `use_device` chose for this thread, else the default Device if one is open, without creating
+    one."""
+    dev = _SCOPED.get() or _DEVICE
     return dev if dev is not None and not dev.closed else None
+
+
+def open_device(selector: str | None = None) -> Device:
+    """A new Device besides the default one (closed at exit like it): on the physical device `selector` names (an
+    index or a name, as VKGRAPH_DEVICE), by default the one the default device uses. Two Devices on one physical
+    device are two logical devices (each its own VkDevice, queue, memory and caches)."""
+    dev = Device(selector)
+    _LIVE.add(dev)
+    return dev
+
+
+@contextmanager
+def use_device(dev: Device) -> Iterator[Device]:
+    """Route this thread's work inside the block to `dev`: every `get_device()` (realize, uploads, templates,
+    jit captures) returns it. Tensors whose buffers live on another device cannot be mixed into its work
+    (KernelInterfaceError); move values through the host (`.numpy()`, then `Tensor(...)` inside the block)."""
+    dev.check_usable()
+    token = _SCOPED.set(dev)
+    try:
+        yield dev
+    finally:
+        _SCOPED.reset(token)
 
 
 @interrupts.critical

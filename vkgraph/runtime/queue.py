@@ -19,7 +19,7 @@ from ..flags import flag
 from ..interrupts import critical, interruptible
 from . import faults
 from .capture import CaptureLog, CommandGraph
-from .descriptors import DescriptorSets
+from .descriptors import DescriptorSets, foreign_buffer
 from .errors import CaptureError, DeviceClosed, DeviceError, DeviceLost, KernelInterfaceError, VkgraphError
 from .hazards import track_hazards
 from .memory import Allocation, BoundRange, Buffer
@@ -236,6 +236,8 @@ class Queue:
             self.admit()
             if sa.freed or da.freed:
                 raise stale_buffer("copy", sa if sa.freed else da)
+            if sa.owner is not self.device.memory or da.owner is not self.device.memory:
+                raise foreign_buffer("copy", sa if sa.owner is not self.device.memory else da, self.device)
             rec = self._begin()
             self._hazards([sa, da], (False, True), rec)
             region = self.copy_region  # read during the call only: one struct serves every copy

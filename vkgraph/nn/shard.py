@@ -1,0 +1,136 @@
+"""Megatron-style tensor-parallel shards of a Llama-family model: the weights one rank of `world` holds, and the
+forward pass of one rank, with the all-reduces where the ranks' partial sums meet.
+
+Column-parallel (each rank holds a contiguous range of output rows): q, k and v by attention head (so each rank
+attends over its own heads and keeps their KV cache), gate and up by FFN row (experts: every expert's). Row-
+parallel (each rank holds the matching range of input columns): the output projection and down, whose products
+are partial sums over the ranks; `all_reduce` adds them. Embedding, norms and RoPE tables are replicated, and
+every rank holds the same residual stream; the logits (final norm and LM head) are computed by rank 0 alone.
+
+The lead rank (0) adds the residual in its partial product (the matvec's fused epilogue), the others none, so the
+all-reduced sum is the new residual stream itself. `vkgraph.parallel` runs the ranks, each on its own device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from ..quant import QuantizedTensor
+from ..tensor import Tensor
+from .config import ModelConfig
+from .layers import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding, StepInputs
+from .llama import TransformerBlock
+from .template_ops import KVCache
+from .weights import ExpertWeights, ModelWeights, Weight
+
+AllReduce = Callable[[Tensor], Tensor]
+
+
+def take_rows(w: Weight, start: int, stop: int) -> Weight:
+    """Output rows [start, stop) of a (out, in) matrix, quantized or not (rows are whole blocks)."""
+    if isinstance(w, QuantizedTensor):
+        return QuantizedTensor(np.ascontiguousarray(w.data[start:stop]), w.format, (stop - start, w.shape[1]))
+    return np.ascontiguousarray(w[start:stop])
+
+
+def take_cols(w: Weight, start: int, stop: int) -> Weight:
+    """Input columns [start, stop) of a (out, in) matrix; a quantized one splits only between its blocks."""
+    if not isinstance(w, QuantizedTensor):
+        return np.ascontiguousarray(w[:, start:stop])
+    bs = w.format.block_size
+    if start % bs or stop % bs:
+        raise ValueError(f"{w.format.name} {w.shape}: columns [{start}, {stop}) do not split between its blocks "
+                         f"of {bs}; use fewer ranks or another weight format")
+    blocks = w.data.reshape(w.shape[0], -1, w.format.type_size)[:, start // bs:stop // bs]
+    return QuantizedTensor(np.ascontiguousarray(blocks).reshape(w.shape[0], -1), w.format, (w.shape[0], stop - start))
+
+
+def check_shardable(cfg: ModelConfig, world: int) -> None:
+    """Raise ValueError unless heads, KV heads and FFN rows divide evenly over `world` ranks."""
+    if world < 1:
+        raise ValueError(f"tensor parallel needs at least one rank, got {world}")
+    for name in ("n_heads", "n_kv_heads", "ffn_dim"):
+        if getattr(cfg, name) % world:
+            raise ValueError(f"tensor parallel over {world} ranks: the model's {name} ({getattr(cfg, name)}) is not a "
+                             f"multiple of {world}")
+
+
+def shard_weights(weights: ModelWeights, rank: int, world: int) -> ModelWeights:
+    """What rank `rank` of `world` holds: its heads of q/k/v (and their biases) and the matching columns of the
+    output projection, its rows of gate/up and columns of down; the rest as it is (shared, not copied).
+    Its config counts the rank's own heads and FFN rows."""
+    cfg = weights.config
+    check_shardable(cfg, world)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside 0..{world - 1}")
+    hd = cfg.head_dim
+    q0, q1 = (rank * cfg.n_heads // world * hd, (rank + 1) * cfg.n_heads // world * hd)
+    k0, k1 = (rank * cfg.n_kv_heads // world * hd, (rank + 1) * cfg.n_kv_heads // world * hd)
+    f0, f1 = rank * cfg.ffn_dim // world, (rank + 1) * cfg.ffn_dim // world
+
+    def vec(b: np.ndarray | None, a: int, z: int) -> np.ndarray | None:
+        return None if b is None else np.ascontiguousarray(b[a:z])
+
+    def mlp(gate: Weight, up: Weight, down: Weight) -> tuple[Weight, Weight, Weight]:
+        return take_rows(gate, f0, f1), take_rows(up, f0, f1), take_cols(down, f0, f1)
+
+    layers = []
+    for lw in weights.layers:
+        out = replace(lw, wq=take_rows(lw.wq, q0, q1), wk=take_rows(lw.wk, k0, k1), wv=take_rows(lw.wv, k0, k1),
+                      wo=take_cols(lw.wo, q0, q1), bq=vec(lw.bq, q0, q1), bk=vec(lw.bk, k0, k1),
+                      bv=vec(lw.bv, k0, k1))
+        if lw.experts is not None:
+            out.experts = [ExpertWeights(*mlp(e.w_gate, e.w_up, e.w_down)) for e in lw.experts]
+        else:
+            out.w_gate, out.w_up, out.w_down = mlp(lw.w_gate, lw.w_up, lw.w_down)
+        layers.append(out)
+    local = replace(cfg, n_heads=cfg.n_heads // world, n_kv_heads=cfg.n_kv_heads // world,
+                    ffn_dim=cfg.ffn_dim // world)
+    return replace(weights, config=local, layers=layers)
+
+
+class ShardModel:
+    """One rank's part of the model (see the module doc): its layers over its shard of the weights, its heads' KV
+    cache, and on the lead rank the final norm and LM head. Float weights are kept as `float_dtype`."""
+
+    def __init__(self, weights: ModelWeights, *, lead: bool, num_blocks: int, block_size: int = 16,
+                 kv_dtype: str = "f16", max_blocks_per_seq: int | None = None, float_dtype: str = "float16") -> None:
+        cfg = self.config = weights.config
+        self.lead = lead
+        self.block_size = block_size
+        self.max_blocks_per_seq = min(max_blocks_per_seq or -(-cfg.max_seq_len // block_size), num_blocks)
+        self.max_context = self.max_blocks_per_seq * block_size
+        self.embed = Embedding(weights.embed, float_dtype)
+        self.rope = RotaryEmbedding(cfg, self.max_context)
+        self.layers: list[TransformerBlock] = [TransformerBlock(cfg, w, float_dtype) for w in weights.layers]
+        if lead:
+            self.norm = RMSNorm(weights.norm, cfg.norm_eps)
+            self.lm_head = Linear(weights.lm_head, float_dtype=float_dtype)
+        self.caches = [KVCache.create(num_blocks, cfg.n_kv_heads, cfg.head_dim, block_size, kv_dtype)
+                       for _ in self.layers]
+
+    def __call__(self, tokens: Tensor, step: StepInputs, all_reduce: AllReduce,
+                 logit_rows: Tensor | None = None) -> Tensor | None:
+        """Logits (rows, vocab) float32 on the lead rank (all tokens, or those at `logit_rows`); None elsewhere."""
+        x = self.embed(tokens)
+        if self.config.arch == "gemma":
+            x = x * float(np.float32(np.sqrt(self.config.dim)))
+        rope = self.rope.tables(step.positions)
+        for layer, cache in zip(self.layers, self.caches):
+            x = self._block(layer, x, rope, cache, step, all_reduce)
+        if not self.lead:
+            return None
+        if logit_rows is not None:
+            x = x.take(logit_rows, 0)
+        return self.lm_head(self.norm(x, into=self.lm_head))
+
+    def _block(self, layer: TransformerBlock, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache,
+               step: StepInputs, all_reduce: AllReduce) -> Tensor:
+        residual = x if self.lead else None
+        x = all_reduce(layer.attn(layer.attn_norm(x, into=layer.attn.qkv), residual, rope, cache, step))
+        residual = x if self.lead else None
+        h = layer.ffn_norm(x, into=layer.ffn.gate_up if isinstance(layer.ffn, MLP) else None)
+        return all_reduce(layer.ffn(h, residual=residual))

@@ -1,0 +1,205 @@
+"""Tensor parallelism over several Vulkan devices of one host: one engine, N devices, one thread per rank.
+
+    model = TensorParallelModel(load_weights(path), world=2, num_blocks=512)
+    engine = Engine(model, tokenizer)     # as with a LlamaModel
+
+Each rank has its own `Device` (its VkDevice, queue, memory, compiled programs), its shard of the weights and its
+heads' KV cache (`nn/shard.py`), and its own worker thread, which routes all its work to its device with
+`runtime.use_device`: ranks record and submit in parallel, and each device runs its part of a step while the others
+run theirs. Rank 0 works on the default device (`get_device()`), where the engine's own tensors (step inputs,
+sampling) live, and returns the logits.
+
+The all-reduce after each row-parallel product stages through host memory and reduces on the GPUs: each rank
+waits for its partial sum, reads it back (through the device's host-visible memory), and once every rank has
+posted its part, uploads the others' parts and adds them on its own device, in rank order (so every rank holds the
+same bits), fused by the compiler into the kernel that reads the sum next (the norm). Vulkan offers no peer
+access between VkDevices without external-memory and device-group extensions, which lavapipe lacks and which no
+path here uses yet (docs/tensor_parallel.md).
+
+Devices (`tensor_parallel_devices`): the physical devices VKGRAPH_TP_DEVICES names (a comma list of indices or
+names), else as many physical devices of the default device's name as there are, else logical devices on the
+default device's physical device (two VkDevices on one GPU: the same code path, for tests, not for speed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .flags import flag
+from .nn.layers import StepInputs
+from .nn.shard import ShardModel, check_shardable, shard_weights
+from .nn.weights import ModelWeights
+from .runtime import Device, get_device, open_device, use_device
+from .tensor import Tensor
+
+T = TypeVar("T")
+
+
+def tensor_parallel_devices(world: int) -> list[Device]:
+    """`world` devices for the ranks, the default device first (module doc says which)."""
+    if world < 1:
+        raise ValueError(f"tensor parallel needs at least one rank, got {world}")
+    first = get_device()
+    names = [n for n in flag("VKGRAPH_TP_DEVICES").split(",") if n.strip()]
+    if names:
+        if len(names) != world:
+            raise ValueError(f"VKGRAPH_TP_DEVICES names {len(names)} devices for {world} ranks")
+        return [first] + [open_device(n.strip()) for n in names[1:]]
+    physical = first.physical_devices()
+    mine = next(i for i, (_, me) in enumerate(physical) if me)
+    peers = [str(i) for i, (name, me) in enumerate(physical) if name == physical[mine][0] and not me]
+    if len(peers) >= world - 1:
+        return [first] + [open_device(p) for p in peers[:world - 1]]
+    return [first] + [open_device(str(mine)) for _ in range(world - 1)]
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """Seconds of one forward pass, as rank 0 saw it: waiting for its device's work before each all-reduce
+    (compute), reading back, exchanging and uploading the parts (all-reduce, including waiting for the slowest
+    rank), and the rest (host: building graphs, recording, submitting)."""
+
+    wall: float = 0.0
+    compute: float = 0.0
+    all_reduce: float = 0.0
+    reduces: int = 0
+
+    @property
+    def host(self) -> float:
+        return self.wall - self.compute - self.all_reduce
+
+
+class HostAllReduce:
+    """The all-reduce of `world` ranks through host memory (module doc). `reduce(rank, x)` is called by each
+    rank's thread in the same order; parts are double-buffered, since a rank may post its next part before a
+    slower rank has read this one (never two ahead: the barrier holds it)."""
+
+    def __init__(self, devices: list[Device], timeout_s: float | None = None) -> None:
+        self.devices = devices
+        self.world = len(devices)
+        self.barrier = threading.Barrier(self.world, timeout=timeout_s)
+        self.parts: list[list[np.ndarray | None]] = [[None] * self.world for _ in range(2)]
+        self.count = [0] * self.world
+        self.times = [StepTimes() for _ in range(self.world)]
+
+    def start(self) -> None:
+        """Before a step: counters and times afresh (every rank idle)."""
+        self.count = [0] * self.world
+        self.times = [StepTimes() for _ in range(self.world)]
+        self.barrier.reset()
+
+    def reduce(self, rank: int, x: Tensor) -> Tensor:
+        """The sum over ranks of each rank's `x` (same shape and dtype), on this rank's device."""
+        t = self.times[rank]
+        x = x.realize()  # recorded and submitted: host time
+        t0 = time.perf_counter()
+        self.devices[rank].synchronize()
+        t1 = time.perf_counter()
+        slot = self.parts[self.count[rank] % 2]
+        self.count[rank] += 1
+        slot[rank] = x.numpy()
+        self.barrier.wait()
+        total = None
+        for j in range(self.world):  # in rank order on every rank: the same sum, bit for bit
+            part = x if j == rank else Tensor(slot[j])
+            total = part if total is None else total + part
+        t.compute += t1 - t0
+        t.all_reduce += time.perf_counter() - t1
+        t.reduces += 1
+        return total
+
+    def abort(self) -> None:
+        """Release ranks waiting for one that failed (they raise BrokenBarrierError)."""
+        self.barrier.abort()
+
+
+class TensorParallelModel:
+    """A Llama-family model split over `world` devices (module doc); called like `LlamaModel` (tokens, step,
+    logit_rows) and returning rank 0's logits. `last_times` holds the split of the last call (StepTimes).
+
+    The engine records a step eagerly (`capturable` is False): the all-reduces read partial sums on the host in
+    the middle of a step, which a captured command graph cannot do."""
+
+    capturable = False
+
+    def __init__(self, weights: ModelWeights, world: int, *, num_blocks: int, block_size: int = 16,
+                 kv_dtype: str = "f16", max_blocks_per_seq: int | None = None, float_dtype: str = "float16",
+                 devices: list[Device] | None = None) -> None:
+        check_shardable(weights.config, world)
+        self.config = weights.config
+        self.world = world
+        self.devices = devices if devices is not None else tensor_parallel_devices(world)
+        if len(self.devices) != world:
+            raise ValueError(f"{len(self.devices)} devices for {world} ranks")
+        self.workers = [ThreadPoolExecutor(1, f"vkgraph-tp{r}") for r in range(world)]
+        self.comm = HostAllReduce(self.devices)
+        self.last_times = StepTimes()
+
+        def build(rank: int) -> ShardModel:
+            return ShardModel(shard_weights(weights, rank, world), lead=rank == 0, num_blocks=num_blocks,
+                              block_size=block_size, kv_dtype=kv_dtype, max_blocks_per_seq=max_blocks_per_seq,
+                              float_dtype=float_dtype)
+
+        self.shards: list[ShardModel] = self._on_ranks(build)
+        lead = self.shards[0]
+        self.block_size, self.max_blocks_per_seq, self.max_context = (lead.block_size, lead.max_blocks_per_seq,
+                                                                      lead.max_context)
+        self.caches = lead.caches  # the engine reads the pool's size here; every rank's pool has as many blocks
+
+    def _on_ranks(self, fn: Callable[[int], T]) -> list[T]:
+        """fn(rank) on every rank's thread with its device current; the first error (after all have stopped)."""
+
+        def run(rank: int) -> T:
+            try:
+                with use_device(self.devices[rank]):
+                    return fn(rank)
+            except BaseException:
+                self.comm.abort()  # ranks waiting in an all-reduce for this one give up
+                raise
+
+        futures: list[Future] = [w.submit(run, r) for r, w in enumerate(self.workers)]
+        results, errors = [], []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except BaseException as e:  # noqa: BLE001 (reraised below: the root cause, not a broken barrier)
+                errors.append(e)
+        if errors:
+            real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+            raise (real or errors)[0]
+        return results
+
+    def __call__(self, tokens: Tensor, step: StepInputs, logit_rows: Tensor | None = None) -> Tensor:
+        """Logits (rows, vocab) float32 on the default device (rank 0's)."""
+        host = {f.name: _host(getattr(step, f.name)) for f in dataclasses.fields(step)}
+        ids, rows = tokens.numpy(), None if logit_rows is None else logit_rows.numpy()
+        self.comm.start()
+        t0 = time.perf_counter()
+
+        def forward(rank: int) -> Tensor | None:
+            local = StepInputs(**{k: Tensor(v) if isinstance(v, np.ndarray) else v for k, v in host.items()})
+            out = self.shards[rank](Tensor(ids), local, lambda x: self.comm.reduce(rank, x),
+                                    None if rows is None else Tensor(rows))
+            return None if out is None else out.realize()
+
+        logits = self._on_ranks(forward)[0]
+        times = self.comm.times[0]
+        times.wall = time.perf_counter() - t0
+        self.last_times = times
+        return logits
+
+    def close(self) -> None:
+        """Stop the ranks' threads (the devices stay open; the process's exit closes them)."""
+        for w in self.workers:
+            w.shutdown()
+
+
+def _host(value: Any) -> Any:
+    return value.numpy() if isinstance(value, Tensor) else value
