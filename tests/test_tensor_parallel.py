@@ -2,6 +2,7 @@
 the same code path as over two GPUs, with outputs equal to the single-device model's within float tolerance for
 every weight format; and the runtime's device routing it stands on (runtime.use_device)."""
 
+import httpx
 import numpy as np
 import pytest
 
@@ -195,3 +196,47 @@ def test_engine_generates_the_same_tokens_on_two_devices(devices):
     assert run(tp) == run(LlamaModel(w, **KW))
     assert tp.last_times.reduces == 2 * w.config.n_layers and tp.last_times.wall > 0
     tp.close()
+
+
+# ---- the command line and the server ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    return tiny_model.write_model(tmp_path_factory.mktemp("tp"), tiny_model.tiny_config(n_layers=1),
+                                  gguf_types=("Q8_0",))
+
+
+def test_generate_with_tensor_parallel_prints_what_one_device_prints(tiny_files, capsys):
+    from vkgraph import generate
+
+    outs = []
+    for n in ("1", "2"):
+        assert generate.main(["--model", str(tiny_files["Q8_0"]), "--prompt", "Hello world", "--max-tokens", "8",
+                              "--tensor-parallel", n]) == 0
+        out, err = capsys.readouterr()
+        outs.append(out)
+        assert ("on 2 devices" in err) == (n == "2")
+    assert outs[0] == outs[1] and outs[0].startswith("Hello world")
+    assert generate.main(["--model", str(tiny_files["Q8_0"]), "--prompt", "a", "--tensor-parallel", "0"]) == 2
+    assert "--tensor-parallel must be at least 1" in capsys.readouterr().err
+
+
+def test_server_with_tensor_parallel_answers_as_one_device_does(tiny_files):
+    pytest.importorskip("openai")
+    from test_serve import Server
+
+    from vkgraph.nn.tokenizer import Tokenizer
+    from vkgraph.nn.weights import load_weights
+
+    w = load_weights(tiny_files["hf"], progress=False)
+    tok = Tokenizer.load(tiny_files["hf"])
+    engine = Engine(LlamaModel(w, num_blocks=32, max_blocks_per_seq=8), tok)
+    want = "".join(ev.text for ev in engine.generate(["The capital of France"], max_tokens=10))
+    server = Server(tiny_files["hf"], "--tensor-parallel", "2", "--num-blocks", "32", "--max-context", "128")
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "The capital of France",
+                                                             "max_tokens": 10, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        server.stop()

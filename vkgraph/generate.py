@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-dtype", choices=["f16", "f32"], default="f16", help="KV cache element type")
     ap.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks of 16 tokens")
     ap.add_argument("--max-context", type=int, default=None, help="tokens per sequence (default: the model's)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="split the model over N devices (VKGRAPH_TP_DEVICES picks them; docs/tensor_parallel.md)")
     ap.add_argument("--draft", help="a draft model (same vocabulary) for speculative decoding of one prompt")
     ap.add_argument("--speculate", type=int, default=4, help="draft tokens per round with --draft")
     ap.add_argument("--chat", action="store_true", help="interactive chat through the model's chat template, one "
@@ -83,8 +85,11 @@ def check_args(a: argparse.Namespace) -> SamplingParams:
         raise UsageError("--warmup with --chat: warm up without --chat (a chat turn runs the same kernels)")
     if a.chat and (a.prompt or a.draft):
         raise UsageError("--chat takes neither --prompt nor --draft")
+    if a.draft and a.tensor_parallel > 1:
+        raise UsageError("--draft runs on one device: leave out --tensor-parallel")
     for name, value, low in (("--max-tokens", a.max_tokens, 1), ("--num-blocks", a.num_blocks, 1),
-                             ("--speculate", a.speculate, 1), ("--max-context", a.max_context, 1)):
+                             ("--speculate", a.speculate, 1), ("--max-context", a.max_context, 1),
+                             ("--tensor-parallel", a.tensor_parallel, 1)):
         if value is not None and value < low:
             raise UsageError(f"{name} must be at least {low}, got {value}")
     if a.draft and len(a.prompt) != 1:
@@ -137,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(a: argparse.Namespace, params: SamplingParams) -> int:
     from .nn.engine import Engine
-    from .nn.llama import LlamaModel
     from .nn.model_file import open_model
     from .nn.tiny_model import is_random_model
+    from .parallel import build_model
     from .nn.tokenizer import Tokenizer
     from .nn.weights import load_weights
     from .runtime import get_device
@@ -161,10 +166,11 @@ def _run(a: argparse.Namespace, params: SamplingParams) -> int:
     if is_random_model(source):
         print(f"[vkgraph] {a.model} is vkgraph's demo model: its weights are random, so its text is noise",
               file=sys.stderr)
-    model = LlamaModel(weights, num_blocks=a.num_blocks, kv_dtype=a.kv_dtype,
-                       max_blocks_per_seq=-(-max_ctx // BLOCK_SIZE))
+    model = build_model(weights, a.tensor_parallel, num_blocks=a.num_blocks, kv_dtype=a.kv_dtype,
+                        max_blocks_per_seq=-(-max_ctx // BLOCK_SIZE))
     dev = get_device()
-    print(f"[vkgraph] {cfg.arch} dim {cfg.dim} x {cfg.n_layers} layers, vocab {cfg.vocab_size}, on {dev.info.name}; "
+    where = dev.info.name if a.tensor_parallel == 1 else f"{a.tensor_parallel} devices ({dev.info.name}, ...)"
+    print(f"[vkgraph] {cfg.arch} dim {cfg.dim} x {cfg.n_layers} layers, vocab {cfg.vocab_size}, on {where}; "
           f"loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     if a.draft:
         return _speculative(a, model, tokenizer, max_ctx)

@@ -34,6 +34,7 @@ import numpy as np
 
 from .flags import flag
 from .nn.layers import StepInputs
+from .nn.llama import LlamaModel
 from .nn.shard import ShardModel, check_shardable, shard_weights
 from .nn.weights import ModelWeights
 from .runtime import Device, get_device, open_device, use_device
@@ -199,6 +200,15 @@ class TensorParallelModel:
         """Stop the ranks' threads (the devices stay open; the process's exit closes them)."""
         for w in self.workers:
             w.shutdown()
+
+
+def build_model(weights: ModelWeights, tensor_parallel: int = 1, **kw: Any) -> LlamaModel | TensorParallelModel:
+    """The model on one device (a LlamaModel), or split over `tensor_parallel` devices; kw as LlamaModel takes."""
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be at least 1, got {tensor_parallel}")
+    if tensor_parallel == 1:
+        return LlamaModel(weights, **kw)
+    return TensorParallelModel(weights, tensor_parallel, **kw)
 
 
 def _host(value: Any) -> Any:

@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "bounded by the KV cache)")
     ap.add_argument("--quantize", choices=["Q8_0", "Q4_0"], help="quantize float weights on load")
     ap.add_argument("--kv-dtype", choices=["f16", "f32"], default="f16")
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="split the model over N devices (VKGRAPH_TP_DEVICES picks them; docs/tensor_parallel.md)")
     ap.add_argument("--seed", type=int, default=0, help="seeds all sampling")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -38,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..nn.chat import ChatTemplate, NoChatTemplateError
     from ..nn.engine import Engine
-    from ..nn.llama import LlamaModel
     from ..nn.model_file import open_model
     from ..nn.tokenizer import Tokenizer
     from ..nn.weights import load_weights
+    from ..parallel import build_model
     from .app import ServerState, create_app
     from .async_engine import AsyncEngine
     from .metrics import Metrics
@@ -51,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.load(source)
     weights = load_weights(source, quantize=a.quantize, progress=sys.stderr.isatty())
     max_ctx = a.max_context or weights.config.max_seq_len
-    model = LlamaModel(weights, num_blocks=a.num_blocks, block_size=BLOCK_SIZE, kv_dtype=a.kv_dtype,
-                       max_blocks_per_seq=-(-max_ctx // BLOCK_SIZE))
+    model = build_model(weights, a.tensor_parallel, num_blocks=a.num_blocks, block_size=BLOCK_SIZE,
+                        kv_dtype=a.kv_dtype, max_blocks_per_seq=-(-max_ctx // BLOCK_SIZE))
     metrics = Metrics()
     engine = AsyncEngine(Engine(model, tokenizer, max_batch=a.max_batch, seed=a.seed,
                                 prefix_caching=not a.no_prefix_caching),
