@@ -144,9 +144,9 @@ def _run(a: argparse.Namespace, params: SamplingParams) -> int:
     from .nn.engine import Engine
     from .nn.model_file import open_model
     from .nn.tiny_model import is_random_model
-    from .parallel import build_model
     from .nn.tokenizer import Tokenizer
     from .nn.weights import load_weights
+    from .parallel import build_model
     from .runtime import get_device
 
     t0 = time.perf_counter()

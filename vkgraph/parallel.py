@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .flags import flag
+from .nn import llama
 from .nn.layers import StepInputs
-from .nn.llama import LlamaModel
 from .nn.shard import ShardModel, check_shardable, shard_weights
 from .nn.weights import ModelWeights
 from .runtime import Device, get_device, open_device, use_device
@@ -202,12 +202,12 @@ class TensorParallelModel:
             w.shutdown()
 
 
-def build_model(weights: ModelWeights, tensor_parallel: int = 1, **kw: Any) -> LlamaModel | TensorParallelModel:
+def build_model(weights: ModelWeights, tensor_parallel: int = 1, **kw: Any) -> llama.LlamaModel | TensorParallelModel:
     """The model on one device (a LlamaModel), or split over `tensor_parallel` devices; kw as LlamaModel takes."""
     if tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be at least 1, got {tensor_parallel}")
     if tensor_parallel == 1:
-        return LlamaModel(weights, **kw)
+        return llama.LlamaModel(weights, **kw)
     return TensorParallelModel(weights, tensor_parallel, **kw)
 
 
