@@ -348,3 +348,40 @@ def test_logprobs_requests_out_of_range_are_400(client):
             complete(client, "Hello", **kw)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
+
+
+def test_kv_prefix_tiers_serve_evicted_prefixes_from_disk_and_host_across_a_restart(model_dir, tmp_path):
+    rng = np.random.default_rng(1)
+    a, *others = ([int(t) for t in rng.integers(3, 250, 70)] for _ in range(4))  # 4 full blocks each
+    args = ("--num-blocks", "12", "--max-context", "128", "--kv-disk-dir", str(tmp_path))
+
+    def run(s: Server, prompt: list[int]):
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        ch = complete(c, prompt, max_tokens=6, logprobs=1).choices[0]
+        return ch.text, ch.logprobs.token_logprobs
+
+    def hits(s: Server, tier: str) -> float:
+        return s.metric(f'vkgraph_prefix_cache_hit_tokens{{tier="{tier}"}}')
+
+    s = Server(model_dir, *args)  # a disk tier only
+    try:
+        run(s, a)
+        want = run(s, a)  # from its prefix still on the GPU
+        assert hits(s, "gpu") == 64
+        for p in others:
+            run(s, p)
+        assert s.metric("vkgraph_prefix_store_spilled_blocks") >= 4
+        assert run(s, a) == want and hits(s, "disk") == 64
+        assert s.metric('vkgraph_prefix_store_blocks{tier="disk"}') >= 4
+    finally:
+        s.stop()
+    s = Server(model_dir, *args, "--kv-host-gib", "0.001")  # a restart, with a host tier too
+    try:
+        assert run(s, a) == want and hits(s, "disk") == 64  # from the files the first server left
+        for p in others:
+            run(s, p)
+        assert run(s, a) == want and hits(s, "host") == 64  # disk hits were promoted to host memory
+        assert s.metric('vkgraph_prefix_store_bytes{tier="host"}') > 0
+        assert _blocks_back(s)
+    finally:
+        s.stop()

@@ -18,6 +18,7 @@ import numpy as np
 from ..jit import jit
 from ..tensor import Tensor, manual_seed
 from .kv_cache import KVCacheManager, OutOfKVBlocks
+from .kv_tiers import BlockCopier, PrefixStore
 from .layers import StepInputs
 from .llama import LlamaModel
 from .sampling import SamplingParams, SamplingTensors, sample, token_logprobs
@@ -114,12 +115,18 @@ class Engine:
     event at the next step) so a failure that repeats cannot loop forever. Then the exception propagates."""
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
-                 prefix_caching: bool = True, seed: int = 0, max_prefill_tokens: int = 4096) -> None:
+                 prefix_caching: bool = True, seed: int = 0, max_prefill_tokens: int = 4096,
+                 prefix_store: PrefixStore | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens  # prompt tokens computed in one admission pass
-        self.kv = KVCacheManager(model.caches[0].num_blocks, model.block_size, prefix_caching=prefix_caching)
+        # prefix_store: tiers below the GPU prefix cache (host memory, disk) that evicted blocks go to
+        self.kv = KVCacheManager(model.caches[0].num_blocks, model.block_size, prefix_caching=prefix_caching,
+                                 store=prefix_store)
+        if prefix_store is not None and not isinstance(model, LlamaModel):  # its caches hold one rank's heads
+            raise ValueError("a prefix store needs the model on one device (a LlamaModel)")
+        self._blocks = BlockCopier(model.caches) if prefix_store is not None else None
         self.vocab = model.config.vocab_size
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -257,6 +264,7 @@ class Engine:
         if not admitted:
             return []
         reqs = [r for r, _ in admitted]
+        self._move_blocks()
         logits = self._prefill(reqs, continue_cached=any(c for _, c in admitted))
         tokens, lps = self._sample(logits, reqs)
         for r in reqs:  # after the pass ran: only KV actually written may enter the prefix cache
@@ -287,8 +295,24 @@ class Engine:
             step = StepInputs(**common, block_tables=Tensor(tables), context_lens=Tensor(meta.positions + 1))
         return self.model(Tensor(meta.input_ids), step, logit_rows=Tensor((qsl[1:] - 1).astype(np.int32)))
 
+    def _move_blocks(self) -> None:
+        """Before a pass: copy the hashed blocks just evicted from the GPU into the prefix store (the pass may
+        overwrite them), then write the blocks found in the store into the GPU blocks allocated for them."""
+        if self._blocks is None:
+            return
+        store = self.kv.store
+        evicted = [(b, h) for b, h in self.kv.take_evicted() if h not in store]
+        if evicted:
+            for (_, h), payload in zip(evicted, self._blocks.read([b for b, _ in evicted])):
+                store.put(h, payload)
+        restores = self.kv.take_restores()
+        if restores:
+            self._blocks.write([r.block for r in restores], [r.payload for r in restores])
+            self.kv.commit_restores(restores)
+
     def _decode_running(self) -> list[Event]:
         reqs = self.running
+        self._move_blocks()
         rows = _bucket(len(reqs), self.max_batch)
         meta = self.kv.batch([r.id for r in reqs], width=self.model.max_blocks_per_seq, pad_seqs=rows,
                              pad_tokens=rows)
@@ -425,6 +449,8 @@ class Engine:
             self.kv.check_invariants()
         except Exception:  # interrupted inside the cache manager: start its books afresh
             self.kv.reset()
+        self.kv.take_evicted()  # a cache: blocks not yet copied out are simply lost
+        self.kv.take_restores()
         touched = {id(m.req) for m in self._marks}
         self._marks = []
         why = f"{type(exc).__name__}: {exc}"

@@ -11,6 +11,12 @@ count drops to zero joins the free queue but keeps its hash: until it is evicted
 Eviction takes the front of the free queue: blocks without a hash first, then hashed blocks least recently
 freed first (a sequence's blocks are freed tail first, so a prefix's head outlives its tail).
 
+Tiers below the GPU (`store`, a `kv_tiers.PrefixStore`): a hashed block the pool evicts is listed in
+`pool.evicted` for the caller to copy out (before any pass overwrites it) into the store; a lookup that misses
+on the GPU asks the store, and a block found there is allocated, counted as cached, and listed in
+`take_restores()` for the caller to write back before the pass that reads it (`commit_restores` then indexes
+it on the GPU again).
+
 Only full, computed blocks are ever shared, and a sequence's partly filled last block is always private, so no
 copy-on-write is needed: nobody writes into a shared block.
 
@@ -27,8 +33,12 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .kv_tiers import PrefixStore
 
 
 class OutOfKVBlocks(RuntimeError):
@@ -50,10 +60,12 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
 class BlockPool:
     """Physical blocks: reference counts, the free queue in eviction order and the hash -> block index."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_evictions: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.record_evictions = record_evictions
+        self.evicted: list[tuple[int, bytes]] = []  # (block, hash) of hashed blocks evicted, when recorded
         self.ref_count = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # front: evict first
@@ -107,6 +119,8 @@ class BlockPool:
         if h is not None:
             del self.cached[h]
             self.block_hash[b] = None
+            if self.record_evictions:
+                self.evicted.append((b, h))
 
 
 @dataclass
@@ -115,6 +129,16 @@ class _Sequence:
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of the first len(hashes) full blocks
+
+
+@dataclass
+class Restore:
+    """A block found in a tier below the GPU: its payload is to be written into `block` of sequence `seq_id`."""
+
+    seq_id: Hashable
+    block: int
+    hash: bytes
+    payload: bytes
 
 
 @dataclass
@@ -139,15 +163,21 @@ class BatchMetadata:
 class KVCacheManager:
     """Per-sequence block tables over a `BlockPool`, with prefix caching."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, *, prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, *, prefix_caching: bool = True,
+                 store: PrefixStore | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if store is not None and not prefix_caching:
+            raise ValueError("a prefix store needs prefix caching")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.store = store
+        self.pool = BlockPool(num_blocks, record_evictions=store is not None)
         self.prefix_caching = prefix_caching
         self.seqs: dict[Hashable, _Sequence] = {}
         self.queried_tokens = 0  # prompt tokens looked up in the prefix cache
-        self.hit_tokens = 0  # ... and found there
+        self.hit_tokens = 0  # ... and found there (any tier)
+        self.hit_tokens_by_tier = {"gpu": 0, "host": 0, "disk": 0}
+        self._restores: list[Restore] = []
 
     @property
     def num_blocks(self) -> int:
@@ -170,27 +200,58 @@ class KVCacheManager:
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
         seq = _Sequence(tokens=list(prompt))
-        hits: list[int] = []
+        found: list[int | tuple[bytes, bytes, str]] = []  # a GPU block, or (hash, payload, tier) from the store
         if self.prefix_caching:
             self._hash_full_blocks(seq)
             for h in seq.hashes[:(len(prompt) - 1) // self.block_size]:
                 b = self.pool.lookup(h)
-                if b is None:
+                if b is not None:
+                    found.append(b)
+                    continue
+                got = self.store.get(h) if self.store is not None else None
+                if got is None:
                     break
-                hits.append(b)
+                found.append((h, *got))
+        hits = [b for b in found if isinstance(b, int)]
         need = self.blocks_for(len(prompt)) - len(hits)
         free_after_hits = self.pool.num_free - sum(self.pool.ref_count[b] == 0 for b in hits)
         if need + reserve > free_after_hits:
             raise OutOfKVBlocks(need + reserve, free_after_hits)
         for b in hits:
             self.pool.acquire(b)
-        seq.blocks = hits + self.pool.allocate(need)
-        seq.num_computed = len(hits) * self.block_size
+        fresh = self.pool.allocate(need)
+        for f in found:
+            if isinstance(f, int):
+                seq.blocks.append(f)
+                self.hit_tokens_by_tier["gpu"] += self.block_size
+            else:
+                seq.blocks.append(fresh.pop(0))
+                self._restores.append(Restore(seq_id, seq.blocks[-1], f[0], f[1]))
+                self.hit_tokens_by_tier[f[2]] += self.block_size
+        seq.blocks += fresh
+        seq.num_computed = len(found) * self.block_size
         self.seqs[seq_id] = seq
         if self.prefix_caching:
             self.queried_tokens += len(prompt)
             self.hit_tokens += seq.num_computed
         return seq.num_computed
+
+    def take_restores(self) -> list[Restore]:
+        """Blocks found below the GPU since the last call, to write into their GPU blocks before the next pass."""
+        out, self._restores = self._restores, []
+        return out
+
+    def commit_restores(self, restores: list[Restore]) -> None:
+        """The restored blocks are written: index them in the GPU prefix cache again."""
+        for r in restores:
+            seq = self.seqs.get(r.seq_id)
+            if seq is not None and r.block in seq.blocks:
+                self.pool.register(r.block, r.hash)
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        """(block, hash) of the hashed blocks evicted since the last call, to copy out before the next pass."""
+        out, self.pool.evicted = self.pool.evicted, []
+        return out
 
     def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         """Add tokens to be computed next (a sampled token, or draft tokens), allocating blocks as needed."""
@@ -229,12 +290,14 @@ class KVCacheManager:
         """Release a finished (or preempted) sequence's blocks; hashed ones stay hittable until evicted."""
         seq = self.seqs.pop(seq_id)
         self.pool.release(seq.blocks[::-1])
+        self._restores = [r for r in self._restores if r.seq_id != seq_id]
 
     def reset(self) -> None:
         """Drop every sequence and the prefix index: all blocks free. The way back to balanced books after an
         interruption left them half updated (a scheduler then recomputes its sequences)."""
-        self.pool = BlockPool(self.pool.num_blocks)
+        self.pool = BlockPool(self.pool.num_blocks, record_evictions=self.store is not None)
         self.seqs.clear()
+        self._restores = []
 
     # ---- views for the forward pass --------------------------------------------------------------------------
 

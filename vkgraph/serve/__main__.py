@@ -6,6 +6,10 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .app import ServerState
 
 BLOCK_SIZE = 16
 
@@ -28,43 +32,66 @@ def build_parser() -> argparse.ArgumentParser:
                     help="split the model over N devices (VKGRAPH_TP_DEVICES picks them; docs/tensor_parallel.md)")
     ap.add_argument("--seed", type=int, default=0, help="seeds all sampling")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--kv-host-gib", type=float, default=0.0,
+                    help="host memory for KV prefix blocks evicted from the GPU (0: no host tier)")
+    ap.add_argument("--kv-disk-dir", help="folder for KV prefix blocks evicted from host memory (or from the GPU "
+                                          "without a host tier); kept across restarts, per model")
+    ap.add_argument("--kv-disk-gib", type=float, default=16.0, help="bytes the disk tier may hold")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="seconds in-flight requests may run on after a shutdown signal before they are cancelled")
     ap.add_argument("--log-level", default="info")
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    import uvicorn
-
+def build_state(a: argparse.Namespace) -> ServerState:
+    """Load the model and start its engine thread, as the arguments say (also what each Ray Serve replica runs)."""
     from ..nn.chat import ChatTemplate, NoChatTemplateError
     from ..nn.engine import Engine
+    from ..nn.kv_tiers import DiskTier, HostTier, PrefixStore, model_fingerprint
     from ..nn.model_file import open_model
     from ..nn.tokenizer import Tokenizer
     from ..nn.weights import load_weights
     from ..parallel import build_model
-    from .app import ServerState, create_app
+    from .app import ServerState
     from .async_engine import AsyncEngine
     from .metrics import Metrics
 
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if (a.kv_host_gib > 0 or a.kv_disk_dir) and a.tensor_parallel > 1:
+        raise SystemExit("--kv-host-gib and --kv-disk-dir need the model on one device (no --tensor-parallel)")
     source = open_model(a.model)  # a GGUF file's metadata is parsed once, for every loader below
     tokenizer = Tokenizer.load(source)
     weights = load_weights(source, quantize=a.quantize, progress=sys.stderr.isatty())
     max_ctx = a.max_context or weights.config.max_seq_len
     model = build_model(weights, a.tensor_parallel, num_blocks=a.num_blocks, block_size=BLOCK_SIZE,
                         kv_dtype=a.kv_dtype, max_blocks_per_seq=-(-max_ctx // BLOCK_SIZE))
+    store = None
+    if (a.kv_host_gib > 0 or a.kv_disk_dir) and not a.no_prefix_caching:
+        host = HostTier(int(a.kv_host_gib * 2**30)) if a.kv_host_gib > 0 else None
+        disk = None
+        if a.kv_disk_dir:
+            fp = model_fingerprint(weights, kv_dtype=a.kv_dtype, block_size=BLOCK_SIZE)
+            disk = DiskTier(a.kv_disk_dir, int(a.kv_disk_gib * 2**30), fp)
+        store = PrefixStore(host, disk)
     metrics = Metrics()
     engine = AsyncEngine(Engine(model, tokenizer, max_batch=a.max_batch, seed=a.seed,
-                                prefix_caching=not a.no_prefix_caching),
+                                prefix_caching=not a.no_prefix_caching, prefix_store=store),
                          max_pending=a.max_pending, on_step=metrics.on_step)
     try:
         template: ChatTemplate | None = ChatTemplate.load(source, tokenizer)
     except NoChatTemplateError:
         template = None  # /v1/chat/completions then answers 400
-    state = ServerState(engine, tokenizer, a.served_model_name or Path(a.model).name, model.max_context, metrics,
-                        template, a.shutdown_timeout)
+    return ServerState(engine, tokenizer, a.served_model_name or Path(a.model).name, model.max_context, metrics,
+                       template, a.shutdown_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    import uvicorn
+
+    from .app import create_app
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    state = build_state(a)
     uvicorn.run(create_app(state), host=a.host, port=a.port, log_level=a.log_level,
                 timeout_graceful_shutdown=a.shutdown_timeout)
     return 0

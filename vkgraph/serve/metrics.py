@@ -29,6 +29,17 @@ class Metrics:
         self.kv_total = Gauge("vkgraph_kv_blocks_total", "KV cache blocks", registry=r)
         self.prefix_hit_rate = Gauge("vkgraph_prefix_cache_hit_rate",
                                      "Share of prompt tokens found in the prefix cache", registry=r)
+        self.prefix_hit_tokens = Gauge("vkgraph_prefix_cache_hit_tokens",
+                                       "Prompt tokens found in the prefix cache so far, by the tier they came from",
+                                       ["tier"], registry=r)
+        self.store_blocks = Gauge("vkgraph_prefix_store_blocks", "KV blocks held below the GPU, by tier", ["tier"],
+                                  registry=r)
+        self.store_bytes = Gauge("vkgraph_prefix_store_bytes", "Bytes held below the GPU, by tier", ["tier"],
+                                 registry=r)
+        self.store_spilled = Gauge("vkgraph_prefix_store_spilled_blocks",
+                                   "Blocks the GPU prefix cache evicted into the store so far", registry=r)
+        self.store_dropped = Gauge("vkgraph_prefix_store_dropped_blocks",
+                                   "Disk entries found corrupt or foreign and dropped so far", registry=r)
         self.preemptions = Gauge("vkgraph_preemptions", "Requests preempted for KV blocks so far", registry=r)
         self.step_seconds = Histogram("vkgraph_engine_step_seconds", "One engine step", buckets=_LATENCY, registry=r)
 
@@ -42,6 +53,14 @@ class Metrics:
         self.kv_used.set(kv.num_blocks - kv.num_free_blocks)
         self.kv_total.set(kv.num_blocks)
         self.prefix_hit_rate.set(kv.hit_tokens / kv.queried_tokens if kv.queried_tokens else 0.0)
+        for tier, n in kv.hit_tokens_by_tier.items():
+            self.prefix_hit_tokens.labels(tier).set(n)
+        if kv.store is not None:
+            for tier, (blocks, size) in kv.store.sizes().items():
+                self.store_blocks.labels(tier).set(blocks)
+                self.store_bytes.labels(tier).set(size)
+            self.store_spilled.set(kv.store.spilled)
+            self.store_dropped.set(kv.store.disk.dropped if kv.store.disk is not None else 0)
         self.preemptions.set(engine.stats["preemptions"])
         self.generation_tokens.inc(sum(ev.token is not None for ev in events))
 
