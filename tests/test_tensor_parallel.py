@@ -68,12 +68,12 @@ def nerr(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def compare(weights: ModelWeights, devices, decode_steps: int = 3, **kw) -> float:
+def compare(weights: ModelWeights, devices, decode_steps: int = 4, capture: bool = True) -> float:
     """Largest normalised difference of the two-device model's logits from the single-device model's over a
-    prefill and `decode_steps` decode steps (greedy tokens of the single-device model)."""
-    kw = {**KW, **kw}
-    single = LlamaModel(weights, **kw)
-    tp = TensorParallelModel(weights, 2, devices=devices, **kw)
+    prefill and `decode_steps` decode steps (greedy tokens of the single-device model); with `capture` the ranks'
+    pieces run eagerly, are captured, then replayed from the third decode step on."""
+    single = LlamaModel(weights, **KW)
+    tp = TensorParallelModel(weights, 2, devices=devices, capture=capture, **KW)
     prompt = np.array([5, 17, 42, 99, 7, 3, 250, 11, 9, 33], np.int32)
     n = len(prompt)
     table = np.array([[3, 0, 2, 1]], np.int32)  # shuffled physical blocks
@@ -180,6 +180,10 @@ def test_two_devices_match_one_every_other_format(devices, fmt):
 def test_moe_and_attention_biases_split_too(devices):
     cfg = tiny_model.tiny_config(arch="qwen2", attn_bias=True, n_experts=4, n_experts_per_tok=2, **SMALL)
     assert compare(make_weights(cfg, "Q8_0"), devices, decode_steps=2) < 1e-5
+
+
+def test_uncaptured_ranks_match_too(devices):
+    assert compare(make_weights(tiny_model.tiny_config(**SMALL), "Q8_0", seed=1), devices, capture=False) < 1e-5
 
 
 def test_engine_generates_the_same_tokens_on_two_devices(devices):

@@ -125,14 +125,15 @@ class TensorParallelModel:
     """A Llama-family model split over `world` devices (module doc); called like `LlamaModel` (tokens, step,
     logit_rows) and returning rank 0's logits. `last_times` holds the split of the last call (StepTimes).
 
-    The engine records a step eagerly (`capturable` is False): the all-reduces read partial sums on the host in
-    the middle of a step, which a captured command graph cannot do."""
+    The engine calls a step as it is (`capturable` is False): the all-reduces read partial sums on the host in
+    the middle of a step, which one captured command graph cannot do. With `capture` (the default) each rank
+    captures the pieces between all-reduces instead (ShardModel), per input shapes."""
 
     capturable = False
 
     def __init__(self, weights: ModelWeights, world: int, *, num_blocks: int, block_size: int = 16,
                  kv_dtype: str = "f16", max_blocks_per_seq: int | None = None, float_dtype: str = "float16",
-                 devices: list[Device] | None = None) -> None:
+                 devices: list[Device] | None = None, capture: bool = True) -> None:
         check_shardable(weights.config, world)
         self.config = weights.config
         self.world = world
@@ -146,7 +147,7 @@ class TensorParallelModel:
         def build(rank: int) -> ShardModel:
             return ShardModel(shard_weights(weights, rank, world), lead=rank == 0, num_blocks=num_blocks,
                               block_size=block_size, kv_dtype=kv_dtype, max_blocks_per_seq=max_blocks_per_seq,
-                              float_dtype=float_dtype)
+                              float_dtype=float_dtype, capture=capture)
 
         self.shards: list[ShardModel] = self._on_ranks(build)
         lead = self.shards[0]

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
+from ..jit import jit
 from ..quant import QuantizedTensor
 from ..tensor import Tensor
 from .config import ModelConfig
@@ -94,10 +96,15 @@ def shard_weights(weights: ModelWeights, rank: int, world: int) -> ModelWeights:
 
 class ShardModel:
     """One rank's part of the model (see the module doc): its layers over its shard of the weights, its heads' KV
-    cache, and on the lead rank the final norm and LM head. Float weights are kept as `float_dtype`."""
+    cache, and on the lead rank the final norm and LM head. Float weights are kept as `float_dtype`.
+
+    With `capture`, each piece between two all-reduces (the embedding, each layer's attention and its MLP, the
+    head) is a `vkgraph.jit` function: captured on its second call per input shapes and replayed after, so a
+    decode step records nothing on the host but the all-reduces."""
 
     def __init__(self, weights: ModelWeights, *, lead: bool, num_blocks: int, block_size: int = 16,
-                 kv_dtype: str = "f16", max_blocks_per_seq: int | None = None, float_dtype: str = "float16") -> None:
+                 kv_dtype: str = "f16", max_blocks_per_seq: int | None = None, float_dtype: str = "float16",
+                 capture: bool = False) -> None:
         cfg = self.config = weights.config
         self.lead = lead
         self.block_size = block_size
@@ -111,26 +118,42 @@ class ShardModel:
             self.lm_head = Linear(weights.lm_head, float_dtype=float_dtype)
         self.caches = [KVCache.create(num_blocks, cfg.n_kv_heads, cfg.head_dim, block_size, kv_dtype)
                        for _ in self.layers]
+        wrap = (lambda f: jit(f, max_entries=16)) if capture else (lambda f: f)
+        self._embed = wrap(self._embedding)
+        self._attn = [wrap(partial(self._attention, i)) for i in range(len(self.layers))]
+        self._ffn = [wrap(partial(self._mlp, i)) for i in range(len(self.layers))]
+        self._head = wrap(self._logits)
 
     def __call__(self, tokens: Tensor, step: StepInputs, all_reduce: AllReduce,
                  logit_rows: Tensor | None = None) -> Tensor | None:
         """Logits (rows, vocab) float32 on the lead rank (all tokens, or those at `logit_rows`); None elsewhere."""
+        s = (step.positions, step.slot_mapping, step.block_tables, step.context_lens, step.cu_seqlens,
+             step.max_seq_len)
+        x = self._embed(tokens)
+        for attn, ffn in zip(self._attn, self._ffn):
+            x = all_reduce(attn(x, *s))
+            x = all_reduce(ffn(x))
+        return self._head(x, logit_rows) if self.lead else None
+
+    # the pieces between all-reduces; the lead rank adds the residual in its partial product
+    def _embedding(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens)
         if self.config.arch == "gemma":
             x = x * float(np.float32(np.sqrt(self.config.dim)))
-        rope = self.rope.tables(step.positions)
-        for layer, cache in zip(self.layers, self.caches):
-            x = self._block(layer, x, rope, cache, step, all_reduce)
-        if not self.lead:
-            return None
+        return x
+
+    def _attention(self, i: int, x: Tensor, *step: object) -> Tensor:
+        st = StepInputs(*step)
+        layer = self.layers[i]
+        h = layer.attn_norm(x, into=layer.attn.qkv)
+        return layer.attn(h, x if self.lead else None, self.rope.tables(st.positions), self.caches[i], st)
+
+    def _mlp(self, i: int, x: Tensor) -> Tensor:
+        layer = self.layers[i]
+        h = layer.ffn_norm(x, into=layer.ffn.gate_up if isinstance(layer.ffn, MLP) else None)
+        return layer.ffn(h, residual=x if self.lead else None)
+
+    def _logits(self, x: Tensor, logit_rows: Tensor | None) -> Tensor:
         if logit_rows is not None:
             x = x.take(logit_rows, 0)
         return self.lm_head(self.norm(x, into=self.lm_head))
-
-    def _block(self, layer: TransformerBlock, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache,
-               step: StepInputs, all_reduce: AllReduce) -> Tensor:
-        residual = x if self.lead else None
-        x = all_reduce(layer.attn(layer.attn_norm(x, into=layer.attn.qkv), residual, rope, cache, step))
-        residual = x if self.lead else None
-        h = layer.ffn_norm(x, into=layer.ffn.gate_up if isinstance(layer.ffn, MLP) else None)
-        return all_reduce(layer.ffn(h, residual=residual))

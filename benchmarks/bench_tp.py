@@ -1,0 +1,166 @@
+"""Tensor parallel: batch-1 decode on one device against N (vkgraph.parallel), the split of an N-device step into
+compute, all-reduce and host time, the all-reduce alone, and NCCL's all-reduce of the same bytes as reference.
+
+    python benchmarks/bench_tp.py [--shape llama3-8b|small] [--format Q8_0] [--world 2] [--decode-steps 32]
+                                  [--nccl]
+
+Weights are random valid blocks of the format (bench_llm.random_model). Devices: VKGRAPH_TP_DEVICES, else every
+physical device of the first one's name, else logical devices on one (correct, not fast: lavapipe here).
+The step split is rank 0's (StepTimes): compute = waiting for its device before each all-reduce; all-reduce =
+reading the partial sums back, waiting for every rank, uploading the others' parts; host = the rest of the step
+(replaying the captured pieces, the engine's own work). --nccl times torch.distributed's all_reduce (NCCL, one
+process per GPU) of the same float32 bytes, where PyTorch sees as many CUDA GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from bench_llm import SHAPES, random_model
+
+from vkgraph.nn.config import ModelConfig
+from vkgraph.nn.engine import Engine
+from vkgraph.nn.llama import LlamaModel
+from vkgraph.parallel import HostAllReduce, TensorParallelModel, tensor_parallel_devices
+from vkgraph.runtime import get_device, use_device
+from vkgraph.tensor import Tensor
+
+BLOCK = 16
+PROMPT = 16
+
+
+def decode_steps(model, steps: int, vocab: int) -> tuple[float, list]:
+    """Median seconds of a batch-1 decode step through the engine, and the model's step splits (TP only)."""
+    engine = Engine(model, max_batch=1)
+    engine.add_request([(7 * j) % vocab for j in range(PROMPT)], max_tokens=steps + 8, stop_token_ids=[])
+    engine.step()  # prefill
+    for _ in range(4):  # eager, then capture, then replays
+        engine.step()
+    get_device().synchronize()
+    times, splits = [], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+        if hasattr(model, "last_times"):
+            splits.append(model.last_times)
+    while engine.has_work():
+        engine.step()
+    return statistics.median(times), splits
+
+
+def all_reduce_alone(devices: list, numel: int, reps: int = 50) -> float:
+    """Median seconds of one HostAllReduce of `numel` float32 per rank (each rank's part realized first)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    comm = HostAllReduce(devices)
+    parts = []
+    for d in devices:
+        with use_device(d):
+            parts.append(Tensor(np.random.default_rng(0).standard_normal(numel, dtype=np.float32)).realize())
+    pool = ThreadPoolExecutor(len(devices))
+
+    def one(rank: int) -> None:
+        with use_device(devices[rank]):
+            comm.reduce(rank, parts[rank]).realize()
+            devices[rank].synchronize()
+
+    times = []
+    for i in range(reps + 5):
+        comm.start()
+        t = time.perf_counter()
+        list(pool.map(one, range(len(devices))))
+        if i >= 5:
+            times.append(time.perf_counter() - t)
+    pool.shutdown()
+    return statistics.median(times)
+
+
+def _nccl_worker(rank: int, world: int, numel: int, reps: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=world)
+    torch.cuda.set_device(rank)
+    x = torch.randn(numel, device="cuda", dtype=torch.float32)
+    for _ in range(20):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    if rank == 0:
+        out.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+def nccl_all_reduce(world: int, numel: int, reps: int = 200) -> float | None:
+    """Median seconds of NCCL's all_reduce of `numel` float32 over `world` GPUs (one process each), or None."""
+    try:
+        import torch
+        import torch.multiprocessing as mp
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world or not torch.distributed.is_nccl_available():
+        return None
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_nccl_worker, args=(r, world, numel, reps, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--format", default="Q8_0")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--nccl", action="store_true", help="time NCCL's all-reduce of the same bytes (PyTorch, CUDA)")
+    a = ap.parse_args()
+    cfg = ModelConfig(arch="llama", max_seq_len=256, **SHAPES[a.shape])
+    t = time.perf_counter()
+    w = random_model(cfg, a.format)
+    print(f"{a.shape} {a.format}: random weights in {time.perf_counter() - t:.1f} s")
+    kw = dict(num_blocks=-(-(PROMPT + a.decode_steps + 16) // BLOCK) + 2, max_blocks_per_seq=8)
+    devices = tensor_parallel_devices(a.world)
+    physical = [next(i for i, (_, me) in enumerate(d.physical_devices()) if me) for d in devices]
+    shared = len(set(physical)) < len(devices)
+    print(f"devices: {', '.join(f'{i}: {d.info.name}' for i, d in zip(physical, devices))}"
+          + (" (logical devices sharing a physical one: not a speed figure)" if shared else ""))
+
+    single = LlamaModel(w, **kw)
+    one, _ = decode_steps(single, a.decode_steps, cfg.vocab_size)
+    del single
+    print(f"1 device : {one * 1e3:8.2f} ms/step  {1 / one:7.1f} tok/s")
+    tp = TensorParallelModel(w, a.world, devices=devices, **kw)
+    many, splits = decode_steps(tp, a.decode_steps, cfg.vocab_size)
+    med = {k: statistics.median(getattr(s, k) for s in splits) * 1e3 for k in ("wall", "compute", "all_reduce",
+                                                                               "host")}
+    print(f"{a.world} devices: {many * 1e3:8.2f} ms/step  {1 / many:7.1f} tok/s  ({one / many:.2f}x one device)")
+    print(f"  model step (rank 0, median ms): wall {med['wall']:.2f} = compute {med['compute']:.2f} + all-reduce "
+          f"{med['all_reduce']:.2f} + host {med['host']:.2f}; {splits[-1].reduces} all-reduces per step")
+    tp.close()
+    numel = cfg.dim  # batch 1: one row of the residual stream, float32
+    ar = all_reduce_alone(devices, numel)
+    print(f"all-reduce alone, {numel * 4} bytes per rank: {ar * 1e6:.1f} us; x {2 * cfg.n_layers} per step = "
+          f"{ar * 2 * cfg.n_layers * 1e3:.2f} ms")
+    if a.nccl:
+        ref = nccl_all_reduce(a.world, numel)
+        print("NCCL all_reduce, same bytes: " + ("n/a (needs PyTorch with NCCL and as many CUDA GPUs)" if ref is None
+                                                 else f"{ref * 1e6:.1f} us; x {2 * cfg.n_layers} per step = "
+                                                      f"{ref * 2 * cfg.n_layers * 1e3:.2f} ms"))
+
+
+if __name__ == "__main__":
+    main()
