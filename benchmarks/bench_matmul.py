@@ -2,11 +2,15 @@
 
     python benchmarks/bench_matmul.py                 # float16 and bfloat16 (where offered), default tiles
     python benchmarks/bench_matmul.py --tune          # first search tile configurations per shape (codegen.tune)
+    python benchmarks/bench_matmul.py --quant Q4_0,Q8_0   # the prefill products over quantized weights
 
 Shapes (M x K @ K x N): 4096^3, and the Llama-3-8B prefill products of 512 tokens, with the weight stored
 (N, K) and read transposed as `x @ w.T` is (the attention and MLP projections). GPU time per product: vkgraph's
 through a replayed command graph (benchmarks/common.replay_us), PyTorch's through CUDA events; inputs random.
 The last column is the fraction of the dense float16/bfloat16 peak, PEAK_TFLOPS (the H100/H200 SXM datasheet).
+With --quant, the prefill products run through QuantLinear over random Q4_0 / Q8_0 blocks (float32 activations
+in, float32 out): the kernel that dequantizes into shared memory (templates.matmul_quant), and the float16 copy of
+the weights with the generated matmul (VKGRAPH_QUANT_COOP=0), beside torch.matmul in float16 on the same shape.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import replay_us, torch_time_us  # noqa: E402
+from common import raise_clocks, replay_us, torch_time_us  # noqa: E402
 
 from vkgraph import graph, realize  # noqa: E402
 from vkgraph.codegen import matmul_coop, tune  # noqa: E402
 from vkgraph.dtype import dtypes  # noqa: E402
 from vkgraph.flags import flag  # noqa: E402
+from vkgraph.nn.template_ops import QuantLinear  # noqa: E402
+from vkgraph.quant import random_blocks  # noqa: E402
 from vkgraph.runtime import get_device  # noqa: E402
 from vkgraph.schedule import Kernel  # noqa: E402
 from vkgraph.tensor import Tensor  # noqa: E402
@@ -77,11 +83,39 @@ SHAPES = [("4096^3", 4096, 4096, 4096, False), ("prefill 512x4096 @ 4096x4096 (w
           ("prefill 512x14336 @ 14336x4096 (w.T)", 512, 14336, 4096, True)]
 
 
+def quant(formats: list[str], reps: int, torch: Any) -> None:
+    """TFLOP/s of the prefill products over quantized weights, both vkgraph paths and torch float16."""
+    dev = get_device()
+    rng = np.random.default_rng(0)
+    print(f"\n{'quantized prefill product':40s}{'coop':>8s}{'f16 copy':>10s}{'torch f16':>11s}{'ratio':>7s}  tile")
+    for fmt in formats:
+        for label, m, k, n, _ in SHAPES[1:]:
+            flop = 2 * m * n * k
+            lin = QuantLinear(random_blocks(rng, fmt, n, k, d_range=(1e-3, 1e-2)))
+            tx = Tensor(rng.standard_normal((m, k), dtype=np.float32)).realize()
+            cells = []
+            for coop in ("1", "0"):
+                os.environ["VKGRAPH_QUANT_COOP"] = coop  # read when the graph is built
+                us = replay_us(dev, lambda lin=lin, tx=tx: lin(tx).realize(), reps, per_graph=20)
+                cells.append(flop / us / 1e6)
+            os.environ.pop("VKGRAPH_QUANT_COOP")
+            pt = float("nan")
+            if torch is not None:
+                txx = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                tww = torch.randn(n, k, device="cuda", dtype=torch.float16)
+                pt = flop / torch_time_us(torch, lambda txx=txx, tww=tww: txx @ tww.T, 20) / 1e6
+            cfg = lin.coop_tile(m)
+            tile = f"{cfg.bm}x{cfg.bn}x{cfg.bk}/{cfg.wm}x{cfg.wn}/s{cfg.stages}" if cfg else "none"
+            print(f"{fmt + ' ' + label:40s}{cells[0]:8.1f}{cells[1]:10.1f}{pt:11.1f}{cells[0] / pt:7.2f}  {tile}",
+                  flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tune", action="store_true", help="search tile configurations for each shape first")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtypes", default="float16,bfloat16")
+    p.add_argument("--quant", default="", help="quantized formats (Q4_0,Q8_0): their prefill products only")
     args = p.parse_args()
     dev = get_device()
     lim = realize.limits()
@@ -90,13 +124,14 @@ def main() -> None:
         torch = torch if torch.cuda.is_available() else None
     except ImportError:
         torch = None
+    if args.quant:
+        raise_clocks()
+        quant(args.quant.split(","), args.reps, torch)
+        return
     rng = np.random.default_rng(0)
     print(f"{dev.info.name}: shared memory per workgroup {dev.info.max_shared_memory} bytes", flush=True)
     if args.tune:  # the clocks rise under load: without this the first shape's search reads low
-        w = Tensor(rng.standard_normal((4096, 4096), dtype=np.float32)).cast(dtypes.float16).realize()
-        for _ in range(300):
-            (w @ w).realize()
-        dev.synchronize()
+        raise_clocks(3.0)
     rows = []
     for dname in args.dtypes.split(","):
         d = getattr(dtypes, dname)

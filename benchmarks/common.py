@@ -70,3 +70,22 @@ def torch_time_us(torch: Any, fn: Callable[[], object], reps: int, warmup: int =
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
     return statistics.median(times)
+
+
+def raise_clocks(seconds: float = 1.5) -> None:
+    """Keep the GPU busy with float16 4096^3 products for about `seconds`: an idle H200 sits at 345 MHz and
+    needs sustained load before its clocks reach what a timed run should see (short bursts measured 4x slow)."""
+    import numpy as np
+
+    from vkgraph.dtype import dtypes
+    from vkgraph.runtime import get_device
+    from vkgraph.tensor import Tensor
+
+    dev = get_device()
+    w = Tensor(np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32)).cast(dtypes.float16)
+    w = w.realize()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            (w @ w).realize()
+        dev.synchronize()

@@ -55,6 +55,8 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_DECODE_FUSION", int, 1, "0 builds model layers unfused: norms write floats that the matvec "
              "quantizes, keys are rotated and copied by generated kernels before the KV write (to measure the "
              "fused templates against)"),
+        Flag("VKGRAPH_QUANT_COOP", int, 1, "0 runs quantized prefill products through a float16 copy of the weights "
+             "and the generated matmul instead of the kernel that dequantizes into shared memory (to measure them)"),
         Flag("VKGRAPH_FUZZ_EXAMPLES", int, 10000, "examples per long fuzz test (pytest -m slow)"),
     ]
 }

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..dtype import dtypes
+from ..flags import flag
 from ..quant import QuantizedTensor
 from ..realize import has_dtype, limits
 from ..templates import dequant as dq
+from ..templates import matmul_quant as mq
 from ..templates import matvec as mv
 from ..templates import norms
 from ..templates import paged_attention as pa
@@ -78,8 +80,10 @@ def glu_q8(gate_up: Tensor, gelu_tanh: bool = False) -> Int8Activations:
 class QuantLinear:
     """A weight matrix in a GGUF format (Q8_0, Q4_0, Q4_K, Q6_K, F16, BF16) on the device, as `x @ W.T`.
 
-    Up to DEQUANT_ROWS - 1 activation rows run the matvec template; more run float16 x @ W_f16.T (float32
-    accumulation, float16 result) where the device has float16 and the float16 W fits one binding."""
+    Up to DEQUANT_ROWS - 1 activation rows run the matvec template; more run float16 x @ W.T with float32
+    accumulation: Q8_0 and Q4_0 on a device with cooperative matrices through templates.matmul_quant, which
+    dequantizes W's blocks into shared memory (float32 result); the others through a float16 copy of W and the
+    generated matmul (float16 result), where the device has float16 and the float16 W fits one binding."""
 
     def __init__(self, weight: QuantizedTensor) -> None:
         self.out_features, self.in_features = weight.shape
@@ -115,11 +119,15 @@ class QuantLinear:
         w, n, k = self.weights, self.out_features, self.in_features
         if isinstance(x, Int8Activations):
             return self._from_int8(x, rows, residual)
+        if rows >= DEQUANT_ROWS and (cfg := self.coop_tile(rows)) is not None:
+            return self._coop(x, rows, cfg, residual)
         if rows >= DEQUANT_ROWS and self.can_dequantize:
             # W_f16 is a temporary of the graph: made by the template, released after the matmul reads it
             w16 = custom(self._dequantize, self.tensors, (n, k), dtypes.float16, key=(id(self),),
                          name=f"dequant_f16_{self.format}")
-            y = (x.reshape(rows, k).cast(dtypes.float16) @ w16.T).float()
+            # the float16 rows in a buffer of their own: the matmul reads them as 16-byte vectors, where a cast fused
+            # into its operand is read element by element (several times slower in a Q4_0 8B-shape prefill)
+            y = (x.reshape(rows, k).cast(dtypes.float16).contiguous() @ w16.T).float()
             if residual is not None:  # added before the reshape, so it fuses into the matmul's epilogue
                 y = y + residual.reshape(rows, n).float()
             return y.reshape(out_shape)
@@ -137,6 +145,27 @@ class QuantLinear:
 
         return custom(run, acts + self.tensors, out_shape, dtypes.float32, key=(id(self),),
                       name=f"matvec_{self.format}")
+
+    def coop_tile(self, rows: int) -> Any:
+        """The tile configuration of templates.matmul_quant for `rows` activation rows, or None where this weight
+        takes the float16 copy (another format, no cooperative matrices, VKGRAPH_QUANT_COOP=0)."""
+        if self.format not in mq.FORMATS or not flag("VKGRAPH_QUANT_COOP") or not has_dtype(dtypes.float16):
+            return None
+        return mq.config(limits(), rows, self.out_features, self.in_features)
+
+    def _coop(self, x: Tensor, rows: int, cfg: Any, residual: Tensor | None) -> Tensor:
+        w, n, k = self.weights, self.out_features, self.in_features
+        lim = limits()
+        ins = [x.reshape(rows, k).cast(dtypes.float16), *self.tensors]
+        if residual is not None:
+            ins.append(residual.reshape(rows, n).float())
+
+        def run(dev: Any, out: Any, bufs: list[Any]) -> None:
+            _bind(dev, w, bufs[1:3])
+            mq.matmul_quant(dev, lim, w, bufs[0], rows, cfg, out=out, residual=bufs[3] if len(bufs) > 3 else None)
+
+        y = custom(run, ins, (rows, n), dtypes.float32, key=(id(self), cfg), name=f"matmul_quant_{self.format}")
+        return y.reshape(*x.shape[:-1], n)
 
     def _from_int8(self, x: Int8Activations, rows: int, residual: Tensor | None) -> Tensor:
         if not self.takes_int8(rows):
