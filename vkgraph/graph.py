@@ -213,16 +213,25 @@ def runtime_values(n: Node) -> tuple:
     return ()
 
 
+_UNKEYED = object()
+
+
 @critical  # an interrupt between making the reference and setting its key broke every later _forget
-def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape) -> Node:
-    akey = argkey(arg)
-    key = (op, dtype, tuple(map(id, srcs)), akey, shape)
+def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape, akey: Any = _UNKEYED) -> Node:
+    """The node (op, dtype, srcs, arg, shape), made once while it lives. akey: argkey(arg) where the caller
+    knows it. The key holds the sources themselves (nodes hash and compare by identity, in C): an entry lives
+    only as long as its node, which holds them anyway."""
+    if akey is _UNKEYED:
+        akey = argkey(arg)
+    key = (op, dtype, srcs, akey, shape)
     ref = _interned.get(key)
-    n = ref() if ref is not None else None
-    if n is None or n.srcs != srcs:
-        n = Node(op, dtype, srcs, arg, shape, akey)
-        ref = _interned[key] = _InternRef(n, _forget)
-        ref.key = key
+    if ref is not None:
+        n = ref()
+        if n is not None:
+            return n
+    n = Node(op, dtype, srcs, arg, shape, akey)
+    ref = _interned[key] = _InternRef(n, _forget)
+    ref.key = key
     return n
 
 
@@ -265,7 +274,8 @@ def const(value: Any, dtype: DType, shape: Shape = ()) -> Node:
 
 
 def buffer(ref: Any, version: int, dtype: DType, shape: Shape) -> Node:
-    return _make(Op.BUFFER, dtype, (), (ref, version), tuple(shape))
+    arg = (ref, version)  # a BufferRef and an int: argkey's own key
+    return _make(Op.BUFFER, dtype, (), arg, tuple(shape), arg)
 
 
 def rand(seed: int, counter: int, shape: Shape) -> Node:
@@ -286,7 +296,7 @@ def view(src: Node, st: ShapeTracker) -> Node:
         return src
     if src.op is Op.CONST and all(v.mask is None for v in st.views):
         return const(src.arg, src.dtype, st.shape)
-    return _make(Op.VIEW, src.dtype, (src,), st, st.shape)
+    return _make(Op.VIEW, src.dtype, (src,), st, st.shape, st)
 
 
 def movement(src: Node, fn: Callable[[ShapeTracker], ShapeTracker]) -> Node:
@@ -298,8 +308,9 @@ def movement(src: Node, fn: Callable[[ShapeTracker], ShapeTracker]) -> Node:
 
 def reduce(src: Node, rop: ReduceOp, axes: tuple[int, ...], dtype: DType | None = None) -> Node:
     axes = tuple(sorted(set(axes)))
-    shape = tuple(1 if i in axes else s for i, s in enumerate(src.shape))
-    return _make(Op.REDUCE, dtype or src.dtype, (src,), (rop, axes), shape)
+    shape = tuple([1 if i in axes else s for i, s in enumerate(src.shape)])
+    arg = (rop, tuple(map(int, axes)))  # an enum member and ints: argkey's own key
+    return _make(Op.REDUCE, dtype or src.dtype, (src,), arg, shape, arg)
 
 
 def matmul(a: Node, b: Node, dtype: DType) -> Node:
@@ -318,12 +329,17 @@ def custom(op: CustomOp, srcs: tuple[Node, ...], dtype: DType, shape: Shape) -> 
 def alu(op: Op, dtype: DType, *srcs: Node) -> Node:
     """An elementwise node, folded when its sources are constants or the op is an identity."""
     shape = srcs[0].shape
-    if not all([s.shape == shape for s in srcs]):
-        raise ValueError(f"{op.name}: sources of shapes {[s.shape for s in srcs]} (broadcast them first)")
-    folded = _fold(op, dtype, srcs)
-    if folded is not None:
-        return folded
-    return _make(op, dtype, tuple(srcs), None, shape)
+    consts = False
+    for s in srcs:
+        if s.shape != shape:
+            raise ValueError(f"{op.name}: sources of shapes {[s.shape for s in srcs]} (broadcast them first)")
+        if s.op is Op.CONST:
+            consts = True
+    if consts or op is Op.CAST:  # every folding rule needs a constant source, except a no-op cast
+        folded = _fold(op, dtype, srcs)
+        if folded is not None:
+            return folded
+    return _make(op, dtype, srcs, None, shape, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import weakref
+from _weakref import _remove_dead_weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,24 +34,37 @@ from .schedule import CustomCall, Schedule, create_schedule, structure
 from .view import ShapeTracker
 
 
+class _RealizedRef(weakref.ref):
+    """A weak reference to a realized node's buffer, with its key in the table and the buffer's version when it
+    was stored (made without Python-level __init__, as graph._InternRef)."""
+
+    __slots__ = ("key", "version")
+
+
 class _Realized:
     """Which graph nodes already sit in a buffer, so a subgraph computed once is loaded, not recomputed.
 
     Keyed by the node's structure with weak references to its sources (an equal node built later, over the
     same live sources, finds the entry even after the original node object is gone) and holding the buffer
     weakly (the entry lives as long as a realized tensor does). Entries whose buffer was since written in
-    place (setitem) are stale and ignored.
+    place (setitem) are stale and ignored. A plain dict of keyed weak references (a WeakValueDictionary's get
+    and set run in Python, and every realize sets one entry and looks up every node of its graph).
     """
 
     def __init__(self) -> None:
-        self._map: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self._version: dict[tuple, int] = {}
+        self._map: dict[tuple, _RealizedRef] = {}
         # id of the first source of every live entry -> a weak reference to that source (None: entries without
         # sources), a cheap filter before the key is built: ids of dead nodes are reused by new ones, so the
         # reference tells a live source from a newcomer at its address. It may hold entries that died (a wasted
         # lookup), never lack a live one.
         self._first: dict[int, weakref.ref | None] = {}
-        self._lock = threading.Lock()  # add() rebuilds its dicts; readers only look up single keys
+        self._lock = threading.Lock()  # add() rebuilds _first; readers only look up single keys
+
+        @critical  # a KeyboardInterrupt raised in a weakref callback is printed and lost: defer it past
+        def forget(r: _RealizedRef, _remove=_remove_dead_weakref, _table=self._map) -> None:
+            _remove(_table, r.key)  # only if the entry is still this dead reference
+
+        self._forget = forget
 
     @staticmethod
     def _key(n: Node) -> tuple:
@@ -65,9 +79,11 @@ class _Realized:
                 return None
         elif n.op is Op.BUFFER or 0 not in self._first:
             return None
-        key = self._key(n)
-        ref = self._map.get(key)
-        if ref is None or ref.version != self._version.get(key):
+        r = self._map.get(self._key(n))
+        if r is None:
+            return None
+        ref = r()
+        if ref is None or ref.version != r.version:
             return None
         if ref.buf is not None and ref.buf.alloc.owner is not get_device().memory:
             return None  # computed on another device (runtime.use_device): compute it again on this one
@@ -91,20 +107,19 @@ class _Realized:
 
     def _add(self, n: Node, ref: BufferRef) -> None:
         key = self._key(n)
-        self._map[key] = ref
-        self._version[key] = ref.version
+        r = _RealizedRef(ref, self._forget)
+        r.key, r.version = key, ref.version
+        self._map[key] = r
         if n.srcs:
             self._first[id(n.srcs[0])] = key[4][0]
         else:
             self._first[0] = None
-        if len(self._version) > 2 * len(self._map) + 64:  # forget versions of entries that died
-            self._version = {k: v for k, v in self._version.items() if k in self._map}
         if len(self._first) > 2 * len(self._map) + 64:
             self._first = self._live_first()
 
     def _live_first(self) -> dict[int, weakref.ref | None]:
         first: dict[int, weakref.ref | None] = {}
-        for k in list(self._map.keys()):
+        for k in list(self._map):
             if not k[4]:
                 first[0] = None
             elif (src := k[4][0]()) is not None:
@@ -171,9 +186,9 @@ def limits() -> Limits:
     return lim
 
 
-def _max_inputs() -> int:
+def _max_inputs(lim: Limits | None = None) -> int:
     # half the device's bindings: the output, and inputs bound in pieces over maxStorageBufferRange, need room
-    return max(4, limits().max_buffers // 2)
+    return max(4, (lim or limits()).max_buffers // 2)
 
 
 def has_dtype(dtype: DType) -> bool:
@@ -339,10 +354,20 @@ def _push_fields(p: Program, leaves: list[int]) -> tuple[tuple[str, ...], tuple,
     return names, tuple(p.push.values()), tuple((pos[name], leaves[i] + part) for name, i, part in p.params)
 
 
+# (a weak reference to a device, its programs) of the last call: every realize asks, and a WeakKeyDictionary's get
+# runs in Python
+_last_programs: tuple[weakref.ref, LRU[str, object]] | None = None
+
+
 def _programs(dev) -> LRU[str, object]:
+    global _last_programs
+    last = _last_programs
+    if last is not None and last[0]() is dev:
+        return last[1]
     compiled = _compiled.get(dev)
     if compiled is None:
         compiled = _compiled.setdefault(dev, LRU("programs", PROGRAMS))
+    _last_programs = (weakref.ref(dev), compiled)
     return compiled
 
 
@@ -465,9 +490,10 @@ _PLANS: LRU[tuple, Plan] = LRU("plans", 128)
 def _schedule_and_run(nodes: list[Node], dests: list | None = None) -> list[BufferRef]:
     """Schedule and run nodes (stored through dests where given); returns one buffer per node. VKGRAPH_DEBUG
     prints along the same path (the plan's schedule; with 3, each program's GLSL)."""
-    max_inputs = _max_inputs()
+    lim = limits()
+    max_inputs = _max_inputs(lim)
     debug = flag("VKGRAPH_DEBUG")
-    st = structure(nodes, REALIZED, dests, (limits(), max_inputs))
+    st = structure(nodes, REALIZED, dests, (lim, max_inputs))
     plan = _PLANS.get(st.key) if st.key is not None else None
     if st.key is None:
         _PLANS.misses += 1  # a graph the cache cannot key counts as a miss

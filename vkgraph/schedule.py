@@ -117,7 +117,8 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
               dests: list[tuple[BufferRef, ShapeTracker] | None] | None = None, extra: tuple = ()) -> Structure:
     """The structural key of scheduling `targets` (see `Structure`); raises on stale buffers as create_schedule."""
     memo = realized if isinstance(realized, _Memo) else _Memo(realized)
-    get = memo.lookup if not memo.memo else memo.get
+    # a fresh memo is filled here (each node is asked about once), with _Memo.lookup inlined
+    fresh, remember, inner_get = not memo.memo, memo.memo.__setitem__, memo.inner.get
     slots: dict[int, int] = {}
     inputs: list[BufferRef] = []
     customs: list[Node] = []
@@ -164,7 +165,11 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
                 index[n] = len(entries)
                 entries.append((op, n.dtype, ("buf", slot(ref), ref.dtype, ref.numel), n.shape))
                 continue
-            ref = get(n)
+            if fresh:
+                ref = inner_get(n)
+                remember(id(n), (n, ref))
+            else:
+                ref = memo.get(n)
             if ref is not None:
                 if op is CUSTOM or op is CONT:  # the scheduler looks below these even when realized
                     ok = False
