@@ -9,6 +9,11 @@ graph), `alloc` (buffers from the pool), `record` (Queue.dispatch: barriers, des
 vkCmd* calls), `submit` (Queue.flush: vkEndCommandBuffer and vkQueueSubmit), `other` (the rest of realize: plan
 lookup, slots, bookkeeping of realized nodes) and `wait` (synchronize). "host" is build + key + alloc + record +
 other: the call's CPU time above the driver's submit-and-wait floor.
+
+    python benchmarks/profile_host.py --small --cpu   # the calling thread's CPU time instead of wall time
+
+--cpu times with time.thread_time: on a machine shared with other work, waiting for a core is left out (and so
+is the driver's own threads' work: lavapipe runs kernels on threads of its own; `wait` then shows little).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from vkgraph.runtime import queue as q
 from vkgraph.tensor import Tensor
 
 _spent: dict[str, float] = {}
+_clock = [time.perf_counter]  # --cpu: time.thread_time
 
 
 def _timed(owner: object, name: str, phase: str) -> None:
@@ -36,11 +42,12 @@ def _timed(owner: object, name: str, phase: str) -> None:
     real = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
-        t = time.perf_counter()
+        clock = _clock[0]
+        t = clock()
         try:
             return real(*args, **kwargs)
         finally:
-            _spent[phase] = _spent.get(phase, 0.0) + time.perf_counter() - t
+            _spent[phase] = _spent.get(phase, 0.0) + clock() - t
 
     setattr(owner, name, wrapper)
 
@@ -59,15 +66,16 @@ PHASES = ("build", "key", "alloc", "record", "other", "submit", "wait")
 
 def phases(fn: Callable, ts: list[Tensor], dev, reps: int) -> dict[str, float]:
     rows = []
+    clock = _clock[0]
     for _ in range(reps):
         _spent.clear()
-        t0 = time.perf_counter()
+        t0 = clock()
         out = fn(*ts)
-        t1 = time.perf_counter()
+        t1 = clock()
         out.realize()
-        t2 = time.perf_counter()
+        t2 = clock()
         dev.synchronize()
-        t3 = time.perf_counter()
+        t3 = clock()
         s = {p: _spent.get(p, 0.0) for p in ("key", "alloc", "record", "submit")}
         s["submit"] -= _spent.get("submit-in-sync", 0.0)
         s["build"] = t1 - t0
@@ -85,7 +93,10 @@ def main() -> None:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--top", type=int, default=15, help="cProfile entries to print per case (0: none)")
+    ap.add_argument("--cpu", action="store_true", help="time the calling thread's CPU time, not wall time")
     a = ap.parse_args()
+    if a.cpu:
+        _clock[0] = time.thread_time
     dev = get_device()
     _timed(rz, "structure", "key")
     _timed(mem.BufferPool, "alloc", "alloc")
@@ -100,7 +111,8 @@ def main() -> None:
 
     q.Queue.synchronize = synchronize
     rng = np.random.default_rng(0)
-    print(f"device: {dev.info.name}; median us per call over {a.reps} calls")
+    what = "thread CPU" if a.cpu else "wall"
+    print(f"device: {dev.info.name}; median us ({what} time) per call over {a.reps} calls")
     print(f"{'case':36s} " + " ".join(f"{p:>7s}" for p in (*PHASES, "host")))
     profiles = []
     for name, shapes, fn in cases(a.small):

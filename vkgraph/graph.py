@@ -190,6 +190,7 @@ def argkey(arg: Any) -> Any:
 
 
 _pack_double = struct.Struct("<d").pack
+_pack_f32, _unpack_f32 = struct.Struct("<f").pack, struct.Struct("<f").unpack
 _MIN_NORMAL = 2.0**-126  # the smallest normal float32
 
 
@@ -354,8 +355,14 @@ def _normalize(value: Any, dtype: DType) -> Any:
             check_fits(int(value), dtype)
             return int(value)
         return int(np.array(value).astype(dtype.np))
-    return float(np.float32(value)) if dtype is dtypes.float32 else float(np.array(value, np.float32).astype(
-        dtype.np).astype(np.float32))
+    if dtype is dtypes.float32:
+        if type(value) is float:
+            try:  # C's double -> float conversion, as numpy's, without making a numpy scalar
+                return _unpack_f32(_pack_f32(value))[0]
+            except OverflowError:  # finite past float32's range: numpy's infinity
+                pass
+        return float(np.float32(value))
+    return float(np.array(value, np.float32).astype(dtype.np).astype(np.float32))
 
 
 def _is_const(n: Node, value: Any) -> bool:

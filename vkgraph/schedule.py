@@ -54,23 +54,21 @@ def is_input(n: Node, realized: Mapping[Node, BufferRef]) -> bool:
 
 
 class _Memo(Mapping):
-    """realized, with each node looked up once per schedule (lookups hash the node's structure)."""
+    """realized, with each node looked up once per schedule (lookups hash the node's structure). `structure` fills
+    it as it walks: the realized nodes it met in `memo`, and every node it asked about in `asked` (so the
+    scheduler, after it, finds the same answers without asking again)."""
 
     def __init__(self, inner: Mapping[Node, BufferRef]):
         self.inner, self.memo = inner, {}
+        self.asked: set[Node] = set()  # nodes hash by identity; held, so their ids in memo stay theirs
 
     def get(self, n: Node, default=None):
         e = self.memo.get(id(n))
         if e is None:
-            e = self.memo[id(n)] = (n, None if n.op is Op.BUFFER else self.inner.get(n))
+            ref = None if n.op is Op.BUFFER or n in self.asked else self.inner.get(n)
+            e = self.memo[id(n)] = (n, ref)
         ref = e[1]
         return default if ref is None else ref
-
-    def lookup(self, n: Node) -> BufferRef | None:
-        """get for a node not yet asked about (a walk that visits each node once): no memo lookup first."""
-        ref = self.inner.get(n)
-        self.memo[id(n)] = (n, ref)
-        return ref
 
     def __contains__(self, n: object) -> bool:
         return self.get(n) is not None
@@ -117,8 +115,9 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
               dests: list[tuple[BufferRef, ShapeTracker] | None] | None = None, extra: tuple = ()) -> Structure:
     """The structural key of scheduling `targets` (see `Structure`); raises on stale buffers as create_schedule."""
     memo = realized if isinstance(realized, _Memo) else _Memo(realized)
-    # a fresh memo is filled here (each node is asked about once), with _Memo.lookup inlined
-    fresh, remember, inner_get = not memo.memo, memo.memo.__setitem__, memo.inner.get
+    # a fresh memo is filled here, each node asked about once: the answer kept where it is a buffer (most are not)
+    fresh = not memo.memo and not memo.asked
+    remember, inner_get = memo.memo.__setitem__, memo.inner.get
     slots: dict[int, int] = {}
     inputs: list[BufferRef] = []
     customs: list[Node] = []
@@ -167,7 +166,8 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
                 continue
             if fresh:
                 ref = inner_get(n)
-                remember(id(n), (n, ref))
+                if ref is not None:
+                    remember(id(n), (n, ref))
             else:
                 ref = memo.get(n)
             if ref is not None:
@@ -188,6 +188,8 @@ def structure(targets: list[Node], realized: Mapping[Node, BufferRef],
                 for s in reversed(n.srcs):
                     if s not in seen:
                         push((s, False))
+    if fresh:
+        memo.asked = seen  # the nodes asked about (BUFFER leaves too: never realized entries)
     dkey = tuple(None if d is None else (slot(d[0]), d[0].dtype, d[0].numel, d[1]) for d in (dests or ()))
     key = (tuple(entries), tuple(index[t] for t in targets), dkey, extra) if ok else None
     return Structure(key, inputs, customs, memo, params, param_slot)
