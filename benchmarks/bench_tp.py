@@ -6,9 +6,9 @@ compute, all-reduce and host time, the all-reduce alone, and NCCL's all-reduce o
 
 Weights are random valid blocks of the format (bench_llm.random_model). Devices: VKGRAPH_TP_DEVICES, else every
 physical device of the first one's name, else logical devices on one (correct, not fast: lavapipe here).
-The step split is rank 0's (StepTimes): compute = waiting for its device before each all-reduce; all-reduce =
-reading the partial sums back, waiting for every rank, uploading the others' parts; host = the rest of the step
-(replaying the captured pieces, the engine's own work). --nccl times torch.distributed's all_reduce (NCCL, one
+The step split is rank 0's (StepTimes): compute = waiting for its device (and the read-back of its partial sum)
+before each all-reduce; all-reduce = waiting for every rank's part, uploading the others'; host = the rest of the
+step (replaying the captured pieces, the engine's own work). --nccl times torch.distributed's all_reduce (NCCL, one
 process per GPU) of the same float32 bytes, where PyTorch sees as many CUDA GPUs.
 """
 

@@ -63,9 +63,10 @@ def tensor_parallel_devices(world: int) -> list[Device]:
 
 @dataclasses.dataclass
 class StepTimes:
-    """Seconds of one forward pass, as rank 0 saw it: waiting for its device's work before each all-reduce
-    (compute), reading back, exchanging and uploading the parts (all-reduce, including waiting for the slowest
-    rank), and the rest (host: building graphs, recording, submitting)."""
+    """Seconds of one forward pass, as rank 0 saw it: waiting for its device's work and the read-back of its part
+    before each all-reduce (compute; the read-back of a few KiB is a small share of it), waiting for the other
+    ranks' parts and uploading them (all-reduce), and the rest (host: building graphs or replaying captures,
+    recording, submitting)."""
 
     wall: float = 0.0
     compute: float = 0.0
@@ -100,12 +101,11 @@ class HostAllReduce:
         """The sum over ranks of each rank's `x` (same shape and dtype), on this rank's device."""
         t = self.times[rank]
         x = x.realize()  # recorded and submitted: host time
-        t0 = time.perf_counter()
-        self.devices[rank].synchronize()
-        t1 = time.perf_counter()
         slot = self.parts[self.count[rank] % 2]
         self.count[rank] += 1
-        slot[rank] = x.numpy()
+        t0 = time.perf_counter()
+        slot[rank] = x.numpy()  # one wait: for the device's work and the read-back recorded after it
+        t1 = time.perf_counter()
         self.barrier.wait()
         total = None
         for j in range(self.world):  # in rank order on every rank: the same sum, bit for bit
