@@ -25,6 +25,7 @@ from vkgraph.nn.config import ModelConfig
 from vkgraph.nn.engine import Engine
 from vkgraph.nn.llama import LlamaModel
 from vkgraph.parallel import HostAllReduce, TensorParallelModel, tensor_parallel_devices
+from vkgraph.quant import QUANTIZERS
 from vkgraph.runtime import get_device, use_device
 from vkgraph.tensor import Tensor
 
@@ -120,6 +121,36 @@ def nccl_all_reduce(world: int, numel: int, reps: int = 200) -> float | None:
     return result
 
 
+def bench_ray(cfg: ModelConfig, fmt: str, world: int, steps: int, kw: dict) -> None:
+    """Batch-1 decode with the ranks as Ray actors on this host (vkgraph.distributed), all-reducing over gloo."""
+    import tempfile
+
+    import ray
+
+    from vkgraph.distributed import RayTensorParallelModel
+    from vkgraph.nn.tiny_model import write_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_model(tmp, cfg, gguf_types=(fmt,), safetensors=False, random_quants=fmt not in QUANTIZERS)[fmt]
+        ray.init(include_dashboard=False, log_to_driver=False)
+        try:
+            model = RayTensorParallelModel(path, world, devices=[str(i) for i in range(world)]
+                                           if _physical_count() >= world else None, **kw)
+            per_step, splits = decode_steps(model, steps, cfg.vocab_size)
+            med = {k: statistics.median(getattr(s, k) for s in splits) * 1e3
+                   for k in ("wall", "compute", "all_reduce", "host")}
+            print(f"{world} Ray actors (gloo): {per_step * 1e3:8.2f} ms/step  {1 / per_step:7.1f} tok/s")
+            print(f"  model step (rank 0's actor, median ms): wall {med['wall']:.2f} = compute {med['compute']:.2f} + "
+                  f"all-reduce {med['all_reduce']:.2f} + host and Ray's round trip {med['host']:.2f}")
+            model.close()
+        finally:
+            ray.shutdown()
+
+
+def _physical_count() -> int:
+    return len(get_device().physical_devices())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -127,6 +158,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--nccl", action="store_true", help="time NCCL's all-reduce of the same bytes (PyTorch, CUDA)")
+    ap.add_argument("--ray", action="store_true", help="also the ranks as Ray actors, one process each on this host "
+                                                      "(the model written to a temporary GGUF file first)")
     a = ap.parse_args()
     cfg = ModelConfig(arch="llama", max_seq_len=256, **SHAPES[a.shape])
     t = time.perf_counter()
@@ -155,6 +188,8 @@ def main() -> None:
     ar = all_reduce_alone(devices, numel)
     print(f"all-reduce alone, {numel * 4} bytes per rank: {ar * 1e6:.1f} us; x {2 * cfg.n_layers} per step = "
           f"{ar * 2 * cfg.n_layers * 1e3:.2f} ms")
+    if a.ray:
+        bench_ray(cfg, a.format, a.world, a.decode_steps, kw)
     if a.nccl:
         ref = nccl_all_reduce(a.world, numel)
         print("NCCL all_reduce, same bytes: " + ("n/a (needs PyTorch with NCCL and as many CUDA GPUs)" if ref is None

@@ -37,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "nn": {"jit", "tensor", "realize", "templates", "quant", "dtype", "view"},
     # tensor parallel: model shards (nn) on several devices (runtime), one thread per rank
     "parallel": {"nn", "runtime", "tensor", "flags"},
+    "distributed": {"nn", "parallel", "tensor"},  # the same ranks as Ray actors, across processes and hosts
     "generate": {"nn", "runtime", "quant", "warmup", "parallel"},
     "serve": {"nn", "parallel"},  # the HTTP server over the engine
     "info": {"runtime"},

@@ -244,3 +244,30 @@ def test_server_with_tensor_parallel_answers_as_one_device_does(tiny_files):
         assert r.json()["choices"][0]["text"] == want
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_ranks_as_ray_actors_generate_what_one_device_does(tiny_files):
+    """Two processes on this host, each its own device, all-reducing through gloo."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("torch.distributed")
+    from vkgraph.distributed import RayTensorParallelModel
+    from vkgraph.nn.weights import load_weights
+
+    kw = dict(num_blocks=16, max_blocks_per_seq=4)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+
+    def run(model) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for ev in Engine(model, max_batch=4).generate(prompts, max_tokens=8):
+            out.setdefault(ev.request_id, []).append(ev.token)
+        return out
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        model = RayTensorParallelModel(tiny_files["Q8_0"], 2, **kw)
+        assert run(model) == run(LlamaModel(load_weights(tiny_files["Q8_0"], progress=False), **kw))
+        assert model.last_times.reduces == 2 * model.config.n_layers
+        model.close()
+    finally:
+        ray.shutdown()
