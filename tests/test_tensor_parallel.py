@@ -202,6 +202,29 @@ def test_engine_generates_the_same_tokens_on_two_devices(devices):
     tp.close()
 
 
+def test_a_rank_that_fails_stops_the_others_and_the_next_step_runs(devices):
+    w = make_weights(tiny_model.tiny_config(**SMALL), "Q8_0", seed=4)
+    tp = TensorParallelModel(w, 2, devices=devices, **KW)
+    ids = np.array([3, 1, 4], np.int32)
+
+    def step() -> StepInputs:
+        return StepInputs(Tensor(np.arange(3, dtype=np.int32)), Tensor(np.arange(3, dtype=np.int32)),
+                          cu_seqlens=Tensor(np.array([0, 3], np.int32)), max_seq_len=3)
+
+    want = tp(Tensor(ids), step()).numpy()
+    good = tp.shards[1]._ffn[0]
+
+    def broken(x):
+        raise RuntimeError("rank 1 failed")
+
+    tp.shards[1]._ffn[0] = broken  # after rank 0 has posted its first part: rank 0 waits at the second
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        tp(Tensor(ids), step())
+    tp.shards[1]._ffn[0] = good
+    assert np.array_equal(tp(Tensor(ids), step()).numpy(), want)
+    tp.close()
+
+
 # ---- the command line and the server ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

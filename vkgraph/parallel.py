@@ -27,7 +27,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 import numpy as np
@@ -167,6 +167,12 @@ class TensorParallelModel:
                 raise
 
         futures: list[Future] = [w.submit(run, r) for r, w in enumerate(self.workers)]
+        try:
+            wait(futures)
+        except BaseException:  # Ctrl-C here: stop the ranks at their next all-reduce, and let them finish first
+            self.comm.abort()
+            wait(futures)
+            raise
         results, errors = [], []
         for f in futures:
             try:
