@@ -70,6 +70,11 @@ class ReduceOp(Enum):
     __hash__ = object.__hash__  # as Op's
 
 
+# members read as module globals on the hot paths below: on Python 3.11 `Op.ADD` goes through the slot hook of
+# EnumType.__getattr__ (about 80 ns a read against 20 for a global), and building one node read a dozen of them
+_CONST, _CAST, _BITCAST, _WHERE, _VIEW, _BUFFER = Op.CONST, Op.CAST, Op.BITCAST, Op.WHERE, Op.VIEW, Op.BUFFER
+_ADD, _SUB, _MUL, _DIV, _IDIV, _RAND, _VAR = Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.IDIV, Op.RAND, Op.VAR
+
 UNARY = {Op.NEG, Op.NOT, Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.SIN, Op.COS, Op.TANH, Op.SQRT, Op.RSQRT, Op.RECIP,
          Op.ABS, Op.SIGN, Op.FLOOR, Op.CEIL, Op.ROUND, Op.TRUNC, Op.ERF, Op.ISNAN, Op.CAST, Op.BITCAST}
 BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.IDIV, Op.MOD, Op.MAX, Op.MIN, Op.POW, Op.CMPLT, Op.CMPLE, Op.CMPEQ,
@@ -205,11 +210,11 @@ def runtime_values(n: Node) -> tuple:
     index arithmetic and integer division, which the compiler simplifies.
     """
     op = n.op
-    if op is Op.RAND:
+    if op is _RAND:
         return (n.arg[0] & 0xFFFFFFFF, n.arg[1] & 0xFFFFFFFF)
-    if op is Op.VAR:
+    if op is _VAR:
         return (n.arg,)
-    if op is Op.CONST and n.dtype.is_float and math.isfinite(n.arg) and abs(n.arg) >= _MIN_NORMAL:
+    if op is _CONST and n.dtype.is_float and math.isfinite(n.arg) and abs(n.arg) >= _MIN_NORMAL:
         return (n.arg,)
     return ()
 
@@ -267,20 +272,20 @@ class Variable:
 
 def var(variable: Variable) -> Node:
     """A scalar int32 whose value is the Variable's at each dispatch (and at each replay of a capture)."""
-    return _make(Op.VAR, dtypes.int32, (), variable, ())
+    return _make(_VAR, dtypes.int32, (), variable, ())
 
 
 def const(value: Any, dtype: DType, shape: Shape = ()) -> Node:
-    return _make(Op.CONST, dtype, (), _normalize(value, dtype), tuple(shape))
+    return _make(_CONST, dtype, (), _normalize(value, dtype), tuple(shape))
 
 
 def buffer(ref: Any, version: int, dtype: DType, shape: Shape) -> Node:
     arg = (ref, version)  # a BufferRef and an int: argkey's own key
-    return _make(Op.BUFFER, dtype, (), arg, tuple(shape), arg)
+    return _make(_BUFFER, dtype, (), arg, tuple(shape), arg)
 
 
 def rand(seed: int, counter: int, shape: Shape) -> Node:
-    return _make(Op.RAND, dtypes.float32, (), (seed, counter), tuple(shape))
+    return _make(_RAND, dtypes.float32, (), (seed, counter), tuple(shape))
 
 
 def iota(n: int) -> Node:
@@ -288,21 +293,21 @@ def iota(n: int) -> Node:
 
 
 def contiguous(src: Node) -> Node:
-    return src if src.op in (Op.BUFFER, Op.CONTIGUOUS) else _make(Op.CONTIGUOUS, src.dtype, (src,), None, src.shape)
+    return src if src.op in (_BUFFER, Op.CONTIGUOUS) else _make(Op.CONTIGUOUS, src.dtype, (src,), None, src.shape)
 
 
 def view(src: Node, st: ShapeTracker) -> Node:
     """src seen through st; a view of a view folds into one tracker; a plain view of a constant is a constant."""
     if st.shape == src.shape and st.is_contiguous:
         return src
-    if src.op is Op.CONST and all(v.mask is None for v in st.views):
+    if src.op is _CONST and all(v.mask is None for v in st.views):
         return const(src.arg, src.dtype, st.shape)
-    return _make(Op.VIEW, src.dtype, (src,), st, st.shape, st)
+    return _make(_VIEW, src.dtype, (src,), st, st.shape, st)
 
 
 def movement(src: Node, fn: Callable[[ShapeTracker], ShapeTracker]) -> Node:
     """Apply a movement (a function on trackers) to src, extending the view src already is."""
-    if src.op is Op.VIEW:
+    if src.op is _VIEW:
         return view(src.srcs[0], fn(src.arg))
     return view(src, fn(ShapeTracker.contiguous(src.shape)))
 
@@ -334,9 +339,9 @@ def alu(op: Op, dtype: DType, *srcs: Node) -> Node:
     for s in srcs:
         if s.shape != shape:
             raise ValueError(f"{op.name}: sources of shapes {[s.shape for s in srcs]} (broadcast them first)")
-        if s.op is Op.CONST:
+        if s.op is _CONST:
             consts = True
-    if consts or op is Op.CAST:  # every folding rule needs a constant source, except a no-op cast
+    if consts or op is _CAST:  # every folding rule needs a constant source, except a no-op cast
         folded = _fold(op, dtype, srcs)
         if folded is not None:
             return folded
@@ -366,41 +371,41 @@ def _normalize(value: Any, dtype: DType) -> Any:
 
 
 def _is_const(n: Node, value: Any) -> bool:
-    return n.op is Op.CONST and n.arg == value and not (isinstance(n.arg, float) and math.isnan(n.arg))
+    return n.op is _CONST and n.arg == value and not (isinstance(n.arg, float) and math.isnan(n.arg))
 
 
 def _zero_keeps(op: Op, zero: Node) -> bool:
     """Adding (op ADD) or subtracting (SUB) the constant zero leaves every value of its dtype as it was."""
-    return not zero.dtype.is_float or math.copysign(1.0, zero.arg) == (-1.0 if op is Op.ADD else 1.0)
+    return not zero.dtype.is_float or math.copysign(1.0, zero.arg) == (-1.0 if op is _ADD else 1.0)
 
 
 def _fold(op: Op, dtype: DType, srcs: tuple[Node, ...]) -> Node | None:
-    n_const = [s.op for s in srcs].count(Op.CONST)
-    if n_const == 0 and op is not Op.CAST:  # every rule below needs a constant source, except a no-op cast
+    n_const = [s.op for s in srcs].count(_CONST)
+    if n_const == 0 and op is not _CAST:  # every rule below needs a constant source, except a no-op cast
         return None
-    if n_const == len(srcs) and op is not Op.BITCAST:
+    if n_const == len(srcs) and op is not _BITCAST:
         with np.errstate(all="ignore"):
             value = NUMPY_OPS[op](*[np.array(s.arg, s.dtype.np if not s.dtype.is_float else np.float32)
                                     for s in srcs], dtype)
         return const(value.item() if hasattr(value, "item") else value, dtype, srcs[0].shape)
-    if op is Op.WHERE and srcs[0].op is Op.CONST:
+    if op is _WHERE and srcs[0].op is _CONST:
         return srcs[1] if srcs[0].arg else srcs[2]
-    if op is Op.CAST and srcs[0].dtype is dtype:
+    if op is _CAST and srcs[0].dtype is dtype:
         return srcs[0]
     if len(srcs) == 2:
         a, b = srcs
         same = a.dtype is dtype
         # IEEE: x + -0.0 and x - 0.0 are x for every x, but -0.0 + 0.0 is 0.0; x // 1 is floor(x) (nan for inf)
-        if op in (Op.ADD, Op.SUB) and _is_const(b, 0) and same and _zero_keeps(op, b):
+        if op in (_ADD, _SUB) and _is_const(b, 0) and same and _zero_keeps(op, b):
             return a
-        if op is Op.ADD and _is_const(a, 0) and b.dtype is dtype and _zero_keeps(op, a):
+        if op is _ADD and _is_const(a, 0) and b.dtype is dtype and _zero_keeps(op, a):
             return b
-        if (op in (Op.MUL, Op.DIV) or op is Op.IDIV and not dtype.is_float) and _is_const(b, 1) and same \
+        if (op in (_MUL, _DIV) or op is _IDIV and not dtype.is_float) and _is_const(b, 1) and same \
                 and dtype.kind != "b":
             return a
-        if op is Op.MUL and _is_const(a, 1) and b.dtype is dtype and dtype.kind != "b":
+        if op is _MUL and _is_const(a, 1) and b.dtype is dtype and dtype.kind != "b":
             return b
-        if op is Op.MUL and dtype.is_int and (_is_const(a, 0) or _is_const(b, 0)):
+        if op is _MUL and dtype.is_int and (_is_const(a, 0) or _is_const(b, 0)):
             return const(0, dtype, a.shape)
     return None
 

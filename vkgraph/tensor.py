@@ -681,13 +681,15 @@ class Tensor(TensorMath, TensorIndexing):
         x = self if dtype is None else self.cast(dtype)
         if x.dtype in (dtypes.float16, dtypes.bfloat16):  # accumulate and combine in float32
             return x.float()._reduce(rop, axes, keepdim, empty=empty).cast(x.dtype)
-        kept = tuple(1 if i in axes else s for i, s in enumerate(x.shape))
-        out_shape = kept if keepdim else tuple(s for i, s in enumerate(x.shape) if i not in axes)
-        if any(x.shape[a] == 0 for a in axes):
+        shape = x.node.shape
+        kept = tuple([1 if i in axes else s for i, s in enumerate(shape)])
+        out_shape = kept if keepdim else tuple([s for i, s in enumerate(shape) if i not in axes])
+        sizes = [shape[a] for a in axes]
+        if 0 in sizes:
             if empty is None:
                 raise ValueError(f"zero-size array to reduction operation {rop.name.lower()} which has no identity")
             return Tensor.full(out_shape, empty, x.dtype)
-        real = tuple(a for a in axes if x.shape[a] != 1)
+        real = tuple([a for a, n in zip(axes, sizes, strict=True) if n != 1])
         if not real:
             return x.reshape(out_shape)
         node = g.reduce(x.node, rop, real)
