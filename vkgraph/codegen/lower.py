@@ -19,7 +19,7 @@ Three shapes of kernel:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..caches import LRU
@@ -82,6 +82,15 @@ class Limits:
     # Drivers such as NVIDIA's report ~2^32 bindings per stage; a fused kernel never profits from more than
     # a few dozen, and descriptor sets that large cost more to write than the extra kernel launch.
     BINDING_CAP = 64
+
+    def __hash__(self) -> int:
+        # remembered (the generated one hashes every field, ~0.4 us): every realize hashes the limits twice, in
+        # the key of its plan
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple([getattr(self, f.name) for f in fields(self)]))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @staticmethod
     def from_info(info: object) -> Limits:
