@@ -65,6 +65,11 @@ class AsyncEngine:
         return self._closing
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (it ends only after `shutdown`, or if something killed it)."""
+        return self._thread.is_alive()
+
+    @property
     def pending(self) -> int:
         return self._in_flight
 
