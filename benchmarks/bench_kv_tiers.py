@@ -1,0 +1,128 @@
+"""Time to first token for a prompt whose long prefix sits in each tier of the KV prefix store, against
+recomputing it (vkgraph/nn/kv_tiers.py, docs/serving.md).
+
+    python benchmarks/bench_kv_tiers.py --preset llama3-8b --prefix 2048 --reps 5     # the H200 figures
+    python benchmarks/bench_kv_tiers.py --prefix 256 --reps 3                          # lavapipe, tiny: a smoke run
+
+Engine level (no HTTP). Each repetition draws a fresh random prefix (so no tier holds it from before) and asks
+for one token of prefix + a 16-token suffix, with the prefix:
+- cold: nowhere (the whole prompt is computed);
+- gpu: still in the GPU prefix cache (the same prefix was just computed);
+- host / disk: evicted from the GPU into host memory / straight to disk (a filler prompt takes every GPU block),
+  then the GPU index dropped without spilling the filler (`KVCacheManager.reset`), so the timed request pays
+  only its own restore. Disk files are fsynced and dropped from the page cache first (posix_fadvise), so a
+  disk hit reads the device, not memory.
+Prints the median and the best time to first token per case, and the bytes each restore moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vkgraph.nn import tiny_model as mk  # noqa: E402
+from vkgraph.nn.engine import Engine  # noqa: E402
+from vkgraph.nn.kv_tiers import DiskTier, HostTier, PrefixStore, model_fingerprint  # noqa: E402
+from vkgraph.nn.llama import LlamaModel  # noqa: E402
+from vkgraph.nn.model_file import open_model  # noqa: E402
+from vkgraph.nn.weights import load_weights  # noqa: E402
+
+SUFFIX = 16
+BLOCK = 16
+
+
+def ttft(engine: Engine, prompt: list[int]) -> float:
+    t = time.perf_counter()
+    rid = engine.add_request(prompt, max_tokens=1)
+    while True:
+        if any(ev.request_id == rid for ev in engine.step()):
+            return time.perf_counter() - t
+
+
+def drop_page_cache(folder: Path) -> None:
+    for f in folder.glob("*.kv"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, help="a model (default: write one of --preset with random weights)")
+    ap.add_argument("--preset", choices=("tiny", "llama3-8b"), default="tiny")
+    ap.add_argument("--prefix", type=int, default=2048, help="prefix tokens (a multiple of 16)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kv-dtype", choices=["f16", "f32"], default="f16")
+    a = ap.parse_args()
+    if a.prefix % BLOCK:
+        raise SystemExit(f"--prefix must be a multiple of {BLOCK}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.model
+        if path is None:
+            cfg = mk.llama3_8b_config() if a.preset == "llama3-8b" else mk.tiny_config(n_layers=2)
+            big = a.preset == "llama3-8b"
+            files = mk.write_model(Path(tmp) / "model", cfg, gguf_types=("Q4_0",) if big else (),
+                                   safetensors=not big, random_quants=big)
+            path = files["Q4_0" if big else "hf"]
+        weights = load_weights(open_model(path), progress=False)
+        # the pool holds the prompt and a little more; a filler as long as the whole pool evicts everything
+        blocks = (a.prefix + SUFFIX) // BLOCK + 8
+        model = LlamaModel(weights, num_blocks=blocks, block_size=BLOCK, kv_dtype=a.kv_dtype,
+                           max_blocks_per_seq=blocks)
+        fp = model_fingerprint(weights, kv_dtype=a.kv_dtype, block_size=BLOCK)
+        disk = DiskTier(Path(tmp) / "kv", 64 << 30, fp)
+        host_store = PrefixStore(HostTier(64 << 30), disk)
+        disk_store = PrefixStore(None, disk)
+        engine = Engine(model, max_batch=4, prefix_store=host_store)
+        vocab = weights.config.vocab_size
+        rng = np.random.default_rng(0)
+        draw = lambda n: [int(t) for t in rng.integers(3, vocab, n)]  # noqa: E731
+        filler_len = blocks * BLOCK - 1  # with its one generated token: every block
+
+        def case(kind: str) -> float:
+            prefix = draw(a.prefix)
+            if kind != "cold":
+                engine.kv.store = host_store if kind != "disk" else disk_store
+                ttft(engine, prefix + draw(SUFFIX))  # computed: its blocks in the GPU prefix cache
+                if kind in ("host", "disk"):
+                    ttft(engine, draw(filler_len))  # evicts them into the tier
+                    engine.kv.reset()  # forget the filler's blocks on the GPU, without spilling them
+                    if kind == "disk":
+                        drop_page_cache(disk.dir)
+            before = dict(engine.kv.hit_tokens_by_tier)
+            t = ttft(engine, prefix + draw(SUFFIX))
+            hit = {k: v - before[k] for k, v in engine.kv.hit_tokens_by_tier.items() if v != before[k]}
+            want = {} if kind == "cold" else {kind: a.prefix}
+            if hit != want:
+                raise SystemExit(f"{kind}: expected prefix hits {want}, got {hit}")
+            return t
+
+        print(f"model {Path(path).name}, prefix {a.prefix} + suffix {SUFFIX} tokens, KV {a.kv_dtype}, "
+              f"{engine._blocks.payload_bytes * a.prefix // BLOCK / 2**20:.1f} MiB of KV per prefix")
+        kinds = ("cold", "gpu", "host", "disk")
+        for kind in kinds:
+            case(kind)  # compile and warm every path
+        times = {k: [case(k) for _ in range(a.reps)] for k in kinds}
+        cold = statistics.median(times["cold"])
+        print("prefix in   ttft median ms   best ms   vs recomputing")
+        for k in kinds:
+            med = statistics.median(times[k])
+            print(f"{k:9s}  {1000 * med:14.1f}  {1000 * min(times[k]):8.1f}   {cold / med:6.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
