@@ -1,17 +1,16 @@
 """Time to first token for a prompt whose long prefix sits in each tier of the KV prefix store, against
 recomputing it (vkgraph/nn/kv_tiers.py, docs/serving.md).
 
-    python benchmarks/bench_kv_tiers.py --preset llama3-8b --prefix 2048 --reps 5     # the H200 figures
+    python benchmarks/bench_kv_tiers.py --preset llama3-8b --prefix 2048 --reps 3     # the H200 figures
     python benchmarks/bench_kv_tiers.py --prefix 256 --reps 3                          # lavapipe, tiny: a smoke run
 
 Engine level (no HTTP). Each repetition draws a fresh random prefix (so no tier holds it from before) and asks
 for one token of prefix + a 16-token suffix, with the prefix:
 - cold: nowhere (the whole prompt is computed);
 - gpu: still in the GPU prefix cache (the same prefix was just computed);
-- host / disk: evicted from the GPU into host memory / straight to disk (a filler prompt takes every GPU block),
-  then the GPU index dropped without spilling the filler (`KVCacheManager.reset`), so the timed request pays
-  only its own restore. Disk files are fsynced and dropped from the page cache first (posix_fadvise), so a
-  disk hit reads the device, not memory.
+- host / disk: moved from the GPU into host memory / straight to disk (`Engine.offload_prefix_cache`), so the
+  timed request pays only its restore. Disk files are fsynced and dropped from the page cache first
+  (posix_fadvise), so a disk hit reads the device, not memory.
 Prints the median and the best time to first token per case, and the bytes each restore moved.
 """
 
@@ -78,19 +77,17 @@ def main() -> int:
                                    safetensors=not big, random_quants=big)
             path = files["Q4_0" if big else "hf"]
         weights = load_weights(open_model(path), progress=False)
-        # the pool holds the prompt and a little more; a filler as long as the whole pool evicts everything
         blocks = (a.prefix + SUFFIX) // BLOCK + 8
         model = LlamaModel(weights, num_blocks=blocks, block_size=BLOCK, kv_dtype=a.kv_dtype,
                            max_blocks_per_seq=blocks)
         fp = model_fingerprint(weights, kv_dtype=a.kv_dtype, block_size=BLOCK)
         disk = DiskTier(Path(tmp) / "kv", 64 << 30, fp)
-        host_store = PrefixStore(HostTier(64 << 30), disk)
+        host_store = PrefixStore(HostTier(16 << 30), disk)
         disk_store = PrefixStore(None, disk)
         engine = Engine(model, max_batch=4, prefix_store=host_store)
         vocab = weights.config.vocab_size
         rng = np.random.default_rng(0)
         draw = lambda n: [int(t) for t in rng.integers(3, vocab, n)]  # noqa: E731
-        filler_len = blocks * BLOCK - 1  # with its one generated token: every block
 
         def case(kind: str) -> float:
             prefix = draw(a.prefix)
@@ -98,8 +95,7 @@ def main() -> int:
                 engine.kv.store = host_store if kind != "disk" else disk_store
                 ttft(engine, prefix + draw(SUFFIX))  # computed: its blocks in the GPU prefix cache
                 if kind in ("host", "disk"):
-                    ttft(engine, draw(filler_len))  # evicts them into the tier
-                    engine.kv.reset()  # forget the filler's blocks on the GPU, without spilling them
+                    engine.offload_prefix_cache()  # from the GPU into the tier
                     if kind == "disk":
                         drop_page_cache(disk.dir)
             before = dict(engine.kv.hit_tokens_by_tier)

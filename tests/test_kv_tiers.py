@@ -154,3 +154,15 @@ def test_evicted_prefixes_come_back_from_host_and_disk_with_identical_outputs(ti
 def test_a_store_needs_prefix_caching():
     with pytest.raises(ValueError, match="prefix caching"):
         KVCacheManager(8, 16, prefix_caching=False, store=PrefixStore(HostTier(10)))
+
+
+def test_offload_moves_the_gpu_prefix_cache_into_the_store(tiny):
+    a = list(range(5, 5 + PROMPT_LEN))
+    store = PrefixStore(HostTier(1 << 20))
+    eng = _engine(tiny, store)
+    _run(eng, a)
+    want = _run(eng, a)  # a GPU hit
+    eng.offload_prefix_cache()
+    assert len(store.host) == 4 and eng.kv.pool.cached == {} and eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert _run(eng, a) == want and eng.kv.hit_tokens_by_tier["host"] == 64
+    eng.kv.check_invariants()

@@ -310,6 +310,13 @@ class Engine:
             self._blocks.write([r.block for r in restores], [r.payload for r in restores])
             self.kv.commit_restores(restores)
 
+    def offload_prefix_cache(self) -> None:
+        """Move every cached prefix block that no request holds from the GPU into the prefix store (between
+        steps): e.g. before the GPU's blocks are needed for something else, or to time the store's tiers."""
+        if self._blocks is not None:
+            self.kv.evict_cached()
+            self._move_blocks()
+
     def _decode_running(self) -> list[Event]:
         reqs = self.running
         self._move_blocks()

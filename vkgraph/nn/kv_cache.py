@@ -248,6 +248,10 @@ class KVCacheManager:
             if seq is not None and r.block in seq.blocks:
                 self.pool.register(r.block, r.hash)
 
+    def evict_cached(self) -> None:
+        """Evict every cached block no sequence holds (each listed in `take_evicted`, for a store to keep)."""
+        self.pool.release(self.pool.allocate(self.pool.num_free)[::-1])
+
     def take_evicted(self) -> list[tuple[int, bytes]]:
         """(block, hash) of the hashed blocks evicted since the last call, to copy out before the next pass."""
         out, self.pool.evicted = self.pool.evicted, []

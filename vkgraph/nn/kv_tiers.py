@@ -163,7 +163,7 @@ class DiskTier:
             return
         header = _HEADER.pack(_MAGIC, self.fingerprint, h, hashlib.sha256(payload).digest(), len(payload))
         path = self._path(h)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes sharing the folder never share a temp file
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
