@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--format", default="Q8_0")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--all-reduce", default="host,peer", help="comma list of the paths to measure: host, peer")
     ap.add_argument("--nccl", action="store_true", help="time NCCL's all-reduce of the same bytes (PyTorch, CUDA)")
     ap.add_argument("--ray", action="store_true", help="also the ranks as Ray actors, one process each on this host "
                                                       "(the model written to a temporary GGUF file first)")
@@ -176,14 +177,25 @@ def main() -> None:
     one, _ = decode_steps(single, a.decode_steps, cfg.vocab_size)
     del single
     print(f"1 device : {one * 1e3:8.2f} ms/step  {1 / one:7.1f} tok/s")
-    tp = TensorParallelModel(w, a.world, devices=devices, **kw)
-    many, splits = decode_steps(tp, a.decode_steps, cfg.vocab_size)
-    med = {k: statistics.median(getattr(s, k) for s in splits) * 1e3 for k in ("wall", "compute", "all_reduce",
-                                                                               "host")}
-    print(f"{a.world} devices: {many * 1e3:8.2f} ms/step  {1 / many:7.1f} tok/s  ({one / many:.2f}x one device)")
-    print(f"  model step (rank 0, median ms): wall {med['wall']:.2f} = compute {med['compute']:.2f} + all-reduce "
-          f"{med['all_reduce']:.2f} + host {med['host']:.2f}; {splits[-1].reduces} all-reduces per step")
-    tp.close()
+    for mode in a.all_reduce.split(","):
+        try:
+            tp = TensorParallelModel(w, a.world, devices=devices, all_reduce=mode, **kw)
+            many, splits = decode_steps(tp, a.decode_steps, cfg.vocab_size)
+        except Exception as e:  # noqa: BLE001 (a path a driver refuses is reported, the others still run)
+            print(f"{a.world} devices, all-reduce {mode}: failed: {type(e).__name__}: {e}")
+            continue
+        med = {k: statistics.median(getattr(s, k) for s in splits) * 1e3
+               for k in ("wall", "compute", "all_reduce", "host")}
+        print(f"{a.world} devices, all-reduce {mode}: {many * 1e3:8.2f} ms/step  {1 / many:7.1f} tok/s  "
+              f"({one / many:.2f}x one device)")
+        if mode == "host":
+            print(f"  model step (rank 0, median ms): wall {med['wall']:.2f} = compute {med['compute']:.2f} + "
+                  f"all-reduce {med['all_reduce']:.2f} + host {med['host']:.2f}; {splits[-1].reduces} all-reduces")
+        else:
+            print(f"  model step (rank 0, median ms): wall {med['wall']:.2f} = waiting for the device (compute with "
+                  f"{2 * cfg.n_layers} all-reduces inside) {med['compute']:.2f} + host {med['host']:.2f}; "
+                  f"{tp.peer.fallbacks} steps fell back to the host path")
+        tp.close()
     numel = cfg.dim  # batch 1: one row of the residual stream, float32
     ar = all_reduce_alone(devices, numel)
     print(f"all-reduce alone, {numel * 4} bytes per rank: {ar * 1e6:.1f} us; x {2 * cfg.n_layers} per step = "

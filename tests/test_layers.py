@@ -36,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     # model code speaks Tensors: templates enter as graph ops (nn/template_ops.py); no runtime, no buffers
     "nn": {"jit", "tensor", "realize", "templates", "quant", "dtype", "view"},
     # tensor parallel: model shards (nn) on several devices (runtime), one thread per rank
-    "parallel": {"nn", "runtime", "tensor", "flags"},
+    "parallel": {"nn", "runtime", "tensor", "flags", "jit", "graph", "dtype", "templates"},
     "distributed": {"nn", "parallel", "tensor"},  # the same ranks as Ray actors, across processes and hosts
     "generate": {"nn", "runtime", "quant", "warmup", "parallel"},
     "serve": {"nn", "parallel"},  # the HTTP server over the engine

@@ -68,12 +68,13 @@ def nerr(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def compare(weights: ModelWeights, devices, decode_steps: int = 4, capture: bool = True) -> float:
+def compare(weights: ModelWeights, devices, decode_steps: int = 4, capture: bool = True,
+            all_reduce: str = "host") -> float:
     """Largest normalised difference of the two-device model's logits from the single-device model's over a
     prefill and `decode_steps` decode steps (greedy tokens of the single-device model); with `capture` the ranks'
     pieces run eagerly, are captured, then replayed from the third decode step on."""
     single = LlamaModel(weights, **KW)
-    tp = TensorParallelModel(weights, 2, devices=devices, capture=capture, **KW)
+    tp = TensorParallelModel(weights, 2, devices=devices, capture=capture, all_reduce=all_reduce, **KW)
     prompt = np.array([5, 17, 42, 99, 7, 3, 250, 11, 9, 33], np.int32)
     n = len(prompt)
     table = np.array([[3, 0, 2, 1]], np.int32)  # shuffled physical blocks
@@ -180,6 +181,41 @@ def test_two_devices_match_one_every_other_format(devices, fmt):
 def test_moe_and_attention_biases_split_too(devices):
     cfg = tiny_model.tiny_config(arch="qwen2", attn_bias=True, n_experts=4, n_experts_per_tok=2, **SMALL)
     assert compare(make_weights(cfg, "Q8_0"), devices, decode_steps=2) < 1e-5
+
+
+needs_import = pytest.mark.skipif(not get_device().info.host_import_alignment,
+                                  reason="the device cannot import host memory")
+
+
+@needs_import
+@pytest.mark.parametrize("fmt", ["F32", "Q8_0", "Q4_K"])
+def test_peer_all_reduce_matches_one_device(devices, fmt):
+    cfg = tiny_model.tiny_config(**(WIDE if fmt.endswith("_K") else SMALL))
+    assert compare(make_weights(cfg, fmt), devices, all_reduce="peer") < 1e-5
+
+
+@needs_import
+def test_peer_steps_are_one_graph_per_device_and_a_timed_out_wait_runs_the_step_again(devices):
+    w = make_weights(tiny_model.tiny_config(**SMALL), "Q8_0", seed=3)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+
+    def run(model) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for ev in Engine(model, max_batch=4).generate(prompts, max_tokens=6):
+            out.setdefault(ev.request_id, []).append(ev.token)
+        return out
+
+    want = run(LlamaModel(w, **KW))
+    tp = TensorParallelModel(w, 2, devices=devices, all_reduce="peer", **KW)
+    assert run(tp) == want
+    assert tp.last_times.reduces == 0  # no all-reduce through the host
+    assert all(any(len(st.cache) for st in j._states) for j in tp._whole)  # each rank's steps were captured
+    strict = TensorParallelModel(w, 2, devices=devices, all_reduce="peer", **KW)
+    strict.peer.spin_limit = 0  # a rank that arrives first gives up at once
+    assert run(strict) == want
+    assert strict.peer.fallbacks > 0 and not strict.peer.failed()
+    tp.close()
+    strict.close()
 
 
 def test_uncaptured_ranks_match_too(devices):

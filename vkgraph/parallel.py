@@ -24,21 +24,30 @@ default device's physical device (two VkDevices on one GPU: the same code path, 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
+import mmap
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
 
+from . import graph
+from .dtype import dtypes
 from .flags import flag
+from .graph import BufferRef
+from .jit import jit
 from .nn import llama
 from .nn.layers import StepInputs
 from .nn.shard import ShardModel, check_shardable, shard_weights
 from .nn.weights import ModelWeights
-from .runtime import Device, get_device, open_device, use_device
-from .tensor import Tensor
+from .runtime import Device, UnsupportedFeature, get_device, open_device, use_device
+from .templates import allreduce
+from .tensor import Tensor, custom
 
 T = TypeVar("T")
 
@@ -121,6 +130,49 @@ class HostAllReduce:
         self.barrier.abort()
 
 
+class PeerAllReduce:
+    """The all-reduce with no host in the loop: host memory that every device imports (VK_EXT_external_memory_host)
+    and a template (templates/allreduce.py) in which each device posts its part there and waits for the others'
+    (module doc). It is a node of the graph like any template, so a rank's whole step is one captured graph.
+    Parts of up to `max_values` float32; `failed()` tells that a wait timed out since `clear()`."""
+
+    def __init__(self, devices: list[Device], max_values: int) -> None:
+        align = min(d.info.host_import_alignment for d in devices)
+        if not align:
+            raise UnsupportedFeature("the peer all-reduce needs VK_EXT_external_memory_host on every device")
+        align = max(d.info.host_import_alignment for d in devices)
+        self.world, self.max_values, self.fallbacks = len(devices), max_values, 0
+        self.spin_limit: int | None = None  # loads before a wait gives up (None: the template's default)
+        nbytes = -(-allreduce.shared_bytes(self.world, max_values) // align) * align
+        self._memory = mmap.mmap(-1, nbytes)  # page-aligned, zeroed: no call numbered yet
+        self.host = np.frombuffer(self._memory, np.uint8)
+        self.cells: list[Tensor] = []
+        self.counters: list[Tensor] = []
+        for d in devices:
+            with use_device(d):
+                ref = BufferRef(dtypes.uint32, nbytes // 4, d.import_host(self.host))
+                self.cells.append(Tensor(graph.buffer(ref, 0, dtypes.uint32, (nbytes // 4,))))
+                self.counters.append(Tensor(np.zeros(allreduce.counter_words(max_values), np.uint32)))
+
+    def reduce(self, rank: int, x: Tensor, site: int) -> Tensor:
+        """The sum over ranks of each rank's x (float32), as a node of rank's graph; `site` numbers the all-reduces of
+        a step alike on every rank (consecutive ones alternate slot sets, so a step has an even number)."""
+        n, world, max_values, spins = math.prod(x.shape), self.world, self.max_values, self.spin_limit
+
+        def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            allreduce.all_reduce(dev, ins[0], ins[1], ins[2], n, rank=rank, world=world, site=site,
+                                 max_values=max_values, out=out, spin_limit=spins)
+
+        return custom(run, [x.float(), self.cells[rank], self.counters[rank]], x.shape, dtypes.float32,
+                      key=("allreduce", id(self), rank, site, n, spins), name="allreduce")
+
+    def failed(self) -> bool:
+        return bool(self.host[:4].view(np.uint32)[0])
+
+    def clear(self) -> None:
+        self.host[:4].view(np.uint32)[0] = 0
+
+
 class TensorParallelModel:
     """A Llama-family model split over `world` devices (module doc); called like `LlamaModel` (tokens, step,
     logit_rows) and returning rank 0's logits. `last_times` holds the split of the last call (StepTimes).
@@ -133,7 +185,8 @@ class TensorParallelModel:
 
     def __init__(self, weights: ModelWeights, world: int, *, num_blocks: int, block_size: int = 16,
                  kv_dtype: str = "f16", max_blocks_per_seq: int | None = None, float_dtype: str = "float16",
-                 devices: list[Device] | None = None, capture: bool = True) -> None:
+                 devices: list[Device] | None = None, capture: bool = True, all_reduce: str = "auto",
+                 peer_rows: int = 64) -> None:
         check_shardable(weights.config, world)
         self.config = weights.config
         self.world = world
@@ -143,6 +196,12 @@ class TensorParallelModel:
         self.workers = [ThreadPoolExecutor(1, f"vkgraph-tp{r}") for r in range(world)]
         self.comm = HostAllReduce(self.devices)
         self.last_times = StepTimes()
+        if all_reduce == "auto":
+            all_reduce = flag("VKGRAPH_TP_ALLREDUCE")
+        if all_reduce not in ("host", "peer"):
+            raise ValueError(f"all_reduce must be host or peer, got {all_reduce!r}")
+        self.peer = PeerAllReduce(self.devices, peer_rows * weights.config.dim) if all_reduce == "peer" else None
+        self._whole = [jit(partial(self._whole_step, r), max_entries=16) for r in range(world)]
 
         def build(rank: int) -> ShardModel:
             return ShardModel(shard_weights(weights, rank, world), lead=rank == 0, num_blocks=num_blocks,
@@ -191,17 +250,51 @@ class TensorParallelModel:
         self.comm.start()
         t0 = time.perf_counter()
 
-        def forward(rank: int) -> Tensor | None:
+        if self.peer is not None and ids.size * self.config.dim <= self.peer.max_values:
+            logits = self._peer_step(ids, host, rows, t0)
+            if logits is not None:
+                return logits
+            self.comm.start()  # a wait timed out (module doc): the step again, through the host
+            t0 = time.perf_counter()
+
+        def forward(rank: int) -> Tensor:
             local = StepInputs(**{k: Tensor(v) if isinstance(v, np.ndarray) else v for k, v in host.items()})
-            out = self.shards[rank](Tensor(ids), local, lambda x: self.comm.reduce(rank, x),
-                                    None if rows is None else Tensor(rows))
-            return None if out is None else out.realize()
+            return self.shards[rank](Tensor(ids), local, lambda x: self.comm.reduce(rank, x),
+                                     None if rows is None else Tensor(rows)).realize()
 
         logits = self._on_ranks(forward)[0]
         times = self.comm.times[0]
         times.wall = time.perf_counter() - t0
         self.last_times = times
         return logits
+
+    def _peer_step(self, ids: np.ndarray, host: dict[str, Any], rows: np.ndarray | None, t0: float) -> Tensor | None:
+        """The step with PeerAllReduce, one captured graph per device; None if an all-reduce's wait timed out."""
+        peer = self.peer
+        times = StepTimes()
+
+        def forward(rank: int) -> Tensor:
+            args = [Tensor(v) if isinstance(v, np.ndarray) else v for v in host.values()]
+            out = self._whole[rank](Tensor(ids), None if rows is None else Tensor(rows), *args).realize()
+            t = time.perf_counter()
+            self.devices[rank].synchronize()  # the step's one wait: then the error word is final
+            if rank == 0:
+                times.compute = time.perf_counter() - t
+            return out
+
+        logits = self._on_ranks(forward)[0]
+        times.wall = time.perf_counter() - t0
+        self.last_times = times
+        if peer.failed():
+            peer.clear()
+            peer.fallbacks += 1
+            return None
+        return logits
+
+    def _whole_step(self, rank: int, ids: Tensor, rows: Tensor | None, *step: Any) -> Tensor:
+        sites = itertools.count()  # the all-reduces of a step, numbered alike on every rank
+        st = StepInputs(*step)
+        return self.shards[rank](ids, st, lambda x: self.peer.reduce(rank, x, next(sites)), rows)
 
     def close(self) -> None:
         """Stop the ranks' threads (the devices stay open; the process's exit closes them)."""

@@ -32,6 +32,8 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_DEVICE", str, "", "physical device to use: an index, or a substring of its name"),
         Flag("VKGRAPH_TP_DEVICES", str, "", "tensor parallel: the ranks' physical devices, a comma list of indices "
              "or names (default: every device like the first, else logical devices on it)"),
+        Flag("VKGRAPH_TP_ALLREDUCE", str, "host", "tensor parallel all-reduce: host (staged through the host) or "
+             "peer (host memory every device imports, no host in the loop; docs/tensor_parallel.md)"),
         Flag("VKGRAPH_POOL_BUDGET_MB", int, 1024, "idle bytes the buffer pool may keep, in MiB"),
         Flag("VKGRAPH_POOL_BUCKET_CAP", int, 16, "idle buffers the pool keeps per size class"),
         Flag("VKGRAPH_CACHE_DIR", str, _default_cache_dir(), "folder of the SPIR-V and pipeline caches"),

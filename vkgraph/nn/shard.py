@@ -125,15 +125,16 @@ class ShardModel:
         self._head = wrap(self._logits)
 
     def __call__(self, tokens: Tensor, step: StepInputs, all_reduce: AllReduce,
-                 logit_rows: Tensor | None = None) -> Tensor | None:
-        """Logits (rows, vocab) float32 on the lead rank (all tokens, or those at `logit_rows`); None elsewhere."""
+                 logit_rows: Tensor | None = None) -> Tensor:
+        """Logits (rows, vocab) float32 on the lead rank (all tokens, or those at `logit_rows`); elsewhere the final
+        residual stream (realizing it runs the rank's part of the step)."""
         s = (step.positions, step.slot_mapping, step.block_tables, step.context_lens, step.cu_seqlens,
              step.max_seq_len)
         x = self._embed(tokens)
         for attn, ffn in zip(self._attn, self._ffn):
             x = all_reduce(attn(x, *s))
             x = all_reduce(ffn(x))
-        return self._head(x, logit_rows) if self.lead else None
+        return self._head(x, logit_rows) if self.lead else x
 
     # the pieces between all-reduces; the lead rank adds the residual in its partial product
     def _embedding(self, tokens: Tensor) -> Tensor:

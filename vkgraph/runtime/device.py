@@ -42,6 +42,7 @@ _SUBGROUP_OPS = {
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 COOP_EXT = "VK_KHR_cooperative_matrix"
 BF16_EXT = "VK_KHR_shader_bfloat16"
+HOST_MEMORY_EXT = "VK_EXT_external_memory_host"  # buffers over host memory several devices share (memory.py)
 # VK_KHR_shader_bfloat16 postdates the `vulkan` package: its struct type and component type by value
 _STYPE_BF16_FEATURES = 1000141000
 _COMPONENT_NAMES = {
@@ -124,6 +125,8 @@ class DeviceInfo:
     # float controls the device honours for 32-bit floats (VkPhysicalDeviceVulkan12Properties):
     # "signed_zero_inf_nan_preserve", "denorm_preserve"
     float_controls: frozenset[str] = frozenset()
+    # VK_EXT_external_memory_host: the alignment of host memory a buffer may be made over (0: not supported)
+    host_import_alignment: int = 0
 
     def require_scalar(self, name: str) -> None:
         """Raise UnsupportedFeature if buffers of this scalar type (as numpy names it: "int64", "float16",
@@ -341,6 +344,8 @@ class Device:
             exts.append(BF16_EXT)
             bf16 = _bf16_features(k, enable=True)
             tail.pNext = bf16
+        if self.info.host_import_alignment:
+            exts.append(HOST_MEMORY_EXT)
         names = k.cstr_array(exts)
         ci = k.struct("VkDeviceCreateInfo", pNext=e2, queueCreateInfoCount=1, pQueueCreateInfos=qci,
                       enabledExtensionCount=len(exts), ppEnabledExtensionNames=names)
@@ -360,6 +365,12 @@ class Device:
         if q.capture is not None and q.capture.thread != threading.get_ident():
             q.await_capture()  # a capture's intermediates are handed only to its own thread
         return self.memory.pool.alloc(nbytes)
+
+    def import_host(self, host: np.ndarray) -> Buffer:
+        """A buffer over the caller's host memory, which other devices may import too (MemoryManager.import_host)."""
+        if self.lost or self.closed:
+            self.check_usable()
+        return self.memory.import_host(host)
 
     def upload(self, buf: Buffer | BufferView, array: np.ndarray | bytes | memoryview, offset: int = 0) -> None:
         """Copy host bytes into `buf` at byte `offset`, ordered after work already recorded."""
@@ -553,7 +564,13 @@ def _query_info(physical: Any, instance: Any) -> DeviceInfo:
     unified = bool(device_local_types) and all((f & host_visible) == host_visible for f in device_local_types)
     ops = frozenset(n for bit, n in _SUBGROUP_OPS.items() if p11.subgroupSupportedOperations & bit)
     dot_accel = has13 and bool(dot.integerDotProduct4x8BitPackedSignedAccelerated)
-    coop, bf16_coop = _cooperative_matrix(physical, instance, _device_extensions(physical))
+    exts = _device_extensions(physical)
+    coop, bf16_coop = _cooperative_matrix(physical, instance, exts)
+    host_align = 0
+    if HOST_MEMORY_EXT in exts:
+        hp = k.struct("VkPhysicalDeviceExternalMemoryHostPropertiesEXT")
+        lib.vkGetPhysicalDeviceProperties2(physical, k.struct("VkPhysicalDeviceProperties2", pNext=hp))
+        host_align = int(hp.minImportedHostPointerAlignment)
     return DeviceInfo(
         name=ffi.string(base.deviceName).decode(),
         vendor_id=base.vendorID, device_id=base.deviceID,
@@ -586,6 +603,7 @@ def _query_info(physical: Any, instance: Any) -> DeviceInfo:
         float_controls=frozenset(name for name, bit in (
             ("signed_zero_inf_nan_preserve", p12.shaderSignedZeroInfNanPreserveFloat32),
             ("denorm_preserve", p12.shaderDenormPreserveFloat32)) if bit),
+        host_import_alignment=host_align,
     )
 
 

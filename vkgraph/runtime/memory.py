@@ -18,7 +18,7 @@ import numpy as np
 from ..flags import flag
 from ..interrupts import critical
 from . import faults
-from .errors import DeviceError, OutOfDeviceMemory
+from .errors import DeviceError, OutOfDeviceMemory, UnsupportedFeature
 from .vk import NULL, Keep, check, ffi, handle_int, lib, vk
 
 if TYPE_CHECKING:
@@ -290,6 +290,16 @@ class BufferPool:
             self.memory.free_later(a)
 
 
+class _Unpooled:
+    """Where a Buffer over imported memory goes when released: destroyed after its last use, never reused."""
+
+    def __init__(self, memory: MemoryManager) -> None:
+        self.memory = memory
+
+    def _put(self, alloc: Allocation) -> None:
+        self.memory.free_later(alloc)
+
+
 class MemoryManager:
     """Memory types, raw allocation, deferred frees, the device and staging pools, and host transfers."""
 
@@ -369,6 +379,57 @@ class MemoryManager:
             self.allocation_count += 1
             self.live[alloc.handle] = alloc
         return alloc
+
+    @critical
+    def import_host(self, host: np.ndarray) -> Buffer:
+        """A buffer over host memory the caller owns (VK_EXT_external_memory_host): the GPU reads and writes `host`
+        (uint8, its address and length multiples of the device's import alignment, `info.host_import_alignment`)
+        in place, and several devices may import the same memory. Not pooled: a release destroys the buffer after
+        its last use; the caller keeps `host` alive longer than every buffer over it."""
+        info = self.device.info
+        align = info.host_import_alignment
+        if not align:
+            raise UnsupportedFeature(f"{info.name} cannot import host memory (VK_EXT_external_memory_host)")
+        if host.dtype != np.uint8 or host.ndim != 1 or host.ctypes.data % align or host.nbytes % align:
+            raise ValueError(f"host memory to import must be 1-D uint8 at an address and of a length that are "
+                             f"multiples of {align}")
+        dev = self.device.device
+        k = Keep()
+        handle_type = vk.VK_EXTERNAL_MEMORY_HANDLE_TYPE_HOST_ALLOCATION_BIT_EXT
+        ext = k.struct("VkExternalMemoryBufferCreateInfo", handleTypes=handle_type)
+        ci = k.struct("VkBufferCreateInfo", pNext=ext, size=host.nbytes, usage=_USAGE,
+                      sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE)
+        out = ffi.new("VkBuffer*")
+        check(lib.vkCreateBuffer(dev, ci, NULL, out), f"vkCreateBuffer({host.nbytes} bytes, host memory)")
+        buffer = out[0]
+        try:
+            ptr = ffi.cast("void*", host.ctypes.data)
+            props = k.struct("VkMemoryHostPointerPropertiesEXT")
+            fn = ffi.cast("PFN_vkGetMemoryHostPointerPropertiesEXT",
+                          lib.vkGetDeviceProcAddr(dev, k.cstr("vkGetMemoryHostPointerPropertiesEXT")))
+            check(fn(dev, handle_type, ptr, props), "vkGetMemoryHostPointerPropertiesEXT")
+            req = k.new("VkMemoryRequirements*")
+            lib.vkGetBufferMemoryRequirements(dev, buffer, req)
+            type_index = self._memory_type(props.memoryTypeBits & req.memoryTypeBits, "upload")
+            imp = k.struct("VkImportMemoryHostPointerInfoEXT", handleType=handle_type, pHostPointer=ptr)
+            ai = k.struct("VkMemoryAllocateInfo", pNext=imp, allocationSize=host.nbytes, memoryTypeIndex=type_index)
+            mem = ffi.new("VkDeviceMemory*")
+            check(lib.vkAllocateMemory(dev, ai, NULL, mem), "vkAllocateMemory (host memory)")
+        except BaseException:
+            lib.vkDestroyBuffer(dev, buffer, NULL)
+            raise
+        try:
+            check(lib.vkBindBufferMemory(dev, buffer, mem[0], 0), "vkBindBufferMemory")
+        except BaseException:
+            lib.vkFreeMemory(dev, mem[0], NULL)
+            lib.vkDestroyBuffer(dev, buffer, NULL)
+            raise
+        alloc = Allocation(buffer, mem[0], host.nbytes, "imported", None, self)
+        with self.lock:
+            self.allocated_bytes += host.nbytes
+            self.allocation_count += 1
+            self.live[alloc.handle] = alloc
+        return Buffer(alloc, host.nbytes, _Unpooled(self))
 
     @critical
     def free_later(self, alloc: Allocation) -> None:
