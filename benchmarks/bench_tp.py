@@ -19,11 +19,12 @@ import statistics
 import time
 
 import numpy as np
-from bench_llm import SHAPES, random_model
+from bench_llm import SHAPES, random_model, weight_bytes
 
 from vkgraph.nn.config import ModelConfig
 from vkgraph.nn.engine import Engine
 from vkgraph.nn.llama import LlamaModel
+from vkgraph.nn.shard import RandomWeights
 from vkgraph.parallel import HostAllReduce, TensorParallelModel, tensor_parallel_devices
 from vkgraph.quant import QUANTIZERS
 from vkgraph.runtime import get_device, use_device
@@ -31,6 +32,17 @@ from vkgraph.tensor import Tensor
 
 BLOCK = 16
 PROMPT = 16
+
+
+# a 100B-class dense shape (about 101e9 parameters: 202 GB as float16, more than one H200's 141 GB)
+TP_SHAPES = {**SHAPES, "100b": dict(vocab_size=128256, dim=12288, n_layers=64, n_heads=96, n_kv_heads=8,
+                                    ffn_dim=32768, head_dim=128, rope_theta=500000.0)}
+
+
+def param_count(cfg: ModelConfig) -> int:
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = cfg.dim * (2 * q + 2 * kv) + 3 * cfg.dim * cfg.ffn_dim
+    return cfg.n_layers * per_layer + 2 * cfg.vocab_size * cfg.dim
 
 
 def decode_steps(model, steps: int, vocab: int) -> tuple[float, list]:
@@ -153,8 +165,11 @@ def _physical_count() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--shape", choices=sorted(TP_SHAPES), default="llama3-8b")
     ap.add_argument("--format", default="Q8_0")
+    ap.add_argument("--random-on-device", action="store_true",
+                    help="float16 random weights made by each device for its shard (nn.shard.RandomWeights), never on "
+                         "the host: for a model larger than one GPU (--shape 100b); --format is then F16")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--all-reduce", default="host,peer", help="comma list of the paths to measure: host, peer")
@@ -162,32 +177,51 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true", help="also the ranks as Ray actors, one process each on this host "
                                                       "(the model written to a temporary GGUF file first)")
     a = ap.parse_args()
-    cfg = ModelConfig(arch="llama", max_seq_len=256, **SHAPES[a.shape])
-    t = time.perf_counter()
-    w = random_model(cfg, a.format)
-    print(f"{a.shape} {a.format}: random weights in {time.perf_counter() - t:.1f} s")
+    cfg = ModelConfig(arch="llama", max_seq_len=256, **TP_SHAPES[a.shape])
     kw = dict(num_blocks=-(-(PROMPT + a.decode_steps + 16) // BLOCK) + 2, max_blocks_per_seq=8)
     devices = tensor_parallel_devices(a.world)
     physical = [next(i for i, (_, me) in enumerate(d.physical_devices()) if me) for d in devices]
     shared = len(set(physical)) < len(devices)
     print(f"devices: {', '.join(f'{i}: {d.info.name}' for i, d in zip(physical, devices))}"
           + (" (logical devices sharing a physical one: not a speed figure)" if shared else ""))
+    if a.random_on_device:
+        a.format = "F16"
+        w = RandomWeights(cfg)
+        size = param_count(cfg) * 2
+        heap = max(size for size, local in get_device().info.heaps if local)
+        print(f"{a.shape} F16 made on the devices: {size / 2**30:.1f} GiB of weights; one device's heap "
+              f"{heap / 2**30:.1f} GiB")
+    else:
+        t = time.perf_counter()
+        w = random_model(cfg, a.format)
+        size = weight_bytes(w)
+        heap = None
+        print(f"{a.shape} {a.format}: random weights in {time.perf_counter() - t:.1f} s")
 
-    single = LlamaModel(w, **kw)
-    one, _ = decode_steps(single, a.decode_steps, cfg.vocab_size)
-    del single
-    print(f"1 device : {one * 1e3:8.2f} ms/step  {1 / one:7.1f} tok/s")
+    one = None
+    if heap is None or size < 0.9 * heap:
+        t = time.perf_counter()
+        single = LlamaModel(w.shard(0, 1) if a.random_on_device else w, **kw)
+        built = time.perf_counter() - t
+        one, _ = decode_steps(single, a.decode_steps, cfg.vocab_size)
+        del single
+        print(f"1 device : {one * 1e3:8.2f} ms/step  {1 / one:7.1f} tok/s  (built in {built:.1f} s)")
+    else:
+        print("1 device : does not fit")
     for mode in a.all_reduce.split(","):
         try:
+            t = time.perf_counter()
             tp = TensorParallelModel(w, a.world, devices=devices, all_reduce=mode, **kw)
+            built = time.perf_counter() - t
             many, splits = decode_steps(tp, a.decode_steps, cfg.vocab_size)
         except Exception as e:  # noqa: BLE001 (a path a driver refuses is reported, the others still run)
             print(f"{a.world} devices, all-reduce {mode}: failed: {type(e).__name__}: {e}")
             continue
         med = {k: statistics.median(getattr(s, k) for s in splits) * 1e3
                for k in ("wall", "compute", "all_reduce", "host")}
+        versus = f"{one / many:.2f}x one device" if one else "one device cannot hold it"
         print(f"{a.world} devices, all-reduce {mode}: {many * 1e3:8.2f} ms/step  {1 / many:7.1f} tok/s  "
-              f"({one / many:.2f}x one device)")
+              f"({versus}; built in {built:.1f} s)")
         if mode == "host":
             print(f"  model step (rank 0, median ms): wall {med['wall']:.2f} = compute {med['compute']:.2f} + "
                   f"all-reduce {med['all_reduce']:.2f} + host {med['host']:.2f}; {splits[-1].reduces} all-reduces")

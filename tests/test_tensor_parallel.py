@@ -12,7 +12,7 @@ from vkgraph.nn import tiny_model
 from vkgraph.nn.engine import Engine
 from vkgraph.nn.layers import StepInputs
 from vkgraph.nn.llama import LlamaModel
-from vkgraph.nn.shard import shard_weights, take_cols, take_rows
+from vkgraph.nn.shard import RandomWeights, shard_weights, take_cols, take_rows
 from vkgraph.nn.weights import ExpertWeights, LayerWeights, ModelWeights
 from vkgraph.parallel import TensorParallelModel, tensor_parallel_devices
 from vkgraph.runtime import KernelInterfaceError, get_device, use_device
@@ -68,12 +68,12 @@ def nerr(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-def compare(weights: ModelWeights, devices, decode_steps: int = 4, capture: bool = True,
+def compare(weights: ModelWeights | RandomWeights, devices, decode_steps: int = 4, capture: bool = True,
             all_reduce: str = "host") -> float:
     """Largest normalised difference of the two-device model's logits from the single-device model's over a
     prefill and `decode_steps` decode steps (greedy tokens of the single-device model); with `capture` the ranks'
     pieces run eagerly, are captured, then replayed from the third decode step on."""
-    single = LlamaModel(weights, **KW)
+    single = LlamaModel(weights.shard(0, 1) if isinstance(weights, RandomWeights) else weights, **KW)
     tp = TensorParallelModel(weights, 2, devices=devices, capture=capture, all_reduce=all_reduce, **KW)
     prompt = np.array([5, 17, 42, 99, 7, 3, 250, 11, 9, 33], np.int32)
     n = len(prompt)
@@ -181,6 +181,16 @@ def test_two_devices_match_one_every_other_format(devices, fmt):
 def test_moe_and_attention_biases_split_too(devices):
     cfg = tiny_model.tiny_config(arch="qwen2", attn_bias=True, n_experts=4, n_experts_per_tok=2, **SMALL)
     assert compare(make_weights(cfg, "Q8_0"), devices, decode_steps=2) < 1e-5
+
+
+@pytest.mark.parametrize("all_reduce", ["host", "peer"])
+def test_random_weights_made_on_each_device_match_one_device(devices, all_reduce):
+    if all_reduce == "peer" and not get_device().info.host_import_alignment:
+        pytest.skip("the device cannot import host memory")
+    cfg = tiny_model.tiny_config(**SMALL)
+    assert compare(RandomWeights(cfg, seed=7), devices, all_reduce=all_reduce) < 1e-5
+    with pytest.raises(ValueError, match="dense models"):
+        RandomWeights(tiny_model.tiny_config(n_experts=4, n_experts_per_tok=2))
 
 
 needs_import = pytest.mark.skipif(not get_device().info.host_import_alignment,

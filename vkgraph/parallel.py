@@ -43,7 +43,7 @@ from .graph import BufferRef
 from .jit import jit
 from .nn import llama
 from .nn.layers import StepInputs
-from .nn.shard import ShardModel, check_shardable, shard_weights
+from .nn.shard import RandomWeights, ShardModel, check_shardable, shard_weights
 from .nn.weights import ModelWeights
 from .runtime import Device, UnsupportedFeature, get_device, open_device, use_device
 from .templates import allreduce
@@ -183,7 +183,7 @@ class TensorParallelModel:
 
     capturable = False
 
-    def __init__(self, weights: ModelWeights, world: int, *, num_blocks: int, block_size: int = 16,
+    def __init__(self, weights: ModelWeights | RandomWeights, world: int, *, num_blocks: int, block_size: int = 16,
                  kv_dtype: str = "f16", max_blocks_per_seq: int | None = None, float_dtype: str = "float16",
                  devices: list[Device] | None = None, capture: bool = True, all_reduce: str = "auto",
                  peer_rows: int = 64) -> None:
@@ -204,7 +204,9 @@ class TensorParallelModel:
         self._whole = [jit(partial(self._whole_step, r), max_entries=16) for r in range(world)]
 
         def build(rank: int) -> ShardModel:
-            return ShardModel(shard_weights(weights, rank, world), lead=rank == 0, num_blocks=num_blocks,
+            shard = weights.shard(rank, world) if isinstance(weights, RandomWeights) else shard_weights(weights, rank,
+                                                                                                        world)
+            return ShardModel(shard, lead=rank == 0, num_blocks=num_blocks,
                               block_size=block_size, kv_dtype=kv_dtype, max_blocks_per_seq=max_blocks_per_seq,
                               float_dtype=float_dtype, capture=capture)
 

@@ -30,6 +30,7 @@ from .template_ops import (
     rope_write_kv,
     write_kv,
 )
+from .weights import DeviceMatrix
 
 
 class Linear:
@@ -41,10 +42,10 @@ class Linear:
     def __init__(self, weight: np.ndarray | QuantizedTensor, bias: np.ndarray | None = None,
                  float_dtype: str = "float16") -> None:
         self.out_features, self.in_features = weight.shape
-        if (float_dtype == "float16" and not isinstance(weight, QuantizedTensor)
+        if (float_dtype == "float16" and not isinstance(weight, QuantizedTensor | DeviceMatrix)
                 and self.in_features % ROW_ALIGN_ELEMS == 0):
             weight = quantize(np.asarray(weight, np.float32), "F16")
-        if isinstance(weight, QuantizedTensor):
+        if isinstance(weight, QuantizedTensor | DeviceMatrix):
             self.quant: QuantLinear | None = QuantLinear(weight)
             self.weight_t = None
         else:
@@ -86,7 +87,10 @@ class RMSNorm:
 class Embedding:
     """Token ids -> float32 rows; the table is kept as `float_dtype` (quantized tables are dequantized)."""
 
-    def __init__(self, weight: np.ndarray | QuantizedTensor, float_dtype: str = "float16") -> None:
+    def __init__(self, weight: np.ndarray | QuantizedTensor | DeviceMatrix, float_dtype: str = "float16") -> None:
+        if isinstance(weight, DeviceMatrix):
+            self.table = weight.values
+            return
         table = dequantize(weight) if isinstance(weight, QuantizedTensor) else np.asarray(weight, np.float32)
         self.table = Tensor(table, dtype=float_dtype).realize()
 
@@ -143,6 +147,13 @@ class ParallelLinear:
     def __init__(self, weights: list, biases: list | None = None, float_dtype: str = "float16") -> None:
         biases = biases or [None] * len(weights)
         self.sizes = [w.shape[0] for w in weights]
+        if all(isinstance(w, DeviceMatrix) for w in weights) and len({w.shape[1] for w in weights}) == 1:
+            weights = [DeviceMatrix(cat([w.values for w in weights]).realize())]  # stacked on the device
+            biases = [None if all(b is None for b in biases) else np.concatenate(
+                [np.zeros(n, np.float32) if b is None else np.asarray(b, np.float32)
+                 for n, b in zip(self.sizes, biases, strict=True)])]
+            self.parts = [Linear(weights[0], biases[0], float_dtype)]
+            return
         quant = [isinstance(w, QuantizedTensor) for w in weights]
         fusable = len({w.shape[1] for w in weights}) == 1 and (
             all(quant) and len({w.format.name for w in weights}) == 1 or not any(quant))

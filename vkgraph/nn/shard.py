@@ -13,12 +13,14 @@ all-reduced sum is the new residual stream itself. `vkgraph.parallel` runs the r
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
 import numpy as np
 
+from ..dtype import dtypes
 from ..jit import jit
 from ..quant import QuantizedTensor
 from ..tensor import Tensor
@@ -26,7 +28,7 @@ from .config import ModelConfig
 from .layers import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding, StepInputs
 from .llama import TransformerBlock
 from .template_ops import KVCache
-from .weights import ExpertWeights, ModelWeights, Weight
+from .weights import DeviceMatrix, ExpertWeights, LayerWeights, ModelWeights, Weight
 
 AllReduce = Callable[[Tensor], Tensor]
 
@@ -92,6 +94,59 @@ def shard_weights(weights: ModelWeights, rank: int, world: int) -> ModelWeights:
     local = replace(cfg, n_heads=cfg.n_heads // world, n_kv_heads=cfg.n_kv_heads // world,
                     ffn_dim=cfg.ffn_dim // world)
     return replace(weights, config=local, layers=layers)
+
+
+def random_matrix(seed: int, name: str, full: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int],
+                  std: float) -> DeviceMatrix:
+    """Rows [rows) and columns [cols) of a random (full[0], full[1]) matrix, made on the device as float16: uniform
+    values of standard deviation `std`, each a hash of (seed, name, its index in the full matrix), so a shard holds
+    exactly the values of the same part of the whole (the test of two devices against one relies on it)."""
+    salt = (seed * 0x9E3779B1 + zlib.crc32(name.encode())) & 0xFFFFFFFF
+    r = Tensor.arange(rows[0], rows[1], dtype=dtypes.uint32).reshape(-1, 1)
+    c = Tensor.arange(cols[0], cols[1], dtype=dtypes.uint32).reshape(1, -1)
+    h = (r * full[1] + c) ^ salt
+    for mul in (0x7FEB352D, 0x846CA68B):  # an integer hash (lowbias32): every bit of the index moves every bit
+        h = (h ^ (h >> 16)) * mul
+    h = h ^ (h >> 16)
+    u = (h >> 8).cast(dtypes.float32) * float(2.0 ** -23) - 1.0  # uniform in [-1, 1)
+    return DeviceMatrix((u * float(std * np.sqrt(3.0))).cast(dtypes.float16).realize())
+
+
+class RandomWeights:
+    """Random weights of `config`, made on the device by each rank for its own shard (`shard`), never on the host:
+    float16 matrices (random_matrix, standard deviation 1/sqrt(in_features); the embedding 1), norms of ones. For a
+    model larger than one GPU's memory; `shard(0, 1)` is the whole model."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0) -> None:
+        if config.is_moe or config.attn_bias:
+            raise ValueError("random weights on the device are made for dense models without biases")
+        self.config, self.seed = config, seed
+
+    def shard(self, rank: int, world: int) -> ModelWeights:
+        """The weights of rank `rank` of `world` (as shard_weights would cut them), made on the current device."""
+        cfg = self.config
+        check_shardable(cfg, world)
+        d, hd, f, v = cfg.dim, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
+        q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        qs = (rank * q // world, (rank + 1) * q // world)
+        ks = (rank * kv // world, (rank + 1) * kv // world)
+        fs = (rank * f // world, (rank + 1) * f // world)
+
+        def mat(name: str, full: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int]) -> DeviceMatrix:
+            return random_matrix(self.seed, name, full, rows, cols, 1.0 / np.sqrt(full[1]))
+
+        layers = []
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}."
+            layers.append(LayerWeights(
+                np.ones(d, np.float32), mat(p + "q", (q, d), qs, (0, d)), mat(p + "k", (kv, d), ks, (0, d)),
+                mat(p + "v", (kv, d), ks, (0, d)), mat(p + "o", (d, q), (0, d), qs), np.ones(d, np.float32),
+                w_gate=mat(p + "gate", (f, d), fs, (0, d)), w_up=mat(p + "up", (f, d), fs, (0, d)),
+                w_down=mat(p + "down", (d, f), (0, d), fs)))
+        embed = random_matrix(self.seed, "embed", (v, d), (0, v), (0, d), 1.0)
+        head = mat("lm_head", (v, d), (0, v), (0, d)) if rank == 0 else embed  # only rank 0 computes logits
+        local = replace(cfg, n_heads=cfg.n_heads // world, n_kv_heads=cfg.n_kv_heads // world, ffn_dim=f // world)
+        return ModelWeights(local, embed, layers, np.ones(d, np.float32), head)
 
 
 class ShardModel:

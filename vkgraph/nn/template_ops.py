@@ -14,7 +14,7 @@ from typing import Any
 
 from ..dtype import dtypes
 from ..flags import flag
-from ..quant import QuantizedTensor
+from ..quant import ROW_ALIGN_ELEMS, QuantizedTensor, get_format
 from ..realize import has_dtype, limits
 from ..templates import dequant as dq
 from ..templates import matmul_quant as mq
@@ -22,6 +22,7 @@ from ..templates import matvec as mv
 from ..templates import norms
 from ..templates import paged_attention as pa
 from ..tensor import Tensor, custom
+from .weights import DeviceMatrix
 
 _MATVEC_ROWS = mv.MAX_BATCH
 # From this many activation rows on, QuantLinear expands W to a float16 temporary and runs the generated matmul,
@@ -85,11 +86,19 @@ class QuantLinear:
     dequantizes W's blocks into shared memory (float32 result); the others through a float16 copy of W and the
     generated matmul (float16 result), where the device has float16 and the float16 W fits one binding."""
 
-    def __init__(self, weight: QuantizedTensor) -> None:
+    def __init__(self, weight: QuantizedTensor | DeviceMatrix) -> None:
         self.out_features, self.in_features = weight.shape
-        self.format = weight.format.name
-        self.weights, body, scales = mv.weight_words(weight)
-        self.tensors = [Tensor(body)] + ([Tensor(scales)] if scales is not None else [])
+        if isinstance(weight, DeviceMatrix):  # float16 rows already on the device: the F16 layout as they are
+            if self.in_features % ROW_ALIGN_ELEMS:
+                raise ValueError(f"a float16 matrix on the device needs rows of a multiple of {ROW_ALIGN_ELEMS}, "
+                                 f"got {self.in_features}")
+            self.format = "F16"
+            self.weights = mv.DeviceWeights(get_format("F16"), weight.shape, None, None, self.in_features // 8, 0)
+            self.tensors = [weight.values]
+        else:
+            self.format = weight.format.name
+            self.weights, body, scales = mv.weight_words(weight)
+            self.tensors = [Tensor(body)] + ([Tensor(scales)] if scales is not None else [])
         self.can_dequantize = (has_dtype(dtypes.float16)
                                and weight.shape[0] * weight.shape[1] * 2 <= limits().max_storage_range)
         weights = self.weights

@@ -30,7 +30,24 @@ from .config import ModelConfig, ModelFormatError, UnsupportedModelError
 from .headers import read_safetensors_header
 from .model_file import ModelSource, open_model
 
-Weight = np.ndarray | QuantizedTensor
+
+@dataclass
+class DeviceMatrix:
+    """A weight matrix made on the device (nn/shard.py: RandomWeights), never on the host: its float16 values
+    as a realized (out_features, in_features) Tensor, which the layers use as it is (as GGUF's F16 rows)."""
+
+    values: Any  # vkgraph.Tensor, float16
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.shape[0] * self.values.shape[1] * 2
+
+
+Weight = np.ndarray | QuantizedTensor | DeviceMatrix
 
 
 class MissingTensorError(ModelFormatError):
