@@ -45,9 +45,9 @@ def test_two_devices_sum_their_parts_call_after_call(pair):
         assert np.array_equal(got[0], got[1])  # the same bits on both
         common.check(got[0], parts[0].astype(np.float64) + parts[1], since, tol=1e-7)
     assert host.view(np.uint32)[0] == 0
-    del cells, host
     for d in pair:
         d.synchronize()
+    del cells, host  # released after their last use: the buffers, then the memory under them
     mm.close()
 
 
@@ -60,8 +60,22 @@ def test_a_rank_that_never_posts_gives_nan_and_the_error_flag(pair):
                         site=0, max_values=64, out=dev.alloc(256), spin_limit=1000)
     assert np.isnan(dev.download(out, np.float32, 64)).all()
     assert host.view(np.uint32)[0] == 1
-    del cells, host
     dev.synchronize()
+    del cells, host
     mm.close()
     with pytest.raises(ValueError, match="holds parts of up to"):
         ar.all_reduce(dev, out, out, out, 65, rank=0, world=2, site=0, max_values=64, out=out)
+
+
+def test_host_memory_is_shared_by_the_devices_that_import_it(pair):
+    mm, host = shared(1, 512)
+    bufs = [d.import_host(host) for d in pair]
+    host.view(np.float32)[:4] = [1, 2, 3, 4]
+    assert pair[1].download(bufs[1], np.float32, 4).tolist() == [1, 2, 3, 4]
+    pair[0].upload(bufs[0], np.array([9, 8], np.float32))
+    pair[0].synchronize()
+    assert host.view(np.float32)[:2].tolist() == [9, 8]
+    with pytest.raises(ValueError, match="multiples of"):
+        pair[0].import_host(host[1:])
+    del bufs, host
+    mm.close()

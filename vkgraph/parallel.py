@@ -9,12 +9,15 @@ heads' KV cache (`nn/shard.py`), and its own worker thread, which routes all its
 run theirs. Rank 0 works on the default device (`get_device()`), where the engine's own tensors (step inputs,
 sampling) live, and returns the logits.
 
-The all-reduce after each row-parallel product stages through host memory and reduces on the GPUs: each rank
-waits for its partial sum, reads it back (through the device's host-visible memory), and once every rank has
-posted its part, uploads the others' parts and adds them on its own device, in rank order (so every rank holds the
-same bits), fused by the compiler into the kernel that reads the sum next (the norm). Vulkan offers no peer
-access between VkDevices without external-memory and device-group extensions, which lavapipe lacks and which no
-path here uses yet (docs/tensor_parallel.md).
+The all-reduce after each row-parallel product takes one of two paths (`all_reduce`, VKGRAPH_TP_ALLREDUCE):
+- host (`HostAllReduce`): each rank waits for its partial sum, reads it back, and once every rank has posted its
+  part, uploads the others' parts and adds them on its own device, in rank order (so every rank holds the same
+  bits), fused by the compiler into the kernel that reads the sum next. Ranks capture the pieces between
+  all-reduces (ShardModel).
+- peer (`PeerAllReduce`): host memory every device imports, and a template inside each device's graph that
+  posts its part there and waits for the others' (docs/tensor_parallel.md): no host in the loop, a rank's whole
+  step is one captured graph. Steps of more rows than it holds, and a step in which a wait timed out, run on the
+  host path.
 
 Devices (`tensor_parallel_devices`): the physical devices VKGRAPH_TP_DEVICES names (a comma list of indices or
 names), else as many physical devices of the default device's name as there are, else logical devices on the
@@ -177,9 +180,11 @@ class TensorParallelModel:
     """A Llama-family model split over `world` devices (module doc); called like `LlamaModel` (tokens, step,
     logit_rows) and returning rank 0's logits. `last_times` holds the split of the last call (StepTimes).
 
-    The engine calls a step as it is (`capturable` is False): the all-reduces read partial sums on the host in
-    the middle of a step, which one captured command graph cannot do. With `capture` (the default) each rank
-    captures the pieces between all-reduces instead (ShardModel), per input shapes."""
+    `weights`: loaded weights (each rank cuts its shard), or RandomWeights (each rank makes its shard on its
+    device). The engine calls a step as it is (`capturable` is False): the ranks' threads capture. With the peer
+    all-reduce each rank captures its whole step (`peer_rows` token rows at most; `peer.fallbacks` counts steps
+    run again through the host); with the host all-reduce, and `capture` (the default), the pieces between
+    all-reduces (ShardModel), per input shapes."""
 
     capturable = False
 

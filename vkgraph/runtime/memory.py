@@ -43,7 +43,7 @@ def size_class(nbytes: int) -> int:
 class Allocation:
     """One VkBuffer bound to its own VkDeviceMemory; mapped when host-visible."""
 
-    __slots__ = ("buffer", "memory", "capacity", "kind", "host", "handle", "last_use", "freed", "owner",
+    __slots__ = ("buffer", "memory", "capacity", "kind", "host", "handle", "last_use", "freed", "owner", "keep",
                  "__weakref__")
 
     def __init__(self, buffer: Any, memory: Any, capacity: int, kind: str, host: np.ndarray | None,
@@ -57,6 +57,7 @@ class Allocation:
         self.last_use = 0  # sequence number of the last submission that used it
         self.freed = False
         self.owner = owner  # the MemoryManager that made it (tells a closed device's buffer from a released one)
+        self.keep: Any = None  # imported host memory: held until the VkDeviceMemory over it is freed
 
 
 class _Released:
@@ -425,6 +426,7 @@ class MemoryManager:
             lib.vkDestroyBuffer(dev, buffer, NULL)
             raise
         alloc = Allocation(buffer, mem[0], host.nbytes, "imported", None, self)
+        alloc.keep = host  # the memory must outlive the VkDeviceMemory over it (freed after the GPU's last use)
         with self.lock:
             self.allocated_bytes += host.nbytes
             self.allocation_count += 1
@@ -467,6 +469,7 @@ class MemoryManager:
             lib.vkUnmapMemory(dev, alloc.memory)
         lib.vkDestroyBuffer(dev, alloc.buffer, NULL)
         lib.vkFreeMemory(dev, alloc.memory, NULL)
+        alloc.keep = None
         with self.lock:
             self.allocated_bytes -= alloc.capacity
             self.allocation_count -= 1
