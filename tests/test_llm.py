@@ -23,10 +23,14 @@ def models(tmp_path_factory):
     dense = mk.write_model(tmp_path_factory.mktemp("dense"), mk.tiny_config(), gguf_types=("Q8_0", "Q4_0"))
     moe = mk.write_model(tmp_path_factory.mktemp("moe"), mk.tiny_config(n_experts=4, n_experts_per_tok=2),
                          gguf_types=("Q8_0",))
+    # heads of 32: the attention can write the output product's int8 blocks (head_dim % 32 == 0)
+    head32 = mk.write_model(tmp_path_factory.mktemp("head32"), mk.tiny_config(n_heads=2, n_kv_heads=1, head_dim=32),
+                            gguf_types=("Q4_0",), safetensors=False)
     llama3 = mk.write_model(tmp_path_factory.mktemp("llama3"), mk.tiny_config(
         rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64), arch="qwen2", attn_bias=True), gguf_types=())
     return {"float32": dense["hf"], "Q8_0": dense["Q8_0"], "Q4_0": dense["Q4_0"], "moe": moe["hf"],
-            "moe-Q8_0": moe["Q8_0"], "qwen2-llama3-rope": llama3["hf"], "tokenizer": dense["hf"]}
+            "moe-Q8_0": moe["Q8_0"], "qwen2-llama3-rope": llama3["hf"], "tokenizer": dense["hf"],
+            "Q4_0-head32": head32["Q4_0"]}
 
 
 def nerr(got, want):
@@ -376,10 +380,10 @@ def test_gemma_matches_reference(tmp_path, kind):
     assert ref.greedy(prompt, 6) == run(Engine(model), [prompt], max_tokens=6)[0]
 
 
-@pytest.mark.parametrize("int_dot", ["0", "1"])
-def test_fused_decode_layers_match_unfused(models, int_dot, monkeypatch):
-    """A decode step with the fused templates (the norm and the gated unit writing int8 activations where the
-    products take them; keys rotated and written from the q/k/v rows) against the same model built unfused
+@pytest.mark.parametrize("int_dot,kind", [("0", "Q4_0"), ("1", "Q4_0"), ("1", "Q4_0-head32")])
+def test_fused_decode_layers_match_unfused(models, int_dot, kind, monkeypatch):
+    """A decode step with the fused templates (the norm, the gated unit and the attention writing int8 activations
+    where the products take them; keys rotated and written from the q/k/v rows) against the same model built unfused
     (VKGRAPH_DECODE_FUSION=0), float and integer paths; the fused step dispatches fewer kernels."""
     from vkgraph import templates
     from vkgraph.realize import count_kernels
@@ -388,7 +392,7 @@ def test_fused_decode_layers_match_unfused(models, int_dot, monkeypatch):
     if int_dot == "1" and not get_device().info.integer_dot_product:
         pytest.skip("no shaderIntegerDotProduct on this device")
     monkeypatch.setenv("VKGRAPH_INT_DOT", int_dot)
-    _, model = build(models["Q4_0"])
+    w, model = build(models[kind])
     prompt = [5, 17, 42, 99, 7, 3]
     n = len(prompt)
     model(Tensor(np.array(prompt, np.int32)), StepInputs(
@@ -404,8 +408,12 @@ def test_fused_decode_layers_match_unfused(models, int_dot, monkeypatch):
         return got, c.count
 
     before, glu = templates.DISPATCHES["kv_write"], templates.DISPATCHES["glu_q8"]
+    quantized = templates.DISPATCHES["quantize_q8"]
     fused, fused_kernels = decode(n)
     assert (templates.DISPATCHES["glu_q8"] > glu) == (int_dot == "1")
+    # with heads of 32 every integer-path product's input comes from the kernel before it (the norms, the gated
+    # unit, the attention): no quantization kernel of its own; heads of 16 leave the output product's to quantize_q8
+    assert (templates.DISPATCHES["quantize_q8"] == quantized) == (int_dot == "0" or w.config.head_dim % 32 == 0)
     monkeypatch.setenv("VKGRAPH_DECODE_FUSION", "0")
     q8 = templates.DISPATCHES["rmsnorm_q8"]
     unfused, unfused_kernels = decode(n)  # the same position again: rewrites the same cache slot

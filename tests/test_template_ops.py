@@ -176,16 +176,17 @@ def test_prefill_attention_op():
     assert nerr(got, want) < 5e-4
 
 
-@pytest.mark.parametrize("rows,k", [(1, 64), (11, 256)])
-def test_rms_norm_q8_feeds_quant_linear_as_the_unfused_path(rows, k, monkeypatch):
-    """rms_norm_q8 into QuantLinear (one kernel for norm and quantization; past 8 rows the matvec calls read
-    views of its buffer) equals the integer path over rms_norm's floats, with the residual fused; a product
-    that would not take the int8 path refuses the int8 activations."""
+@pytest.mark.parametrize("rows,k,launch", [(1, 64, "auto"), (11, 256, "workgroup"), (35, 256, "auto")])
+def test_rms_norm_q8_feeds_quant_linear_as_the_unfused_path(rows, k, launch, monkeypatch):
+    """rms_norm_q8 into QuantLinear (one kernel for norm and quantization; past the rows one matvec call takes,
+    8 or 32 by the launch, the calls read views of its buffer) equals the integer path over rms_norm's floats,
+    with the residual fused; a product that would not take the int8 path refuses the int8 activations."""
     from vkgraph.runtime import get_device
 
     if not get_device().info.integer_dot_product:
         pytest.skip("no shaderIntegerDotProduct on this device")
     monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
+    monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", launch)
     rng = np.random.default_rng(rows)
     lin = QuantLinear(quantize(rng.standard_normal((48, k)).astype(np.float32), "Q4_0"))
     assert lin.takes_int8(rows)

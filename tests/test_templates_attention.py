@@ -87,6 +87,42 @@ def test_paged_decode_long_context(part):
     _decode_case(np.random.default_rng(7), [4133, 1], 1, 4, 64, 16, "f16", 0, part)
 
 
+@pytest.mark.parametrize("part,d,group", [(0, 64, 4), (64, 128, 2), (None, 96, 1)])
+def test_paged_decode_int8_output(part, d, group):
+    """int8=True writes what quantize_q8 makes of the float output (the kernel that finishes the output,
+    paged_decode unsplit or paged_reduce split, quantizes it): the same int8 values, scales and sums."""
+    from vkgraph.templates import matvec as mv
+
+    dev = device()
+    rng = np.random.default_rng(d)
+    lens, hkv, bs = [150, 7, 300], 2, 16
+    need = sum(-(-n // bs) for n in lens) + 1
+    kc, vc = _random_cache(rng, need, hkv, bs, d, "f16")
+    tables = _block_tables(rng, lens, bs, need, False)
+    q = rng.standard_normal((len(lens), hkv * group, d)).astype(np.float32)
+    cache = pa.PagedKVCache.create(dev, need, hkv, d, bs, "f16")
+    dev.upload(cache.key, kc)
+    dev.upload(cache.value, vc)
+    args = (dev, cache, upload(dev, q), upload(dev, tables), upload(dev, np.array(lens, np.int32)))
+    kw = dict(num_seqs=len(lens), num_heads=hkv * group, max_blocks_per_seq=tables.shape[1],
+              max_context_len=max(lens), part_tokens=part)
+    rows, k = len(lens), hkv * group * d
+    want = mv.quantize_activations(dev, pa.paged_decode(*args, **kw), rows, k)
+    got = mv.Q8Acts.in_buffer(pa.paged_decode(*args, **kw, int8=True), rows, k)
+    for w, g, dtype, n in zip(want, (got.xq, got.xd, got.xs), (np.int8, np.float32, np.int32),
+                              (rows * k, rows * k // 32, rows * k // 16)):
+        np.testing.assert_array_equal(dev.download(g, dtype, n), dev.download(w, dtype, n))
+
+
+def test_paged_decode_int8_needs_blocks_of_32():
+    dev = device()
+    cache = pa.PagedKVCache.create(dev, 2, 1, 80, 16, "f16")
+    zeros = upload(dev, np.zeros(80, np.float32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pa.paged_decode(dev, cache, zeros, upload(dev, np.zeros(1, np.int32)), upload(dev, np.ones(1, np.int32)),
+                        num_seqs=1, num_heads=1, max_blocks_per_seq=1, max_context_len=1, int8=True)
+
+
 def test_paged_decode_auto_split_is_used():
     dev = device()
     assert pa.choose_partition(dev, 1, 8, 4096, 32) > 0

@@ -64,6 +64,80 @@ def test_matvec_launch_configs(fmt, config):
     _run(fmt, 29, _k_for(fmt, 3), 2, "f32", False, True, config=config)
 
 
+def _needs_shuffle():
+    if "shuffle" not in device().info.subgroup_ops:
+        pytest.skip("no subgroup shuffles on this device")
+
+
+# groups of one lane to a whole subgroup, odd rows and units in flight, several groups per workgroup
+SUBGROUP_ROWS = [mv.MatvecConfig(32, 3, True, tpr=8, unroll=3), mv.MatvecConfig(64, 1, True, tpr=4, unroll=1),
+                 mv.MatvecConfig(32, 2, True, tpr=1, unroll=2)]
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q6_K", "F16", "IQ4_XS"])
+@pytest.mark.parametrize("config", SUBGROUP_ROWS)
+def test_matvec_subgroup_rows_configs(fmt, config):
+    """The subgroup-rows launch: a row count that leaves a workgroup's last groups without rows, units that
+    do not fill the last round of `unroll`, bias and residual."""
+    _needs_shuffle()
+    _run(fmt, 37, _k_for(fmt, 7), 3, "f32", True, True, config=config)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("config", SUBGROUP_ROWS[:2])
+def test_matvec_subgroup_rows_int_dot(fmt, config):
+    _needs_int_dot()
+    _needs_shuffle()
+    dev = device()
+    rng = np.random.default_rng(3)
+    n, k, batch = 29, 11 * 32 if fmt != "Q4_K" else 512, 5
+    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, 3)
+    x = rng.standard_normal((batch, k)).astype(np.float32)
+    ref = _device_quantized(dev, x) @ qt.dequantize().astype(np.float64).T
+    since = snapshot()
+    y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), batch,
+                  config=dataclasses.replace(config, int_dot=True))
+    check(dev.download(y, np.float32, (batch, n)), ref, since)
+
+
+@pytest.mark.parametrize("batch", [17, 32])
+def test_matvec_subgroup_rows_many_rows(batch):
+    """Past the workgroup launch's 8 rows, one call of the subgroup-rows launch takes up to 32."""
+    _needs_shuffle()
+    cfg = mv.MatvecConfig(32, 1, True, tpr=4, unroll=2)  # one row per group: the smallest body to compile
+    _run("Q4_0", 21, _k_for("Q4_0", 6), batch, "f16", False, True, config=cfg, seed=batch)
+    if device().info.integer_dot_product:
+        _run_int_dot("Q4_0", 21, _k_for("Q4_0", 6), batch, "f32", True, False, rows=1, seed=batch)
+
+
+def test_matvec_subgroup_rows_bad_config():
+    _needs_shuffle()
+    dev = device()
+    dw = mv.upload_weights(dev, quant.quantize(np.ones((8, 64), np.float32), "Q8_0"))
+    x = upload(dev, np.ones(64, np.float32))
+    sg = dev.info.min_subgroup_size
+    for cfg in (mv.MatvecConfig(64, 1, True, tpr=3), mv.MatvecConfig(64, 1, True, tpr=2 * sg),
+                mv.MatvecConfig(dev.info.max_subgroup_size + 1, 1, True, tpr=1),
+                mv.MatvecConfig(64, 1, True, tpr=1, unroll=17)):
+        with pytest.raises(ValueError):
+            mv.matvec(dev, dw, x, config=cfg)
+    with pytest.raises(ValueError, match="workgroup launch"):
+        mv.matvec_id(dev, dw, 1, x, upload(dev, np.zeros(1, np.int32)), 1, config=SUBGROUP_ROWS[0])
+
+
+def test_matvec_launch_flag(monkeypatch):
+    dev = device()
+    fmt = quant.FORMATS["Q4_0"]
+    monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "workgroup")
+    assert mv.choose_config(dev, fmt, 4096, 4096, 1).tpr == 0
+    monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "subgroup")
+    assert mv.choose_config(dev, fmt, 4096, 4096, 1).tpr == ("shuffle" in dev.info.subgroup_ops) * min(
+        dev.info.min_subgroup_size, 32)
+    monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "sometimes")
+    with pytest.raises(ValueError, match="VKGRAPH_MATVEC_LAUNCH"):
+        mv.choose_config(dev, fmt, 4096, 4096, 1)
+
+
 def test_matvec_residual_in_place():
     dev = device()
     rng = np.random.default_rng(5)
@@ -84,7 +158,9 @@ def test_matvec_bad_input():
     with pytest.raises(ValueError, match="smaller than"):
         mv.matvec(dev, dw, x, 3)
     with pytest.raises(ValueError, match="batch must be"):
-        mv.matvec(dev, dw, x, 9)
+        mv.matvec(dev, dw, x, mv.MAX_BATCH_SUBGROUP + 1)
+    with pytest.raises(ValueError, match="batch must be"):  # the workgroup launch takes up to 8 rows
+        mv.matvec(dev, dw, x, 9, config=mv.MatvecConfig(32, 1, False))
     with pytest.raises(ValueError, match="act_dtype"):
         mv.matvec(dev, dw, x, 1, act_dtype="bf16")
     with pytest.raises(TypeError, match="Buffer"):
@@ -206,7 +282,7 @@ def _run_int_dot(fmt, n, k, batch, act, bias, residual, rows=None, seed=0):
     r = rng.standard_normal((batch, n)).astype(np.float32) if residual else None
     extra += (b if bias else 0) + (r if residual else 0)
     cfg = mv.choose_config(dev, qt.format, n, k, batch, int_dot=True)
-    cfg = mv.MatvecConfig(cfg.wg, rows or cfg.rows, cfg.use_subgroup, int_dot=True)
+    cfg = dataclasses.replace(cfg, rows=rows or cfg.rows, int_dot=True)
     since = snapshot()
     y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), batch, act_dtype=act, config=cfg,
                   bias=None if b is None else upload(dev, b), residual=None if r is None else upload(dev, r))

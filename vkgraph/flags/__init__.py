@@ -50,6 +50,9 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_MAX_RECORDED", int, 256, "dispatches recorded before a command buffer is submitted"),
         Flag("VKGRAPH_INT_DOT", str, "auto", "quantized matvecs over int8 activations: auto (where the device "
              "accelerates int8 dot products), 1 (wherever it has them) or 0 (never)"),
+        Flag("VKGRAPH_MATVEC_LAUNCH", str, "auto", "quantized matvecs: subgroup (groups of a subgroup's lanes own "
+             "a few rows, several units in flight each), workgroup (a workgroup owns a few rows, shared-memory "
+             "reduction: the earlier launch) or auto (subgroup where the device has subgroup shuffles)"),
         Flag("VKGRAPH_MATMUL_F32_COMPUTE", str, "", "float32 matrix products with 16-bit operands on cooperative "
              "matrices (float16 or bfloat16; rounds the operands, accumulates in float32); empty: exact float32"),
         Flag("VKGRAPH_MATMUL_TUNE", int, 1, "0 ignores tuned matmul tile configurations (codegen.tune) and uses "

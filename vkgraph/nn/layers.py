@@ -224,7 +224,12 @@ class Attention:
                                     max_seq_len=step.max_seq_len, after=written)
         else:
             max_context = step.block_tables.shape[1] * cache.block_size
-            att = paged_decode(cache, q, step.block_tables, step.context_lens, written, max_context_len=max_context)
+            # the attention's last kernel writes the output product's int8 input where that product takes one
+            int8 = fused is not None and self.head_dim % 32 == 0 and self.o.takes_int8(t)
+            att = paged_decode(cache, q, step.block_tables, step.context_lens, written, max_context_len=max_context,
+                               int8=int8)
+            if int8:
+                return self.o(att, residual=residual)
         return self.o(att.reshape(t, self.n_heads * self.head_dim), residual=residual)
 
 

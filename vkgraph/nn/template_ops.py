@@ -24,7 +24,6 @@ from ..templates import paged_attention as pa
 from ..tensor import Tensor, custom
 from .weights import DeviceMatrix
 
-_MATVEC_ROWS = mv.MAX_BATCH
 # From this many activation rows on, QuantLinear expands W to a float16 temporary and runs the generated matmul,
 # which reads W once per 64-row tile, instead of the matvec, which reads all of W once per 8 rows. An estimate:
 # the crossover has not been measured on a GPU yet.
@@ -144,9 +143,10 @@ class QuantLinear:
 
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
             _bind(dev, w, ins[len(acts):])
-            # more rows than one template call takes: runs of up to 8 rows, each into its slice of out
-            for r0 in range(0, rows, _MATVEC_ROWS):
-                b = min(_MATVEC_ROWS, rows - r0)
+            # more rows than one template call takes: runs of up to rows_per_call rows, each into its slice of out
+            per_call = mv.rows_per_call(dev)
+            for r0 in range(0, rows, per_call):
+                b = min(per_call, rows - r0)
                 res = ins[1].view(r0 * n * 4, b * n * 4) if residual is not None else None
                 o = out.view(r0 * n * 4, b * n * 4) if rows > b else out
                 xin = ins[0].view(r0 * k * 4, b * k * 4) if rows > b else ins[0]
@@ -186,8 +186,9 @@ class QuantLinear:
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
             _bind(dev, w, ins[len(acts):])
             q8 = mv.Q8Acts.in_buffer(ins[0], rows, k)
-            for r0 in range(0, rows, _MATVEC_ROWS):
-                b = min(_MATVEC_ROWS, rows - r0)
+            per_call = mv.rows_per_call(dev)
+            for r0 in range(0, rows, per_call):
+                b = min(per_call, rows - r0)
                 res = ins[1].view(r0 * n * 4, b * n * 4) if residual is not None else None
                 o = out.view(r0 * n * 4, b * n * 4) if rows > b else out
                 mv.matvec(dev, w, q8.rows(r0, b, k) if rows > b else q8, b, out=o, residual=res)
@@ -308,25 +309,34 @@ def rope_write_kv(cache: KVCache, rows: Tensor, slot_mapping: Tensor, rope: tupl
 
 
 def paged_decode(cache: KVCache, q: Tensor, block_tables: Tensor, context_lens: Tensor, after: Tensor,
-                 *, max_context_len: int, scale: float | None = None, window: int = 0) -> Tensor:
-    """One query token per sequence over its cached context: q [B, heads, D] -> [B, heads, D] float32.
+                 *, max_context_len: int, scale: float | None = None, window: int = 0,
+                 int8: bool = False) -> Tensor | Int8Activations:
+    """One query token per sequence over its cached context: q [B, heads, D] -> [B, heads, D] float32, or with
+    int8 the rows [B, heads * D] as Int8Activations for an integer-path product (D % 32 == 0), written by the
+    attention's last kernel so no quantization kernel runs before that product.
 
     `max_context_len` sizes the launch (use the cache's capacity per sequence so one capture serves every
     position); `after` is write_kv's token."""
     b, heads, d = q.shape
     if d != cache.head_size:
         raise ValueError(f"paged_decode: head size {d} but the cache holds {cache.head_size}")
+    if int8 and d % 32:
+        raise ValueError(f"paged_decode: int8 output comes in blocks of 32, head size {d} is not a multiple")
     max_blocks = block_tables.shape[1]
 
     def run(dev: Any, out: Any, ins: list[Any]) -> None:
         pa.paged_decode(dev, cache.on(dev, ins[4], ins[5]), ins[0], ins[1], ins[2], num_seqs=b, num_heads=heads,
                         max_blocks_per_seq=max_blocks, max_context_len=max_context_len, scale=scale, window=window,
-                        out=out)
+                        out=out, int8=int8)
 
     ins = [q.float(), block_tables.cast(dtypes.int32), context_lens.cast(dtypes.int32), after, cache.key,
            cache.value]
-    return custom(run, ins, (b, heads, d), dtypes.float32, key=(id(cache), max_context_len, scale, window),
-                  name="paged_decode")
+    key = (id(cache), max_context_len, scale, window, int8)
+    if int8:
+        words = custom(run, ins, (mv.Q8Acts.layout(b, heads * d)[0] // 4,), dtypes.uint32, key=key,
+                       name="paged_decode")
+        return Int8Activations(words, (b,), heads * d)
+    return custom(run, ins, (b, heads, d), dtypes.float32, key=key, name="paged_decode")
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, num_seqs: int, max_seq_len: int,

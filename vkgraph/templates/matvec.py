@@ -29,7 +29,8 @@ UNIT_ELEMS = {"Q8_0": 16, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q2_K"
 ACT_DTYPES = {"f32": np.float32, "f16": np.float16}
 # templates with an integer dot-product path (-DINT_DOT)
 INT_DOT_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
-MAX_BATCH = 8
+MAX_BATCH = 8  # activation rows one call of the workgroup launch takes
+MAX_BATCH_SUBGROUP = 32  # ... of the subgroup-rows launch, which reads the weights once for all of them
 
 
 @dataclass
@@ -65,6 +66,15 @@ class MatvecConfig:
     # INT_DOT_FORMATS only: activations quantized to int8 per block of 32 (quantize_activations), integer dot
     # products of four int8 lanes; needs the device's shaderIntegerDotProduct
     int_dot: bool = False
+    # the subgroup-rows launch (-DSG_ROWS) when > 0: groups of `tpr` invocations (a power of two within the
+    # device's smallest subgroup) own `rows` rows each, WG / tpr groups per workgroup, each invocation keeping
+    # `unroll` units of every row in flight; 0: the workgroup launch (a workgroup owns `rows` rows)
+    tpr: int = 0
+    unroll: int = 1
+
+    @property
+    def rows_per_workgroup(self) -> int:
+        return self.rows * (self.wg // self.tpr) if self.tpr else self.rows
 
 
 def weight_words(qt: QuantizedTensor) -> tuple[DeviceWeights, np.ndarray, np.ndarray | None]:
@@ -127,14 +137,22 @@ for _f, _like in (("Q4_1", "Q4_0"), ("Q5_0", "Q4_0"), ("Q5_1", "Q4_0"), ("IQ4_NL
 
 
 def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
-                  int_dot: bool | None = None) -> MatvecConfig:
-    """Launch parameters from the device and the shape (see PREFERRED and INT_DOT_PREFERRED). `int_dot`:
-    take the integer dot-product path or not; None leaves it to `int_dot_default`."""
+                  int_dot: bool | None = None, subgroup_rows: bool | None = None) -> MatvecConfig:
+    """Launch parameters from the device and the shape (see PREFERRED, INT_DOT_PREFERRED and SG_PREFERRED).
+    `int_dot`: take the integer dot-product path or not; None leaves it to `int_dot_default`. `subgroup_rows`:
+    the subgroup-rows launch or the workgroup one; None leaves it to `subgroup_rows_default`."""
     info = dev.info
     sg = info.subgroup_size
     if int_dot is None:
         int_dot = int_dot_default(dev, fmt)
+    if subgroup_rows is None:
+        subgroup_rows = subgroup_rows_default(dev)
     bucket = 1 << (batch - 1).bit_length()
+    units = k // UNIT_ELEMS[fmt.name]
+    if subgroup_rows:
+        return _subgroup_rows_config(dev, n, units, bucket, int_dot)
+    if batch > MAX_BATCH:
+        raise ValueError(f"the workgroup launch takes 1..{MAX_BATCH} activation rows, got {batch}")
     if int_dot:
         wg_short, wg_long, rows = INT_DOT_PREFERRED[fmt.name][bucket]
     else:
@@ -144,11 +162,63 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
         if batch > 1:  # formats not measured: four rows, which beat one and two for both measured formats
             rows = BATCH_ROWS.get(fmt.name, {}).get(bucket, min(rows, 4))
     wg = wg_long if k > LONG_K else wg_short
-    units = k // UNIT_ELEMS[fmt.name]
     # no wider than the row needs, at least a subgroup, within the device's limit
     wg = min(wg, max(sg, 32, 1 << (max(units, 1) - 1).bit_length()), pow2_floor(info.max_workgroup_invocations))
     use_subgroup = "arithmetic" in info.subgroup_ops and wg % sg == 0
     return MatvecConfig(wg, rows, use_subgroup, int_dot)
+
+
+# The subgroup-rows launch: (invocations per workgroup, rows per group, units in flight per row) by activation
+# rows. Not measured on a GPU yet (benchmarks/tune_matvec.py --launch subgroup sweeps them): chosen so that at
+# K = 4096 an invocation of a Q4_0 row keeps 8 weight words in flight (two rows of four units), where the
+# workgroup launch kept two.
+# From 16 rows on, four rows per group share each activation load: the activations, not the weights, are most of
+# what an invocation reads there.
+SG_PREFERRED = {1: (128, 2, 4), 2: (128, 2, 4), 4: (128, 2, 2), 8: (128, 2, 2), 16: (128, 4, 1), 32: (128, 4, 1)}
+
+
+def rows_per_call(dev: Device) -> int:
+    """Activation rows one `matvec` call takes under the default launch (callers split more into calls). A CPU
+    device takes 8: lavapipe's compiler spent 26 s on a 19-row Q6_K body, and it has no bandwidth to save."""
+    wide = subgroup_rows_default(dev) and dev.info.device_type != "cpu"
+    return MAX_BATCH_SUBGROUP if wide else MAX_BATCH
+
+
+def _subgroup_rows_config(dev: Device, n: int, units: int, bucket: int, int_dot: bool) -> MatvecConfig:
+    """SG_PREFERRED with the group as wide as the row's units allow (`unroll` units per invocation at least),
+    within the device's smallest subgroup; the workgroup a whole number of the largest subgroups."""
+    info = dev.info
+    wg, rows, unroll = SG_PREFERRED[bucket]
+    tpr = max(1, min(info.min_subgroup_size, 32, pow2_floor(max(units // unroll, 1))))
+    # no more units in flight than a row has per invocation; a CPU device has no memory latency to hide, and
+    # unrolled bodies only lengthen its compiles
+    unroll = 1 if info.device_type == "cpu" else max(1, min(unroll, -(-units // tpr)))
+    groups = -(-n // rows)  # no more groups per workgroup than the rows need
+    wg = max(min(wg, (1 << (groups - 1).bit_length()) * tpr), info.max_subgroup_size, tpr)
+    return MatvecConfig(wg, rows, True, int_dot, tpr, unroll)
+
+
+def subgroup_rows_default(dev: Device) -> bool:
+    """Whether choose_config takes the subgroup-rows launch: VKGRAPH_MATVEC_LAUNCH=auto (where the device
+    shuffles within subgroups) or subgroup; workgroup never."""
+    setting = flag("VKGRAPH_MATVEC_LAUNCH")
+    if setting not in ("auto", "subgroup", "workgroup"):
+        raise ValueError(f"VKGRAPH_MATVEC_LAUNCH must be auto, subgroup or workgroup, got {setting!r}")
+    return setting != "workgroup" and "shuffle" in dev.info.subgroup_ops
+
+
+def _check_subgroup_rows(dev: Device, cfg: MatvecConfig) -> None:
+    info = dev.info
+    if "shuffle" not in info.subgroup_ops:
+        raise ValueError(f"{info.name} has no subgroup shuffles: the subgroup-rows launch needs them (tpr=0)")
+    if cfg.tpr & (cfg.tpr - 1) or cfg.tpr > info.min_subgroup_size:
+        raise ValueError(f"tpr must be a power of two up to the device's smallest subgroup "
+                         f"({info.min_subgroup_size}), got {cfg.tpr}")
+    if cfg.wg % max(cfg.tpr, info.max_subgroup_size) or cfg.wg > info.max_workgroup_invocations:
+        raise ValueError(f"wg must be a multiple of the subgroup size ({info.max_subgroup_size}) and of tpr, "
+                         f"within the device's {info.max_workgroup_invocations}, got {cfg.wg}")
+    if not 1 <= cfg.unroll <= 16:
+        raise ValueError(f"unroll must be 1..16, got {cfg.unroll}")
 
 
 def int_dot_default(dev: Device, fmt: QuantFormat) -> bool:
@@ -169,10 +239,11 @@ def int_dot_default(dev: Device, fmt: QuantFormat) -> bool:
 def takes_int8(fmt: QuantFormat, rows: int, k: int) -> bool:
     """Whether `rows` activation rows of width k into a matvec of this format on the default device take the
     integer path (int_dot_default) in a form a producer may write directly as one Q8Acts buffer: K % 32 == 0,
-    and past MAX_BATCH rows (several calls, each on a view of its rows) K % Q8_ALIGN == 0, so that every
+    and past `rows_per_call` rows (several calls, each on a view of its rows) K % Q8_ALIGN == 0, so that every
     call's rows start on an offset any device can bind. Never with VKGRAPH_DECODE_FUSION=0."""
-    fits = decode_fusion() and k % 32 == 0 and (rows <= MAX_BATCH or k % Q8_ALIGN == 0)
-    return rows >= 1 and fits and int_dot_default(get_device(), fmt)
+    dev = get_device()
+    fits = decode_fusion() and k % 32 == 0 and (rows <= rows_per_call(dev) or k % Q8_ALIGN == 0)
+    return rows >= 1 and fits and int_dot_default(dev, fmt)
 
 
 def _check_act_dtype(act_dtype: str) -> int:
@@ -189,6 +260,11 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
     kern = weights.pipelines.get(key)
     if kern is None:
         defines = {}
+        if cfg.tpr:
+            if expert_ids:
+                raise ValueError("matvec_id takes the workgroup launch (tpr=0)")
+            _check_subgroup_rows(dev, cfg)
+            defines.update(SG_ROWS=1, TPR=cfg.tpr, UNROLL=cfg.unroll)
         if cfg.int_dot:
             _check_int_dot(dev, weights.format)
             defines["INT_DOT"] = 1
@@ -217,8 +293,10 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     """
     n, k = weights.shape
     act_bytes = _check_act_dtype(act_dtype)
-    if not 1 <= batch <= MAX_BATCH:
-        raise ValueError(f"batch must be 1..{MAX_BATCH}, got {batch} (more rows: dequantize and matmul)")
+    limit = MAX_BATCH if config is not None and not config.tpr else MAX_BATCH_SUBGROUP
+    if not 1 <= batch <= limit:
+        raise ValueError(f"batch must be 1..{limit} for this launch, got {batch} (more rows: several calls, or "
+                         "dequantize and matmul)")
     if isinstance(x, Q8Acts):
         x.check(batch, k)
         if config is not None and not config.int_dot:
@@ -237,7 +315,7 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     cfg = config or choose_config(dev, weights.format, n, k, batch)
     kern = _kernel(dev, weights, cfg, batch, act_dtype, has_bias=bias is not None,
                    has_residual=residual is not None)
-    _launch(dev, weights, cfg, kern, x, batch, act_dtype, out, grid_2d(dev, -(-n // cfg.rows)), bias=bias,
+    _launch(dev, weights, cfg, kern, x, batch, act_dtype, out, grid_2d(dev, -(-n // cfg.rows_per_workgroup)), bias=bias,
             residual=residual)
     return out
 
@@ -368,7 +446,7 @@ def matvec_id(dev: Device, weights: DeviceWeights, n_experts: int, x: Any, ids: 
     if out is None:
         out = dev.alloc(n_pairs * n * 4)
     check_buffer("out", out, n_pairs * n * 4)
-    cfg = config or choose_config(dev, weights.format, n, k, 1)
+    cfg = config or choose_config(dev, weights.format, n, k, 1, subgroup_rows=False)
     groups = grid_2d(dev, n_pairs * -(-n // cfg.rows))
     if groups[1] > dev.info.max_workgroup_count[1]:
         raise ValueError(f"{n_pairs} pairs of {n} rows need more workgroups than the device launches")

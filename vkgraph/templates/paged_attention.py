@@ -13,6 +13,7 @@ from typing import Any
 from ..runtime import Device
 from . import catalog
 from .common import check_binding_range, check_buffer, grid_2d
+from .matvec import Q8Acts
 
 KV_DTYPES = {"f16": 2, "f32": 4}
 ATTN_WG = 128
@@ -152,13 +153,14 @@ def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_
 def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, context_lens: Any, *,
                  num_seqs: int, num_heads: int, max_blocks_per_seq: int, max_context_len: int,
                  scale: float | None = None, window: int = 0, part_tokens: int | None = None,
-                 out: Any | None = None) -> Any:
+                 out: Any | None = None, int8: bool = False) -> Any:
     """Attention of one query token per sequence over its cached context; returns out [B, num_heads, D].
 
     q: float32 [num_seqs, num_heads, D]; block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens:
     int32 [num_seqs], each at most max_context_len. part_tokens: None chooses split-K automatically, 0 turns
     it off, else the tokens per partition (a multiple of the tile). window > 0: only the last `window`
-    positions are visible.
+    positions are visible. int8: `out` holds the rows [B, num_heads * D] as the integer matvec's input
+    (matvec.Q8Acts.layout), written by the kernel that finishes the output instead of float32; D % 32 == 0.
     """
     d, hkv = cache.head_size, cache.num_kv_heads
     if num_heads % hkv:
@@ -172,8 +174,13 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     check_buffer("q", q, num_seqs * num_heads * d * 4)
     check_buffer("block_tables", block_tables, num_seqs * max_blocks_per_seq * 4)
     check_buffer("context_lens", context_lens, num_seqs * 4)
-    out = out if out is not None else dev.alloc(num_seqs * num_heads * d * 4)
-    check_buffer("out", out, num_seqs * num_heads * d * 4)
+    if int8 and d % 32:
+        raise ValueError(f"int8 output comes in blocks of 32: head size {d} is not a multiple of 32")
+    nbytes = Q8Acts.layout(num_seqs, num_heads * d)[0] if int8 else num_seqs * num_heads * d * 4
+    out = out if out is not None else dev.alloc(nbytes)
+    check_buffer("out", out, nbytes)
+    # the int8 parts, or `out` bound where the float output is written
+    acts = Q8Acts.in_buffer(out, num_seqs, num_heads * d) if int8 else Q8Acts(out, out, out)
     tile = _choose_tile(dev, group, d, cache.dtype)
     if part_tokens is None:
         part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, tile)
@@ -185,16 +192,19 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
         part_ml = dev.alloc(num_seqs * num_heads * parts * 8)
     else:
         part_o = part_ml = out  # bound but never written
+    q8 = {"Q8_OUT": 1} if int8 and not part_tokens else {}  # split: paged_reduce writes the output
     kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
-                           defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile))
+                           defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile, **q8))
     push = {"num_kv_heads": hkv, "block_size": cache.block_size, "max_blocks": max_blocks_per_seq,
             "scale": 1.0 / math.sqrt(d) if scale is None else scale, "window": window,
             "part_tokens": part_tokens, "max_parts": parts}
-    catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml],
-                     (parts, hkv, num_seqs), push=push)
+    catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
+                                 acts.xq, acts.xd, acts.xs], (parts, hkv, num_seqs), push=push)
     if part_tokens:
-        red = catalog.compile(dev, "paged_reduce", spec={"WG": min(ATTN_WG, d)})
-        catalog.dispatch(dev, red, [part_o, part_ml, context_lens, out], (num_heads, num_seqs, 1),
+        red = catalog.compile(dev, "paged_reduce", spec={"WG": min(ATTN_WG, d)},
+                              defines={"Q8_OUT": 1, "HEAD_SIZE": d} if int8 else None)
+        catalog.dispatch(dev, red, [part_o, part_ml, context_lens, out, acts.xq, acts.xd, acts.xs],
+                         (num_heads, num_seqs, 1),
                          push={"num_heads": num_heads, "head_size": d, "part_tokens": part_tokens,
                                "max_parts": parts})
     return out

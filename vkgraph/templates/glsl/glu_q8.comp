@@ -19,6 +19,8 @@ layout(push_constant) uniform Push {
     uint groups_x;    // workgroups along x (blocks are spread over x and y)
 } pc;
 
+#include "q8_store.glsl"
+
 vec4 act(vec4 g) {
 #ifdef GELU_TANH
     const vec4 z = 0.7978845608028654 * (g + 0.044715 * g * g * g);
@@ -36,22 +38,6 @@ void main() {
     const uint g0 = (row * 2 * pc.f + (blk % per_row) * 32) / 4;  // the block's first gate vec4
     const uint u0 = g0 + pc.f / 4;
     vec4 v[8];
-    float amax = 0.0;
-    [[unroll]] for (uint i = 0; i < 8; i++) {
-        v[i] = act(gu[g0 + i]) * gu[u0 + i];
-        const vec4 a = abs(v[i]);
-        amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
-    }
-    const float d = amax / 127.0;
-    const float id = d > 0.0 ? 1.0 / d : 0.0;
-    int sum[2] = int[2](0, 0);
-    [[unroll]] for (uint i = 0; i < 8; i++) {
-        const ivec4 q = clamp(ivec4(roundEven(v[i] * id)), -127, 127);
-        sum[i / 4] += (q.x + q.y) + (q.z + q.w);
-        const uvec4 c = uvec4(q) & 0xFFu;
-        xq[blk * 8 + i] = c.x | (c.y << 8) | (c.z << 16) | (c.w << 24);
-    }
-    xd[blk] = d;
-    xs[2 * blk] = sum[0];
-    xs[2 * blk + 1] = sum[1];
+    [[unroll]] for (uint i = 0; i < 8; i++) v[i] = act(gu[g0 + i]) * gu[u0 + i];
+    store_q8_block(blk, v);
 }

@@ -38,6 +38,7 @@
 // push constants are declared in both modes (the interface parser does not preprocess); plain dispatches
 // bind `w` there.
 #extension GL_KHR_shader_subgroup_arithmetic : enable
+#extension GL_KHR_shader_subgroup_shuffle : enable   // SG_ROWS
 #include "common.glsl"
 
 layout(local_size_x_id = 0) in;
@@ -127,79 +128,119 @@ void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r 
 
 shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * NB];
 
+// -DSG_ROWS (the subgroup-rows launch): TPR invocations (a power of two, at most the device's smallest subgroup,
+// so a group never straddles two subgroups) own ROWS rows; a workgroup holds WG / TPR such groups. Each
+// invocation first issues the loads of UNROLL units of all ROWS rows (UNROLL * ROWS independent 16-byte loads
+// in flight), then decodes them; the group's partial sums meet through subgroupShuffleXor, with no shared
+// memory and no barrier. Many small groups per workgroup keep the SMs full at 4096-row shapes, where a
+// workgroup per row block and its barrier left most of the memory system idle.
+#ifndef TPR
+#define TPR 1
+#endif
+#ifndef UNROLL
+#define UNROLL 1
+#endif
+#if defined(SG_ROWS) && defined(EXPERT_IDS)
+#error "the subgroup-rows launch has no expert-indexed form"
+#endif
+
+float acc[ROWS * NB];
+Unit q[UNROLL * ROWS];   // the units in flight: q[t * ROWS + r] is unit t of row r
+
+// add unit u, held in q[base .. base + ROWS), to the partial sums of every (row, activation row)
+void accumulate(uint base, uint u) {
+#ifdef INT_DOT
+    [[unroll]] for (uint j = 0; j < RUNS; j++) {
+        vec2 cm[ROWS];
+        [[unroll]] for (uint r = 0; r < ROWS; r++) cm[r] = run_coeffs(q[base + r], u, j);
+        const uint e0 = x_run(u, j);
+        [[unroll]] for (uint b = 0; b < NB; b++) {
+            const uint e = X_ROW(b) * pc.k + e0;   // the run's first element in the flattened x
+            const uvec4 xq = x[e >> 4];
+            const float dx = xd[e >> 5];
+            const int xs = HAS_OFFSET ? xsum[e >> 4] : 0;
+            [[unroll]] for (uint r = 0; r < ROWS; r++) {
+                const float t = cm[r].x * float(run_idot(q[base + r], j, xq, xs));
+                acc[r * NB + b] += dx * (HAS_MIN ? t + cm[r].y * float(xs) : t);
+            }
+        }
+    }
+#else
+    [[unroll]] for (uint j = 0; j < RUNS; j++) {
+        vec4 wv[ROWS * (RUN / 4)];  // run j of every row, decoded once for all activation rows
+        vec2 cm[ROWS];
+        [[unroll]] for (uint r = 0; r < ROWS; r++) {
+            cm[r] = run_coeffs(q[base + r], u, j);
+            [[unroll]] for (uint i = 0; i < RUN / 4; i++) wv[r * (RUN / 4) + i] = run_levels(q[base + r], j, i);
+        }
+        const uint e = x_run(u, j);
+        [[unroll]] for (uint b = 0; b < NB; b++) {
+            vec4 xv[RUN / 4];
+            vec4 s4 = vec4(0.0);
+            [[unroll]] for (uint i = 0; i < RUN / 4; i++) {
+                const vec4 v = load_x4(b, e + 4 * i);
+                s4 += v;
+                xv[i] = v * x_factor(j);
+            }
+            const float xs = HAS_OFFSET ? hsum(s4) : 0.0;
+            [[unroll]] for (uint r = 0; r < ROWS; r++) {
+                vec4 d4 = vec4(0.0);
+                [[unroll]] for (uint i = 0; i < RUN / 4; i++) d4 += wv[r * (RUN / 4) + i] * xv[i];
+                acc[r * NB + b] += cm[r].x * hsum(d4) + (HAS_OFFSET ? cm[r].y * xs : 0.0);
+            }
+        }
+    }
+#endif
+}
+
 void main() {
     const uint tid = gl_LocalInvocationID.x;
+    const uint wg_linear = gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x;
 #ifdef EXPERT_IDS
     // pairs vary fastest, so neighbouring workgroups read the same rows, of the same expert when pairs share it
-    const uint wg_index = gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x;
-    if (wg_index >= pc.n_pairs * ((pc.n_rows + ROWS - 1) / ROWS)) return;  // grid padding (whole workgroups)
-    pair = wg_index % pc.n_pairs;
+    if (wg_linear >= pc.n_pairs * ((pc.n_rows + ROWS - 1) / ROWS)) return;  // grid padding (whole workgroups)
+    pair = wg_linear % pc.n_pairs;
     x_row0 = pair / pc.x_div;
-    const uint row0 = (wg_index / pc.n_pairs) * ROWS;
+    const uint row0 = (wg_linear / pc.n_pairs) * ROWS;
     const uint wrow0 = min(ids[pair], pc.n_experts - 1) * pc.n_rows;
+#elif defined(SG_ROWS)
+    const uint lane = tid % TPR;
+    const uint row0 = (wg_linear * (WG / TPR) + tid / TPR) * ROWS;
+    const uint wrow0 = 0;
 #else
-    const uint row0 = (gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x) * ROWS;
+    const uint row0 = wg_linear * ROWS;
     const uint wrow0 = 0;
 #endif
     const uint units = pc.k / UNIT_ELEMS;
 
-    float acc[ROWS * NB];
     [[unroll]] for (uint i = 0; i < ROWS * NB; i++) acc[i] = 0.0;
 
-#ifdef INT_DOT
-    for (uint u = tid; u < units; u += WG) {
-        Unit q[ROWS];
-        [[unroll]] for (uint r = 0; r < ROWS; r++) {
-            q[r] = load_unit(wrow0 + min(row0 + r, pc.n_rows - 1), u);  // clamped: out-of-range rows compute, never store
-        }
-        [[unroll]] for (uint j = 0; j < RUNS; j++) {
-            vec2 cm[ROWS];
-            [[unroll]] for (uint r = 0; r < ROWS; r++) cm[r] = run_coeffs(q[r], u, j);
-            const uint e0 = x_run(u, j);
-            [[unroll]] for (uint b = 0; b < NB; b++) {
-                const uint e = X_ROW(b) * pc.k + e0;   // the run's first element in the flattened x
-                const uvec4 xq = x[e >> 4];
-                const float dx = xd[e >> 5];
-                const int xs = HAS_OFFSET ? xsum[e >> 4] : 0;
-                [[unroll]] for (uint r = 0; r < ROWS; r++) {
-                    const float t = cm[r].x * float(run_idot(q[r], j, xq, xs));
-                    acc[r * NB + b] += dx * (HAS_MIN ? t + cm[r].y * float(xs) : t);
-                }
+#ifdef SG_ROWS
+    const uint group_units = row0 < pc.n_rows ? units : 0;   // a group past the last row only joins the sums
+    for (uint u0 = lane; u0 < group_units; u0 += TPR * UNROLL) {
+        [[unroll]] for (uint t = 0; t < UNROLL; t++) {
+            const uint u = min(u0 + t * TPR, units - 1);   // past the row's end: a repeat, loaded but not added
+            [[unroll]] for (uint r = 0; r < ROWS; r++) {
+                q[t * ROWS + r] = load_unit(min(row0 + r, pc.n_rows - 1), u);  // clamped rows compute, never store
             }
         }
+        [[unroll]] for (uint t = 0; t < UNROLL; t++) {
+            if (u0 + t * TPR < units) accumulate(t * ROWS, u0 + t * TPR);
+        }
+    }
+    // a butterfly over the group's TPR lanes leaves every lane with the same sum; lane i % TPR stores sum i
+    [[unroll]] for (uint i = 0; i < ROWS * NB; i++) {
+        float v = acc[i];
+        [[unroll]] for (uint m = TPR / 2; m > 0; m >>= 1) v += subgroupShuffleXor(v, m);
+        if (lane == i % TPR) store(row0, i, v);
     }
 #else
     for (uint u = tid; u < units; u += WG) {
-        Unit q[ROWS];
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
             q[r] = load_unit(wrow0 + min(row0 + r, pc.n_rows - 1), u);  // clamped: out-of-range rows compute, never store
         }
-        [[unroll]] for (uint j = 0; j < RUNS; j++) {
-            vec4 wv[ROWS * (RUN / 4)];  // run j of every row, decoded once for all activation rows
-            vec2 cm[ROWS];
-            [[unroll]] for (uint r = 0; r < ROWS; r++) {
-                cm[r] = run_coeffs(q[r], u, j);
-                [[unroll]] for (uint i = 0; i < RUN / 4; i++) wv[r * (RUN / 4) + i] = run_levels(q[r], j, i);
-            }
-            const uint e = x_run(u, j);
-            [[unroll]] for (uint b = 0; b < NB; b++) {
-                vec4 xv[RUN / 4];
-                vec4 s4 = vec4(0.0);
-                [[unroll]] for (uint i = 0; i < RUN / 4; i++) {
-                    const vec4 v = load_x4(b, e + 4 * i);
-                    s4 += v;
-                    xv[i] = v * x_factor(j);
-                }
-                const float xs = HAS_OFFSET ? hsum(s4) : 0.0;
-                [[unroll]] for (uint r = 0; r < ROWS; r++) {
-                    vec4 d4 = vec4(0.0);
-                    [[unroll]] for (uint i = 0; i < RUN / 4; i++) d4 += wv[r * (RUN / 4) + i] * xv[i];
-                    acc[r * NB + b] += cm[r].x * hsum(d4) + (HAS_OFFSET ? cm[r].y * xs : 0.0);
-                }
-            }
-        }
+        accumulate(0, u);
     }
-#endif
 
     // workgroup reduction of the ROWS * NB partial sums
     if (USE_SUBGROUP) {
@@ -225,4 +266,5 @@ void main() {
         }
         for (uint i = tid; i < ROWS * NB; i += WG) store(row0, i, red[i * WG]);
     }
+#endif
 }

@@ -17,6 +17,11 @@ layout(set = 0, binding = 4) readonly buffer Lens { int context_lens[]; };    //
 layout(set = 0, binding = 5) writeonly buffer Out { float o[]; };           // [B, Hq, D]
 layout(set = 0, binding = 6) writeonly buffer PartOut { float part_o[]; };  // [B, Hq, max_parts, D]
 layout(set = 0, binding = 7) writeonly buffer PartML { vec2 part_ml[]; };   // [B, Hq, max_parts] (max, sum)
+// -DQ8_OUT: the output written (unsplit) as the integer matvec's input instead of `o` (q8_store.glsl; bound in
+// both modes, as the interface parser does not preprocess)
+layout(set = 0, binding = 8) writeonly buffer XQ { uint xq[]; };
+layout(set = 0, binding = 9) writeonly buffer XD { float xd[]; };
+layout(set = 0, binding = 10) writeonly buffer XS { int xs[]; };
 
 layout(push_constant) uniform Push {
     uint num_kv_heads;
@@ -29,6 +34,7 @@ layout(push_constant) uniform Push {
 } pc;
 
 #include "attention_common.glsl"
+#include "q8_store.glsl"
 
 uint seq_id() { return gl_WorkGroupID.z; }
 uint kv_head() { return gl_WorkGroupID.y; }
@@ -71,15 +77,29 @@ void main() {
             } else {
                 const float l = sL[r];
                 const vec4 v = l > 0.0 ? acc[j] / l : vec4(0.0);
+#ifdef Q8_OUT
+                sQ[i] = v;   // the queries are consumed: sQ holds the output rows for their quantization
+#else
                 const uint base = (head0 + r) * HEAD_SIZE + e;
                 o[base] = v.x;
                 o[base + 1] = v.y;
                 o[base + 2] = v.z;
                 o[base + 3] = v.w;
+#endif
             }
         }
     }
     if (pc.part_tokens > 0) {
         for (uint r = tid; r < ROWS; r += WG) part_ml[(head0 + r) * pc.max_parts + part] = vec2(sM[r], sL[r]);
     }
+#ifdef Q8_OUT
+    if (pc.part_tokens == 0) {   // uniform: a push constant
+        barrier();
+        for (uint blk = tid; blk < ROWS * HEAD_SIZE / 32; blk += WG) {
+            vec4 v[8];
+            [[unroll]] for (uint i = 0; i < 8; i++) v[i] = sQ[blk * 8 + i];
+            store_q8_block(head0 * (HEAD_SIZE / 32) + blk, v);
+        }
+    }
+#endif
 }

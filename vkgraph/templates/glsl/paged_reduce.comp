@@ -10,6 +10,11 @@ layout(set = 0, binding = 0) readonly buffer PartOut { float part_o[]; };  // [B
 layout(set = 0, binding = 1) readonly buffer PartML { vec2 part_ml[]; };   // [B, Hq, max_parts]
 layout(set = 0, binding = 2) readonly buffer Lens { int context_lens[]; };
 layout(set = 0, binding = 3) writeonly buffer Out { float o[]; };           // [B, Hq, D]
+// -DQ8_OUT (with -DHEAD_SIZE): the output written as the integer matvec's input instead of `o` (q8_store.glsl;
+// bound in both modes, as the interface parser does not preprocess)
+layout(set = 0, binding = 4) writeonly buffer XQ { uint xq[]; };
+layout(set = 0, binding = 5) writeonly buffer XD { float xd[]; };
+layout(set = 0, binding = 6) writeonly buffer XS { int xs[]; };
 
 layout(push_constant) uniform Push {
     uint num_heads;
@@ -17,6 +22,11 @@ layout(push_constant) uniform Push {
     uint part_tokens;
     uint max_parts;
 } pc;
+
+#include "q8_store.glsl"
+#ifdef Q8_OUT
+shared float sv[HEAD_SIZE];
+#endif
 
 void main() {
     const uint seq = gl_WorkGroupID.y, head = seq * pc.num_heads + gl_WorkGroupID.x;
@@ -39,6 +49,20 @@ void main() {
             }
             v /= l;
         }
+#ifdef Q8_OUT
+        sv[d] = v;
+#else
         o[head * pc.head_size + d] = v;
+#endif
     }
+#ifdef Q8_OUT
+    barrier();
+    for (uint blk = gl_LocalInvocationID.x; blk < HEAD_SIZE / 32; blk += WG) {
+        vec4 v[8];
+        [[unroll]] for (uint i = 0; i < 8; i++) {
+            v[i] = vec4(sv[blk * 32 + 4 * i], sv[blk * 32 + 4 * i + 1], sv[blk * 32 + 4 * i + 2], sv[blk * 32 + 4 * i + 3]);
+        }
+        store_q8_block(head * (HEAD_SIZE / 32) + blk, v);
+    }
+#endif
 }

@@ -25,6 +25,8 @@ layout(push_constant) uniform Push {
     uint groups_x;    // workgroups along x (blocks are spread over x and y)
 } pc;
 
+#include "q8_store.glsl"
+
 vec4 load4(uint i) {
 #ifdef A_F16
     return unpack_half4(x[i]);
@@ -37,22 +39,6 @@ void main() {
     const uint blk = (gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x) * WG + gl_LocalInvocationID.x;
     if (blk >= pc.n_blocks) return;
     vec4 v[8];
-    float amax = 0.0;
-    [[unroll]] for (uint i = 0; i < 8; i++) {
-        v[i] = load4(blk * 8 + i);
-        const vec4 a = abs(v[i]);
-        amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
-    }
-    const float d = amax / 127.0;
-    const float id = d > 0.0 ? 1.0 / d : 0.0;
-    int sum[2] = int[2](0, 0);
-    [[unroll]] for (uint i = 0; i < 8; i++) {
-        const ivec4 q = clamp(ivec4(roundEven(v[i] * id)), -127, 127);
-        sum[i / 4] += (q.x + q.y) + (q.z + q.w);
-        const uvec4 b = uvec4(q) & 0xFFu;
-        xq[blk * 8 + i] = b.x | (b.y << 8) | (b.z << 16) | (b.w << 24);
-    }
-    xd[blk] = d;
-    xs[2 * blk] = sum[0];
-    xs[2 * blk + 1] = sum[1];
+    [[unroll]] for (uint i = 0; i < 8; i++) v[i] = load4(blk * 8 + i);
+    store_q8_block(blk, v);
 }

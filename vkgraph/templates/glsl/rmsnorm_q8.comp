@@ -17,6 +17,8 @@ layout(push_constant) uniform Push {
     float eps;
 } pc;
 
+#include "q8_store.glsl"
+
 void main() {
     const uint row = gl_WorkGroupID.x;
     const uint base = row * (pc.n / 4);
@@ -29,24 +31,7 @@ void main() {
     const uint blocks = pc.n / 32;
     for (uint b = gl_LocalInvocationID.x; b < blocks; b += WG) {
         vec4 v[8];
-        float amax = 0.0;
-        [[unroll]] for (uint i = 0; i < 8; i++) {
-            v[i] = x[base + b * 8 + i] * inv * w[b * 8 + i];
-            const vec4 a = abs(v[i]);
-            amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
-        }
-        const float d = amax / 127.0;
-        const float id = d > 0.0 ? 1.0 / d : 0.0;
-        const uint blk = row * blocks + b;
-        int sum[2] = int[2](0, 0);
-        [[unroll]] for (uint i = 0; i < 8; i++) {
-            const ivec4 q = clamp(ivec4(roundEven(v[i] * id)), -127, 127);
-            sum[i / 4] += (q.x + q.y) + (q.z + q.w);
-            const uvec4 c = uvec4(q) & 0xFFu;
-            xq[blk * 8 + i] = c.x | (c.y << 8) | (c.z << 16) | (c.w << 24);
-        }
-        xd[blk] = d;
-        xs[2 * blk] = sum[0];
-        xs[2 * blk + 1] = sum[1];
+        [[unroll]] for (uint i = 0; i < 8; i++) v[i] = x[base + b * 8 + i] * inv * w[b * 8 + i];
+        store_q8_block(row * blocks + b, v);
     }
 }

@@ -1,0 +1,134 @@
+"""The matvec launches side by side on a decode step's shapes: GB/s of weight bytes, PyTorch's float16 beside.
+
+    python benchmarks/bench_matvec_launch.py [--formats Q4_0,Q8_0,Q4_K] [--batches 1,8,32] [--shapes 8b,1b]
+                                             [--sweep] [--reps 10]
+
+For each format, shape (the products of a Llama-3-8B or Llama-3.2-1B layer and the head) and batch, the product
+alone is timed (benchmarks/common.replay_us: 100 calls captured into one command graph, replayed; weights cycled
+through copies past the L2) with the activations already quantized to int8 where the integer path runs (as
+the fused decode step feeds it: no quantization kernel in the time), in both launches:
+- workgroup: a workgroup per few rows, shared-memory reduction (VKGRAPH_MATVEC_LAUNCH=workgroup), 8 rows a call;
+- subgroup: groups of a subgroup's lanes per few rows, several units in flight (VKGRAPH_MATVEC_LAUNCH=subgroup).
+Batches past 8 run the workgroup launch as calls of 8 rows (as the decode step did) and the subgroup launch
+as one call. "us" is the GPU time of the whole product; "torch" is torch.matmul of float16 W [N, K] by
+float16 x [K, batch] (CUDA events), in GB/s of its own float16 weight bytes. --sweep also times
+subgroup-launch configurations around the chosen one (rows per group, units in flight, workgroup size) and
+prints the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import numpy as np
+from bench_kernels import _copies, _random_weights, _release_weights
+from common import cuda_torch, replay_us, torch_time_us
+
+from vkgraph.quant import FORMATS
+from vkgraph.runtime import get_device
+from vkgraph.templates import matvec as mv
+
+SHAPES = {"8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+                 ("head", 128256, 4096)],
+          "1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
+                 ("head", 128256, 2048)],
+          "smoke": [("small", 96, 512)]}  # a check that the script runs (lavapipe)
+SWEEP = [(wg, rows, unroll) for wg in (64, 128, 256) for rows in (1, 2, 4) for unroll in (1, 2, 4, 8)]
+
+
+def _acts(dev, rng, batch: int, k: int, int_dot: bool):
+    """batch rows of random activations: float32, or quantized for the integer path (one buffer, Q8Acts)."""
+    xs = rng.standard_normal((batch, k)).astype(np.float32)
+    x = dev.alloc(xs.nbytes)
+    dev.upload(x, xs)
+    if not int_dot:
+        return x, [x]
+    xq, xd, xsum = mv.quantize_activations(dev, x, batch, k)
+    return mv.Q8Acts(xq, xd, xsum), [x, xq, xd, xsum]
+
+
+def _rows(x, r0: int, count: int, k: int):
+    return x.rows(r0, count, k) if isinstance(x, mv.Q8Acts) else x.view(r0 * k * 4, count * k * 4)
+
+
+def product_us(dev, ws, x, y, batch: int, cfg: mv.MatvecConfig, reps: int) -> float:
+    """GPU microseconds of one product of `batch` rows: one call, or calls of 8 rows for the workgroup launch."""
+    n, k = ws[0].shape
+    per_call = mv.MAX_BATCH_SUBGROUP if cfg.tpr else mv.MAX_BATCH
+    calls = itertools.count()
+
+    def run() -> None:
+        w = ws[next(calls) % len(ws)]
+        for r0 in range(0, batch, per_call):
+            b = min(per_call, batch - r0)
+            xin = _rows(x, r0, b, k) if batch > b else x
+            mv.matvec(dev, w, xin, b, out=y.view(r0 * n * 4, b * n * 4) if batch > b else y, config=cfg)
+
+    return replay_us(dev, run, reps)
+
+
+def _torch_gbs(n: int, k: int, batch: int, reps: int) -> str:
+    torch = cuda_torch()
+    if torch is None:
+        return "-"
+    nbytes = n * k * 2
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(_copies(nbytes))]
+    x = torch.randn(k, batch, device="cuda", dtype=torch.float16)
+    it = itertools.count()
+    us = torch_time_us(torch, lambda: torch.matmul(ws[next(it) % len(ws)], x), reps)
+    return f"{nbytes / us / 1e3:.0f}"
+
+
+def _cell(nbytes: int, us: float) -> str:
+    return f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default="Q4_0,Q8_0,Q4_K")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--shapes", default="8b", help="comma-separated: 8b, 1b, smoke")
+    ap.add_argument("--sweep", action="store_true", help="also sweep subgroup-launch configurations")
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    dev = get_device()
+    rng = np.random.default_rng(0)
+    batches = [int(b) for b in a.batches.split(",")]
+    print(f"{dev.info.name}: GB/s of weight bytes and us per product (int8 activations where the integer path "
+          f"runs); torch: float16 W, its own bytes")
+    print(f"{'fmt':>5s} {'shape':>4s} {'product':>8s} {'N x K':>13s} {'batch':>5s} {'workgroup GB/s us':>18s} "
+          f"{'subgroup GB/s us':>17s} {'ratio':>6s} {'torch':>6s}  subgroup config")
+    for fmt in a.formats.split(","):
+        f = FORMATS[fmt]
+        for shape in a.shapes.split(","):
+            for name, n, k in SHAPES[shape]:
+                nbytes = n * f.row_bytes(k)
+                if nbytes > dev.info.max_storage_buffer_range:
+                    continue
+                ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
+                for batch in batches:
+                    old = mv.choose_config(dev, f, n, k, min(batch, mv.MAX_BATCH), subgroup_rows=False)
+                    new = mv.choose_config(dev, f, n, k, batch, subgroup_rows=True)
+                    x, bufs = _acts(dev, rng, batch, k, new.int_dot)
+                    y = dev.alloc(batch * n * 4)
+                    t_old = product_us(dev, ws, x, y, batch, old, a.reps)
+                    t_new = product_us(dev, ws, x, y, batch, new, a.reps)
+                    print(f"{fmt:>5s} {shape:>4s} {name:>8s} {n:>6d}x{k:<6d} {batch:>5d} {_cell(nbytes, t_old):>18s} "
+                          f"{_cell(nbytes, t_new):>17s} {t_old / t_new:6.2f} {_torch_gbs(n, k, batch, 50):>6s}  "
+                          f"wg{new.wg} r{new.rows} tpr{new.tpr} u{new.unroll}", flush=True)
+                    if a.sweep:
+                        found = {}
+                        for wg, rows, unroll in SWEEP:
+                            cfg = mv.MatvecConfig(wg, rows, True, new.int_dot, new.tpr, unroll)
+                            found[(wg, rows, unroll)] = product_us(dev, ws, x, y, batch, cfg, max(3, a.reps // 2))
+                        top = sorted(found, key=found.get)[:3]
+                        print("      best: " + ", ".join(f"wg{c[0]} r{c[1]} u{c[2]} {_cell(nbytes, found[c])}"
+                                                     for c in top), flush=True)
+                    for buf in (*bufs, y):
+                        buf.release()
+                _release_weights(ws)
+
+
+if __name__ == "__main__":
+    main()
