@@ -38,15 +38,17 @@ def _copies(nbytes: int, cap: int = 16) -> int:
     return max(1, min(cap, -(-COPY_BYTES // nbytes)))
 
 
-def _random_weights(dev, rng, fmt: str, n: int, k: int) -> mv.DeviceWeights:
-    """Device weights in the matvec layout: random valid blocks (quant.random_blocks), random bits for F16/BF16
-    (the kernels' speed ignores the values)."""
+def _weight_copies(dev, rng, fmt: str, n: int, k: int) -> list[mv.DeviceWeights]:
+    """Device weights in the matvec layout, uploaded into enough copies to exceed the L2 cache: random valid blocks
+    (quant.random_blocks), random bits for F16/BF16 (the kernels' speed ignores the values). One host array serves
+    every copy: generating blocks in numpy is the slow part of the sweep (0.2-0.3 s per 14336x4096 matrix, which
+    generated per copy and per column took the 8-format table past 100 s)."""
     f = FORMATS[fmt]
     if f.block_size == 1:
         qt = quant.QuantizedTensor(rng.integers(0, 256, (n, f.row_bytes(k)), dtype=np.uint8), f, (n, k))
     else:
         qt = quant.random_blocks(rng, f, n, k, d_range=(1e-3, 1e-2))
-    return mv.upload_weights(dev, qt)
+    return [mv.upload_weights(dev, qt) for _ in range(_copies(n * f.row_bytes(k)))]
 
 
 def _release_weights(ws: list[mv.DeviceWeights]) -> None:
@@ -68,23 +70,26 @@ def matvec_us(dev, ws: list[mv.DeviceWeights], x, y, batch: int, cfg: mv.MatvecC
 
 
 def _matvec_row(dev, rng, cols: list[tuple[str, bool]], n: int, k: int, reps: int) -> list[str]:
-    """GB/s of weight bytes of each (format, integer path) column for one shape, chosen configuration."""
-    row = []
-    for fmt, dot in cols:
+    """GB/s of weight bytes of each (format, integer path) column for one shape, chosen configuration; a format's
+    columns share its weights."""
+    cells: dict[tuple[str, bool], str] = {}
+    for fmt in dict.fromkeys(f for f, _ in cols):
+        paths = [dot for f, dot in cols if f == fmt]
         nbytes = n * FORMATS[fmt].row_bytes(k)
         if nbytes > dev.info.max_storage_buffer_range:
-            row.append(f"{'-':>9s}")
+            cells.update({(fmt, dot): f"{'-':>9s}" for dot in paths})
             continue
-        ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
+        ws = _weight_copies(dev, rng, fmt, n, k)
         x = dev.alloc(k * 4)
         dev.upload(x, rng.standard_normal(k).astype(np.float32))
         y = dev.alloc(n * 4)
-        us = matvec_us(dev, ws, x, y, 1, mv.choose_config(dev, FORMATS[fmt], n, k, 1, int_dot=dot), reps)
-        row.append(f"{nbytes / us / 1e3:9.0f}")
+        for dot in paths:
+            us = matvec_us(dev, ws, x, y, 1, mv.choose_config(dev, FORMATS[fmt], n, k, 1, int_dot=dot), reps)
+            cells[fmt, dot] = f"{nbytes / us / 1e3:9.0f}"
         x.release()
         y.release()
         _release_weights(ws)
-    return row
+    return [cells[c] for c in cols]
 
 
 def bench_matvec(dev, rng, reps: int, formats: list[str] = MATVEC_FORMATS) -> None:
@@ -115,7 +120,7 @@ def bench_matvec_batches(dev, rng, reps: int, shape=(14336, 4096), formats=("Q4_
     print(f"{'format':>6s} {'batch':>5s} " + " ".join(f"{'int8' if dot else 'float':>22s}" for dot in paths))
     for fmt in formats:
         nbytes = n * FORMATS[fmt].row_bytes(k)
-        ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
+        ws = _weight_copies(dev, rng, fmt, n, k)
         for batch in (1, 2, 4, 8):
             x = dev.alloc(batch * k * 4)
             dev.upload(x, rng.standard_normal(batch * k).astype(np.float32))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from bench_kernels import MATVEC_SHAPES, _copies, _random_weights, _release_weights, matvec_us
+from bench_kernels import MATVEC_SHAPES, _release_weights, _weight_copies, matvec_us
 
 from vkgraph.quant import FORMATS
 from vkgraph.runtime import get_device
@@ -75,7 +75,7 @@ def main() -> None:
             nbytes = n * f.row_bytes(k)
             if nbytes > dev.info.max_storage_buffer_range:
                 continue
-            ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
+            ws = _weight_copies(dev, rng, fmt, n, k)
             for act in a.acts.split(","):
                 for batch in batches:
                     top, results, chosen = _sweep(dev, rng, f, ws, n, k, batch, act, nbytes, a.reps,

@@ -8,6 +8,9 @@
 // is exact), then rounded to float16 in integer arithmetic (ties to even): packHalf2x16's rounding mode is the
 // implementation's, so the result is bit-exact to numpy's dequantize(...).astype(float16) on any device.
 // The output is written as uvec4 words, so no 16-bit storage feature is needed; K % 8 == 0 in every format.
+#if defined(W_IQ4_NL) || defined(W_IQ4_XS)
+#define IQ4_TABLE
+#endif
 #include "common.glsl"
 
 layout(local_size_x_id = 0) in;
@@ -84,6 +87,7 @@ void store_block32(uint row, uint e, uvec4 v, uint qh, float d, float m, float o
     store16(row, e + 16, hi[0], hi[1], hi[2], hi[3]);
 }
 
+#ifdef IQ4_TABLE
 // IQ4: 32 values d * IQ4_VALUES[nibble], laid out as store_block32's
 void store_iq4(uint row, uint e, uvec4 v, float d) {
     vec4 lo[4], hi[4];
@@ -94,8 +98,12 @@ void store_iq4(uint row, uint e, uvec4 v, float d) {
     store16(row, e, lo[0], lo[1], lo[2], lo[3]);
     store16(row, e + 16, hi[0], hi[1], hi[2], hi[3]);
 }
+#endif
 
 void main() {
+#ifdef IQ4_TABLE
+    iq4_init_tables();  // a barrier: before the return past the last row
+#endif
     const uint g = (gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x) * WG + gl_LocalInvocationID.x;
     const uint units = pc.k / UNIT_ELEMS;
     const uint row = g / units, u = g % units;

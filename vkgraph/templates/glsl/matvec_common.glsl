@@ -12,8 +12,8 @@
 // the format folds its offsets (-8d for Q4_0, ...) into m instead of subtracting them per element.
 // The per-invocation sums are reduced with subgroupAdd (USE_SUBGROUP) or a shared-memory tree.
 //
-// The format file defines RUN, RUNS, UNIT_ELEMS, HAS_OFFSET, HAS_MIN (INT_DOT, below) and `struct Unit` (a
-// unit's raw words), then
+// The format file defines RUN, RUNS, UNIT_ELEMS, HAS_OFFSET, HAS_MIN (INT_DOT, below), IQ4_TABLE where it looks
+// levels up in common.glsl's shared tables, and `struct Unit` (a unit's raw words), then
 //   Unit load_unit(uint row, uint u)                   the loads of unit u of `row`
 //   uint x_run(uint u, uint j)                         the first element of run j of unit u
 //   vec4 run_levels(Unit q, uint j, uint i)            weights 4i..4i+3 of run j, each possibly times a power
@@ -194,6 +194,9 @@ void accumulate(uint base, uint u) {
 }
 
 void main() {
+#ifdef IQ4_TABLE
+    iq4_init_tables();  // a barrier: before the grid padding's return
+#endif
     const uint tid = gl_LocalInvocationID.x;
     const uint wg_linear = gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x;
 #ifdef EXPERT_IDS
