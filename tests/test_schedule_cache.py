@@ -139,6 +139,25 @@ def test_realized_nodes_are_reused_and_not_recomputed():
         np.testing.assert_allclose(z.numpy(), np.exp(x.numpy()).sum(1, keepdims=True) + 1, rtol=1e-5)
 
 
+def test_realized_entries_go_with_their_buffer_and_ignore_writes():
+    """An entry lives as long as its buffer (the table does not keep one for a dropped tensor); an equal node
+    built later finds it; a buffer written in place since is not taken for the node's value."""
+    x, w = Tensor(data(3, 50)), Tensor(data(3, 50))
+    table = realize_mod.REALIZED._map
+    gc.collect()
+    before = len(table)
+    y = (x * w).realize()
+    assert len(table) == before + 1 and realize_mod.REALIZED.get((x * w).node) is y.node.arg[0]
+    (x * w - 1).realize()  # dropped at once
+    assert len(table) == before + 1
+    y[0] = 7.0  # written in place: the entry is stale
+    assert realize_mod.REALIZED.get((x * w).node) is None
+    np.testing.assert_allclose((x * w + 0.5).numpy(), x.numpy() * w.numpy() + 0.5, rtol=1e-6)
+    del y
+    gc.collect()
+    assert len(table) == before
+
+
 def test_rng_counters_move_on_under_the_cache():
     a = Tensor.rand(1000).numpy()
     b = Tensor.rand(1000).numpy()

@@ -89,3 +89,33 @@ def test_scalar_operands_build_the_nodes_of_the_general_path():
     ints = Tensor(g.iota(4)).cast(i8)
     assert (ints + 100).node is (ints + np.int64(100)).node  # weak both ways: the tensor's dtype
     assert (ints / 2).node is (ints / np.int64(2)).node  # true division computes in float32
+
+
+def test_same_dtype_operands_build_the_nodes_of_the_general_path():
+    """Two tensors of the operation's dtype skip promotion; a mixed pair goes the general way to the same nodes."""
+    x = Tensor(g.iota(6)).float().reshape(2, 3)
+    row = Tensor(g.iota(3)).float()
+    assert (x - row).node is g.alu(Op.SUB, f32, x.node, row.reshape(1, 3).expand(2, 3).node)
+    assert (row - x).node is g.alu(Op.SUB, f32, row.reshape(1, 3).expand(2, 3).node, x.node)
+    half = Tensor(g.iota(3)).cast(dtypes.float16)
+    mixed = x - half  # float32 - float16: the general path, half cast to float32 and broadcast
+    assert mixed.node is (x - half.float()).node
+    assert (row / row).node is row.div(row).node and (row / row).node.op is Op.DIV
+    ints = Tensor(g.iota(3))
+    assert (ints / ints).dtype is f32  # true division promotes: not the same-dtype path's result
+
+
+def test_float32_constants_round_as_numpy():
+    """Constants round to float32 as numpy's cast does: ties to even, subnormals, overflow to infinity, NaN."""
+    import struct
+    import warnings
+    bits = np.array([0, 0x8000000000000000, 0x7FF0000000000000, 0x7FF8000000000001, 0xFFF4000000000000,
+                     0x36A0000000000000, 0x36A0000000000001, 0x369FFFFFFFFFFFFF, 0x47EFFFFFF0000000,
+                     0x47EFFFFFEFFFFFFF, 0x47EFFFFFE0000000, 0x3FF0000010000000, 0x3FF0000030000000], np.uint64)
+    values = [*bits.view(np.float64).tolist(), 1e39, -1e300, 2.0**-149, 2.0**-150, 1 / 3, 0.1]
+    for v in values:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = float(np.float32(v))
+        got = g.const(v, f32).arg
+        assert struct.pack("<d", got) == struct.pack("<d", want), (v, got, want)
