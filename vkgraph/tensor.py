@@ -84,8 +84,8 @@ def _axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
         return tuple(range(ndim))
     if type(axis) is int and -ndim <= axis < ndim:  # the common case, without the general checks
         return (axis % ndim,)
-    axes = tuple(_axis(a, ndim) for a in ((axis,) if isinstance(axis, int) else axis))
-    if len(set(axes)) != len(axes):
+    axes = tuple([_axis(a, ndim) for a in ((axis,) if isinstance(axis, int) else axis)])
+    if len(axes) > 1 and len(set(axes)) != len(axes):
         raise ValueError(f"repeated axis in {axis}")
     return axes
 
