@@ -1,7 +1,7 @@
 """The matvec launches side by side on a decode step's shapes: GB/s of weight bytes, PyTorch's float16 beside.
 
     python benchmarks/bench_matvec_launch.py [--formats Q4_0,Q8_0,Q4_K] [--batches 1,8,32] [--shapes 8b,1b]
-                                             [--sweep] [--reps 10]
+                                             [--products o,gate_up] [--sweep] [--reps 10]
 
 For each format, shape (the products of a Llama-3-8B or Llama-3.2-1B layer and the head) and batch, the product
 alone is timed (benchmarks/common.replay_us: 100 calls captured into one command graph, replayed; weights cycled
@@ -12,8 +12,8 @@ the fused decode step feeds it: no quantization kernel in the time), in both lau
 Batches past 8 run the workgroup launch as calls of 8 rows (as the decode step did) and the subgroup launch
 as one call. "us" is the GPU time of the whole product; "torch" is torch.matmul of float16 W [N, K] by
 float16 x [K, batch] (CUDA events), in GB/s of its own float16 weight bytes. --sweep also times
-subgroup-launch configurations around the chosen one (rows per group, units in flight, workgroup size) and
-prints the best.
+subgroup-launch configurations around the chosen one (rows per group, units in flight, workgroup size, group
+width) and prints the best three.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ SHAPES = {"8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096
           "1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192),
                  ("head", 128256, 2048)],
           "smoke": [("small", 96, 512)]}  # a check that the script runs (lavapipe)
-SWEEP = [(wg, rows, unroll) for wg in (64, 128, 256) for rows in (1, 2, 4) for unroll in (1, 2, 4, 8)]
+# (workgroup size, rows per group, units in flight, group width as a fraction of the chosen one)
+SWEEP = [(wg, rows, unroll, tpr_div) for wg in (128, 256) for rows in (1, 2, 4) for unroll in (1, 2, 4, 8)
+         for tpr_div in (1, 2)]
 
 
 def _acts(dev, rng, batch: int, k: int, int_dot: bool):
@@ -89,6 +91,7 @@ def main() -> None:
     ap.add_argument("--formats", default="Q4_0,Q8_0,Q4_K")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--shapes", default="8b", help="comma-separated: 8b, 1b, smoke")
+    ap.add_argument("--products", default="", help="only these products, e.g. o,gate_up (default: all)")
     ap.add_argument("--sweep", action="store_true", help="also sweep subgroup-launch configurations")
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
@@ -103,6 +106,8 @@ def main() -> None:
         f = FORMATS[fmt]
         for shape in a.shapes.split(","):
             for name, n, k in SHAPES[shape]:
+                if a.products and name not in a.products.split(","):
+                    continue
                 nbytes = n * f.row_bytes(k)
                 if nbytes > dev.info.max_storage_buffer_range:
                     continue
@@ -119,11 +124,12 @@ def main() -> None:
                           f"wg{new.wg} r{new.rows} tpr{new.tpr} u{new.unroll}", flush=True)
                     if a.sweep:
                         found = {}
-                        for wg, rows, unroll in SWEEP:
-                            cfg = mv.MatvecConfig(wg, rows, True, new.int_dot, new.tpr, unroll)
-                            found[(wg, rows, unroll)] = product_us(dev, ws, x, y, batch, cfg, max(3, a.reps // 2))
+                        for wg, rows, unroll, tpr_div in SWEEP:
+                            tpr = max(1, new.tpr // tpr_div)
+                            cfg = mv.MatvecConfig(wg, rows, True, new.int_dot, tpr, unroll)
+                            found[(wg, rows, unroll, tpr)] = product_us(dev, ws, x, y, batch, cfg, max(3, a.reps // 2))
                         top = sorted(found, key=found.get)[:3]
-                        print("      best: " + ", ".join(f"wg{c[0]} r{c[1]} u{c[2]} {_cell(nbytes, found[c])}"
+                        print("      best: " + ", ".join(f"wg{c[0]} r{c[1]} u{c[2]} tpr{c[3]} {_cell(nbytes, found[c])}"
                                                      for c in top), flush=True)
                     for buf in (*bufs, y):
                         buf.release()

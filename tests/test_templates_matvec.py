@@ -133,6 +133,16 @@ def test_matvec_launch_flag(monkeypatch):
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "subgroup")
     assert mv.choose_config(dev, fmt, 4096, 4096, 1).tpr == ("shuffle" in dev.info.subgroup_ops) * min(
         dev.info.min_subgroup_size, 32)
+    monkeypatch.setenv("VKGRAPH_MATVEC_SG", "1:64,3,2,1; 32:256,4,1")
+    if "shuffle" in dev.info.subgroup_ops:
+        cfg = mv.choose_config(dev, fmt, 4096, 4096, 1)
+        assert (cfg.wg, cfg.rows, cfg.tpr) == (64, 3, 1) and cfg.unroll in (1, 2)  # one on a CPU device
+        assert mv.choose_config(dev, fmt, 4096, 4096, 32).rows == 4
+    for bad in ("3:64,1,1", "1:64,1", "1:64,0,1", "1:a,1,1", "64,1,1"):
+        monkeypatch.setenv("VKGRAPH_MATVEC_SG", bad)
+        with pytest.raises(ValueError, match="VKGRAPH_MATVEC_SG"):
+            mv.choose_config(dev, fmt, 4096, 4096, 1)
+    monkeypatch.delenv("VKGRAPH_MATVEC_SG")
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "sometimes")
     with pytest.raises(ValueError, match="VKGRAPH_MATVEC_LAUNCH"):
         mv.choose_config(dev, fmt, 4096, 4096, 1)

@@ -188,14 +188,33 @@ def _subgroup_rows_config(dev: Device, n: int, units: int, bucket: int, int_dot:
     """SG_PREFERRED with the group as wide as the row's units allow (`unroll` units per invocation at least),
     within the device's smallest subgroup; the workgroup a whole number of the largest subgroups."""
     info = dev.info
-    wg, rows, unroll = SG_PREFERRED[bucket]
-    tpr = max(1, min(info.min_subgroup_size, 32, pow2_floor(max(units // unroll, 1))))
+    wg, rows, unroll, tpr = sg_overrides().get(bucket, (*SG_PREFERRED[bucket], 0))
+    if not tpr:
+        tpr = max(1, min(info.min_subgroup_size, 32, pow2_floor(max(units // unroll, 1))))
     # no more units in flight than a row has per invocation; a CPU device has no memory latency to hide, and
     # unrolled bodies only lengthen its compiles
     unroll = 1 if info.device_type == "cpu" else max(1, min(unroll, -(-units // tpr)))
     groups = -(-n // rows)  # no more groups per workgroup than the rows need
     wg = max(min(wg, (1 << (groups - 1).bit_length()) * tpr), info.max_subgroup_size, tpr)
     return MatvecConfig(wg, rows, True, int_dot, tpr, unroll)
+
+
+def sg_overrides() -> dict[int, tuple[int, int, int, int]]:
+    """VKGRAPH_MATVEC_SG: SG_PREFERRED entries replaced without a code change, e.g. "1:128,2,4;32:256,4,1,16"
+    (activation rows bucket: workgroup size, rows per group, units in flight[, group width; else derived])."""
+    text = flag("VKGRAPH_MATVEC_SG").strip()
+    out = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        try:
+            bucket, values = entry.split(":")
+            nums = [int(v) for v in values.split(",")]
+            if int(bucket) not in SG_PREFERRED or len(nums) not in (3, 4) or min(nums) < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"VKGRAPH_MATVEC_SG entry {entry!r}: expected ROWS_BUCKET:WG,ROWS,UNROLL[,TPR] with a "
+                             f"bucket in {sorted(SG_PREFERRED)}") from None
+        out[int(bucket)] = (nums[0], nums[1], nums[2], nums[3] if len(nums) == 4 else 0)
+    return out
 
 
 def subgroup_rows_default(dev: Device) -> bool:
