@@ -28,13 +28,14 @@ ALLOWED: dict[str, set[str]] = {
     "graph": {"dtype", "view", "interrupts"},
     "schedule": {"graph", "view", "dtype"},
     "codegen": {"schedule", "graph", "view", "dtype", "caches", "flags"},
-    "templates": {"runtime", "quant", "flags"},
+    # the quantized prefill product reuses codegen's cooperative-matrix tiling (codegen never imports templates)
+    "templates": {"runtime", "quant", "flags", "codegen", "dtype"},
     "realize": {"codegen", "schedule", "graph", "view", "dtype", "runtime", "flags", "caches", "interrupts"},
     "tensor": {"realize", "graph", "view", "dtype"},
     "jit": {"tensor", "realize", "graph", "runtime", "caches", "interrupts"},
     "warmup": {"jit", "tensor", "runtime", "flags"},  # runs a function once to fill the compile caches
     # model code speaks Tensors: templates enter as graph ops (nn/template_ops.py); no runtime, no buffers
-    "nn": {"jit", "tensor", "realize", "templates", "quant", "dtype", "view"},
+    "nn": {"jit", "tensor", "realize", "templates", "quant", "dtype", "view", "flags"},
     # tensor parallel: model shards (nn) on several devices (runtime), one thread per rank
     "parallel": {"nn", "runtime", "tensor", "flags", "jit", "graph", "dtype", "templates"},
     "distributed": {"nn", "parallel", "tensor"},  # the same ranks as Ray actors, across processes and hosts

@@ -693,7 +693,7 @@ def _skip_driver_teardown_at_exit() -> None:
         return
     try:
         libc = ctypes.CDLL(None)
-        on_exit, exit_now = libc.on_exit, libc._exit
+        on_exit, exit_now = libc["on_exit"], libc["_exit"]
     except (OSError, AttributeError):
         return
     on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
