@@ -3,6 +3,7 @@
     python benchmarks/bench_matmul.py                 # float16 and bfloat16 (where offered), default tiles
     python benchmarks/bench_matmul.py --tune          # first search tile configurations per shape (codegen.tune)
     python benchmarks/bench_matmul.py --quant Q4_0,Q8_0   # the prefill products over quantized weights
+    python benchmarks/bench_matmul.py --quant Q4_0,Q8_0 --tune   # the same, each product's tiles searched first
 
 Shapes (M x K @ K x N): 4096^3, and the Llama-3-8B prefill products of 512 tokens, with the weight stored
 (N, K) and read transposed as `x @ w.T` is (the attention and MLP projections). GPU time per product: vkgraph's
@@ -35,6 +36,7 @@ from vkgraph.nn.template_ops import QuantLinear  # noqa: E402
 from vkgraph.quant import random_blocks  # noqa: E402
 from vkgraph.runtime import get_device  # noqa: E402
 from vkgraph.schedule import Kernel  # noqa: E402
+from vkgraph.templates import matmul_quant as mq  # noqa: E402
 from vkgraph.tensor import Tensor  # noqa: E402
 from vkgraph.view import ShapeTracker  # noqa: E402
 
@@ -83,8 +85,42 @@ SHAPES = [("4096^3", 4096, 4096, 4096, False), ("prefill 512x4096 @ 4096x4096 (w
           ("prefill 512x14336 @ 14336x4096 (w.T)", 512, 14336, 4096, True)]
 
 
-def quant(formats: list[str], reps: int, torch: Any) -> None:
-    """TFLOP/s of the prefill products over quantized weights, both vkgraph paths and torch float16."""
+def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 10) -> dict:
+    """Time templates.matmul_quant in every tile of matmul_coop.CONFIGS that fits the device and takes whole
+    blocks, on QuantLinear lin's weights and the float16 rows x; record the fastest for the product's class
+    (codegen.tune). Returns the microseconds of each."""
+    dev = get_device()
+    lim = realize.limits()
+    n, k = lin.out_features, lin.in_features
+    frag = matmul_coop.fragment(lim, "float16")
+    bufs = [t.realize().node.arg[0].buf for t in lin.tensors]  # the weight Tensors' device buffers
+    lin.weights.bind(dev, bufs[0], bufs[1])
+    out = dev.alloc(m * n * 4)
+    times = {}
+    for cfg in matmul_coop.CONFIGS:
+        if not cfg.fits(frag, lim) or cfg.bk % mq.BLOCK or k % cfg.bk:
+            continue
+        for _ in range(5):  # compile, then let the clocks rise
+            mq.matmul_quant(dev, lim, lin.weights, x, m, cfg, out=out)
+        dev.synchronize()
+        bursts = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(reps):
+                mq.matmul_quant(dev, lim, lin.weights, x, m, cfg, out=out)
+            dev.synchronize()
+            bursts.append((time.perf_counter() - t) / reps * 1e6)
+        times[cfg] = sorted(bursts)[1]
+    best = min(times, key=times.get)
+    tune.record(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device), mq.shape_class(lin.format, m, n, k), best)
+    realize.forget_limits()
+    out.release()
+    return times
+
+
+def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False) -> None:
+    """TFLOP/s of the prefill products over quantized weights, both vkgraph paths and torch float16; with
+    tune_tiles, each product's tiles are searched first (search_quant)."""
     dev = get_device()
     rng = np.random.default_rng(0)
     print(f"\n{'quantized prefill product':40s}{'coop':>8s}{'f16 copy':>10s}{'torch f16':>11s}{'ratio':>7s}  tile")
@@ -93,6 +129,12 @@ def quant(formats: list[str], reps: int, torch: Any) -> None:
             flop = 2 * m * n * k
             lin = QuantLinear(random_blocks(rng, fmt, n, k, d_range=(1e-3, 1e-2)))
             tx = Tensor(rng.standard_normal((m, k), dtype=np.float32)).realize()
+            if tune_tiles and lin.coop_tile(m) is not None:
+                x16 = tx.cast(dtypes.float16).realize()
+                times = search_quant(lin, x16.node.arg[0].buf, m)
+                print(f"{fmt} {label}: tuned TFLOP/s " + ", ".join(
+                    f"{c.bm}x{c.bn}x{c.bk}/{c.wm}x{c.wn}/s{c.stages} {flop / t / 1e6:.0f}"
+                    for c, t in sorted(times.items(), key=lambda kv: kv[1])), flush=True)
             cells = []
             for coop in ("1", "0"):
                 os.environ["VKGRAPH_QUANT_COOP"] = coop  # read when the graph is built
@@ -126,7 +168,7 @@ def main() -> None:
         torch = None
     if args.quant:
         raise_clocks()
-        quant(args.quant.split(","), args.reps, torch)
+        quant(args.quant.split(","), args.reps, torch, args.tune)
         return
     rng = np.random.default_rng(0)
     print(f"{dev.info.name}: shared memory per workgroup {dev.info.max_shared_memory} bytes", flush=True)

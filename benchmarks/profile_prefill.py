@@ -1,10 +1,12 @@
 """Prefill tokens/s of a random-weight model, and where its GPU time goes, beside eager PyTorch float16.
 
     python benchmarks/profile_prefill.py [--shape llama3-8b] [--formats Q4_0,Q8_0] [--layers 8] [--prompt 512]
-                                         [--reps 3] [--quant-coop 1,0]
+                                         [--reps 3] [--quant-coop 1,0] [--flash 1,0]
 
-Per format and per VKGRAPH_QUANT_COOP setting (1: quantized products on cooperative matrices where the device
-has them, templates.matmul_quant; 0: a float16 copy of each weight and the generated matmul), the median
+Per format, per VKGRAPH_QUANT_COOP setting (1: quantized products on cooperative matrices where the device has
+them, templates.matmul_quant; 0: a float16 copy of each weight and the generated matmul) and per
+VKGRAPH_FLASH_PREFILL setting (1: attention on cooperative matrices, templates.flash_prefill; 0: the template
+prefill_attention), the median
 wall time of `--reps` prefills of one prompt after a clock warm-up (common.raise_clocks; each prompt new, so no
 cached prefix; the first token sampled as the engine does), then one more prefill under VKGRAPH_PROFILE, whose
 per-kernel GPU time is printed by kernel name. `--layers` keeps only the first layers of the shape (the random
@@ -66,6 +68,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quant-coop", default="1,0", help="VKGRAPH_QUANT_COOP settings to run, e.g. 1,0")
+    ap.add_argument("--flash", default="1,0", help="VKGRAPH_FLASH_PREFILL settings to run, e.g. 1,0")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per run")
     a = ap.parse_args()
     shape = dict(SHAPES[a.shape])
@@ -77,12 +80,13 @@ def main() -> None:
     print(f"{dev.info.name}: {a.shape}, {cfg.n_layers} layers, prompt {a.prompt}", flush=True)
     for fmt in a.formats.split(","):
         model = LlamaModel(random_model(cfg, fmt), num_blocks=2 * per_seq + 16, max_blocks_per_seq=per_seq)
-        for coop in a.quant_coop.split(","):
-            os.environ["VKGRAPH_QUANT_COOP"] = coop  # read when the step's graph is built
+        for coop, flash in [(c, f) for c in a.quant_coop.split(",") for f in a.flash.split(",")]:
+            # read when the step's graph is built
+            os.environ["VKGRAPH_QUANT_COOP"], os.environ["VKGRAPH_FLASH_PREFILL"] = coop, flash
             wall, per = prefill(dev, model, cfg.vocab_size, a.prompt, a.reps)
             busy = sum(v[1] for v in per.values())
-            print(f"vkgraph {fmt} quant_coop={coop}: {a.prompt / wall:.1f} tok/s ({wall * 1e3:.2f} ms; GPU busy "
-                  f"{busy / 1e3:.2f} ms in {sum(v[0] for v in per.values()):.0f} dispatches)", flush=True)
+            print(f"vkgraph {fmt} quant_coop={coop} flash={flash}: {a.prompt / wall:.1f} tok/s ({wall * 1e3:.2f} ms; "
+                  f"GPU busy {busy / 1e3:.2f} ms in {sum(v[0] for v in per.values()):.0f} dispatches)", flush=True)
             for name, (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:a.top]:
                 print(f"  {name[:44]:44s} {count:5.0f} {us / 1e3:9.3f} ms {us / busy:6.1%}")
         del model

@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 from test_templates_common import normalised_error
 
+from vkgraph.flags import flag
 from vkgraph.jit import jit
 from vkgraph.nn import template_ops
 from vkgraph.nn.template_ops import KVCache, QuantLinear, paged_decode, prefill_attention, write_kv
 from vkgraph.quant import dequantize, quantize
-from vkgraph.realize import count_kernels
+from vkgraph.realize import count_kernels, limits
 from vkgraph.tensor import Tensor
 
 
@@ -173,7 +174,9 @@ def test_prefill_attention_op():
             sc = np.where(np.tril(np.ones((b - a, b - a), bool)), sc, -np.inf)
             p = np.exp(sc - sc.max(1, keepdims=True))
             want[a:b, h] = (p / p.sum(1, keepdims=True)) @ v[a:b, kv]
-    assert nerr(got, want) < 5e-4
+    # on cooperative matrices (flash_prefill) q, k, v and the probabilities are rounded to float16
+    flash = flag("VKGRAPH_FLASH_PREFILL") and template_ops.fp.usable(limits(), d)
+    assert nerr(got, want) < (4e-3 if flash else 5e-4)
 
 
 @pytest.mark.parametrize("rows,k,launch", [(1, 64, "auto"), (11, 256, "workgroup"), (35, 256, "auto")])

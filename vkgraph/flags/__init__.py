@@ -65,6 +65,8 @@ FLAGS: dict[str, Flag] = {
              "fused templates against)"),
         Flag("VKGRAPH_QUANT_COOP", int, 1, "0 runs quantized prefill products through a float16 copy of the weights "
              "and the generated matmul instead of the kernel that dequantizes into shared memory (to measure them)"),
+        Flag("VKGRAPH_FLASH_PREFILL", int, 0, "1 runs prefill attention on cooperative matrices where the device has "
+             "them (templates.flash_prefill: float16 operands); 0 keeps the float32 template (not yet run on a GPU)"),
         Flag("VKGRAPH_FUZZ_EXAMPLES", int, 10000, "examples per long fuzz test (pytest -m slow)"),
     ]
 }

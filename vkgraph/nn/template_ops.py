@@ -17,6 +17,7 @@ from ..flags import flag
 from ..quant import ROW_ALIGN_ELEMS, QuantizedTensor, get_format
 from ..realize import has_dtype, limits
 from ..templates import dequant as dq
+from ..templates import flash_prefill as fp
 from ..templates import matmul_quant as mq
 from ..templates import matvec as mv
 from ..templates import norms
@@ -160,7 +161,7 @@ class QuantLinear:
         takes the float16 copy (another format, no cooperative matrices, VKGRAPH_QUANT_COOP=0)."""
         if self.format not in mq.FORMATS or not flag("VKGRAPH_QUANT_COOP") or not has_dtype(dtypes.float16):
             return None
-        return mq.config(limits(), rows, self.out_features, self.in_features)
+        return mq.config(limits(), rows, self.out_features, self.in_features, self.format)
 
     def _coop(self, x: Tensor, rows: int, cfg: Any, residual: Tensor | None) -> Tensor:
         w, n, k = self.weights, self.out_features, self.in_features
@@ -342,16 +343,22 @@ def paged_decode(cache: KVCache, q: Tensor, block_tables: Tensor, context_lens: 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, num_seqs: int, max_seq_len: int,
                       scale: float | None = None, window: int = 0, after: Tensor | None = None) -> Tensor:
     """Causal attention over packed prompts: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D].
-    `after`: a token (e.g. write_kv's) this op must follow in the graph."""
+    `after`: a token (e.g. write_kv's) this op must follow in the graph. With VKGRAPH_FLASH_PREFILL=1, on a device
+    with float16 cooperative matrices, it runs templates.flash_prefill, whose operands are float16."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
+    lim = limits()
+    flash = bool(flag("VKGRAPH_FLASH_PREFILL")) and fp.usable(lim, d)
 
     def run(dev: Any, out: Any, ins: list[Any]) -> None:
-        pa.prefill_attention(dev, ins[0], ins[1], ins[2], ins[3], num_seqs=num_seqs, num_tokens=t, num_heads=heads,
-                             num_kv_heads=kv_heads, head_size=d, max_seq_len=max_seq_len, kv_dtype="f32",
-                             scale=scale, window=window, out=out)
+        kw = dict(num_seqs=num_seqs, num_tokens=t, num_heads=heads, num_kv_heads=kv_heads, head_size=d,
+                  max_seq_len=max_seq_len, scale=scale, window=window, out=out)
+        if flash:
+            fp.flash_prefill(dev, lim, ins[0], ins[1], ins[2], ins[3], **kw)
+        else:
+            pa.prefill_attention(dev, ins[0], ins[1], ins[2], ins[3], kv_dtype="f32", **kw)
 
     ins = [q.float(), k.float(), v.float(),
            cu_seqlens.cast(dtypes.int32)] + ([after] if after is not None else [])
-    return custom(run, ins, (t, heads, d), dtypes.float32, key=(num_seqs, max_seq_len, scale, window),
-                  name="prefill_attention")
+    return custom(run, ins, (t, heads, d), dtypes.float32, key=(num_seqs, max_seq_len, scale, window, flash),
+                  name="flash_prefill" if flash else "prefill_attention")

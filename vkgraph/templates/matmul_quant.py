@@ -34,14 +34,24 @@ FORMATS = ("Q8_0", "Q4_0")
 BLOCK = 32  # elements per quant block of both formats: a slice is a whole number of blocks deep
 
 
-def config(lim: Limits, m: int, n: int, k: int) -> matmul_coop.Config | None:
+def shape_class(fmt: str, m: int, n: int, k: int) -> str:
+    """The key of measured tiles (codegen.tune) for products over fmt blocks: the format, then matmul_coop's class."""
+    return f"{fmt}:{matmul_coop.shape_class(m, n, k, 1, dtypes.float16)}"
+
+
+def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Config | None:
     """The tile configuration for an m x n product over K = k on this device, or None where the device has no
-    fitting float16 cooperative matrices (or k is not a whole number of blocks)."""
+    fitting float16 cooperative matrices (or k is not a whole number of blocks): the one measured for fmt's
+    products of this class (benchmarks/bench_matmul.py --quant --tune), else the float16 product's choice."""
     if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1 or k % BLOCK or m < 1 or n < 1:
         return None
     frag = matmul_coop.fragment(lim, "float16")
     if frag is None:
         return None
+    cls = shape_class(fmt, m, n, k)
+    for c, v in lim.tuned:
+        if c == cls and (cfg := matmul_coop.Config(*v)).fits(frag, lim) and cfg.bk % BLOCK == 0 and k % cfg.bk == 0:
+            return cfg
     cfg = matmul_coop.choose(m, n, k, 1, lim, frag, dtypes.float16)
     if cfg.bk % BLOCK or k % cfg.bk:  # slices of whole blocks that divide K: take the default (BK 32) instead
         cfg = matmul_coop.default_config(m, n, k, 1, lim, frag)
