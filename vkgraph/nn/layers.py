@@ -39,7 +39,7 @@ class Linear:
     product of a [rows, K] by [K, N] matrix reads W through its transpose. Other float weights run the generated
     matmul, stored as float16 or float32 (float32 accumulation)."""
 
-    def __init__(self, weight: np.ndarray | QuantizedTensor, bias: np.ndarray | None = None,
+    def __init__(self, weight: np.ndarray | QuantizedTensor | DeviceMatrix, bias: np.ndarray | None = None,
                  float_dtype: str = "float16") -> None:
         self.out_features, self.in_features = weight.shape
         if (float_dtype == "float16" and not isinstance(weight, QuantizedTensor | DeviceMatrix)
