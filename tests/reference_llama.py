@@ -3,8 +3,9 @@
 Plain and slow on purpose: float64 by default, one function per piece, no paging. It consumes the same
 `ModelWeights` the loader returns (quantized tensors are dequantized), uses Hugging Face's rotate-half RoPE
 layout (the one the loader guarantees) and `ModelConfig.rope_inv_freq` for RoPE frequencies (Llama 3 scaling
-included). Supports GQA, q/k/v biases, RMSNorm, SwiGLU, Gemma's GeGLU and embedding scale, and the Mixtral
-mixture of experts (router softmax, top-k, renormalised weights).
+included). Supports GQA, q/k/v biases, RMSNorm, SwiGLU, Gemma's GeGLU and embedding scale, Gemma 2's norms after
+attention and MLP, soft-capped scores and logits and sliding window on even layers, and the Mixtral mixture of
+experts (router softmax, top-k, renormalised weights).
 
 `vkgraph.nn.tiny_model` writes the models this reference runs.
 """
@@ -45,13 +46,23 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / e.sum(axis=axis, keepdims=True)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
-    """q: [T, H, D] at positions q_pos; k, v: [S, Hkv, D] at positions 0..S-1. Causal, grouped-query."""
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, scale: float | None = None,
+              softcap: float = 0.0, window: int = 0) -> np.ndarray:
+    """q: [T, H, D] at positions q_pos; k, v: [S, Hkv, D] at positions 0..S-1. Causal, grouped-query; scores times
+    `scale` (default 1/sqrt(D)), then softcap * tanh(score / softcap) where softcap > 0; window > 0: a query sees
+    only the last `window` positions."""
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
-    scores = np.einsum("thd,shd->hts", q, k) / q.dtype.type(np.sqrt(q.shape[-1]))
+    if scale is None:
+        scores = np.einsum("thd,shd->hts", q, k) / q.dtype.type(np.sqrt(q.shape[-1]))
+    else:
+        scores = np.einsum("thd,shd->hts", q, k) * q.dtype.type(scale)
+    if softcap:
+        scores = np.tanh(scores / q.dtype.type(softcap)) * q.dtype.type(softcap)
     mask = np.arange(k.shape[0])[None, :] > q_pos[:, None]
+    if window:
+        mask |= np.arange(k.shape[0])[None, :] + window <= q_pos[:, None]
     scores = np.where(mask[None], -np.inf, scores)
     return np.einsum("hts,shd->thd", softmax(scores), v)
 
@@ -107,7 +118,8 @@ class ReferenceLlama:
         self.layers = []
         for lw in weights.layers:
             layer = {n: f(getattr(lw, n)) for n in ("attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "bq", "bk",
-                                                    "bv", "w_gate", "w_up", "w_down", "router")}
+                                                    "bv", "w_gate", "w_up", "w_down", "router", "post_attn_norm",
+                                                    "post_ffn_norm")}
             layer["experts"] = [(f(e.w_gate), f(e.w_up), f(e.w_down)) for e in lw.experts or []]
             self.layers.append(layer)
         self.inv_freq = self.cfg.rope_inv_freq()
@@ -119,7 +131,7 @@ class ReferenceLlama:
         start = cache.length if cache is not None else 0
         pos = np.arange(start, start + len(tokens))
         x = self.embed[np.asarray(tokens)]
-        if c.arch == "gemma":  # embeddings scaled by sqrt(dim) (a float32 constant in Hugging Face's Gemma)
+        if c.is_gemma:  # embeddings scaled by sqrt(dim) (a float32 constant in Hugging Face's Gemma)
             x = x * np.float32(np.sqrt(c.dim))
         for i, L in enumerate(self.layers):
             h = rms_norm(x, L["attn_norm"], c.norm_eps)
@@ -136,13 +148,19 @@ class ReferenceLlama:
                 else:
                     cache.k.append(k)
                     cache.v.append(v)
-            x = x + attention(q, k, v, pos).reshape(len(tokens), -1) @ L["wo"].T
+            scores = {"scale": c.attn_scale, "softcap": c.attn_softcap, "window": c.layer_window(i)}
+            a = attention(q, k, v, pos, **scores).reshape(len(tokens), -1) @ L["wo"].T
+            x = x + (a if L["post_attn_norm"] is None else rms_norm(a, L["post_attn_norm"], c.norm_eps))
             h = rms_norm(x, L["ffn_norm"], c.norm_eps)
             if c.is_moe:
-                x = x + moe(h, L["router"], L["experts"], c.n_experts_per_tok)
+                m = moe(h, L["router"], L["experts"], c.n_experts_per_tok)
             else:
-                x = x + swiglu(h, L["w_gate"], L["w_up"], L["w_down"], gelu_tanh if c.arch == "gemma" else silu)
-        return rms_norm(x, self.norm, c.norm_eps) @ self.lm_head.T
+                m = swiglu(h, L["w_gate"], L["w_up"], L["w_down"], gelu_tanh if c.is_gemma else silu)
+            x = x + (m if L["post_ffn_norm"] is None else rms_norm(m, L["post_ffn_norm"], c.norm_eps))
+        logits = rms_norm(x, self.norm, c.norm_eps) @ self.lm_head.T
+        if c.final_softcap:
+            logits = np.tanh(logits / logits.dtype.type(c.final_softcap)) * logits.dtype.type(c.final_softcap)
+        return logits
 
     def greedy(self, prompt: Sequence[int], n_new: int) -> list[int]:
         """Greedy continuation through prefill plus incremental decode."""

@@ -380,6 +380,55 @@ def test_gemma_matches_reference(tmp_path, kind):
     assert ref.greedy(prompt, 6) == run(Engine(model), [prompt], max_tokens=6)[0]
 
 
+@pytest.mark.parametrize("kind", ["hf", "Q8_0"])
+def test_gemma2_matches_reference(tmp_path, kind):
+    """Gemma 2: Gemma's blocks plus norms of the attention's and the MLP's outputs, soft-capped scores and logits,
+    a sliding window on even layers (8 here, shorter than the prompt), Hugging Face's four norms a layer and GGUF's
+    names for them; the query scale from query_pre_attn_scalar (config.json)."""
+    import dataclasses
+
+    cfg = tiny_model.tiny_config(**tiny_model.gemma2_overrides())
+    paths = tiny_model.write_model(tmp_path, cfg, gguf_types=("Q8_0",))
+    w = load_weights(paths[kind], progress=False)
+    assert w.config == dataclasses.replace(cfg, query_pre_attn_scalar=cfg.head_dim)  # both files: head_dim's scale
+    assert w.layers[0].post_ffn_norm is not None
+    np.testing.assert_allclose(w.layers[1].post_attn_norm, tiny_model.tensor(
+        0, "model.layers.1.post_attention_layernorm.weight", (cfg.dim,)), rtol=1e-6)
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11, 9, 33, 60, 2]
+    n = len(prompt)
+    step = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
+                      cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
+    plain = dataclasses.replace(w, config=dataclasses.replace(cfg, attn_softcap=0.0, final_softcap=0.0,
+                                                               sliding_window=0))
+    scalars = [None, 24.0] if kind == "hf" else [None]
+    for scalar in scalars:
+        wi = dataclasses.replace(w, config=dataclasses.replace(cfg, query_pre_attn_scalar=scalar))
+        ref = ReferenceLlama(wi)
+        want = ref.forward(prompt)
+        assert nerr(ReferenceLlama(plain).forward(prompt), want) > 1e-2  # caps and window change the result
+        model = LlamaModel(wi, num_blocks=48, block_size=BLOCK, kv_dtype="f32", max_blocks_per_seq=6,
+                           float_dtype="float32")
+        assert nerr(model(Tensor(np.array(prompt, np.int32)), step).numpy(), want) < 5e-4
+        assert ref.greedy(prompt, 6) == run(Engine(model), [prompt], max_tokens=6)[0]
+
+
+@pytest.mark.slow
+def test_gemma2_reference_is_transformers_gemma2(tmp_path):
+    """The numpy reference's Gemma 2 against Hugging Face's own (PyTorch, float32, eager attention: the one that
+    soft-caps) on the tiny model's Hugging Face files: norms, caps, the window's layers and its edge. Needs the
+    `reference` extra."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_model.tiny_config(**tiny_model.gemma2_overrides(), n_layers=3)
+    hf = tiny_model.write_model(tmp_path, cfg, gguf_types=())["hf"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11, 9, 33, 60, 2, 8, 100]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].double().numpy()
+    assert nerr(ReferenceLlama(load_weights(hf, progress=False)).forward(prompt), want) < 1e-5
+
+
 @pytest.mark.parametrize("int_dot,kind", [("0", "Q4_0"), ("1", "Q4_0"), ("1", "Q4_0-head32")])
 def test_fused_decode_layers_match_unfused(models, int_dot, kind, monkeypatch):
     """A decode step with the fused templates (the norm, the gated unit and the attention writing int8 activations

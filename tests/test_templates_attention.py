@@ -14,11 +14,14 @@ HEADS = [64, 80, 96, 128, 256]
 NP_KV = {"f16": np.float16, "f32": np.float32}
 
 
-def _softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """q [H, D] against k, v [T, H, D] (already expanded to the query heads), float64."""
+def _softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softcap: float = 0.0) -> np.ndarray:
+    """q [H, D] against k, v [T, H, D] (already expanded to the query heads), float64; scores soft-capped
+    (softcap * tanh(score / softcap)) where softcap > 0."""
     if k.shape[0] == 0:
         return np.zeros_like(q)
     s = np.einsum("hd,thd->ht", q, k) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
     p = np.exp(s - s.max(axis=1, keepdims=True))
     return np.einsum("ht,thd->hd", p / p.sum(axis=1, keepdims=True), v)
 
@@ -44,7 +47,7 @@ def _block_tables(rng, lens, bs, num_blocks, shared_prefix):
     return tables
 
 
-def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, shared_prefix=False):
+def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, shared_prefix=False, softcap=0.0):
     dev = device()
     need = sum(-(-n // bs) for n in lens) + 1
     kc, vc = _random_cache(rng, need, hkv, bs, d, dtype)
@@ -57,7 +60,7 @@ def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, share
     lens_buf = upload(dev, np.array(lens, np.int32))
     out = pa.paged_decode(dev, cache, upload(dev, q), upload(dev, tables), lens_buf,
                           num_seqs=len(lens), num_heads=hkv * group, max_blocks_per_seq=tables.shape[1],
-                          max_context_len=max(lens), window=window, part_tokens=part_tokens)
+                          max_context_len=max(lens), window=window, part_tokens=part_tokens, softcap=softcap)
     got = dev.download(out, np.float32, q.shape)
     ref = np.zeros(q.shape)
     for b, n in enumerate(lens):
@@ -65,7 +68,7 @@ def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, share
         blk, off = tables[b, pos // bs], pos % bs
         k = np.repeat(kc[blk, :, off].astype(np.float64), group, axis=1)  # [T, Hq, D]
         v = np.repeat(vc[blk, :, off].astype(np.float64), group, axis=1)
-        ref[b] = _softmax_attend(q[b].astype(np.float64), k, v, 1 / math.sqrt(d))
+        ref[b] = _softmax_attend(q[b].astype(np.float64), k, v, 1 / math.sqrt(d), softcap)
     check(got, ref, since)
 
 
@@ -78,7 +81,13 @@ def test_paged_decode_fuzz(data, d, dtype, hkv, group, bs, seed):
     window = data.draw(st.sampled_from([0, 0, 1, 40]))
     part = data.draw(st.sampled_from([None, 0, 32, 64]))
     _decode_case(np.random.default_rng(seed), lens, hkv, group, d, bs, dtype, window, part,
-                 shared_prefix=data.draw(st.booleans()))
+                 shared_prefix=data.draw(st.booleans()), softcap=data.draw(st.sampled_from([0.0, 0.0, 1.5])))
+
+
+@pytest.mark.parametrize("part", [None, 0, 32])
+def test_paged_decode_softcap_and_window(part):
+    """Gemma 2's attention: soft-capped scores (a cap that bends them) over a sliding window, split or not."""
+    _decode_case(np.random.default_rng(3), [150, 7, 90], 2, 2, 64, 16, "f16", 40, part, softcap=1.5)
 
 
 @pytest.mark.parametrize("part", [None, 0])
@@ -166,7 +175,7 @@ def test_kv_write(num_tokens, hkv, d, dtype, bs, seed):
     check(np.concatenate([got_k, got_v]), np.concatenate([ref_k, ref_v]), since, tol=tol)
 
 
-def _prefill_case(rng, lens, hkv, group, d, dtype, window):
+def _prefill_case(rng, lens, hkv, group, d, dtype, window, softcap=0.0):
     dev = device()
     t = sum(lens)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
@@ -176,7 +185,7 @@ def _prefill_case(rng, lens, hkv, group, d, dtype, window):
     since = snapshot()
     out = pa.prefill_attention(dev, upload(dev, q), upload(dev, k), upload(dev, v), upload(dev, cu),
                                num_seqs=len(lens), num_tokens=t, num_heads=hkv * group, num_kv_heads=hkv,
-                               head_size=d, max_seq_len=max(lens), kv_dtype=dtype, window=window)
+                               head_size=d, max_seq_len=max(lens), kv_dtype=dtype, window=window, softcap=softcap)
     got = dev.download(out, np.float32, q.shape)
     ref = np.zeros(q.shape)
     for b in range(len(lens)):
@@ -184,16 +193,16 @@ def _prefill_case(rng, lens, hkv, group, d, dtype, window):
             lo = max(0, i - window + 1) if window else 0
             kk = np.repeat(k[cu[b] + lo:cu[b] + i + 1].astype(np.float64), group, axis=1)
             vv = np.repeat(v[cu[b] + lo:cu[b] + i + 1].astype(np.float64), group, axis=1)
-            ref[cu[b] + i] = _softmax_attend(q[cu[b] + i].astype(np.float64), kk, vv, 1 / math.sqrt(d))
+            ref[cu[b] + i] = _softmax_attend(q[cu[b] + i].astype(np.float64), kk, vv, 1 / math.sqrt(d), softcap)
     check(got, ref, since)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=3), hkv=st.integers(1, 2),
        group=st.sampled_from([1, 4]), d=st.sampled_from(HEADS), dtype=st.sampled_from(["f16", "f32"]),
-       window=st.sampled_from([0, 0, 5]), seed=st.integers(0, 2**31))
-def test_prefill_fuzz(lens, hkv, group, d, dtype, window, seed):
-    _prefill_case(np.random.default_rng(seed), lens, hkv, group, d, dtype, window)
+       window=st.sampled_from([0, 0, 5]), softcap=st.sampled_from([0.0, 0.0, 1.5]), seed=st.integers(0, 2**31))
+def test_prefill_fuzz(lens, hkv, group, d, dtype, window, softcap, seed):
+    _prefill_case(np.random.default_rng(seed), lens, hkv, group, d, dtype, window, softcap)
 
 
 def test_attention_bad_input():
@@ -217,6 +226,9 @@ def test_attention_bad_input():
     with pytest.raises(ValueError, match="part_tokens"):
         pa.paged_decode(dev, cache, q, ints, ints, num_seqs=1, num_heads=4, max_blocks_per_seq=1,
                         max_context_len=16, part_tokens=10)
+    with pytest.raises(ValueError, match="softcap"):
+        pa.paged_decode(dev, cache, q, ints, ints, num_seqs=1, num_heads=4, max_blocks_per_seq=1,
+                        max_context_len=16, softcap=-1.0)
 
 
 @pytest.mark.parametrize("dtype", ["f16", "f32"])

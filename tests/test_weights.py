@@ -300,6 +300,25 @@ def test_sliding_window_bounds_the_context(dense):
     assert ModelConfig.from_hf(qwen | {"use_sliding_window": True}).max_seq_len == 4096
 
 
+def test_gemma2_config_as_published():
+    """gemma-2-2b's config.json fields: caps, the sliding layers' own window (the context stays whole), the query
+    scale from query_pre_attn_scalar, tied embeddings by default; null caps are none; to_hf reads back."""
+    hf = {"model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304, "num_hidden_layers": 26,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216,
+          "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192, "sliding_window": 4096,
+          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256,
+          "hidden_activation": "gelu_pytorch_tanh"}
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.arch, cfg.attn_softcap, cfg.final_softcap, cfg.sliding_window) == ("gemma2", 50.0, 30.0, 4096)
+    assert cfg.max_seq_len == 8192 and cfg.tie_embeddings and cfg.attn_scale == 1 / 16
+    assert [cfg.layer_window(i) for i in range(3)] == [4096, 0, 4096]
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    none = ModelConfig.from_hf(hf | {"attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert none.attn_softcap == none.final_softcap == 0.0
+    with pytest.raises(ModelFormatError, match="attn_logit_softcapping"):
+        ModelConfig.from_hf(hf | {"attn_logit_softcapping": -1})
+
+
 def test_phi3_fused_tensors_load_as_projections(tmp_path):
     """Phi-3 (HF qkv_proj/gate_up_proj, GGUF attn_qkv/ffn_up) loads to the same per-projection weights as the
     generator's, float and quantized; a Phi-4-style partial rotary factor is refused by name."""

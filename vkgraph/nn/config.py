@@ -26,8 +26,9 @@ class UnsupportedModelError(ModelFormatError):
 
 # Hugging Face model_type -> our architecture name (Mistral and Mixtral are Llama-shaped; GGUF calls them "llama")
 HF_ARCHS = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "phi3": "phi3",
-            "gemma": "gemma"}
-GGUF_ARCHS = ("llama", "qwen2", "phi3", "gemma")
+            "gemma": "gemma", "gemma2": "gemma2"}
+GGUF_ARCHS = ("llama", "qwen2", "phi3", "gemma", "gemma2")
+GEMMA_ARCHS = ("gemma", "gemma2")  # GeGLU with tanh GELU, the embedding scaled by sqrt(dim), norms scaling by 1 + w
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,10 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # "llama" (also Mistral, Mixtral), "qwen2", "phi3" (Llama's blocks with fused qkv and gate/up) or "gemma" (GeGLU
-    # with tanh GELU, the embedding scaled by sqrt(dim), norms scaling by 1 + w: stored so in GGUF, added on load)
+    # "llama" (also Mistral, Mixtral), "qwen2", "phi3" (Llama's blocks with fused qkv and gate/up), "gemma" (GeGLU
+    # with tanh GELU, the embedding scaled by sqrt(dim), norms scaling by 1 + w: stored so in GGUF, added on load) or
+    # "gemma2" (Gemma's, plus a norm after the attention and after the MLP, soft-capped attention scores and
+    # logits, and a sliding window on every other layer, the first included)
     arch: str
     vocab_size: int
     dim: int
@@ -72,14 +75,36 @@ class ModelConfig:
     attn_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     n_experts: int = 0  # 0: dense SwiGLU MLP
     n_experts_per_tok: int = 0
+    attn_softcap: float = 0.0  # > 0: attention scores become cap * tanh(score / cap) (Gemma 2); 0: none
+    final_softcap: float = 0.0  # the same for the logits
+    sliding_window: int = 0  # > 0: even layers see only the last `sliding_window` positions (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power (Gemma 2); None: head_dim's
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.arch in GEMMA_ARCHS
+
+    @property
+    def attn_scale(self) -> float:
+        """What the attention multiplies q . k by before the softmax."""
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+
+    def layer_window(self, i: int) -> int:
+        """The sliding window of layer i (0: none): Gemma 2 alternates, starting with a sliding layer."""
+        return self.sliding_window if self.sliding_window and i % 2 == 0 else 0
 
     def __post_init__(self) -> None:
         if self.arch not in GGUF_ARCHS:
             raise UnsupportedModelError(f"architecture {self.arch!r} is not supported (supported: {GGUF_ARCHS})")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim", "max_seq_len"):
             _check_int(name, getattr(self, name))
-        for name in ("n_experts", "n_experts_per_tok"):
+        for name in ("n_experts", "n_experts_per_tok", "sliding_window"):
             _check_int(name, getattr(self, name), lo=0)
+        for name in ("attn_softcap", "final_softcap"):  # 0 is none
+            if getattr(self, name) != 0:
+                _check_float(name, getattr(self, name), lo=0.0)
+        if self.query_pre_attn_scalar is not None:
+            _check_float("query_pre_attn_scalar", self.query_pre_attn_scalar, lo=0.0)
         for name in ("tie_embeddings", "attn_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ModelFormatError(f"config: {name} must be true or false, got {getattr(self, name)!r}")
@@ -150,7 +175,15 @@ class ModelConfig:
         # the context stops at the window, within which the two agree exactly (Qwen2 names a window it does not
         # use unless use_sliding_window)
         window = hf.get("sliding_window")
-        if (isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_seq_len
+        gemma2 = {}
+        if model_type == "gemma2":  # the window is the sliding layers' own; null caps mean none
+            def cap(key: str) -> float:
+                return 0.0 if hf.get(key) is None else f.float(key, lo=0.0)
+
+            gemma2 = dict(attn_softcap=cap("attn_logit_softcapping"), final_softcap=cap("final_logit_softcapping"),
+                          sliding_window=f.int("sliding_window", 0, lo=0) or 0,
+                          query_pre_attn_scalar=f.float("query_pre_attn_scalar", head_dim, lo=0.0))
+        elif (isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_seq_len
                 and (model_type != "qwen2" or hf.get("use_sliding_window") is True)):
             max_seq_len = window
         return cls(
@@ -166,26 +199,31 @@ class ModelConfig:
             rope_theta=f.float("rope_theta", 10000.0, lo=1.0),
             rope_scaling=_hf_rope_scaling(hf.get("rope_scaling")),
             max_seq_len=max_seq_len,
-            tie_embeddings=f.bool("tie_word_embeddings", model_type == "gemma"),
+            tie_embeddings=f.bool("tie_word_embeddings", model_type in GEMMA_ARCHS),
             attn_bias=model_type == "qwen2" or f.bool("attention_bias", False),
             n_experts=n_experts,
             n_experts_per_tok=f.int("num_experts_per_tok") if n_experts else 0,
+            **gemma2,
         )
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that `from_hf` reads back to this config (GGUF-only fields excepted)."""
         hf: dict[str, Any] = {
             "architectures": ["MixtralForCausalLM" if self.is_moe else
-                              {"qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM",
-                               "gemma": "GemmaForCausalLM"}.get(self.arch, "LlamaForCausalLM")],
+                              {"qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+                               "gemma2": "Gemma2ForCausalLM"}.get(self.arch, "LlamaForCausalLM")],
             "model_type": "mixtral" if self.is_moe else self.arch,
             "vocab_size": self.vocab_size, "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
             "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
             "intermediate_size": self.ffn_dim, "head_dim": self.head_dim, "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta, "max_position_embeddings": self.max_seq_len,
             "tie_word_embeddings": self.tie_embeddings, "attention_bias": self.attn_bias,
-            "hidden_act": "gelu_pytorch_tanh" if self.arch == "gemma" else "silu", "torch_dtype": "float32",
+            "hidden_act": "gelu_pytorch_tanh" if self.is_gemma else "silu", "torch_dtype": "float32",
         }
+        if self.arch == "gemma2":
+            hf |= {"hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": self.attn_softcap or None,
+                   "final_logit_softcapping": self.final_softcap or None, "sliding_window": self.sliding_window,
+                   "query_pre_attn_scalar": self.query_pre_attn_scalar or self.head_dim}
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {"rope_type": self.rope_scaling.type,
                                   **{k: v for k, v in asdict(self.rope_scaling).items() if k != "type"}}
@@ -228,8 +266,15 @@ class ModelConfig:
         n_experts = f.int("expert_count", 0, lo=0)
         ffn = f.int("expert_feed_forward_length", None) if n_experts else None
         max_seq_len = f.int("context_length", 2048)
-        window = f.int("attention.sliding_window", None)  # as from_hf: the window bounds the context
-        if window is not None and 0 < window < max_seq_len:
+        window = f.int("attention.sliding_window", None)
+        gemma2 = {}
+        if arch == "gemma2":  # llama.cpp's defaults for missing caps; its query scale (27B: dim / heads)
+            n_layers = f.int("block_count")
+            gemma2 = dict(attn_softcap=_f32(f.float("attn_logit_softcapping", 50.0, lo=0.0)),
+                          final_softcap=_f32(f.float("final_logit_softcapping", 30.0, lo=0.0)),
+                          sliding_window=f.int("attention.sliding_window", lo=0),
+                          query_pre_attn_scalar=dim // n_heads if n_layers == 46 else head_dim)
+        elif window is not None and 0 < window < max_seq_len:  # as from_hf: the window bounds the context
             max_seq_len = window
         return cls(
             arch=arch,
@@ -249,6 +294,7 @@ class ModelConfig:
             attn_bias="blk.0.attn_q.bias" in tensors,
             n_experts=n_experts,
             n_experts_per_tok=f.int("expert_used_count") if n_experts else 0,
+            **gemma2,
         )
 
 

@@ -193,9 +193,13 @@ class ParallelLinear:
 
 
 class Attention:
+    """`window` > 0: each query sees only the last `window` positions (a sliding layer of Gemma 2); the config
+    gives the score scale and soft-cap."""
+
     def __init__(self, cfg: ModelConfig, wq, wk, wv, wo, bq=None, bk=None, bv=None,
-                 float_dtype: str = "float16") -> None:
+                 float_dtype: str = "float16", window: int = 0) -> None:
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.scores = {"scale": cfg.attn_scale, "softcap": cfg.attn_softcap, "window": window}
         self.qkv = ParallelLinear([wq, wk, wv], [bq, bk, bv], float_dtype)
         self.o = Linear(wo, float_dtype=float_dtype)
 
@@ -221,13 +225,13 @@ class Attention:
         if step.cu_seqlens is not None:
             # a prefill from scratch attends over the prompt's own keys; the cache write still happens
             att = prefill_attention(q, k, v, step.cu_seqlens, num_seqs=step.cu_seqlens.shape[0] - 1,
-                                    max_seq_len=step.max_seq_len, after=written)
+                                    max_seq_len=step.max_seq_len, after=written, **self.scores)
         else:
             max_context = step.block_tables.shape[1] * cache.block_size
             # the attention's last kernel writes the output product's int8 input where that product takes one
             int8 = fused is not None and self.head_dim % 32 == 0 and self.o.takes_int8(t)
             att = paged_decode(cache, q, step.block_tables, step.context_lens, written, max_context_len=max_context,
-                               int8=int8)
+                               int8=int8, **self.scores)
             if int8:
                 return self.o(att, residual=residual)
         return self.o(att.reshape(t, self.n_heads * self.head_dim), residual=residual)

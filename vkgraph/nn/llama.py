@@ -1,4 +1,4 @@
-"""A Llama-family model (Llama 1-3, Mistral, Mixtral, Qwen2, Phi-3, Gemma) written with vkgraph's layers.
+"""A Llama-family model (Llama 1-3, Mistral, Mixtral, Qwen2, Phi-3, Gemma, Gemma 2) written with vkgraph's layers.
 
     weights = load_weights("model.gguf")
     model = LlamaModel(weights, num_blocks=256)
@@ -19,20 +19,27 @@ from .weights import LayerWeights, ModelWeights
 
 
 class TransformerBlock:
-    def __init__(self, cfg: ModelConfig, w: LayerWeights, float_dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: LayerWeights, float_dtype: str, window: int = 0) -> None:
         self.attn_norm = RMSNorm(w.attn_norm, cfg.norm_eps)
-        self.attn = Attention(cfg, w.wq, w.wk, w.wv, w.wo, w.bq, w.bk, w.bv, float_dtype=float_dtype)
+        self.attn = Attention(cfg, w.wq, w.wk, w.wv, w.wo, w.bq, w.bk, w.bv, float_dtype=float_dtype, window=window)
         self.ffn_norm = RMSNorm(w.ffn_norm, cfg.norm_eps)
         if cfg.is_moe:
             self.ffn: MLP | MoE = MoE(w.router, w.experts, cfg.n_experts_per_tok, float_dtype)
         else:
-            self.ffn = MLP(w.w_gate, w.w_up, w.w_down, float_dtype, gelu="tanh" if cfg.arch == "gemma" else None)
+            self.ffn = MLP(w.w_gate, w.w_up, w.w_down, float_dtype, gelu="tanh" if cfg.is_gemma else None)
+        # Gemma 2 normalizes the attention's and the MLP's outputs before adding them to the residual stream
+        self.post_norms = None if w.post_attn_norm is None else (RMSNorm(w.post_attn_norm, cfg.norm_eps),
+                                                                 RMSNorm(w.post_ffn_norm, cfg.norm_eps))
 
     def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, step: StepInputs) -> Tensor:
         # each norm names the product it feeds, so it can write that product's int8 activations itself
+        gate_up = self.ffn.gate_up if isinstance(self.ffn, MLP) else None
+        if self.post_norms is not None:
+            post_attn, post_ffn = self.post_norms
+            x = x + post_attn(self.attn(self.attn_norm(x, into=self.attn.qkv), None, rope, cache, step))
+            return x + post_ffn(self.ffn(self.ffn_norm(x, into=gate_up)))
         x = self.attn(self.attn_norm(x, into=self.attn.qkv), x, rope, cache, step)
-        h = self.ffn_norm(x, into=self.ffn.gate_up if isinstance(self.ffn, MLP) else None)
-        return self.ffn(h, residual=x)
+        return self.ffn(self.ffn_norm(x, into=gate_up), residual=x)
 
 
 class LlamaModel:
@@ -50,7 +57,7 @@ class LlamaModel:
         self.max_context = self.max_blocks_per_seq * block_size
         self.embed = Embedding(weights.embed, float_dtype)
         self.rope = RotaryEmbedding(cfg, self.max_context)
-        self.layers = [TransformerBlock(cfg, w, float_dtype) for w in weights.layers]
+        self.layers = [TransformerBlock(cfg, w, float_dtype, cfg.layer_window(i)) for i, w in enumerate(weights.layers)]
         self.norm = RMSNorm(weights.norm, cfg.norm_eps)
         self.lm_head = Linear(weights.lm_head, float_dtype=float_dtype)
         self.caches = [KVCache.create(num_blocks, cfg.n_kv_heads, cfg.head_dim, block_size, kv_dtype)
@@ -59,11 +66,13 @@ class LlamaModel:
     def __call__(self, tokens: Tensor, step: StepInputs, logit_rows: Tensor | None = None) -> Tensor:
         """Logits (rows, vocab) float32 for the tokens at `logit_rows` (all tokens when None)."""
         x = self.embed(tokens)
-        if self.config.arch == "gemma":  # Gemma scales its embeddings by sqrt(dim), rounded to float32 as HF does
+        if self.config.is_gemma:  # Gemma scales its embeddings by sqrt(dim), rounded to float32 as HF does
             x = x * float(np.float32(np.sqrt(self.config.dim)))
         rope = self.rope.tables(step.positions)
         for layer, cache in zip(self.layers, self.caches):
             x = layer(x, rope, cache, step)
         if logit_rows is not None:
             x = x.take(logit_rows, 0)
-        return self.lm_head(self.norm(x, into=self.lm_head))
+        logits = self.lm_head(self.norm(x, into=self.lm_head))
+        cap = self.config.final_softcap
+        return logits if not cap else (logits / cap).tanh() * cap

@@ -56,6 +56,8 @@ def check_shardable(cfg: ModelConfig, world: int) -> None:
     """Raise ValueError unless heads, KV heads and FFN rows divide evenly over `world` ranks."""
     if world < 1:
         raise ValueError(f"tensor parallel needs at least one rank, got {world}")
+    if cfg.arch == "gemma2":  # its norms of the attention's and MLP's outputs need the all-reduced sums
+        raise ValueError("tensor parallel does not support Gemma 2 yet (norms after the attention and the MLP)")
     for name in ("n_heads", "n_kv_heads", "ffn_dim"):
         if getattr(cfg, name) % world:
             raise ValueError(f"tensor parallel over {world} ranks: the model's {name} ({getattr(cfg, name)}) is not a "

@@ -310,7 +310,7 @@ def rope_write_kv(cache: KVCache, rows: Tensor, slot_mapping: Tensor, rope: tupl
 
 
 def paged_decode(cache: KVCache, q: Tensor, block_tables: Tensor, context_lens: Tensor, after: Tensor,
-                 *, max_context_len: int, scale: float | None = None, window: int = 0,
+                 *, max_context_len: int, scale: float | None = None, window: int = 0, softcap: float = 0.0,
                  int8: bool = False) -> Tensor | Int8Activations:
     """One query token per sequence over its cached context: q [B, heads, D] -> [B, heads, D] float32, or with
     int8 the rows [B, heads * D] as Int8Activations for an integer-path product (D % 32 == 0), written by the
@@ -328,11 +328,11 @@ def paged_decode(cache: KVCache, q: Tensor, block_tables: Tensor, context_lens: 
     def run(dev: Any, out: Any, ins: list[Any]) -> None:
         pa.paged_decode(dev, cache.on(dev, ins[4], ins[5]), ins[0], ins[1], ins[2], num_seqs=b, num_heads=heads,
                         max_blocks_per_seq=max_blocks, max_context_len=max_context_len, scale=scale, window=window,
-                        out=out, int8=int8)
+                        softcap=softcap, out=out, int8=int8)
 
     ins = [q.float(), block_tables.cast(dtypes.int32), context_lens.cast(dtypes.int32), after, cache.key,
            cache.value]
-    key = (id(cache), max_context_len, scale, window, int8)
+    key = (id(cache), max_context_len, scale, window, softcap, int8)
     if int8:
         words = custom(run, ins, (mv.Q8Acts.layout(b, heads * d)[0] // 4,), dtypes.uint32, key=key,
                        name="paged_decode")
@@ -341,14 +341,16 @@ def paged_decode(cache: KVCache, q: Tensor, block_tables: Tensor, context_lens: 
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, num_seqs: int, max_seq_len: int,
-                      scale: float | None = None, window: int = 0, after: Tensor | None = None) -> Tensor:
+                      scale: float | None = None, window: int = 0, softcap: float = 0.0,
+                      after: Tensor | None = None) -> Tensor:
     """Causal attention over packed prompts: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D].
     `after`: a token (e.g. write_kv's) this op must follow in the graph. With VKGRAPH_FLASH_PREFILL=1, on a device
     with float16 cooperative matrices, it runs templates.flash_prefill, whose operands are float16."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
     lim = limits()
-    flash = bool(flag("VKGRAPH_FLASH_PREFILL")) and fp.usable(lim, d)
+    # flash_prefill has no soft-capping (Gemma 2): capped scores take the plain template
+    flash = bool(flag("VKGRAPH_FLASH_PREFILL")) and fp.usable(lim, d) and not softcap
 
     def run(dev: Any, out: Any, ins: list[Any]) -> None:
         kw = dict(num_seqs=num_seqs, num_tokens=t, num_heads=heads, num_kv_heads=kv_heads, head_size=d,
@@ -356,9 +358,10 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, nu
         if flash:
             fp.flash_prefill(dev, lim, ins[0], ins[1], ins[2], ins[3], **kw)
         else:
-            pa.prefill_attention(dev, ins[0], ins[1], ins[2], ins[3], kv_dtype="f32", **kw)
+            pa.prefill_attention(dev, ins[0], ins[1], ins[2], ins[3], kv_dtype="f32", softcap=softcap, **kw)
 
     ins = [q.float(), k.float(), v.float(),
            cu_seqlens.cast(dtypes.int32)] + ([after] if after is not None else [])
-    return custom(run, ins, (t, heads, d), dtypes.float32, key=(num_seqs, max_seq_len, scale, window, flash),
+    return custom(run, ins, (t, heads, d), dtypes.float32,
+                  key=(num_seqs, max_seq_len, scale, window, softcap, flash),
                   name="flash_prefill" if flash else "prefill_attention")

@@ -57,6 +57,12 @@ def tiny_config(**overrides: object) -> ModelConfig:
     return ModelConfig(**{**base, **overrides})
 
 
+def gemma2_overrides() -> dict[str, object]:
+    """A tiny Gemma 2: caps low enough to bend random scores and logits, and a window shorter than test prompts (the
+    query scale stays head_dim's: GGUF files do not carry it, llama.cpp derives it)."""
+    return {"arch": "gemma2", "tie_embeddings": True, "attn_softcap": 5.0, "final_softcap": 3.0, "sliding_window": 8}
+
+
 def llama3_8b_config() -> ModelConfig:
     return ModelConfig(arch="llama", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                        ffn_dim=14336, head_dim=128, norm_eps=1e-5, rope_theta=500000.0, max_seq_len=8192,
@@ -146,7 +152,7 @@ def write_hf(out: Path, cfg: ModelConfig, seed: int, tok) -> None:
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2))
     tensors = {name: tensor(seed, name, shape) for name, (shape, _) in expected_tensors(cfg).items()}
-    if cfg.arch == "gemma":  # Hugging Face's Gemma stores w for a norm scale of 1 + w (GGUF stores 1 + w)
+    if cfg.is_gemma:  # Hugging Face's Gemma stores w for a norm scale of 1 + w (GGUF stores 1 + w)
         tensors = {k: v - np.float32(1) if k.endswith("norm.weight") else v for k, v in tensors.items()}
     if cfg.arch == "phi3":  # Phi-3's fused q/k/v and gate/up, rows in that order
         for i in range(cfg.n_layers):
@@ -254,6 +260,10 @@ def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, prog
                                   "Q5_K": "MOSTLY_Q5_K_M"}.get(qtype, f"MOSTLY_{qtype}")])
     if qtype not in ("F32", "F16", "BF16"):
         w.add_quantization_version(2)
+    if cfg.arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_softcap)
+        w.add_final_logit_softcapping(cfg.final_softcap)
+        w.add_sliding_window(cfg.sliding_window)
     if cfg.is_moe:
         w.add_expert_count(cfg.n_experts)
         w.add_expert_used_count(cfg.n_experts_per_tok)
@@ -272,7 +282,7 @@ def write_gguf(path: Path, cfg: ModelConfig, seed: int, tok, qtype: str, *, prog
     # group Hugging Face tensors by GGUF tensor (experts stack), keeping order
     plan: dict[str, tuple[list[tuple[str, tuple[int, ...]]], str]] = {}
     for name, (shape, kind) in expected_tensors(cfg).items():
-        gname, _ = gguf_name(name)
+        gname, _ = gguf_name(name, cfg.arch)
         is_matrix = kind == MATRIX or name == "model.embed_tokens.weight"
         if cfg.arch == "phi3":  # fused tensors (attn_qkv; ffn_up holds gate then up), rows concatenated
             gname = re.sub(r"attn_[qkv]\.weight$", "attn_qkv.weight", gname.replace("ffn_gate.", "ffn_up."))
@@ -346,6 +356,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--qwen2", action="store_true", help="Qwen2 architecture (q/k/v biases)")
     ap.add_argument("--phi3", action="store_true", help="Phi-3 architecture (fused q/k/v and gate/up tensors)")
     ap.add_argument("--gemma", action="store_true", help="Gemma architecture (GeGLU, scaled embedding, 1 + w norms)")
+    ap.add_argument("--gemma2", action="store_true", help="Gemma 2 (Gemma's, plus post-attention and post-MLP norms, "
+                                                          "soft-capped scores and logits, a sliding window of 8 on "
+                                                          "even layers)")
     a = ap.parse_args(argv)
     cfg = llama3_8b_config() if a.preset == "llama3-8b" else tiny_config()
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -365,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
         over["arch"] = "phi3"
     if a.gemma:
         over |= {"arch": "gemma", "tie_embeddings": True}
+    if a.gemma2:
+        over |= gemma2_overrides()
     cfg = dataclasses.replace(cfg, **over)
     types = tuple(t.strip().upper() for t in a.gguf.split(",") if t.strip())
     paths = write_model(a.out, cfg, seed=a.seed, gguf_types=types,

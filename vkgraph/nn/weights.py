@@ -85,6 +85,8 @@ class LayerWeights:
     w_down: Weight | None = None
     router: np.ndarray | None = None  # mixture of experts: (n_experts, dim) and one ExpertWeights per expert
     experts: list[ExpertWeights] | None = None
+    post_attn_norm: np.ndarray | None = None  # Gemma 2: norms of the attention's and the MLP's outputs (dim,)
+    post_ffn_norm: np.ndarray | None = None
 
 
 @dataclass
@@ -116,6 +118,9 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]
             for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
                 out[p + f"self_attn.{name}.bias"] = ((n,), VECTOR)
         out[p + "post_attention_layernorm.weight"] = ((d,), VECTOR)
+        if cfg.arch == "gemma2":  # post_attention_layernorm is the attention output's norm there
+            out[p + "pre_feedforward_layernorm.weight"] = ((d,), VECTOR)
+            out[p + "post_feedforward_layernorm.weight"] = ((d,), VECTOR)
         if cfg.is_moe:
             out[p + "block_sparse_moe.gate.weight"] = ((cfg.n_experts, d), VECTOR)
             for e in range(cfg.n_experts):
@@ -164,7 +169,7 @@ def load_weights(source: ModelSource, *, quantize: str | None = None, progress: 
     if src.config.arch == "phi3":
         src = _FusedSource(src)
     weights = _assemble(src, quantize, progress, p.name)
-    if weights.config.arch == "gemma" and m.gguf is None:
+    if weights.config.is_gemma and m.gguf is None:
         weights = _gemma_norms(weights)
     return weights
 
@@ -175,7 +180,10 @@ def _gemma_norms(w: ModelWeights) -> ModelWeights:
     def plus1(v: np.ndarray) -> np.ndarray:
         return np.asarray(v, np.float32) + np.float32(1)
 
-    layers = [replace(lw, attn_norm=plus1(lw.attn_norm), ffn_norm=plus1(lw.ffn_norm)) for lw in w.layers]
+    layers = [replace(lw, attn_norm=plus1(lw.attn_norm), ffn_norm=plus1(lw.ffn_norm),
+                      **({} if lw.post_attn_norm is None else
+                         {"post_attn_norm": plus1(lw.post_attn_norm), "post_ffn_norm": plus1(lw.post_ffn_norm)}))
+              for lw in w.layers]
     return replace(w, layers=layers, norm=plus1(w.norm))
 
 
@@ -218,6 +226,9 @@ def _layer(cfg: ModelConfig, got: dict[str, Weight], i: int) -> LayerWeights:
     lw = LayerWeights(attn_norm=got[p + "input_layernorm.weight"], wq=got[a + "q_proj.weight"],
                       wk=got[a + "k_proj.weight"], wv=got[a + "v_proj.weight"], wo=got[a + "o_proj.weight"],
                       ffn_norm=got[p + "post_attention_layernorm.weight"])
+    if cfg.arch == "gemma2":
+        lw.post_attn_norm, lw.ffn_norm = lw.ffn_norm, got[p + "pre_feedforward_layernorm.weight"]
+        lw.post_ffn_norm = got[p + "post_feedforward_layernorm.weight"]
     if cfg.attn_bias:
         lw.bq, lw.bk, lw.bv = (got[a + f"{n}_proj.bias"] for n in "qkv")
     if cfg.is_moe:
@@ -329,6 +340,10 @@ _GGUF_LAYER = {
     "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's fused tensors (gate and up share ffn_up)
     "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
+# Gemma 2's four norms a layer: Hugging Face's post_attention_layernorm is the attention output's norm there
+_GGUF_GEMMA2 = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 _GGUF_EXPERTS = {"w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight", "w2": "ffn_down_exps.weight"}
@@ -336,13 +351,16 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 
 
-def gguf_name(hf_name: str) -> tuple[str, int | None]:
-    """The GGUF tensor holding a Hugging Face tensor, and the expert index within it for stacked experts."""
+def gguf_name(hf_name: str, arch: str = "llama") -> tuple[str, int | None]:
+    """The GGUF tensor holding a Hugging Face tensor of an `arch` model, and the expert index within it for stacked
+    experts."""
     if hf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[hf_name], None
     m = _LAYER_RE.fullmatch(hf_name)
     if m:
         layer, rest = m.groups()
+        if arch == "gemma2" and rest in _GGUF_GEMMA2:
+            return f"blk.{layer}.{_GGUF_GEMMA2[rest]}", None
         if rest in _GGUF_LAYER:
             return f"blk.{layer}.{_GGUF_LAYER[rest]}", None
         e = _EXPERT_RE.fullmatch(rest)
@@ -363,10 +381,10 @@ class _GGUFSource:
         self.unpermute = self.config.arch == "llama"
 
     def has(self, name: str) -> bool:
-        return gguf_name(name)[0] in self.tensors
+        return gguf_name(name, self.config.arch)[0] in self.tensors
 
     def get(self, name: str) -> Weight:
-        gname, expert = gguf_name(name)
+        gname, expert = gguf_name(name, self.config.arch)
         t = self.tensors[gname]
         kind = t.tensor_type.name
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dimensions innermost first

@@ -150,17 +150,24 @@ def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_
     return 0 if part >= max_context_len else part
 
 
+def _softcap(cap: float) -> float:
+    if not (math.isfinite(cap) and cap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: none), got {cap}")
+    return float(cap)
+
+
 def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, context_lens: Any, *,
                  num_seqs: int, num_heads: int, max_blocks_per_seq: int, max_context_len: int,
-                 scale: float | None = None, window: int = 0, part_tokens: int | None = None,
+                 scale: float | None = None, window: int = 0, softcap: float = 0.0, part_tokens: int | None = None,
                  out: Any | None = None, int8: bool = False) -> Any:
     """Attention of one query token per sequence over its cached context; returns out [B, num_heads, D].
 
     q: float32 [num_seqs, num_heads, D]; block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens:
     int32 [num_seqs], each at most max_context_len. part_tokens: None chooses split-K automatically, 0 turns
     it off, else the tokens per partition (a multiple of the tile). window > 0: only the last `window`
-    positions are visible. int8: `out` holds the rows [B, num_heads * D] as the integer matvec's input
-    (matvec.Q8Acts.layout), written by the kernel that finishes the output instead of float32; D % 32 == 0.
+    positions are visible. softcap > 0: scores (scaled) become softcap * tanh(score / softcap). int8: `out`
+    holds the rows [B, num_heads * D] as the integer matvec's input (matvec.Q8Acts.layout), written by the kernel
+    that finishes the output instead of float32; D % 32 == 0.
     """
     d, hkv = cache.head_size, cache.num_kv_heads
     if num_heads % hkv:
@@ -197,7 +204,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
                            defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile, **q8))
     push = {"num_kv_heads": hkv, "block_size": cache.block_size, "max_blocks": max_blocks_per_seq,
             "scale": 1.0 / math.sqrt(d) if scale is None else scale, "window": window,
-            "part_tokens": part_tokens, "max_parts": parts}
+            "part_tokens": part_tokens, "max_parts": parts, "softcap": _softcap(softcap)}
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
                                  acts.xq, acts.xd, acts.xs], (parts, hkv, num_seqs), push=push)
     if part_tokens:
@@ -212,7 +219,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
 
 def prefill_attention(dev: Device, q: Any, k: Any, v: Any, cu_seqlens: Any, *, num_seqs: int,
                       num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int,
-                      kv_dtype: str = "f32", scale: float | None = None, window: int = 0,
+                      kv_dtype: str = "f32", scale: float | None = None, window: int = 0, softcap: float = 0.0,
                       out: Any | None = None) -> Any:
     """Causal attention over packed prompts; returns out [num_tokens, num_heads, head_size] float32.
 
@@ -242,5 +249,6 @@ def prefill_attention(dev: Device, q: Any, k: Any, v: Any, cu_seqlens: Any, *, n
                            defines=_defines(dev, head_size, kv_dtype, GROUP=group, QT=qt, TILE=tile))
     catalog.dispatch(dev, kern, [q, k, v, cu_seqlens, out], (-(-max_seq_len // qt), num_kv_heads, num_seqs),
                      push={"num_kv_heads": num_kv_heads,
-                           "scale": 1.0 / math.sqrt(head_size) if scale is None else scale, "window": window})
+                           "scale": 1.0 / math.sqrt(head_size) if scale is None else scale, "window": window,
+                           "softcap": _softcap(softcap)})
     return out

@@ -11,7 +11,11 @@
 // Tokens in shared memory are padded by one 16-byte word: in (2) neighbouring invocations read neighbouring
 // tokens, which unpadded (a power-of-two stride) all fall in the same banks.
 //
-// The including file defines HEAD_SIZE, ROWS, TILE, KV_F16 (or not), declares its bindings, and defines
+// Scores are soft-capped (cap * tanh(score / cap), Gemma 2) where the including file's push constant `softcap`
+// is above 0.
+//
+// The including file defines HEAD_SIZE, ROWS, TILE, KV_F16 (or not), declares its bindings (its push constants
+// with a float `softcap`), and defines
 //   uint kv_word(uint pos)              index of token pos's first uvec4 in the K/V buffers
 //   bool visible(uint row, uint pos)    whether row may attend to key position pos
 // then calls attend(begin, end) and reads acc[], sM[] and sL[].
@@ -111,6 +115,7 @@ void attend(uint begin, uint end) {
                     vec4 d4 = vec4(0.0);
                     [[unroll]] for (uint e = 0; e < HEAD_SIZE; e += 4) d4 += sQ[(r * HEAD_SIZE + e) / 4] * k4(t, e);
                     s = hsum(d4);
+                    if (pc.softcap > 0.0) s = pc.softcap * tanh(s / pc.softcap);
                 }
 #ifdef SG_ROWMAX
                 // a subgroup holds one row's TILE scores: max, weights and alpha without a pass of their own

@@ -31,6 +31,7 @@ layout(push_constant) uniform Push {
     uint window;         // 0: no sliding window
     uint part_tokens;    // 0: one partition per sequence (no split)
     uint max_parts;
+    float softcap;       // > 0: scores become softcap * tanh(score / softcap)
 } pc;
 
 #include "attention_common.glsl"

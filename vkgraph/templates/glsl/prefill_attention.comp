@@ -15,6 +15,7 @@ layout(push_constant) uniform Push {
     uint num_kv_heads;
     float scale;
     uint window;   // 0: no sliding window
+    float softcap; // > 0: scores become softcap * tanh(score / softcap)
 } pc;
 
 #include "attention_common.glsl"
