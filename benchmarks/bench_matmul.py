@@ -9,9 +9,10 @@ Shapes (M x K @ K x N): 4096^3, and the Llama-3-8B prefill products of 512 token
 (N, K) and read transposed as `x @ w.T` is (the attention and MLP projections). GPU time per product: vkgraph's
 through a replayed command graph (benchmarks/common.replay_us), PyTorch's through CUDA events; inputs random.
 The last column is the fraction of the dense float16/bfloat16 peak, PEAK_TFLOPS (the H100/H200 SXM datasheet).
-With --quant, the prefill products run through QuantLinear over random Q4_0 / Q8_0 blocks (float32 activations
-in, float32 out): the kernel that dequantizes into shared memory (templates.matmul_quant), and the float16 copy of
-the weights with the generated matmul (VKGRAPH_QUANT_COOP=0), beside torch.matmul in float16 on the same shape.
+With --quant, the prefill products run through QuantLinear over random blocks of the formats given (float32
+activations in, float32 out): the kernel that dequantizes into shared memory (templates.matmul_quant), and the
+float16 copy of the weights with the generated matmul (VKGRAPH_QUANT_COOP=0), beside torch.matmul in float16 on
+the same shape.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def main() -> None:
     p.add_argument("--tune", action="store_true", help="search tile configurations for each shape first")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtypes", default="float16,bfloat16")
-    p.add_argument("--quant", default="", help="quantized formats (Q4_0,Q8_0): their prefill products only")
+    p.add_argument("--quant", default="", help="quantized formats (Q4_0,Q8_0,Q4_K,Q6_K): their prefill products only")
     args = p.parse_args()
     dev = get_device()
     lim = realize.limits()

@@ -1,6 +1,7 @@
-"""Products over Q8_0 / Q4_0 weights on cooperative matrices (templates.matmul_quant): which products take them
-(decided from device limits, tested with made-up limits on any device), that every program compiles, and, on a
-device that has them, that results match numpy in float64 over drawn shapes, tiles and residuals."""
+"""Products over Q8_0 / Q4_0 / Q4_K / Q6_K weights on cooperative matrices (templates.matmul_quant): which
+products take them (decided from device limits, tested with made-up limits on any device), that every program
+compiles, and, on a device that has them, that results match numpy in float64 over drawn shapes, tiles and
+residuals. The staging of W's slices (the formats' decoders) runs alone on every device (stage_source)."""
 
 from __future__ import annotations
 
@@ -47,13 +48,42 @@ def test_config_follows_the_device():
 
 
 @pytest.mark.parametrize("fmt,cfg,residual", [("Q8_0", matmul_coop.Config(128, 128, 32, 2, 4), False),
-                                              ("Q4_0", matmul_coop.Config(128, 128, 64, 2, 4, 1), True)])
+                                              ("Q4_0", matmul_coop.Config(128, 128, 64, 2, 4, 1), True),
+                                              ("Q4_K", matmul_coop.Config(64, 128, 32, 2, 4), True),
+                                              ("Q6_K", matmul_coop.Config(128, 256, 32, 2, 4, 1), False)])
 def test_programs_compile(fmt, cfg, residual):
     n, k = 200, 512
-    w_stride = k // 16 if fmt == "Q8_0" else k // 32
-    src = mq.source(fmt, n, k, w_stride, k // 32, cfg, (16, 16, 16), 32, residual)
+    weights = mq_weights(fmt, n, k)
+    src = mq.source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, (16, 16, 16), 32, residual)
     assert "coopMatMulAdd" in src and ("res[" in src) == residual
     compiles(src)
+
+
+def mq_weights(fmt: str, n: int, k: int):
+    from vkgraph.templates.matvec import weight_words
+
+    return weight_words(random_blocks(np.random.default_rng(0), fmt, n, k))[0]
+
+
+@pytest.mark.parametrize("fmt", mq.FORMATS)
+@pytest.mark.parametrize("bn,bk,nt", [(128, 32, 256), (64, 64, 128)])
+def test_staging_matches_numpy(fmt, bn, bk, nt):
+    """The product's staging of W (load_q, then decode_q into shared memory), run alone on any device over rows
+    that are not a whole number of tiles: every value equals numpy's dequantization rounded to float16, within the
+    rounding mode of packHalf2x16 (one unit in the last place)."""
+    n, k = 200, 512
+    qt = random_blocks(np.random.default_rng(1), fmt, n, k)
+    dev = get_device()
+    weights = upload_weights(dev, qt)
+    out = dev.alloc(n * k * 2)
+    src = mq.stage_source(fmt, n, k, weights.w_stride, weights.s_stride, bn, bk, nt)
+    kern = dev.pipeline(src, name=f"stage_{fmt}")
+    scales = weights.scales if weights.scales is not None else weights.body
+    dev.dispatch(kern, [weights.body, scales, out], (-(-n // bn), k // bk, 1))
+    got = dev.download(out, np.float16, (n, k)).astype(np.float64)
+    want = dequantize(qt).astype(np.float64)
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    assert np.all(np.abs(got - want) <= np.maximum(np.abs(want) * 2.0**-10, 2.0**-24))
 
 
 def _graph_names(t: Tensor) -> set[str]:
@@ -69,7 +99,7 @@ def _graph_names(t: Tensor) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q5_K"])
 def test_quant_linear_takes_the_kernel_where_the_device_has_cooperative_matrices(fmt, monkeypatch):
     monkeypatch.setattr(template_ops, "limits", lambda: fake_limits())
     monkeypatch.setattr(template_ops, "has_dtype", lambda d: True)
@@ -106,7 +136,7 @@ _DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.BLOCK == 0]
 @given(fmt=st.sampled_from(mq.FORMATS), m=st.integers(1, 300), n=st.integers(1, 300), kb=st.integers(1, 8),
        cfg=st.sampled_from(_DEEP), residual=st.booleans(), seed=st.integers(0, 2**16))
 def test_products_match_numpy(fmt, m, n, kb, cfg, residual, seed):
-    k = cfg.bk * kb  # whole slices of the drawn tile
+    k = cfg.bk * kb if fmt in ("Q8_0", "Q4_0") else 256 * (1 + kb % 3)  # whole slices (K-quants: super-blocks)
     lim = realize_mod.limits()
     if not cfg.fits(matmul_coop.fragment(lim, "float16"), lim):
         cfg = mq.config(lim, m, n, k)

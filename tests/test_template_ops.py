@@ -71,7 +71,7 @@ def _dequantizing_linear(seed: int, rows: int, fmt: str):
 
 
 def test_quant_linear_threshold_and_shared_weight():
-    rng, lin, w = _dequantizing_linear(8, 64, "Q4_K")
+    rng, lin, w = _dequantizing_linear(8, 64, "Q5_0")
     below = rng.standard_normal((template_ops.DEQUANT_ROWS - 1, 256)).astype(np.float32)
     with count_kernels() as c:
         got = lin(Tensor(below)).numpy()
@@ -80,13 +80,13 @@ def test_quant_linear_threshold_and_shared_weight():
     x = rng.standard_normal((2, template_ops.DEQUANT_ROWS // 2, 256)).astype(np.float32)  # rows counted over all axes
     with count_kernels() as c:
         got = (lin(Tensor(x)) + lin(Tensor(x * 2))).numpy()
-    assert [n for n in c.names if n.startswith("dequant")] == ["dequant_f16_Q4_K"]  # one W_f16 for both
+    assert [n for n in c.names if n.startswith("dequant")] == ["dequant_f16_Q5_0"]  # one W_f16 for both
     assert normalised_error(got, 3 * (x @ w.T)) <= F16_TOL
 
 
 def test_quant_linear_dequantize_path_in_jit():
     """Captured and replayed: W_f16 is a temporary of the graph, remade by the replayed template each call."""
-    rng, lin, w = _dequantizing_linear(9, 96, "Q6_K")
+    rng, lin, w = _dequantizing_linear(9, 96, "Q4_1")
     step = jit(lambda x, r: lin(x, residual=r).relu())
     for _ in range(4):  # eager, capture, replay, replay
         x = rng.standard_normal((template_ops.DEQUANT_ROWS, 256)).astype(np.float32)

@@ -82,9 +82,10 @@ class QuantLinear:
     """A weight matrix in a GGUF format (Q8_0, Q4_0, Q4_K, Q6_K, F16, BF16) on the device, as `x @ W.T`.
 
     Up to DEQUANT_ROWS - 1 activation rows run the matvec template; more run float16 x @ W.T with float32
-    accumulation: Q8_0 and Q4_0 on a device with cooperative matrices through templates.matmul_quant, which
-    dequantizes W's blocks into shared memory (float32 result); the others through a float16 copy of W and the
-    generated matmul (float16 result), where the device has float16 and the float16 W fits one binding."""
+    accumulation: Q8_0, Q4_0, Q4_K and Q6_K on a device with cooperative matrices through
+    templates.matmul_quant, which dequantizes W's blocks into shared memory (float32 result); the others through a
+    float16 copy of W and the generated matmul (float16 result), where the device has float16 and the float16 W
+    fits one binding."""
 
     def __init__(self, weight: QuantizedTensor | DeviceMatrix) -> None:
         self.out_features, self.in_features = weight.shape
@@ -170,9 +171,12 @@ class QuantLinear:
         if residual is not None:
             ins.append(residual.reshape(rows, n).float())
 
+        nw = len(self.tensors)  # the body, and the scales where the format has them
+
         def run(dev: Any, out: Any, bufs: list[Any]) -> None:
-            _bind(dev, w, bufs[1:3])
-            mq.matmul_quant(dev, lim, w, bufs[0], rows, cfg, out=out, residual=bufs[3] if len(bufs) > 3 else None)
+            _bind(dev, w, bufs[1:1 + nw])
+            mq.matmul_quant(dev, lim, w, bufs[0], rows, cfg, out=out,
+                            residual=bufs[1 + nw] if len(bufs) > 1 + nw else None)
 
         y = custom(run, ins, (rows, n), dtypes.float32, key=(id(self), cfg), name=f"matmul_quant_{self.format}")
         return y.reshape(*x.shape[:-1], n)

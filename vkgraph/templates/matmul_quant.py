@@ -9,10 +9,15 @@ tile, and no float16 copy is written or read.
 The tiling is matmul_coop's (codegen/matmul_coop.py, which explains it): a workgroup computes a BM x BN tile of
 y with WM x WN subgroups, slices BK deep are staged through shared memory, the next slice's words are read into
 registers while the current one is multiplied. x comes as float16 rows [M, K]; W's slice of each row is BK / 16
-chunks of 16 values, one 16-byte word and one float16 scale each (Q8_0: 16 int8 values; Q4_0: the low or high
-nibbles of a block's word), decoded as dequant_f16.comp decodes them and rounded to float16 (the values of the
-float16 copy, up to the rounding mode of packHalf2x16). Accumulation is float32, and so is y. The number of rows
-M is a push constant, so one pipeline serves every prompt length.
+chunks of 16 values. Per format, `_CODECS` holds two GLSL functions: `load_q` reads a chunk's raw words (up to
+three 16-byte words and one float16 scale: Q8_0 16 int8 values; Q4_0 a block's word, whose low or high nibbles
+are the chunk; Q4_K a super-block's header and one nibble word; Q6_K a low-bits word, a high-bits word and the
+scales word) in the load phase, and `decode_q` turns them into 16 float16 values in the store phase, as
+dequant_f16.comp decodes them (rounded by packHalf2x16, in the device's rounding mode). `stage_source` runs the
+product's staging of W alone (both functions, the same code), without cooperative matrices, so every device
+checks it against numpy.
+Accumulation is float32, and so is y. The number of rows M is a push constant, so one pipeline serves every
+prompt length.
 
 Only devices with float16 cooperative matrices run it (a Limits.coop shape with float32 accumulation and a fixed
 subgroup size); elsewhere QuantLinear keeps the float16 copy and the generated matmul.
@@ -30,8 +35,83 @@ from ..runtime import Device
 from .common import check_binding_range, check_buffer, grid_2d
 from .matvec import DeviceWeights
 
-FORMATS = ("Q8_0", "Q4_0")
-BLOCK = 32  # elements per quant block of both formats: a slice is a whole number of blocks deep
+BLOCK = 32  # a slice is a whole number of 32-element (sub-)blocks deep
+_HALF = "float half_at(uint i) { return unpackHalf2x16(s[i >> 1] >> (16u * (i & 1u))).x; }"
+# Per format: GLSL of load_q(row, e0, r0, r1, r2, sc), which reads the raw words of W[row, e0 .. e0 + 16) (e0 % 16
+# == 0), and decode_q(e0, r0, r1, r2, sc, lo, hi), which turns them into the 16 values as float16 pairs. WS and SS
+# are W's row strides in 16-byte words and in float16 scales. Each follows dequant_f16.comp's decoding.
+_CODECS = {
+    "Q8_0": """
+void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out float sc) {
+    r0 = w[row * WS + e0 / 16]; r1 = uvec4(0u); r2 = uvec4(0u);
+    sc = half_at(uint(row * SS + e0 / 32));
+}
+vec4 val(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, int i) {  // int8 times the block's scale
+    return vec4((ivec4(bytes_of(r0[i])) << 24) >> 24) * sc;
+}""",
+    "Q4_0": """
+void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out float sc) {
+    r0 = w[row * WS + e0 / 32]; r1 = uvec4(0u); r2 = uvec4(0u);
+    sc = half_at(uint(row * SS + e0 / 32));
+}
+vec4 val(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, int i) {  // low nibbles: values 0-15, high: 16-31
+    return (vec4(bytes_of((r0[i] >> (4u * uint((e0 >> 4) & 1))) & 0x0F0F0F0Fu)) - 8.0) * sc;
+}""",
+    "Q4_K": """
+void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out float sc) {
+    // a super-block: a header word (d, dmin, 12 bytes of scales and mins), then 8 nibble words; word 2j + t holds
+    // values 64j + 16t .. (low nibbles) and 64j + 32 + 16t .. (high nibbles)
+    int sbw = row * WS + (e0 >> 8) * 9, wi = e0 & 255;
+    r0 = w[sbw]; r1 = w[sbw + 1 + 2 * (wi >> 6) + ((wi >> 4) & 1)]; r2 = uvec4(0u); sc = 0.0;
+}
+vec4 val(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, int i) {  // (d * scale) * q - dmin * min
+    int wi = e0 & 255, j = wi >> 6, hf = (wi >> 5) & 1;
+    uint sh = 16u * uint(j & 1);
+    uint y = r0.y >> sh, z = r0.z >> sh, x4 = r0.w >> sh;
+    uvec2 scv, mnv;
+    if (j < 2) {
+        scv = uvec2(y, y >> 8) & 63u;
+        mnv = uvec2(z, z >> 8) & 63u;
+    } else {
+        scv = (uvec2(x4, x4 >> 8) & 0xFu) | ((uvec2(y, y >> 8) >> 2) & 0x30u);
+        mnv = ((uvec2(x4, x4 >> 8) >> 4) & 0xFu) | ((uvec2(z, z >> 8) >> 2) & 0x30u);
+    }
+    vec2 dm = unpackHalf2x16(r0.x);
+    float a = dm.x * float(scv[hf]), b = dm.y * float(mnv[hf]);
+    return a * vec4(bytes_of((r1[i] >> (4u * uint(hf))) & 0x0F0F0F0Fu)) - b;
+}""",
+    "Q6_K": """
+void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out float sc) {
+    // a super-block: 8 low-bits words, 4 high-bits words, the int8 scales word; d in the scales buffer. Values
+    // 128hh + 32r + 16t ..: low bits in word 4hh + 2(r & 1) + t (nibble r >> 1), high bits in word 8 + 2hh + t
+    int sbw = row * WS + (e0 >> 8) * 13, wi = e0 & 255;
+    int hh = wi >> 7, r = (wi >> 5) & 3, t = (wi >> 4) & 1;
+    r0 = w[sbw + 4 * hh + 2 * (r & 1) + t]; r1 = w[sbw + 8 + 2 * hh + t]; r2 = w[sbw + 12];
+    sc = half_at(uint(row * SS + (e0 >> 8)));
+}
+vec4 val(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, int i) {  // (d * scale) * (q - 32)
+    int wi = e0 & 255, hh = wi >> 7, r = (wi >> 5) & 3, t = (wi >> 4) & 1, bi = t + 2 * r;
+    uvec2 scs = hh == 0 ? r2.xy : r2.zw;
+    float ds = sc * float(bitfieldExtract(int(scs[bi >> 2]), 8 * (bi & 3), 8));
+    uint l = r0[i] >> (4u * uint(r >> 1));
+    return ds * (vec4(bytes_of((l & 0x0F0F0F0Fu) | (((r1[i] >> (2u * uint(r))) & 0x03030303u) << 4))) - 32.0);
+}""",
+}
+_DECODE = """
+void decode_q(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, out uvec4 lo, out uvec4 hi) {
+    vec4 v0 = val(e0, r0, r1, r2, sc, 0), v1 = val(e0, r0, r1, r2, sc, 1);
+    vec4 v2 = val(e0, r0, r1, r2, sc, 2), v3 = val(e0, r0, r1, r2, sc, 3);
+    lo = uvec4(packHalf2x16(v0.xy), packHalf2x16(v0.zw), packHalf2x16(v1.xy), packHalf2x16(v1.zw));
+    hi = uvec4(packHalf2x16(v2.xy), packHalf2x16(v2.zw), packHalf2x16(v3.xy), packHalf2x16(v3.zw));
+}"""
+FORMATS = tuple(_CODECS)
+
+
+def _codec(fmt: str, w_stride: int, s_stride: int) -> list[str]:
+    """The helper functions of format fmt's decoding, for W's strides."""
+    return [f"const int WS = {w_stride}, SS = {s_stride};",
+            "uvec4 bytes_of(uint v) { return uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu; }",
+            _HALF, _CODECS[fmt], _DECODE]
 
 
 def shape_class(fmt: str, m: int, n: int, k: int) -> str:
@@ -58,6 +138,62 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Co
     return cfg if cfg.bk % BLOCK == 0 and k % cfg.bk == 0 and cfg.fits(frag, lim) else None
 
 
+# ---- staging W's slices: the same code in the product and in stage_source, which checks it on any device ----------
+
+
+def _declare_w(emit: Any, bn: int, bk: int, nt: int) -> None:
+    for c in range(math.ceil(bn * (bk // 16) / nt)):
+        emit(f"uvec4 br{c}_0, br{c}_1, br{c}_2;")
+        emit(f"float bs{c};")
+
+
+def _load_w(emit: Any, n: int, bn: int, bk: int, nt: int, k0: str) -> None:
+    """The raw words of every chunk of 16 values of W's slice from element k0, rows tn * bn ..: load_q into the
+    registers br*, bs*; zero past row n."""
+    chunks, kb = bn * (bk // 16), bk // 16
+    for c in range(math.ceil(chunks / nt)):
+        guard = f"e < {chunks} && " if (c + 1) * nt > chunks else ""
+        emit(f"{{ int e = lid + {c * nt}; int row = tn * {bn} + e / {kb};")
+        emit(f"  if ({guard}row < {n}) load_q(row, ({k0}) + 16 * (e % {kb}), br{c}_0, br{c}_1, br{c}_2, bs{c});")
+        emit(f"  else {{ br{c}_0 = uvec4(0u); br{c}_1 = uvec4(0u); br{c}_2 = uvec4(0u); bs{c} = 0.0; }} }}")
+
+
+def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str) -> None:
+    """The registers' chunks decoded (decode_q) into shared memory from `at`: bn rows of bk float16 values, rows
+    padded by 8 values."""
+    chunks, kb, stride = bn * (bk // 16), bk // 16, (bk + 8) // 8
+    for c in range(math.ceil(chunks / nt)):
+        cond = "" if (c + 1) * nt <= chunks else f"if (lid + {c * nt} < {chunks}) "
+        emit(f"{{ int e = lid + {c * nt}; int j = e % {kb};")
+        emit(f"  {cond}{{ int at = {at} + (e / {kb}) * {stride} + 2 * j;")
+        emit(f"    uvec4 lo, hi; decode_q(({k0}) + 16 * j, br{c}_0, br{c}_1, br{c}_2, bs{c}, lo, hi);")
+        emit("    sm[at] = lo; sm[at + 1] = hi; } }")
+
+
+def stage_source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, bn: int, bk: int, nt: int) -> str:
+    """A program that runs only the product's staging of W: workgroup (tn, kt) of nt invocations loads and decodes
+    the bn x bk slice of rows tn * bn .. at element kt * bk into shared memory, as the product does, then copies
+    it out to float16 [n, k] (16-byte words). For checking the staging against numpy on any device."""
+    if fmt not in FORMATS:
+        raise ValueError(f"matmul_quant: unsupported format {fmt!r}; known: {FORMATS}")
+    stride = (bk + 8) // 8
+    L = ["#version 450", f"layout(local_size_x = {nt}) in;",
+         "layout(set = 0, binding = 0) readonly buffer W { uvec4 w[]; };",
+         "layout(set = 0, binding = 1) readonly buffer S { uint s[]; };",
+         "layout(set = 0, binding = 2) writeonly buffer O { uvec4 o[]; };",
+         f"shared uvec4 sm[{bn * stride}];", *_codec(fmt, w_stride, s_stride), "void main() {",
+         "int lid = int(gl_LocalInvocationID.x), tn = int(gl_WorkGroupID.x), kt = int(gl_WorkGroupID.y);"]
+    _declare_w(L.append, bn, bk, nt)
+    _load_w(L.append, n, bn, bk, nt, f"kt * {bk}")
+    _store_w(L.append, bn, bk, nt, "0", f"kt * {bk}")
+    L += ["barrier();",
+          f"for (int e = lid; e < {bn * (bk // 8)}; e += {nt}) {{",
+          f"  int r = e / {bk // 8}, c = e % {bk // 8}, row = tn * {bn} + r;",
+          f"  if (row < {n}) o[row * {k // 8} + kt * {bk // 8} + c] = sm[r * {stride} + c];",
+          "}", "}", ""]
+    return "\n".join(L)
+
+
 def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_coop.Config,
            frag: tuple[int, int, int], subgroup: int, residual: bool) -> str:
     """The GLSL of the product for format fmt, W [n, k] with the given strides, tile cfg and fragment shape."""
@@ -75,9 +211,9 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     stage = a_size + b_size
     c_stride = (tn_ + 4) // 4  # a row of a subgroup's accumulators, float32, padded by 4
     smem = max(cfg.stages * stage, wm * wn * fm * c_stride)
-    chunks_a, chunks_b = bm * (bk // 8), bn * (bk // 16)
-    per_a, per_b = math.ceil(chunks_a / nt), math.ceil(chunks_b / nt)
-    ka, kb = bk // 8, bk // 16  # 8-element chunks of a row of x's slice; 16-element chunks of W's
+    chunks_a = bm * (bk // 8)
+    per_a = math.ceil(chunks_a / nt)
+    ka = bk // 8  # 8-element chunks of a row of x's slice (W's: 16-element chunks, _load_w)
     g_m = matmul_coop.GROUP_M
     L: list[str] = []
     emit = L.append
@@ -88,39 +224,13 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
             guard = f"e < {chunks_a} && " if (c + 1) * nt > chunks_a else ""
             emit(f"{{ int e = lid + {c * nt}; int row = tm * {bm} + e / {ka};")
             emit(f"  ar{c} = ({guard}row < int(pc.m)) ? x[row * {k // 8} + ({k0}) / 8 + e % {ka}] : uvec4(0u); }}")
-        # W: one 16-byte word and one scale per chunk of 16 values; zero past row N
-        for c in range(per_b):
-            guard = f"e < {chunks_b} && " if (c + 1) * nt > chunks_b else ""
-            emit(f"{{ int e = lid + {c * nt}; int row = tn * {bn} + e / {kb}; int j = e % {kb};")
-            emit(f"  int blk = (({k0}) + 16 * j) / {BLOCK};")
-            word = "row * {ws} + (({k0}) + 16 * j) / 16" if fmt == "Q8_0" else "row * {ws} + blk"
-            emit(f"  bool ok = {guard}row < {n};")
-            emit(f"  br{c} = ok ? w[{word.format(ws=w_stride, k0=k0)}] : uvec4(0u);")
-            emit(f"  uint si = uint(row * {s_stride} + blk);")
-            emit(f"  bs{c} = ok ? unpackHalf2x16(s[si >> 1] >> (16u * (si & 1u))).x : 0.0; }}")
+        _load_w(emit, n, bn, bk, nt, k0)
 
-    def store_slice(at: str) -> None:
+    def store_slice(at: str, k0: str) -> None:
         for c in range(per_a):
             cond = "" if (c + 1) * nt <= chunks_a else f"if (lid + {c * nt} < {chunks_a}) "
             emit(f"{{ int e = lid + {c * nt}; {cond}sm[{at} + (e / {ka}) * {a_stride} + e % {ka}] = ar{c}; }}")
-        for c in range(per_b):
-            cond = "" if (c + 1) * nt <= chunks_b else f"if (lid + {c * nt} < {chunks_b}) "
-            emit(f"{{ int e = lid + {c * nt}; int j = e % {kb};")
-            if fmt == "Q8_0":  # 16 signed bytes times the block's scale
-                emit(f"  vec4 q0 = vec4((ivec4(bytes_of(br{c}.x)) << 24) >> 24), "
-                     f"q1 = vec4((ivec4(bytes_of(br{c}.y)) << 24) >> 24);")
-                emit(f"  vec4 q2 = vec4((ivec4(bytes_of(br{c}.z)) << 24) >> 24), "
-                     f"q3 = vec4((ivec4(bytes_of(br{c}.w)) << 24) >> 24);")
-            else:  # the block's low nibbles (values 0-15) or high ones (16-31), minus 8, times the scale
-                emit("  uint sh = 4u * uint(j & 1);")
-                for i, comp in enumerate("xyzw"):
-                    emit(f"  vec4 q{i} = vec4(bytes_of((br{c}.{comp} >> sh) & 0x0F0F0F0Fu)) - 8.0;")
-            emit(f"  float d = bs{c};")
-            emit(f"  {cond}{{ int at = {at} + {a_size} + (e / {kb}) * {b_stride} + 2 * j;")
-            emit("    sm[at] = uvec4(packHalf2x16(q0.xy * d), packHalf2x16(q0.zw * d), packHalf2x16(q1.xy * d), "
-                 "packHalf2x16(q1.zw * d));")
-            emit("    sm[at + 1] = uvec4(packHalf2x16(q2.xy * d), packHalf2x16(q2.zw * d), packHalf2x16(q3.xy * d), "
-                 "packHalf2x16(q3.zw * d)); } }")
+        _store_w(emit, bn, bk, nt, f"{at} + {a_size}", k0)
 
     acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
     a_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
@@ -142,10 +252,9 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         for j in range(ffn):
             emit(f"{acc_t} acc{i}_{j} = {acc_t}(0.0);")
     emit(f"uvec4 {', '.join(f'ar{c}' for c in range(per_a))};")
-    emit(f"uvec4 {', '.join(f'br{c}' for c in range(per_b))};")
-    emit(f"float {', '.join(f'bs{c}' for c in range(per_b))};")
+    _declare_w(emit, bn, bk, nt)
     load_slice("0")
-    store_slice("0")
+    store_slice("0", "0")
     emit("barrier();")
     emit(f"for (int kt = 0; kt < {nk}; kt++) {{")
     emit(f"int cur = (kt & 1) * {stage};" if cfg.stages == 2 else "int cur = 0;")
@@ -168,7 +277,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     if cfg.stages == 1:
         emit("barrier();")  # every subgroup is done with the slice before it is overwritten
     emit("if (more) {")
-    store_slice(f"{stage} - cur" if cfg.stages == 2 else "0")
+    store_slice(f"{stage} - cur" if cfg.stages == 2 else "0", f"(kt + 1) * {bk}")
     emit("}")
     emit("barrier();")
     emit("}")
@@ -207,7 +316,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         head.append("layout(set = 0, binding = 4) readonly buffer R { float res[]; };")
     head += ["layout(push_constant) uniform Push { uint m; uint groups_x; } pc;",
              f"shared uvec4 sm[{smem}];",
-             "uvec4 bytes_of(uint v) { return uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu; }",
+             *_codec(fmt, w_stride, s_stride),
              "void main() {"]
     return "\n".join(head + L + ["}", ""])
 
@@ -229,7 +338,8 @@ def matmul_quant(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: in
         raise ValueError(f"matmul_quant: tile {cfg} does not fit this device's cooperative matrices")
     check_buffer("x", x, m * k * 2)
     check_buffer("weights.body", weights.body, n * weights.w_stride * 16)
-    check_buffer("weights.scales", weights.scales, (n * weights.s_stride + 1) // 2 * 4)
+    if weights.scales is not None:
+        check_buffer("weights.scales", weights.scales, (n * weights.s_stride + 1) // 2 * 4)
     nbytes = m * n * 4
     check_binding_range(dev, f"matmul_quant output [{m}, {n}]", nbytes)
     if residual is not None:
@@ -243,6 +353,7 @@ def matmul_quant(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: in
         src = source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, frag, lim.subgroup, residual is not None)
         kern = weights.pipelines[key] = dev.pipeline(src, name=f"matmul_quant_{fmt.lower()}")
     groups = grid_2d(dev, math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn))
-    bufs = [x, weights.body, weights.scales, out] + ([residual] if residual is not None else [])
+    scales = weights.scales if weights.scales is not None else weights.body  # Q4_K: bound, never read
+    bufs = [x, weights.body, scales, out] + ([residual] if residual is not None else [])
     dev.dispatch(kern, bufs, groups, push={"m": m, "groups_x": groups[0]})
     return out
