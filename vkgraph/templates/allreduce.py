@@ -17,7 +17,8 @@ from .common import check_buffer
 WG = 256
 PER = 4
 VALUES_PER_GROUP = WG * PER
-SPIN_LIMIT = 1 << 26  # loads of a cell before giving up: seconds on a GPU
+SPIN_LIMIT = 1 << 20  # loads of a cell before giving up: about a second on a GPU (host memory over PCIe), well
+# under the fence timeout (VKGRAPH_TIMEOUT_S), so a step whose wait gave up can run again through the host
 # CPU drivers: llvmpipe ends a shader's loops after 65535 iterations in all, so each waits longer (BURN sin()s)
 CPU_SPIN_LIMIT = 60000
 CPU_BURN = 32
