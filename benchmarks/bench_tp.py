@@ -92,6 +92,45 @@ def all_reduce_alone(devices: list, numel: int, reps: int = 50) -> float:
     return statistics.median(times)
 
 
+def peer_all_reduce_alone(devices: list, numel: int, chain: int = 64, reps: int = 20) -> float:
+    """Median seconds of one PeerAllReduce of `numel` float32 per rank: `chain` of them back to back (each
+    reducing the last one's result), captured on every device and replayed, wall time over `chain`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vkgraph.jit import jit
+    from vkgraph.parallel import PeerAllReduce
+
+    peer = PeerAllReduce(devices, numel)
+    pool = ThreadPoolExecutor(len(devices))
+
+    def chained(rank: int, x: Tensor) -> Tensor:
+        for site in range(chain):
+            x = peer.reduce(rank, x, site) * 0.5
+        return x
+
+    steps = [jit(lambda x, r=r: chained(r, x)) for r in range(len(devices))]
+    parts = []
+    for d in devices:
+        with use_device(d):
+            parts.append(Tensor(np.random.default_rng(0).standard_normal(numel, dtype=np.float32)).realize())
+
+    def one(rank: int) -> None:
+        with use_device(devices[rank]):
+            steps[rank](parts[rank]).realize()
+            devices[rank].synchronize()
+
+    times = []
+    for i in range(reps + 3):  # eager, capture, then replays
+        t = time.perf_counter()
+        list(pool.map(one, range(len(devices))))
+        if i >= 3:
+            times.append(time.perf_counter() - t)
+    pool.shutdown()
+    if peer.failed():
+        print(f"  (peer all-reduce alone: a wait timed out; {peer.fallbacks} fallbacks)")
+    return statistics.median(times) / chain
+
+
 def _nccl_worker(rank: int, world: int, numel: int, reps: int, out) -> None:
     import torch
     import torch.distributed as dist
@@ -232,8 +271,15 @@ def main() -> None:
         tp.close()
     numel = cfg.dim  # batch 1: one row of the residual stream, float32
     ar = all_reduce_alone(devices, numel)
-    print(f"all-reduce alone, {numel * 4} bytes per rank: {ar * 1e6:.1f} us; x {2 * cfg.n_layers} per step = "
+    print(f"host all-reduce alone, {numel * 4} bytes per rank: {ar * 1e6:.1f} us; x {2 * cfg.n_layers} per step = "
           f"{ar * 2 * cfg.n_layers * 1e3:.2f} ms")
+    if "peer" in a.all_reduce.split(","):
+        try:
+            pr = peer_all_reduce_alone(devices, numel)
+            print(f"peer all-reduce alone, {numel * 4} bytes per rank (64 in one captured graph): {pr * 1e6:.1f} us; "
+                  f"x {2 * cfg.n_layers} per step = {pr * 2 * cfg.n_layers * 1e3:.2f} ms")
+        except Exception as e:  # noqa: BLE001 (reported; the NCCL reference still runs)
+            print(f"peer all-reduce alone: failed: {type(e).__name__}: {e}")
     if a.ray:
         bench_ray(cfg, a.format, a.world, a.decode_steps, kw)
     if a.nccl:
