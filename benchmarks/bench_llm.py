@@ -6,6 +6,7 @@ on the same GPU (when PyTorch with CUDA is present).
                                    [--batches 1,8,32]
     python benchmarks/bench_llm.py --gguf model-q4_0.gguf [--gguf model-q8_0.gguf]   # same files as llama.cpp
 
+Prefill: the median of three prompts of --prompt tokens (each new, so no cached prefix), the first token included.
 Without --gguf, random weights are valid GGUF blocks of any quantized format built directly (small finite
 float16 scales, random quants and bits: vkgraph.quant.random_blocks), so no file is written; a shape with tied
 embeddings (llama3.2-1b) reads its embedding table from the head's blocks.
@@ -92,11 +93,15 @@ def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt
     vocab = w.config.vocab_size
     engine.add_request([i % vocab for i in range(prompt_len)], max_tokens=1, stop_token_ids=[])
     engine.step()
-    engine.add_request([(i + 1) % vocab for i in range(prompt_len)], max_tokens=1, stop_token_ids=[])
-    get_device().synchronize()
-    t = time.perf_counter()
-    engine.step()  # one prefill (and its first token)
-    out["prefill"] = prompt_len / (time.perf_counter() - t)
+    times = []
+    for r in range(1, 4):  # the median of three prefills (and their first tokens) of new prompts
+        engine.add_request([(i + r) % vocab for i in range(prompt_len)], max_tokens=1, stop_token_ids=[])
+        get_device().synchronize()
+        t = time.perf_counter()
+        engine.step()
+        get_device().synchronize()
+        times.append(time.perf_counter() - t)
+    out["prefill"] = prompt_len / statistics.median(times)
     return out
 
 
@@ -156,10 +161,13 @@ def bench_torch(cfg: ModelConfig, batches: list[int], decode_steps: int, prompt_
         prompt = torch.arange(prompt_len, device=dev).view(1, -1)
         forward(prompt, caches, 0)
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        forward(prompt, caches, 0)
-        torch.cuda.synchronize()
-        out["prefill"] = prompt_len / (time.perf_counter() - t)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            forward(prompt, caches, 0)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out["prefill"] = prompt_len / statistics.median(times)
     return out
 
 
