@@ -15,6 +15,7 @@ process per GPU) of the same float32 bytes, where PyTorch sees as many CUDA GPUs
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -244,6 +245,7 @@ def main() -> None:
         built = time.perf_counter() - t
         one, _ = decode_steps(single, a.decode_steps, cfg.vocab_size)
         del single
+        gc.collect()
         print(f"1 device : {one * 1e3:8.2f} ms/step  {1 / one:7.1f} tok/s  (built in {built:.1f} s)")
     else:
         print("1 device : does not fit")
@@ -269,6 +271,8 @@ def main() -> None:
                   f"{2 * cfg.n_layers} all-reduces inside) {med['compute']:.2f} + host {med['host']:.2f}; "
                   f"{tp.peer.fallbacks} steps fell back to the host path")
         tp.close()
+        del tp  # its weights go before the next path's are made (a 100B-class model fits once, not twice)
+        gc.collect()
     numel = cfg.dim  # batch 1: one row of the residual stream, float32
     ar = all_reduce_alone(devices, numel)
     print(f"host all-reduce alone, {numel * 4} bytes per rank: {ar * 1e6:.1f} us; x {2 * cfg.n_layers} per step = "
