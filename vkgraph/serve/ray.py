@@ -23,7 +23,9 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -196,7 +198,7 @@ async def _body(gen: Any) -> AsyncIterator[bytes]:
 ingress_app = FastAPI(title="vkgraph (Ray Serve)")
 
 
-@serve.deployment(max_ongoing_requests=4096)
+@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})  # it only forwards bytes
 @serve.ingress(ingress_app)
 class Ingress:
     """Forwards every request to a replica (prefix-aware) and streams the answer back."""
@@ -261,12 +263,17 @@ def main(argv: list[str] | None = None) -> int:
                         cpus_per_replica=a.cpus_per_replica), name="vkgraph", route_prefix="/")
     print(f"serving {server.model} on http://{server.host}:{server.port} with {a.replicas} replica(s); "
           "Ctrl-C stops", file=sys.stderr)
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the replicas as Ctrl-C does
     try:
         while True:
-            asyncio.run(asyncio.sleep(3600))
+            time.sleep(3600)
     except KeyboardInterrupt:
         serve.shutdown()
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
