@@ -2,7 +2,7 @@
 shape with random weights in Q4_0 / Q8_0, beside an eager PyTorch float16 implementation of the same shape
 on the same GPU (when PyTorch with CUDA is present).
 
-    python benchmarks/bench_llm.py [--shape llama3-8b|llama3.2-1b|small] [--formats Q4_0,Q8_0,Q4_K]
+    python benchmarks/bench_llm.py [--shape llama3-8b|llama3.2-1b|smollm2-135m|small] [--formats Q4_0,Q8_0,Q4_K]
                                    [--batches 1,8,32]
     python benchmarks/bench_llm.py --gguf model-q4_0.gguf [--gguf model-q8_0.gguf]   # same files as llama.cpp
 
@@ -40,6 +40,9 @@ SHAPES = {
     "llama3.2-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
                         head_dim=64, rope_theta=500000.0, tie_embeddings=True,
                         rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
+    # SmolLM2-135M (the real checkpoint of tests/test_checkpoint.py, whose file cannot travel to a GPU machine)
+    "smollm2-135m": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536, head_dim=64,
+                         rope_theta=100000.0, tie_embeddings=True),
     "small": dict(vocab_size=2048, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=512, head_dim=64),
 }
 
