@@ -71,6 +71,57 @@ def test_llama3_pre_tokenizer_splits_digits_in_threes(paths, tmp_path):
     assert pieces == ["123", "456", "7"]
 
 
+PRE_TEXTS = TEXTS + ["Hello world! 12345 abc", "  lots   of  spaces\n\n\tand 1,234,567.89", "don't I'LL we've",
+                     "x=1_000;y=22", "once upon a time 2024, 2025 and 2026"] + mk.CORPUS.splitlines()
+
+
+def _vocabulary_gguf(dst, pre: str):
+    """A GGUF file holding only a byte-level BPE vocabulary trained across word, digit and space boundaries (so the
+    pre-tokenizer decides which merges may apply), with tokenizer.ggml.pre set to `pre`."""
+    import json
+
+    from gguf import GGUFWriter
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    t = HFTokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.train_from_iterator(PRE_TEXTS * 4, trainers.BpeTrainer(
+        vocab_size=700, special_tokens=["<|end_of_text|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    model = json.loads(t.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    w = GGUFWriter(str(dst), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if tok == "<|end_of_text|>" else 1 for tok in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    w.add_eos_token_id(model["vocab"]["<|end_of_text|>"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.slow
+def test_pre_tokenizers_split_as_transformers_reads_them(tmp_path):
+    """For each pre-tokenizer transformers' GGUF reader knows (GPT-2's, Llama 3's, Qwen2's), vkgraph's GGUF tokenizer
+    gives the ids transformers gives on the same vocabulary; the three give different ids (the vocabulary's merges
+    cross the boundaries they draw), so a wrong split would show. Needs the `reference` extra."""
+    transformers = pytest.importorskip("transformers")
+    seen = set()
+    for pre in ("gpt-2", "llama-bpe", "qwen2"):
+        gguf = _vocabulary_gguf(tmp_path / f"{pre}.gguf", pre)
+        hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf.name)
+        vk = Tokenizer.load(gguf)
+        ids = [vk.encode(t, add_special_tokens=False) for t in PRE_TEXTS]
+        assert ids == [hf(t, add_special_tokens=False).input_ids for t in PRE_TEXTS], pre
+        seen.add(str(ids))
+    assert len(seen) == 3
+
+
 def test_unknown_tokenizer_model_is_rejected_clearly(paths, tmp_path):
     gguf = _rewrite_gguf_tokenizer(paths["F32"], tmp_path / "bert.gguf", model="bert")
     with pytest.raises(UnsupportedModelError, match="'bert' is not supported.*tokenizer.json"):
