@@ -319,6 +319,16 @@ def test_gemma2_config_as_published():
         ModelConfig.from_hf(hf | {"attn_logit_softcapping": -1})
 
 
+def test_gemma2_gguf_query_scale_as_llama_cpp_derives_it(tmp_path):
+    """GGUF carries no query_pre_attn_scalar: head_dim, except for the 46-layer 27B, whose scale is dim / heads
+    (llama.cpp's rule); the caps and the window come from the file."""
+    for layers, want in ((2, 32), (46, 16)):
+        cfg = mk.tiny_config(**mk.gemma2_overrides(), n_layers=layers, head_dim=32)  # dim 64 over 4 heads: 16
+        path = mk.write_model(tmp_path / str(layers), cfg, gguf_types=("F32",), safetensors=False)["F32"]
+        got = load_weights(path, progress=False).config
+        assert got == dataclasses.replace(cfg, query_pre_attn_scalar=want)
+
+
 def test_phi3_fused_tensors_load_as_projections(tmp_path):
     """Phi-3 (HF qkv_proj/gate_up_proj, GGUF attn_qkv/ffn_up) loads to the same per-projection weights as the
     generator's, float and quantized; a Phi-4-style partial rotary factor is refused by name."""
