@@ -212,8 +212,8 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_blocks(server):
         return server.metric('vkgraph_requests_total{outcome="abort",route="completions"}')
 
     before = aborted()
-    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 240, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):  # 240 decode steps take longer than this
+    body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 240, "temperature": 0, "n": 4}
+    with pytest.raises(httpx.ReadTimeout):  # 240 decode steps of 4 rows take longer than this
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.15)
     assert _blocks_back(server)
     deadline = time.monotonic() + 10

@@ -219,8 +219,8 @@ async def _events(state: ServerState, streams: list[Stream]) -> AsyncIterator[tu
 
 
 async def _watch_disconnect(request: Request, state: ServerState, streams: list[Stream]) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
+    while not await request.is_disconnected():  # a cheap check: whether the server saw the connection close
+        await asyncio.sleep(0.05)
     _abort(state, streams)
 
 
