@@ -1,7 +1,7 @@
 """Time to first token for a prompt whose long prefix sits in each tier of the KV prefix store, against
 recomputing it (vkgraph/nn/kv_tiers.py, docs/serving.md).
 
-    python benchmarks/bench_kv_tiers.py --preset llama3-8b --prefix 2048 --reps 3     # the H200 figures
+    python benchmarks/bench_kv_tiers.py --model /tmp/m8b/model-q4_0.gguf --prefix 2048 --reps 3    # H200
     python benchmarks/bench_kv_tiers.py --prefix 256 --reps 3                          # lavapipe, tiny: a smoke run
 
 Engine level (no HTTP). Each repetition draws a fresh random prefix (so no tier holds it from before) and asks

@@ -1,7 +1,7 @@
 """Load test of `python -m vkgraph.serve`: concurrent streaming clients on the loopback interface.
 
     python benchmarks/load_serve.py --clients 32 --duration 60 --check           # lavapipe, tiny model: correctness
-    python benchmarks/load_serve.py --preset llama3-8b --clients 1,8,32,64 --duration 25   # the H200 figures
+    python benchmarks/load_serve.py --model /tmp/m8b/model-q4_0.gguf --clients 1,8,32,64 --duration 10  # H200
 
 The script writes a random-weight model (the tiny shape, or the Llama-3-8B shape as Q4_0 GGUF) unless --model
 is given, starts the server on a free 127.0.0.1 port, and for each concurrency level runs that many clients,
