@@ -8,7 +8,8 @@ WGS and rows-per-workgroup choice in ROWS (with and without the integer dot-prod
 where the device has it) is timed as bench_kernels times it (calls replayed from a captured
 command graph, weights cycled past the L2). Prints GB/s of weight bytes for the chosen
 configuration (vkgraph.templates.matvec.choose_config) and the best one found, then the best per batch as a
-Python literal to compare with PREFERRED and BATCH_ROWS in vkgraph/templates/matvec.py.
+Python literal to compare with PREFERRED and BATCH_ROWS in vkgraph/templates/matvec.py. This is the workgroup
+launch (VKGRAPH_MATVEC_LAUNCH=workgroup); bench_matvec_launch.py --sweep sweeps the subgroup-rows launch.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _sweep(dev, rng, f, ws, n: int, k: int, batch: int, act: str, nbytes: int, r
     x = dev.alloc(xs.nbytes)
     dev.upload(x, xs)
     y = dev.alloc(batch * n * 4)
-    chosen = mv.choose_config(dev, f, n, k, batch)
+    chosen = mv.choose_config(dev, f, n, k, batch, subgroup_rows=False)
     has_int8 = f.name in mv.INT_DOT_FORMATS and dev.info.integer_dot_product
     int_dots = [dot for dot in (False, True) if ("int8" if dot else "float") in paths and (has_int8 or not dot)]
     results = {}
