@@ -126,7 +126,9 @@ void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r 
     y[Y_ROW(b) * pc.n_rows + row] = v;
 }
 
-shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * NB];
+#ifndef SG_ROWS
+shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * NB];   // the workgroup reduction's
+#endif
 
 // -DSG_ROWS (the subgroup-rows launch): TPR invocations (a power of two, at most the device's smallest subgroup,
 // so a group never straddles two subgroups) own ROWS rows; a workgroup holds WG / TPR such groups. Each
