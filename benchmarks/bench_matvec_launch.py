@@ -22,7 +22,7 @@ import argparse
 import itertools
 
 import numpy as np
-from bench_kernels import _copies, _random_weights, _release_weights
+from bench_kernels import _copies, _release_weights, _weight_copies
 from common import cuda_torch, replay_us, torch_time_us
 
 from vkgraph.quant import FORMATS
@@ -111,7 +111,7 @@ def main() -> None:
                 nbytes = n * f.row_bytes(k)
                 if nbytes > dev.info.max_storage_buffer_range:
                     continue
-                ws = [_random_weights(dev, rng, fmt, n, k) for _ in range(_copies(nbytes))]
+                ws = _weight_copies(dev, rng, fmt, n, k)
                 for batch in batches:
                     old = mv.choose_config(dev, f, n, k, min(batch, mv.MAX_BATCH), subgroup_rows=False)
                     new = mv.choose_config(dev, f, n, k, batch, subgroup_rows=True)
@@ -125,6 +125,8 @@ def main() -> None:
                     if a.sweep:
                         found = {}
                         for wg, rows, unroll, tpr_div in SWEEP:
+                            if rows * batch > 128 or rows * unroll > 16:  # past the registers an invocation has
+                                continue
                             tpr = max(1, new.tpr // tpr_div)
                             cfg = mv.MatvecConfig(wg, rows, True, new.int_dot, tpr, unroll)
                             found[(wg, rows, unroll, tpr)] = product_us(dev, ws, x, y, batch, cfg, max(3, a.reps // 2))
