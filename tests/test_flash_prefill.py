@@ -78,12 +78,7 @@ def _reference(q, k, v, cu, group, window):
     return ref
 
 
-@needs_f16
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), hkv=st.integers(1, 2),
-       group=st.sampled_from([1, 4]), d=st.sampled_from([64, 128]), window=st.sampled_from([0, 0, 5, 70]),
-       seed=st.integers(0, 2**31))
-def test_matches_numpy(lens, hkv, group, d, window, seed):
+def _case(lens, hkv, group, d, window, seed, emulate):
     rng = np.random.default_rng(seed)
     dev, lim = get_device(), realize_mod.limits()
     t = sum(lens)
@@ -93,9 +88,30 @@ def test_matches_numpy(lens, hkv, group, d, window, seed):
     v = rng.standard_normal((t, hkv, d)).astype(np.float32)
     out = fp.flash_prefill(dev, lim, upload(dev, q), upload(dev, k), upload(dev, v), upload(dev, cu),
                            num_seqs=len(lens), num_tokens=t, num_heads=hkv * group, num_kv_heads=hkv, head_size=d,
-                           max_seq_len=max(lens), window=window)
+                           max_seq_len=max(lens), window=window, emulate=emulate)
     got = dev.download(out, np.float32, q.shape)
     assert normalised_error(got, _reference(q, k, v, cu, group, window)) <= TOL
+
+
+@needs_f16
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), hkv=st.integers(1, 2),
+       group=st.sampled_from([1, 4]), d=st.sampled_from([64, 128]), window=st.sampled_from([0, 0, 5, 70]),
+       seed=st.integers(0, 2**31))
+def test_matches_numpy(lens, hkv, group, d, window, seed):
+    _case(lens, hkv, group, d, window, seed, emulate=False)
+
+
+@pytest.mark.slow  # lavapipe takes one to two minutes a case
+@pytest.mark.skipif(realize_mod.limits().min_subgroup != realize_mod.limits().max_subgroup,
+                    reason="the program needs a fixed subgroup size")
+@pytest.mark.parametrize("lens,hkv,group,d,window", [([5], 1, 1, 16, 0), ([20, 3], 1, 2, 16, 0),
+                                                     ([70, 33], 1, 4, 16, 0), ([90, 7], 1, 1, 32, 40)])
+def test_emulated_program_matches_numpy(lens, hkv, group, d, window, monkeypatch):
+    """The program with its matrix operations written as loops, on any device: every step but the cooperative
+    matrices themselves (staging, masks, online softmax, the per-row rescaling, the output) against numpy."""
+    monkeypatch.setattr(get_device().queue, "timeout_s", 900.0)  # its loops run for minutes on lavapipe
+    _case(lens, hkv, group, d, window, 11, emulate=True)
 
 
 @needs_f16

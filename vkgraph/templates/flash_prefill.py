@@ -1,7 +1,8 @@
 """Causal prefill attention on cooperative matrices (flash-attention style), for devices that have them.
 
 The prefill_attention graph op runs it with VKGRAPH_FLASH_PREFILL=1 (off by default until tests/test_flash_prefill.py
-has run on a GPU with cooperative matrices; every other test only compiles it).
+has run on a GPU with cooperative matrices). Elsewhere the tests compile it, and run it with its matrix operations
+emulated by loops (`source(..., emulate=True)`, `pytest -m slow`): everything but the cooperative matrices.
 
 Same contract as paged_attention.prefill_attention (the prefill_attention.comp template, which every other device
 runs): packed prompts, cu_seqlens, grouped KV heads, an optional sliding window; q, k, v and the output float32.
@@ -59,18 +60,83 @@ def shared_bytes(d: int) -> int:
     return 16 * _layout(d)["total"]
 
 
+# GLSL of the emulated matrices (source(..., emulate=True)): every invocation of a subgroup holds a whole 16 x 16
+# matrix, row-major, and the operations are loops with the cooperative ones' meaning (offsets and strides in
+# 16-byte units of `sm`; float16 operands, float32 accumulation); the first invocation stores
+_EMULATION = """
+float h_at(int i) { return unpackHalf2x16(sm[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }
+void m_zero(out float m[256]) { for (int i = 0; i < 256; i++) m[i] = 0.0; }
+void m_load_h(out float m[256], int off, int stride, bool col) {
+    for (int r = 0; r < 16; r++) for (int c = 0; c < 16; c++)
+        m[r * 16 + c] = h_at(col ? (off + c * stride) * 8 + r : (off + r * stride) * 8 + c);
+}
+void m_load_f(out float m[256], int off, int stride) {
+    for (int r = 0; r < 16; r++) for (int c = 0; c < 16; c++)
+        m[r * 16 + c] = uintBitsToFloat(sm[off + r * stride + (c >> 2)][c & 3]);
+}
+void m_store(float m[256], int off, int stride) {
+    if (gl_SubgroupInvocationID == 0u) for (int r = 0; r < 16; r++) for (int c = 0; c < 16; c++)
+        sm[off + r * stride + (c >> 2)][c & 3] = floatBitsToUint(m[r * 16 + c]);
+}
+void m_mma(float a[256], float b[256], inout float c[256]) {
+    for (int r = 0; r < 16; r++) for (int n = 0; n < 16; n++) {
+        float t = c[r * 16 + n];
+        for (int k = 0; k < 16; k++) t += a[r * 16 + k] * b[k * 16 + n];
+        c[r * 16 + n] = t;
+    }
+}
+void m_mul(inout float a[256], float b[256]) { for (int i = 0; i < 256; i++) a[i] *= b[i]; }
+"""
+
+
+class _Matrices:
+    """Emits the kernel's 16 x 16 matrix operations: on cooperative matrices, or emulated (_EMULATION)."""
+
+    def __init__(self, emit: Any, emulate: bool) -> None:
+        self.emit, self.emulate = emit, emulate
+        self.types = {"acc": "coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>",
+                      "a": "coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>",
+                      "b": "coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>"}
+
+    def declare(self, kind: str, name: str, zero: bool = False) -> str:
+        if self.emulate:
+            return f"float {name}[256];" + (f" m_zero({name});" if zero else "")
+        t = self.types[kind]
+        return f"{t} {name}" + (f" = {t}(0.0);" if zero else ";")
+
+    def load(self, kind: str, name: str, off: str, stride: int, col: bool = False) -> str:
+        if self.emulate:
+            if kind == "acc":
+                return f"m_load_f({name}, {off}, {stride});"
+            return f"m_load_h({name}, {off}, {stride}, {'true' if col else 'false'});"
+        lay = "gl_CooperativeMatrixLayoutColumnMajor" if col else "gl_CooperativeMatrixLayoutRowMajor"
+        return f"coopMatLoad({name}, sm, {off}, {stride}, {lay});"
+
+    def store(self, name: str, off: str, stride: int) -> str:
+        if self.emulate:
+            return f"m_store({name}, {off}, {stride});"
+        return f"coopMatStore({name}, sm, {off}, {stride}, gl_CooperativeMatrixLayoutRowMajor);"
+
+    def mma(self, a: str, b: str, c: str) -> str:
+        return f"m_mma({a}, {b}, {c});" if self.emulate else f"{c} = coopMatMulAdd({a}, {b}, {c});"
+
+    def mul(self, a: str, b: str) -> str:
+        return f"m_mul({a}, {b});" if self.emulate else f"{a} = {a} * {b};"
+
+
 @cache
-def source(d: int, group: int, subgroup: int) -> str:
-    """The GLSL for head size d, `group` query heads per KV head, at subgroup size `subgroup`."""
+def source(d: int, group: int, subgroup: int, emulate: bool = False) -> str:
+    """The GLSL for head size d, `group` query heads per KV head, at subgroup size `subgroup`. With `emulate`, the
+    same program with its matrix operations written as loops (_EMULATION), for any device: the tests run it where
+    there are no cooperative matrices."""
     lay = _layout(d)
     ds, ss, ps, kv, per = lay["ds"], lay["ss"], lay["ps"], lay["kv"], lay["per"]
     nt = SUBGROUPS * subgroup
     fd, fkv = d // 16, BKV // 16
-    acc_t = "coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>"
-    a_t = "coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>"
-    b_t = "coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>"
+    rpl = -(-16 // subgroup)  # rows of the subgroup's 16 each invocation updates (1 where the subgroup has 16+)
     L: list[str] = []
     emit = L.append
+    mat = _Matrices(emit, emulate)
 
     def stage(rows: int, at: str, row_pos: str, src: str, index: str) -> None:
         """Rows of D float32 values into shared memory as float16 (zero where `row_pos` >= n)."""
@@ -84,6 +150,13 @@ def source(d: int, group: int, subgroup: int) -> str:
             emit("      w = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), "
                  "packHalf2x16(hi.zw)); }")
             emit(f"    sm[{at} + row * {ds} + c8] = w; }} }}")
+
+    def rows(body: list[str]) -> None:
+        """body for each row r (0..15) of the subgroup's this invocation updates, with its state m_[i], l_[i]."""
+        emit(f"for (int i = 0; i < {rpl}; i++) {{ int r = lane + i * {subgroup}; if (r < 16) {{")
+        for line in body:
+            emit("  " + line)
+        emit("} }")
 
     emit("int lid = int(gl_LocalInvocationID.x);")
     emit("int sg = int(gl_SubgroupID);")
@@ -101,77 +174,78 @@ def source(d: int, group: int, subgroup: int) -> str:
     stage(BQ, "0", "q0 + row", "q", f"((seq0 + pos) * hq + h) * {d}")
     emit("barrier();")
     for i in range(fd):
-        emit(f"{a_t} qa{i};")
-        emit(f"coopMatLoad(qa{i}, sm, sg * {16 * ds} + {2 * i}, {ds}, gl_CooperativeMatrixLayoutRowMajor);")
+        emit(mat.declare("a", f"qa{i}"))
+        emit(mat.load("a", f"qa{i}", f"sg * {16 * ds} + {2 * i}", ds))
     for j in range(fd):
-        emit(f"{acc_t} o{j} = {acc_t}(0.0);")
+        emit(mat.declare("acc", f"o{j}", zero=True))
     emit("barrier();  // every subgroup holds its queries: the tile's memory takes keys and values next")
-    emit("float m = -1e30, l = 0.0;  // the running maximum (log2-scaled) and sum of row `lane` (lanes < 16)")
-    emit("int qpos = q0 + sg * 16 + lane;")
-    emit("int kend = min(q0 + 16 * " + str(SUBGROUPS) + ", n);")
+    # the running maximum (log2-scaled) and sum of each row this invocation updates
+    emit(f"float m_[{rpl}], l_[{rpl}];")
+    emit(f"for (int i = 0; i < {rpl}; i++) {{ m_[i] = -1e30; l_[i] = 0.0; }}")
+    emit(f"int kend = min(q0 + {BQ}, n);")
     emit(f"int kbeg = pc.window > 0u ? max(0, q0 + 1 - int(pc.window)) / {BKV} * {BKV} : 0;")
     emit(f"for (int kt = kbeg; kt < kend; kt += {BKV}) {{")
     stage(BKV, "0", "kt + row", "k", f"((seq0 + pos) * hkv + kvh) * {d}")
     stage(BKV, str(BKV * ds), "kt + row", "v", f"((seq0 + pos) * hkv + kvh) * {d}")
     emit("barrier();")
     for j in range(fkv):
-        emit(f"{acc_t} sc{j} = {acc_t}(0.0);")
+        emit(mat.declare("acc", f"sc{j}", zero=True))
     for i in range(fd):
         for j in range(fkv):  # B = K^T: column `key` of it is the staged row of that key
-            emit(f"{{ {b_t} kb; coopMatLoad(kb, sm, {16 * j * ds + 2 * i}, {ds}, "
-                 f"gl_CooperativeMatrixLayoutColumnMajor); sc{j} = coopMatMulAdd(qa{i}, kb, sc{j}); }}")
+            emit(f"{{ {mat.declare('b', 'kb')} {mat.load('b', 'kb', str(16 * j * ds + 2 * i), ds, col=True)} "
+                 f"{mat.mma(f'qa{i}', 'kb', f'sc{j}')} }}")
     for j in range(fkv):
-        emit(f"coopMatStore(sc{j}, sm, sb + {4 * j}, {ss}, gl_CooperativeMatrixLayoutRowMajor);")
+        emit(mat.store(f"sc{j}", f"sb + {4 * j}", ss))
     emit("subgroupMemoryBarrierShared();")
     emit("subgroupBarrier();")
-    emit("if (lane < 16) {")
-    emit("  float mx = m;")
-    emit(f"  for (int c = 0; c < {BKV}; c++) {{")
-    emit("    int pos = kt + c;")
-    emit("    bool vis = pos <= qpos && pos < n && (pc.window == 0u || pos + int(pc.window) > qpos);")
-    emit(f"    if (vis) mx = max(mx, uintBitsToFloat(sm[sb + lane * {ss} + (c >> 2)][c & 3]) * pc.scale_log2);")
-    emit("  }")
-    emit("  float alpha = exp2(m - mx);")
-    emit("  l *= alpha;")
-    emit(f"  for (int c = 0; c < {BKV}; c += 8) {{")
-    emit("    float p[8];")
-    emit("    for (int t = 0; t < 8; t++) {")
-    emit("      int pos = kt + c + t;")
-    emit("      bool vis = pos <= qpos && pos < n && (pc.window == 0u || pos + int(pc.window) > qpos);")
-    emit(f"      float s = uintBitsToFloat(sm[sb + lane * {ss} + ((c + t) >> 2)][(c + t) & 3]) * pc.scale_log2;")
-    emit("      p[t] = vis ? exp2(s - mx) : 0.0;")
-    emit("      l += p[t];")
-    emit("    }")
-    emit(f"    sm[pb + lane * {ps} + (c >> 3)] = uvec4(packHalf2x16(vec2(p[0], p[1])), packHalf2x16(vec2(p[2], p[3])), "
-         "packHalf2x16(vec2(p[4], p[5])), packHalf2x16(vec2(p[6], p[7])));")
-    emit("  }")
-    emit("  m = mx;")
-    emit("  for (int c = 0; c < 4; c++) sm[fb + lane * 4 + c] = uvec4(floatBitsToUint(alpha));")
-    emit("}")
+    vis = "pos <= qpos && pos < n && (pc.window == 0u || pos + int(pc.window) > qpos)"
+    rows(["int qpos = q0 + sg * 16 + r;",
+          "float mx = m_[i];",
+          f"for (int c = 0; c < {BKV}; c++) {{",
+          "  int pos = kt + c;",
+          f"  if ({vis}) mx = max(mx, uintBitsToFloat(sm[sb + r * {ss} + (c >> 2)][c & 3]) * pc.scale_log2);",
+          "}",
+          "float alpha = exp2(m_[i] - mx);",
+          "float l = l_[i] * alpha;",
+          f"for (int c = 0; c < {BKV}; c += 8) {{",
+          "  float p[8];",
+          "  for (int t = 0; t < 8; t++) {",
+          "    int pos = kt + c + t;",
+          f"    float s = uintBitsToFloat(sm[sb + r * {ss} + ((c + t) >> 2)][(c + t) & 3]) * pc.scale_log2;",
+          f"    p[t] = ({vis}) ? exp2(s - mx) : 0.0;",
+          "    l += p[t];",
+          "  }",
+          f"  sm[pb + r * {ps} + (c >> 3)] = uvec4(packHalf2x16(vec2(p[0], p[1])), packHalf2x16(vec2(p[2], p[3])),",
+          "                                     packHalf2x16(vec2(p[4], p[5])), packHalf2x16(vec2(p[6], p[7])));",
+          "}",
+          "m_[i] = mx;",
+          "l_[i] = l;",
+          "for (int c = 0; c < 4; c++) sm[fb + r * 4 + c] = uvec4(floatBitsToUint(alpha));"])
     emit("subgroupMemoryBarrierShared();")
     emit("subgroupBarrier();")
-    emit(f"{acc_t} fac;")
-    emit("coopMatLoad(fac, sm, fb, 4, gl_CooperativeMatrixLayoutRowMajor);")
+    # the output rows rescaled by their factors: a component-wise product with a matrix whose row r holds row r's
+    emit(mat.declare("acc", "fac"))
+    emit(mat.load("acc", "fac", "fb", 4))
     for j in range(fd):
-        emit(f"o{j} = o{j} * fac;")
+        emit(mat.mul(f"o{j}", "fac"))
     for kk in range(fkv):
-        emit(f"{a_t} pa{kk};")
-        emit(f"coopMatLoad(pa{kk}, sm, pb + {2 * kk}, {ps}, gl_CooperativeMatrixLayoutRowMajor);")
+        emit(mat.declare("a", f"pa{kk}"))
+        emit(mat.load("a", f"pa{kk}", f"pb + {2 * kk}", ps))
         for j in range(fd):
-            emit(f"{{ {b_t} vb; coopMatLoad(vb, sm, {BKV * ds + 16 * kk * ds + 2 * j}, {ds}, "
-                 f"gl_CooperativeMatrixLayoutRowMajor); o{j} = coopMatMulAdd(pa{kk}, vb, o{j}); }}")
+            emit(f"{{ {mat.declare('b', 'vb')} {mat.load('b', 'vb', str(BKV * ds + 16 * kk * ds + 2 * j), ds)} "
+                 f"{mat.mma(f'pa{kk}', 'vb', f'o{j}')} }}")
     emit("barrier();  // every subgroup is done with the tiles before the next are staged")
     emit("}")
     # O / l, through this subgroup's factor matrix, to the rows inside the sequence
-    emit("if (lane < 16) for (int c = 0; c < 4; c++) sm[fb + lane * 4 + c] = uvec4(floatBitsToUint(1.0 / l));")
+    rows(["for (int c = 0; c < 4; c++) sm[fb + r * 4 + c] = uvec4(floatBitsToUint(1.0 / l_[i]));"])
     emit("subgroupMemoryBarrierShared();")
     emit("subgroupBarrier();")
-    emit(f"{acc_t} inv;")
-    emit("coopMatLoad(inv, sm, fb, 4, gl_CooperativeMatrixLayoutRowMajor);")
+    emit(mat.declare("acc", "inv"))
+    emit(mat.load("acc", "inv", "fb", 4))
     emit("subgroupBarrier();")
     for j in range(fd):
-        emit(f"o{j} = o{j} * inv;")
-        emit(f"coopMatStore(o{j}, sm, sb, 4, gl_CooperativeMatrixLayoutRowMajor);")
+        emit(mat.mul(f"o{j}", "inv"))
+        emit(mat.store(f"o{j}", "sb", 4))
         emit("subgroupMemoryBarrierShared();")
         emit("subgroupBarrier();")
         emit(f"for (int e = lane; e < 256; e += {subgroup}) {{")
@@ -180,13 +254,15 @@ def source(d: int, group: int, subgroup: int) -> str:
              "uintBitsToFloat(sm[sb + r * 4 + c / 4][c % 4]);")
         emit("}")
         emit("subgroupBarrier();")
+    ext = ([] if emulate else ["#extension GL_KHR_cooperative_matrix : require",
+                               "#extension GL_KHR_memory_scope_semantics : require",
+                               "#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require"])
     head = [
         "#version 450",
-        "#extension GL_KHR_cooperative_matrix : require",
-        "#extension GL_KHR_memory_scope_semantics : require",
+        *ext,
         "#extension GL_KHR_shader_subgroup_basic : require",
-        "#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require",
-        f"// causal prefill attention, D = {d}, {group} query heads per KV head, {BQ} queries x {BKV} keys per tile",
+        f"// causal prefill attention, D = {d}, {group} query heads per KV head, {BQ} queries x {BKV} keys per tile"
+        + (" (matrices emulated)" if emulate else ""),
         f"layout(local_size_x = {nt}) in;",
         "layout(set = 0, binding = 0) readonly buffer Q { vec4 q[]; };",
         "layout(set = 0, binding = 1) readonly buffer K { vec4 k[]; };",
@@ -195,6 +271,7 @@ def source(d: int, group: int, subgroup: int) -> str:
         "layout(set = 0, binding = 4) writeonly buffer O { float o_[]; };",
         "layout(push_constant) uniform Push { uint num_heads; uint num_kv_heads; float scale_log2; uint window; } pc;",
         f"shared uvec4 sm[{lay['total']}];",
+        *([_EMULATION] if emulate else []),
         "void main() {",
     ]
     return "\n".join(head + L + ["}", ""])
@@ -202,10 +279,14 @@ def source(d: int, group: int, subgroup: int) -> str:
 
 def flash_prefill(dev: Device, lim: Limits, q: Any, k: Any, v: Any, cu_seqlens: Any, *, num_seqs: int,
                   num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int,
-                  scale: float | None = None, window: int = 0, out: Any | None = None) -> Any:
+                  scale: float | None = None, window: int = 0, out: Any | None = None, emulate: bool = False) -> Any:
     """Causal attention over packed prompts (see paged_attention.prefill_attention; float32 k and v); returns
-    out [num_tokens, num_heads, head_size] float32. Records the dispatch; does not wait."""
-    if not usable(lim, head_size):
+    out [num_tokens, num_heads, head_size] float32. Records the dispatch; does not wait. `emulate` runs the
+    program with its matrix operations emulated (any device with a fixed subgroup size; for the tests)."""
+    if emulate:
+        if lim.min_subgroup != lim.max_subgroup or head_size % 16 or shared_bytes(head_size) > lim.max_shared:
+            raise ValueError(f"flash_prefill: cannot emulate heads of {head_size} on this device")
+    elif not usable(lim, head_size):
         raise ValueError(f"flash_prefill: this device cannot run heads of {head_size} on cooperative matrices")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -218,7 +299,7 @@ def flash_prefill(dev: Device, lim: Limits, q: Any, k: Any, v: Any, cu_seqlens: 
     out = out if out is not None else dev.alloc(num_tokens * num_heads * head_size * 4)
     check_buffer("out", out, num_tokens * num_heads * head_size * 4)
     group = num_heads // num_kv_heads
-    kern = dev.pipeline(source(head_size, group, lim.subgroup), name="flash_prefill")
+    kern = dev.pipeline(source(head_size, group, lim.subgroup, emulate), name="flash_prefill")
     scale = 1.0 / math.sqrt(head_size) if scale is None else scale
     dev.dispatch(kern, [q, k, v, cu_seqlens, out], (-(-max_seq_len // BQ), num_heads, num_seqs),
                  push={"num_heads": num_heads, "num_kv_heads": num_kv_heads, "scale_log2": scale / math.log(2.0),
