@@ -353,8 +353,11 @@ def _check_special(item: Special, tol: float, floor_one: bool, terms: np.ndarray
     got = got.astype(np.float32)
     bad, why = _special_bad(item, got, np.asarray(item.x, np.float32), tol, floor_one, terms, exponent)
     if bad.any() and may_flush_subnormals():
-        bad_f, _ = _special_bad(item, got, np.asarray(item.xf, np.float32), tol, floor_one, terms, exponent)
-        bad &= bad_f
+        xf = np.asarray(item.xf, np.float32)
+        bad_f, _ = _special_bad(item, got, xf, tol, floor_one, terms, exponent)
+        # flushing may touch inputs and not the output: min(-3e-42, 1e-45) compares two zeros and may return the
+        # second operand's own bits, so where the flushed result is zero a subnormal of the inputs may stand
+        bad &= bad_f & ~((xf == 0) & (np.abs(got) < np.float32(2.0**-126)))
     assert not bad.any(), why(bad)
 
 
