@@ -146,7 +146,7 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
     if int_dot is None:
         int_dot = int_dot_default(dev, fmt)
     if subgroup_rows is None:
-        subgroup_rows = subgroup_rows_default(dev)
+        subgroup_rows = subgroup_rows_default(dev, batch)
     bucket = 1 << (batch - 1).bit_length()
     units = k // UNIT_ELEMS[fmt.name]
     if subgroup_rows:
@@ -217,12 +217,16 @@ def sg_overrides() -> dict[int, tuple[int, int, int, int]]:
     return out
 
 
-def subgroup_rows_default(dev: Device) -> bool:
-    """Whether choose_config takes the subgroup-rows launch: VKGRAPH_MATVEC_LAUNCH=auto (where the device
-    shuffles within subgroups) or subgroup; workgroup never."""
+def subgroup_rows_default(dev: Device, batch: int | None = None) -> bool:
+    """Whether choose_config takes the subgroup-rows launch for `batch` activation rows (None: some number of
+    rows above one): VKGRAPH_MATVEC_LAUNCH=subgroup, or auto where the device shuffles within subgroups and the
+    call has more than one row; workgroup never. On the H200 (2026-12-02) the workgroup launch was faster at one
+    row for every 8B product (e.g. down 2486 against 1375 GB/s) and the subgroup one faster end to end at 8 and 32."""
     setting = flag("VKGRAPH_MATVEC_LAUNCH")
     if setting not in ("auto", "subgroup", "workgroup"):
         raise ValueError(f"VKGRAPH_MATVEC_LAUNCH must be auto, subgroup or workgroup, got {setting!r}")
+    if setting == "auto" and batch == 1:
+        return False
     return setting != "workgroup" and "shuffle" in dev.info.subgroup_ops
 
 
