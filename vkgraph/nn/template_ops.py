@@ -78,6 +78,19 @@ def glu_q8(gate_up: Tensor, gelu_tanh: bool = False) -> Int8Activations:
     return Int8Activations(words, tuple(lead), f)
 
 
+def _matvec_calls(dev: Any, w: mv.DeviceWeights, x: Any, rows_of: Any, rows: int, out: Any,
+                  residual: Any | None) -> None:
+    """The matvec of `rows` activation rows x into out (+ residual): more rows than one template call takes run
+    as calls of up to rows_per_call rows, each on rows_of(r0, count) of x and into its slice of out."""
+    n = w.shape[0]
+    per_call = mv.rows_per_call(dev)
+    for r0 in range(0, rows, per_call):
+        b = min(per_call, rows - r0)
+        res = residual.view(r0 * n * 4, b * n * 4) if residual is not None else None
+        o = out.view(r0 * n * 4, b * n * 4) if rows > b else out
+        mv.matvec(dev, w, rows_of(r0, b) if rows > b else x, b, out=o, residual=res)
+
+
 class QuantLinear:
     """A weight matrix in a GGUF format (Q8_0, Q4_0, Q4_K, Q6_K, F16, BF16) on the device, as `x @ W.T`.
 
@@ -145,14 +158,8 @@ class QuantLinear:
 
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
             _bind(dev, w, ins[len(acts):])
-            # more rows than one template call takes: runs of up to rows_per_call rows, each into its slice of out
-            per_call = mv.rows_per_call(dev)
-            for r0 in range(0, rows, per_call):
-                b = min(per_call, rows - r0)
-                res = ins[1].view(r0 * n * 4, b * n * 4) if residual is not None else None
-                o = out.view(r0 * n * 4, b * n * 4) if rows > b else out
-                xin = ins[0].view(r0 * k * 4, b * k * 4) if rows > b else ins[0]
-                mv.matvec(dev, w, xin, b, out=o, residual=res)
+            _matvec_calls(dev, w, ins[0], lambda r0, b: ins[0].view(r0 * k * 4, b * k * 4), rows, out,
+                          ins[1] if residual is not None else None)
 
         return custom(run, acts + self.tensors, out_shape, dtypes.float32, key=(id(self),),
                       name=f"matvec_{self.format}")
@@ -191,12 +198,8 @@ class QuantLinear:
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
             _bind(dev, w, ins[len(acts):])
             q8 = mv.Q8Acts.in_buffer(ins[0], rows, k)
-            per_call = mv.rows_per_call(dev)
-            for r0 in range(0, rows, per_call):
-                b = min(per_call, rows - r0)
-                res = ins[1].view(r0 * n * 4, b * n * 4) if residual is not None else None
-                o = out.view(r0 * n * 4, b * n * 4) if rows > b else out
-                mv.matvec(dev, w, q8.rows(r0, b, k) if rows > b else q8, b, out=o, residual=res)
+            _matvec_calls(dev, w, q8, lambda r0, b: q8.rows(r0, b, k), rows, out,
+                          ins[1] if residual is not None else None)
 
         return custom(run, acts + self.tensors, (*x.lead, n), dtypes.float32, key=(id(self),),
                       name=f"matvec_{self.format}")
