@@ -21,6 +21,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import ml_dtypes
@@ -44,6 +46,22 @@ from vkgraph.view import ShapeTracker  # noqa: E402
 PEAK_TFLOPS = 989.5
 
 
+def _burst_us(dev: Any, dispatch: Callable[[], object], reps: int) -> float:
+    """Microseconds per call of `dispatch` (one product recorded): five calls first (compile, then let the clocks
+    rise), then the median of three bursts of `reps` calls (one burst alone was seen to read 3x low)."""
+    for _ in range(5):
+        dispatch()
+    dev.synchronize()
+    bursts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            dispatch()
+        dev.synchronize()
+        bursts.append((time.perf_counter() - t) / reps * 1e6)
+    return sorted(bursts)[1]
+
+
 def search(m: int, n: int, k: int, dname: str, reps: int = 10) -> tuple[Any, dict]:
     """Time every configuration of matmul_coop.CONFIGS that fits the device on one (m, k) @ (k, n) product of
     random `dname` values and record the fastest for its shape class (codegen.tune). Returns it and the
@@ -65,17 +83,7 @@ def search(m: int, n: int, k: int, dname: str, reps: int = 10) -> tuple[Any, dic
         (prog,) = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, compute).programs
         pipe = dev.pipeline(prog.src, name=prog.name)
         bufs = [ref.buf for ref, _, _ in prog.bindings]
-        for _ in range(5):  # compile, then let the clocks rise
-            dev.dispatch(pipe, bufs, prog.groups, None)
-        dev.synchronize()
-        bursts = []
-        for _ in range(3):  # the median of three bursts: one burst alone was seen to read 3x low
-            t = time.perf_counter()
-            for _ in range(reps):
-                dev.dispatch(pipe, bufs, prog.groups, None)
-            dev.synchronize()
-            bursts.append((time.perf_counter() - t) / reps * 1e6)
-        times[cfg] = sorted(bursts)[1]
+        times[cfg] = _burst_us(dev, partial(dev.dispatch, pipe, bufs, prog.groups, None), reps)
     best = min(times, key=times.get)
     tune.record(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device), matmul_coop.shape_class(m, n, k, 1, compute), best)
     realize.forget_limits()
@@ -101,17 +109,7 @@ def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 10) -> dict:
     for cfg in matmul_coop.CONFIGS:
         if not cfg.fits(frag, lim) or cfg.bk % mq.BLOCK or k % cfg.bk:
             continue
-        for _ in range(5):  # compile, then let the clocks rise
-            mq.matmul_quant(dev, lim, lin.weights, x, m, cfg, out=out)
-        dev.synchronize()
-        bursts = []
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(reps):
-                mq.matmul_quant(dev, lim, lin.weights, x, m, cfg, out=out)
-            dev.synchronize()
-            bursts.append((time.perf_counter() - t) / reps * 1e6)
-        times[cfg] = sorted(bursts)[1]
+        times[cfg] = _burst_us(dev, partial(mq.matmul_quant, dev, lim, lin.weights, x, m, cfg, out=out), reps)
     best = min(times, key=times.get)
     tune.record(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device), mq.shape_class(lin.format, m, n, k), best)
     realize.forget_limits()
