@@ -147,20 +147,15 @@ class ParallelLinear:
     def __init__(self, weights: list, biases: list | None = None, float_dtype: str = "float16") -> None:
         biases = biases or [None] * len(weights)
         self.sizes = [w.shape[0] for w in weights]
-        if all(isinstance(w, DeviceMatrix) for w in weights) and len({w.shape[1] for w in weights}) == 1:
-            weights = [DeviceMatrix(cat([w.values for w in weights]).realize())]  # stacked on the device
-            biases = [None if all(b is None for b in biases) else np.concatenate(
-                [np.zeros(n, np.float32) if b is None else np.asarray(b, np.float32)
-                 for n, b in zip(self.sizes, biases, strict=True)])]
-            self.parts = [Linear(weights[0], biases[0], float_dtype)]
-            return
         quant = [isinstance(w, QuantizedTensor) for w in weights]
         fusable = len({w.shape[1] for w in weights}) == 1 and (
             all(quant) and len({w.format.name for w in weights}) == 1 or not any(quant))
         if not fusable:
             self.parts = [Linear(w, b, float_dtype) for w, b in zip(weights, biases, strict=True)]
             return
-        if all(quant):
+        if all(isinstance(w, DeviceMatrix) for w in weights):
+            stacked = DeviceMatrix(cat([w.values for w in weights]).realize())  # stacked on the device
+        elif all(quant):
             stacked = stack_rows(weights)
         else:
             stacked = np.concatenate([np.asarray(w, np.float32) for w in weights])
