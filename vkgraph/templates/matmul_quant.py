@@ -107,6 +107,11 @@ void decode_q(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, out uvec4 lo, out 
 FORMATS = tuple(_CODECS)
 
 
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"matmul_quant: unsupported format {fmt!r}; known: {FORMATS}")
+
+
 def _codec(fmt: str, w_stride: int, s_stride: int) -> list[str]:
     """The helper functions of format fmt's decoding, for W's strides."""
     return [f"const int WS = {w_stride}, SS = {s_stride};",
@@ -174,8 +179,7 @@ def stage_source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, bn: int
     """A program that runs only the product's staging of W: workgroup (tn, kt) of nt invocations loads and decodes
     the bn x bk slice of rows tn * bn .. at element kt * bk into shared memory, as the product does, then copies
     it out to float16 [n, k] (16-byte words). For checking the staging against numpy on any device."""
-    if fmt not in FORMATS:
-        raise ValueError(f"matmul_quant: unsupported format {fmt!r}; known: {FORMATS}")
+    _check_format(fmt)
     stride = (bk + 8) // 8
     L = ["#version 450", f"layout(local_size_x = {nt}) in;",
          "layout(set = 0, binding = 0) readonly buffer W { uvec4 w[]; };",
@@ -197,8 +201,7 @@ def stage_source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, bn: int
 def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_coop.Config,
            frag: tuple[int, int, int], subgroup: int, residual: bool) -> str:
     """The GLSL of the product for format fmt, W [n, k] with the given strides, tile cfg and fragment shape."""
-    if fmt not in FORMATS:
-        raise ValueError(f"matmul_quant: unsupported format {fmt!r}; known: {FORMATS}")
+    _check_format(fmt)
     fm, fn, fk = frag
     bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
     nt = wm * wn * subgroup
@@ -326,8 +329,7 @@ def matmul_quant(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: in
     """y [m, N] float32 = x [m, K] (float16, row-major) @ W.T (+ residual [m, N] float32) into `out` or a new
     buffer; returns it. Records the dispatch; does not wait. cfg: from `config` (which must not be None)."""
     fmt = weights.format.name
-    if fmt not in FORMATS:
-        raise ValueError(f"matmul_quant: unsupported format {fmt!r}; known: {FORMATS}")
+    _check_format(fmt)
     n, k = weights.shape
     if k % cfg.bk or cfg.bk % BLOCK:
         raise ValueError(f"matmul_quant: K={k} is not a whole number of {cfg.bk}-deep slices of {BLOCK}-blocks")
