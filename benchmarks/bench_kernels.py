@@ -166,13 +166,14 @@ def bench_decode(dev, rng, reps: int) -> None:
               f"({us:.1f} us)   torch sdpa: {_torch_sdpa(b, ctx, TORCH_REPS)}")
 
 
-def _torch_matvec(n: int, k: int, reps: int) -> str:
+def _torch_matvec(n: int, k: int, reps: int, batch: int = 1) -> str:
+    """GB/s of float16 weight bytes of torch.matmul of W [n, k] by x [k, batch] (weights cycled past the L2)."""
     torch = cuda_torch()
     if torch is None:
         return "-"
     nbytes = n * k * 2
     ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(_copies(nbytes))]
-    x = torch.randn(k, 1, device="cuda", dtype=torch.float16)
+    x = torch.randn(k, batch, device="cuda", dtype=torch.float16)
     it = itertools.count()
     us = torch_time_us(torch, lambda: torch.matmul(ws[next(it) % len(ws)], x), reps)
     return f"{nbytes / us / 1e3:.0f}"

@@ -22,8 +22,8 @@ import argparse
 import itertools
 
 import numpy as np
-from bench_kernels import _copies, _release_weights, _weight_copies
-from common import cuda_torch, replay_us, torch_time_us
+from bench_kernels import _release_weights, _torch_matvec, _weight_copies
+from common import replay_us
 
 from vkgraph.quant import FORMATS
 from vkgraph.runtime import get_device
@@ -70,18 +70,6 @@ def product_us(dev, ws, x, y, batch: int, cfg: mv.MatvecConfig, reps: int) -> fl
     return replay_us(dev, run, reps)
 
 
-def _torch_gbs(n: int, k: int, batch: int, reps: int) -> str:
-    torch = cuda_torch()
-    if torch is None:
-        return "-"
-    nbytes = n * k * 2
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.float16) for _ in range(_copies(nbytes))]
-    x = torch.randn(k, batch, device="cuda", dtype=torch.float16)
-    it = itertools.count()
-    us = torch_time_us(torch, lambda: torch.matmul(ws[next(it) % len(ws)], x), reps)
-    return f"{nbytes / us / 1e3:.0f}"
-
-
 def _cell(nbytes: int, us: float) -> str:
     return f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
 
@@ -120,7 +108,7 @@ def main() -> None:
                     t_old = product_us(dev, ws, x, y, batch, old, a.reps)
                     t_new = product_us(dev, ws, x, y, batch, new, a.reps)
                     print(f"{fmt:>5s} {shape:>4s} {name:>8s} {n:>6d}x{k:<6d} {batch:>5d} {_cell(nbytes, t_old):>18s} "
-                          f"{_cell(nbytes, t_new):>17s} {t_old / t_new:6.2f} {_torch_gbs(n, k, batch, 50):>6s}  "
+                          f"{_cell(nbytes, t_new):>17s} {t_old / t_new:6.2f} {_torch_matvec(n, k, 50, batch):>6s}  "
                           f"wg{new.wg} r{new.rows} tpr{new.tpr} u{new.unroll}", flush=True)
                     if a.sweep:
                         found = {}
