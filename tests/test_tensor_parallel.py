@@ -23,6 +23,7 @@ KW = dict(num_blocks=16, block_size=BLOCK, kv_dtype="f32", max_blocks_per_seq=4,
 # formats of 256-element blocks need rows and the ranks' column ranges in whole blocks
 SMALL = dict(vocab_size=256)
 WIDE = dict(vocab_size=256, dim=256, head_dim=128, ffn_dim=512)
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7]]  # the engine tests' requests
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +106,14 @@ def compare(weights: ModelWeights | RandomWeights, devices, decode_steps: int = 
         tok = int(want[-1].argmax())
     tp.close()
     return worst
+
+
+def generate_tokens(model, max_tokens: int = 6) -> dict[int, list[int]]:
+    """The tokens the engine generates greedily for PROMPTS with `model`, by request."""
+    out: dict[int, list[int]] = {}
+    for ev in Engine(model, max_batch=4).generate(PROMPTS, max_tokens=max_tokens):
+        out.setdefault(ev.request_id, []).append(ev.token)
+    return out
 
 
 # ---- the runtime's routing ----------------------------------------------------------------------------------
@@ -222,17 +231,9 @@ def test_peer_all_reduce_matches_one_device(devices, fmt):
 @needs_import
 def test_peer_steps_are_one_graph_per_device_and_a_timed_out_wait_runs_the_step_again(devices):
     w = make_weights(tiny_model.tiny_config(**SMALL), "Q8_0", seed=3)
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
-
-    def run(model) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for ev in Engine(model, max_batch=4).generate(prompts, max_tokens=6):
-            out.setdefault(ev.request_id, []).append(ev.token)
-        return out
-
-    want = run(LlamaModel(w, **KW))
+    want = generate_tokens(LlamaModel(w, **KW))
     tp = TensorParallelModel(w, 2, devices=devices, all_reduce="peer", **KW)
-    assert run(tp) == want
+    assert generate_tokens(tp) == want
     if tp.peer.fallbacks and devices[0].info.device_type != "cpu":
         pytest.skip("this driver does not run two logical devices' kernels at once: every peer wait gave up and "
                     "the steps ran again through the host (with the right tokens)")
@@ -240,7 +241,7 @@ def test_peer_steps_are_one_graph_per_device_and_a_timed_out_wait_runs_the_step_
     assert all(any(len(st.cache) for st in j._states) for j in tp._whole)  # each rank's steps were captured
     strict = TensorParallelModel(w, 2, devices=devices, all_reduce="peer", **KW)
     strict.peer.spin_limit = 0  # a rank that arrives first gives up at once
-    assert run(strict) == want
+    assert generate_tokens(strict) == want
     assert strict.peer.fallbacks > 0 and not strict.peer.failed()
     tp.close()
     strict.close()
@@ -252,16 +253,8 @@ def test_uncaptured_ranks_match_too(devices):
 
 def test_engine_generates_the_same_tokens_on_two_devices(devices):
     w = make_weights(tiny_model.tiny_config(**SMALL), "Q8_0", seed=3)
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
-
-    def run(model) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for ev in Engine(model, max_batch=4).generate(prompts, max_tokens=6):
-            out.setdefault(ev.request_id, []).append(ev.token)
-        return out
-
     tp = TensorParallelModel(w, 2, devices=devices, **KW)
-    assert run(tp) == run(LlamaModel(w, **KW))
+    assert generate_tokens(tp) == generate_tokens(LlamaModel(w, **KW))
     assert tp.last_times.reduces == 2 * w.config.n_layers and tp.last_times.wall > 0
     tp.close()
 
@@ -342,18 +335,11 @@ def test_ranks_as_ray_actors_generate_what_one_device_does(tiny_files):
     from vkgraph.nn.weights import load_weights
 
     kw = dict(num_blocks=16, max_blocks_per_seq=4)
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
-
-    def run(model) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for ev in Engine(model, max_batch=4).generate(prompts, max_tokens=8):
-            out.setdefault(ev.request_id, []).append(ev.token)
-        return out
-
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         model = RayTensorParallelModel(tiny_files["Q8_0"], 2, **kw)
-        assert run(model) == run(LlamaModel(load_weights(tiny_files["Q8_0"], progress=False), **kw))
+        single = LlamaModel(load_weights(tiny_files["Q8_0"], progress=False), **kw)
+        assert generate_tokens(model, 8) == generate_tokens(single, 8)
         assert model.last_times.reduces == 2 * model.config.n_layers
         model.close()
     finally:
