@@ -14,7 +14,6 @@ which the caller's process uploads to its own device (where the engine samples).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import time
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .nn.layers import StepInputs
-from .nn.shard import ShardModel, shard_weights
+from .nn.shard import ShardModel, shard_weights, step_from_host, step_to_host
 from .parallel import StepTimes
 from .tensor import Tensor
 
@@ -84,8 +83,7 @@ class Rank:
         """Rank 0: logits (rows, vocab) float32; other ranks: None."""
         self.times = StepTimes()
         t = time.perf_counter()
-        st = StepInputs(**{k: Tensor(v) if isinstance(v, np.ndarray) else v for k, v in step.items()})
-        out = self.model(Tensor(ids), st, self._all_reduce, None if rows is None else Tensor(rows))
+        out = self.model(Tensor(ids), step_from_host(step), self._all_reduce, None if rows is None else Tensor(rows))
         logits = out.numpy() if self.model.lead else None
         self.times.wall = time.perf_counter() - t
         return logits
@@ -137,8 +135,7 @@ class RayTensorParallelModel:
     def __call__(self, tokens: Tensor, step: StepInputs, logit_rows: Tensor | None = None) -> Tensor:
         """Logits (rows, vocab) float32 on this process's device."""
         t = time.perf_counter()
-        host = {f.name: (v.numpy() if isinstance(v := getattr(step, f.name), Tensor) else v)
-                for f in dataclasses.fields(step)}
+        host = step_to_host(step)
         ids, rows = tokens.numpy(), None if logit_rows is None else logit_rows.numpy()
         outs = self.ray.get([r.forward.remote(ids, host, rows) for r in self.ranks])
         logits = Tensor(outs[0])

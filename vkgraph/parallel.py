@@ -46,7 +46,7 @@ from .graph import BufferRef
 from .jit import jit
 from .nn import llama
 from .nn.layers import StepInputs
-from .nn.shard import RandomWeights, ShardModel, check_shardable, shard_weights
+from .nn.shard import RandomWeights, ShardModel, check_shardable, shard_weights, step_from_host, step_to_host
 from .nn.weights import ModelWeights
 from .runtime import Device, UnsupportedFeature, get_device, open_device, use_device
 from .templates import allreduce
@@ -252,7 +252,7 @@ class TensorParallelModel:
 
     def __call__(self, tokens: Tensor, step: StepInputs, logit_rows: Tensor | None = None) -> Tensor:
         """Logits (rows, vocab) float32 on the default device (rank 0's)."""
-        host = {f.name: _host(getattr(step, f.name)) for f in dataclasses.fields(step)}
+        host = step_to_host(step)
         ids, rows = tokens.numpy(), None if logit_rows is None else logit_rows.numpy()
         self.comm.start()
         t0 = time.perf_counter()
@@ -265,8 +265,7 @@ class TensorParallelModel:
             t0 = time.perf_counter()
 
         def forward(rank: int) -> Tensor:
-            local = StepInputs(**{k: Tensor(v) if isinstance(v, np.ndarray) else v for k, v in host.items()})
-            return self.shards[rank](Tensor(ids), local, lambda x: self.comm.reduce(rank, x),
+            return self.shards[rank](Tensor(ids), step_from_host(host), lambda x: self.comm.reduce(rank, x),
                                      None if rows is None else Tensor(rows)).realize()
 
         logits = self._on_ranks(forward)[0]
@@ -316,7 +315,3 @@ def build_model(weights: ModelWeights, tensor_parallel: int = 1, **kw: Any) -> l
     if tensor_parallel == 1:
         return llama.LlamaModel(weights, **kw)
     return TensorParallelModel(weights, tensor_parallel, **kw)
-
-
-def _host(value: Any) -> Any:
-    return value.numpy() if isinstance(value, Tensor) else value

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -149,6 +150,17 @@ class RandomWeights:
         head = mat("lm_head", (v, d), (0, v), (0, d)) if rank == 0 else embed  # only rank 0 computes logits
         local = replace(cfg, n_heads=cfg.n_heads // world, n_kv_heads=cfg.n_kv_heads // world, ffn_dim=f // world)
         return ModelWeights(local, embed, layers, np.ones(d, np.float32), head)
+
+
+def step_to_host(step: StepInputs) -> dict[str, Any]:
+    """A step's inputs as host values by field name (arrays read back, the rest as it is): what goes to ranks on
+    other devices or in other processes, each of which makes its own with step_from_host."""
+    return {f.name: v.numpy() if isinstance(v := getattr(step, f.name), Tensor) else v for f in fields(step)}
+
+
+def step_from_host(host: dict[str, Any]) -> StepInputs:
+    """step_to_host's values as a step on the current device (its arrays uploaded)."""
+    return StepInputs(**{k: Tensor(v) if isinstance(v, np.ndarray) else v for k, v in host.items()})
 
 
 class ShardModel:
