@@ -65,6 +65,17 @@ def check_shardable(cfg: ModelConfig, world: int) -> None:
                              f"multiple of {world}")
 
 
+def _span(total: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank `rank`'s range of `total` rows or columns split evenly over `world` ranks."""
+    return rank * total // world, (rank + 1) * total // world
+
+
+def _local_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """The config of one rank's shard: it counts the rank's own heads and FFN rows."""
+    return replace(cfg, n_heads=cfg.n_heads // world, n_kv_heads=cfg.n_kv_heads // world,
+                   ffn_dim=cfg.ffn_dim // world)
+
+
 def shard_weights(weights: ModelWeights, rank: int, world: int) -> ModelWeights:
     """What rank `rank` of `world` holds: its heads of q/k/v (and their biases) and the matching columns of the
     output projection, its rows of gate/up and columns of down; the rest as it is (shared, not copied).
@@ -73,10 +84,9 @@ def shard_weights(weights: ModelWeights, rank: int, world: int) -> ModelWeights:
     check_shardable(cfg, world)
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside 0..{world - 1}")
-    hd = cfg.head_dim
-    q0, q1 = (rank * cfg.n_heads // world * hd, (rank + 1) * cfg.n_heads // world * hd)
-    k0, k1 = (rank * cfg.n_kv_heads // world * hd, (rank + 1) * cfg.n_kv_heads // world * hd)
-    f0, f1 = rank * cfg.ffn_dim // world, (rank + 1) * cfg.ffn_dim // world
+    q0, q1 = _span(cfg.n_heads * cfg.head_dim, rank, world)  # whole heads: check_shardable divided them
+    k0, k1 = _span(cfg.n_kv_heads * cfg.head_dim, rank, world)
+    f0, f1 = _span(cfg.ffn_dim, rank, world)
 
     def vec(b: np.ndarray | None, a: int, z: int) -> np.ndarray | None:
         return None if b is None else np.ascontiguousarray(b[a:z])
@@ -94,9 +104,7 @@ def shard_weights(weights: ModelWeights, rank: int, world: int) -> ModelWeights:
         else:
             out.w_gate, out.w_up, out.w_down = mlp(lw.w_gate, lw.w_up, lw.w_down)
         layers.append(out)
-    local = replace(cfg, n_heads=cfg.n_heads // world, n_kv_heads=cfg.n_kv_heads // world,
-                    ffn_dim=cfg.ffn_dim // world)
-    return replace(weights, config=local, layers=layers)
+    return replace(weights, config=_local_config(cfg, world), layers=layers)
 
 
 def random_matrix(seed: int, name: str, full: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int],
@@ -131,9 +139,7 @@ class RandomWeights:
         check_shardable(cfg, world)
         d, hd, f, v = cfg.dim, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
         q, kv = cfg.n_heads * hd, cfg.n_kv_heads * hd
-        qs = (rank * q // world, (rank + 1) * q // world)
-        ks = (rank * kv // world, (rank + 1) * kv // world)
-        fs = (rank * f // world, (rank + 1) * f // world)
+        qs, ks, fs = _span(q, rank, world), _span(kv, rank, world), _span(f, rank, world)
 
         def mat(name: str, full: tuple[int, int], rows: tuple[int, int], cols: tuple[int, int]) -> DeviceMatrix:
             return random_matrix(self.seed, name, full, rows, cols, 1.0 / np.sqrt(full[1]))
@@ -148,8 +154,7 @@ class RandomWeights:
                 w_down=mat(p + "down", (d, f), (0, d), fs)))
         embed = random_matrix(self.seed, "embed", (v, d), (0, v), (0, d), 1.0)
         head = mat("lm_head", (v, d), (0, v), (0, d)) if rank == 0 else embed  # only rank 0 computes logits
-        local = replace(cfg, n_heads=cfg.n_heads // world, n_kv_heads=cfg.n_kv_heads // world, ffn_dim=f // world)
-        return ModelWeights(local, embed, layers, np.ones(d, np.float32), head)
+        return ModelWeights(_local_config(cfg, world), embed, layers, np.ones(d, np.float32), head)
 
 
 def step_to_host(step: StepInputs) -> dict[str, Any]:
