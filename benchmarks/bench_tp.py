@@ -18,6 +18,7 @@ import argparse
 import gc
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from bench_llm import SHAPES, random_model, weight_bytes
@@ -66,15 +67,25 @@ def decode_steps(model, steps: int, vocab: int) -> tuple[float, list]:
     return statistics.median(times), splits
 
 
-def all_reduce_alone(devices: list, numel: int, reps: int = 50) -> float:
-    """Median seconds of one HostAllReduce of `numel` float32 per rank (each rank's part realized first)."""
-    from concurrent.futures import ThreadPoolExecutor
+def median_split_ms(splits: list) -> dict[str, float]:
+    """The median of each part of the model's step splits (StepTimes), in milliseconds."""
+    return {k: statistics.median(getattr(s, k) for s in splits) * 1e3
+            for k in ("wall", "compute", "all_reduce", "host")}
 
-    comm = HostAllReduce(devices)
+
+def random_parts(devices: list, numel: int) -> list[Tensor]:
+    """Each rank's part for an all-reduce alone: the same `numel` random float32, realized on its device."""
     parts = []
     for d in devices:
         with use_device(d):
             parts.append(Tensor(np.random.default_rng(0).standard_normal(numel, dtype=np.float32)).realize())
+    return parts
+
+
+def all_reduce_alone(devices: list, numel: int, reps: int = 50) -> float:
+    """Median seconds of one HostAllReduce of `numel` float32 per rank (each rank's part realized first)."""
+    comm = HostAllReduce(devices)
+    parts = random_parts(devices, numel)
     pool = ThreadPoolExecutor(len(devices))
 
     def one(rank: int) -> None:
@@ -96,8 +107,6 @@ def all_reduce_alone(devices: list, numel: int, reps: int = 50) -> float:
 def peer_all_reduce_alone(devices: list, numel: int, chain: int = 64, reps: int = 20) -> float:
     """Median seconds of one PeerAllReduce of `numel` float32 per rank: `chain` of them back to back (each
     reducing the last one's result), captured on every device and replayed, wall time over `chain`."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from vkgraph.jit import jit
     from vkgraph.parallel import PeerAllReduce
 
@@ -110,10 +119,7 @@ def peer_all_reduce_alone(devices: list, numel: int, chain: int = 64, reps: int 
         return x
 
     steps = [jit(lambda x, r=r: chained(r, x)) for r in range(len(devices))]
-    parts = []
-    for d in devices:
-        with use_device(d):
-            parts.append(Tensor(np.random.default_rng(0).standard_normal(numel, dtype=np.float32)).realize())
+    parts = random_parts(devices, numel)
 
     def one(rank: int) -> None:
         with use_device(devices[rank]):
@@ -189,8 +195,7 @@ def bench_ray(cfg: ModelConfig, fmt: str, world: int, steps: int, kw: dict) -> N
             model = RayTensorParallelModel(path, world, devices=[str(i) for i in range(world)]
                                            if _physical_count() >= world else None, **kw)
             per_step, splits = decode_steps(model, steps, cfg.vocab_size)
-            med = {k: statistics.median(getattr(s, k) for s in splits) * 1e3
-                   for k in ("wall", "compute", "all_reduce", "host")}
+            med = median_split_ms(splits)
             print(f"{world} Ray actors (gloo): {per_step * 1e3:8.2f} ms/step  {1 / per_step:7.1f} tok/s")
             print(f"  model step (rank 0's actor, median ms): wall {med['wall']:.2f} = compute {med['compute']:.2f} + "
                   f"all-reduce {med['all_reduce']:.2f} + host and Ray's round trip {med['host']:.2f}")
@@ -258,8 +263,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 (a path a driver refuses is reported, the others still run)
             print(f"{a.world} devices, all-reduce {mode}: failed: {type(e).__name__}: {e}")
             continue
-        med = {k: statistics.median(getattr(s, k) for s in splits) * 1e3
-               for k in ("wall", "compute", "all_reduce", "host")}
+        med = median_split_ms(splits)
         versus = f"{one / many:.2f}x one device" if one else "one device cannot hold it"
         print(f"{a.world} devices, all-reduce {mode}: {many * 1e3:8.2f} ms/step  {1 / many:7.1f} tok/s  "
               f"({versus}; built in {built:.1f} s)")
