@@ -374,9 +374,12 @@ class MemoryManager:
             lib.vkFreeMemory(dev, mem[0], NULL)
             lib.vkDestroyBuffer(dev, buffer, NULL)
             raise
-        alloc = Allocation(buffer, mem[0], capacity, kind, host, self)
+        return self._track(Allocation(buffer, mem[0], capacity, kind, host, self))
+
+    def _track(self, alloc: Allocation) -> Allocation:
+        """Count a new allocation as live (until _destroy)."""
         with self.lock:
-            self.allocated_bytes += capacity
+            self.allocated_bytes += alloc.capacity
             self.allocation_count += 1
             self.live[alloc.handle] = alloc
         return alloc
@@ -427,11 +430,7 @@ class MemoryManager:
             raise
         alloc = Allocation(buffer, mem[0], host.nbytes, "imported", None, self)
         alloc.keep = host  # the memory must outlive the VkDeviceMemory over it (freed after the GPU's last use)
-        with self.lock:
-            self.allocated_bytes += host.nbytes
-            self.allocation_count += 1
-            self.live[alloc.handle] = alloc
-        return Buffer(alloc, host.nbytes, _Unpooled(self))
+        return Buffer(self._track(alloc), host.nbytes, _Unpooled(self))
 
     @critical
     def free_later(self, alloc: Allocation) -> None:
