@@ -335,14 +335,14 @@ def custom(op: CustomOp, srcs: tuple[Node, ...], dtype: DType, shape: Shape) -> 
 def alu(op: Op, dtype: DType, *srcs: Node) -> Node:
     """An elementwise node, folded when its sources are constants or the op is an identity."""
     shape = srcs[0].shape
-    consts = False
+    n_const = 0
     for s in srcs:
         if s.shape != shape:
             raise ValueError(f"{op.name}: sources of shapes {[s.shape for s in srcs]} (broadcast them first)")
         if s.op is _CONST:
-            consts = True
-    if consts or op is _CAST:  # every folding rule needs a constant source, except a no-op cast
-        folded = _fold(op, dtype, srcs)
+            n_const += 1
+    if n_const or op is _CAST:  # every folding rule needs a constant source, except a no-op cast
+        folded = _fold(op, dtype, srcs, n_const)
         if folded is not None:
             return folded
     return _make(op, dtype, srcs, None, shape, None)
@@ -379,10 +379,9 @@ def _zero_keeps(op: Op, zero: Node) -> bool:
     return not zero.dtype.is_float or math.copysign(1.0, zero.arg) == (-1.0 if op is _ADD else 1.0)
 
 
-def _fold(op: Op, dtype: DType, srcs: tuple[Node, ...]) -> Node | None:
-    n_const = [s.op for s in srcs].count(_CONST)
-    if n_const == 0 and op is not _CAST:  # every rule below needs a constant source, except a no-op cast
-        return None
+def _fold(op: Op, dtype: DType, srcs: tuple[Node, ...], n_const: int) -> Node | None:
+    """The folded node, or None. Called by alu where a rule can apply: n_const of srcs are constants (at least
+    one, unless op is a cast)."""
     if n_const == len(srcs) and op is not _BITCAST:
         with np.errstate(all="ignore"):
             value = NUMPY_OPS[op](*[np.array(s.arg, s.dtype.np if not s.dtype.is_float else np.float32)
