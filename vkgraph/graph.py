@@ -161,22 +161,29 @@ class Node:
         return order
 
 
-class _InternRef(weakref.ref):
-    """A weak reference that knows its key in the intern table (weakref.KeyedRef, but made without Python-level
-    __new__ and __init__: every node built makes one)."""
+class KeyedRef(weakref.ref):
+    """A weak reference that knows its key in a plain dict of them (weakref.KeyedRef, but made without
+    Python-level __new__ and __init__: every node built makes one). A plain dict, as a WeakValueDictionary's get
+    and set run in Python; `forgetter(table)` is the references' callback."""
 
     __slots__ = ("key",)
 
 
-# node key -> weak reference to the node; a plain dict, as a WeakValueDictionary's get and set run in Python
-_interned: dict[tuple, _InternRef] = {}
+def forgetter(table: dict) -> Callable[[KeyedRef], None]:
+    """The callback for KeyedRefs stored in table: drops a dead reference's entry."""
+
+    @critical  # a KeyboardInterrupt raised in a weakref callback is printed and lost: defer it past
+    def forget(ref: KeyedRef, _remove: Callable = _remove_dead_weakref, _table: dict = table) -> None:
+        # bound as defaults, so references dying at interpreter exit still find them; removes the entry only if
+        # it is still this dead reference, not one stored since
+        _remove(_table, ref.key)
+
+    return forget
 
 
-@critical  # a KeyboardInterrupt raised in a weakref callback is printed and lost: defer it past
-def _forget(ref: _InternRef, _remove: Callable = _remove_dead_weakref, _table: dict = _interned) -> None:
-    # bound as defaults, so nodes dying at interpreter exit still find them; removes the entry only if it is
-    # still this dead reference, not a node interned since
-    _remove(_table, ref.key)
+# node key -> weak reference to the node
+_interned: dict[tuple, KeyedRef] = {}
+_forget = forgetter(_interned)
 
 
 _PLAIN = frozenset({type(None), int, bool, str, ShapeTracker})  # args that key as themselves (the common ones)
@@ -236,7 +243,7 @@ def _make(op: Op, dtype: DType, srcs: tuple[Node, ...], arg: Any, shape: Shape, 
         if n is not None:
             return n
     n = Node(op, dtype, srcs, arg, shape, akey)
-    ref = _interned[key] = _InternRef(n, _forget)
+    ref = _interned[key] = KeyedRef(n, _forget)
     ref.key = key
     return n
 

@@ -15,7 +15,6 @@ import os
 import sys
 import threading
 import weakref
-from _weakref import _remove_dead_weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,18 +26,18 @@ from .caches import LRU
 from .codegen import Limits, Program, lower, tune
 from .dtype import DType
 from .flags import flag
-from .graph import BufferRef, Node, Op, argkey, runtime_values
+from .graph import BufferRef, KeyedRef, Node, Op, argkey, forgetter, runtime_values
 from .interrupts import critical
 from .runtime import UnsupportedFeature, get_device
 from .schedule import CustomCall, Schedule, create_schedule, structure
 from .view import ShapeTracker
 
 
-class _RealizedRef(weakref.ref):
+class _RealizedRef(KeyedRef):
     """A weak reference to a realized node's buffer, with its key in the table and the buffer's version when it
-    was stored (made without Python-level __init__, as graph._InternRef)."""
+    was stored."""
 
-    __slots__ = ("key", "version")
+    __slots__ = ("version",)
 
 
 class _Realized:
@@ -59,12 +58,7 @@ class _Realized:
         # lookup), never lack a live one.
         self._first: dict[int, weakref.ref | None] = {}
         self._lock = threading.Lock()  # add() rebuilds _first; readers only look up single keys
-
-        @critical  # a KeyboardInterrupt raised in a weakref callback is printed and lost: defer it past
-        def forget(r: _RealizedRef, _remove=_remove_dead_weakref, _table=self._map) -> None:
-            _remove(_table, r.key)  # only if the entry is still this dead reference
-
-        self._forget = forget
+        self._forget = forgetter(self._map)
 
     @staticmethod
     def _key(n: Node) -> tuple:
