@@ -320,9 +320,9 @@ def movement(src: Node, fn: Callable[[ShapeTracker], ShapeTracker]) -> Node:
 
 
 def reduce(src: Node, rop: ReduceOp, axes: tuple[int, ...], dtype: DType | None = None) -> Node:
-    axes = tuple(sorted(set(axes)))
+    axes = tuple(sorted({int(a) for a in axes}))
     shape = tuple([1 if i in axes else s for i, s in enumerate(src.shape)])
-    arg = (rop, tuple(map(int, axes)))  # an enum member and ints: argkey's own key
+    arg = (rop, axes)  # an enum member and ints: argkey's own key
     return _make(Op.REDUCE, dtype or src.dtype, (src,), arg, shape, arg)
 
 
