@@ -518,37 +518,27 @@ class Tensor(TensorMath, TensorIndexing):
 
     def _bin(self, other: Tensor | Scalar, op: Op, reverse: bool = False, out: DType | None = None,
              kinds: str = "biuf", compute: Callable[[DType], DType] | None = None) -> Tensor:
-        if isinstance(other, Tensor) and other.node.dtype is self.node.dtype and (compute is None or compute(
-                self.node.dtype) is self.node.dtype):
-            return self._bin_same(other, op, reverse, out, kinds)
-        if type(other) is int and out is dtypes.bool and self.dtype.is_int and not fits(other, self.dtype):
-            return self._compare_out_of_range(other, op, reverse)
-        if type(other) in _PY_SCALARS:
-            d = promote_scalar(self.dtype, other)
-            if compute is None or compute(d) is d:
-                return self._bin_scalar(other, d, op, reverse, out, kinds)
-        a, b = _operands(self, other)
-        weak = 0 if isinstance(other, Variable) else other  # a Variable promotes like a Python int
-        d = result_type(a.dtype, b.dtype) if isinstance(other, Tensor) else result_type(self.dtype, weak)
-        if compute is not None:
-            d = compute(d)
+        d = self.node.dtype
+        if isinstance(other, Tensor) and other.node.dtype is d and (compute is None or compute(d) is d):
+            a, b = self, other  # two tensors of the operation's own dtype (the common case): no promotion
+        else:
+            if type(other) is int and out is dtypes.bool and d.is_int and not fits(other, d):
+                return self._compare_out_of_range(other, op, reverse)
+            if type(other) in _PY_SCALARS:
+                d = promote_scalar(d, other)
+                if compute is None or compute(d) is d:
+                    return self._bin_scalar(other, d, op, reverse, out, kinds)
+            a, b = _operands(self, other)
+            weak = 0 if isinstance(other, Variable) else other  # a Variable promotes like a Python int
+            d = result_type(a.dtype, b.dtype) if isinstance(other, Tensor) else result_type(self.dtype, weak)
+            if compute is not None:
+                d = compute(d)
         if d.kind not in kinds:
             raise TypeError(f"{op.name.lower()} is not defined for {d} operands")
         _check(d)
-        a, b = a.cast(d), b.cast(d)
+        a, b = a.cast(d), b.cast(d)  # no-ops in the common case
         if reverse:
             a, b = b, a
-        shape = broadcast_shape(a.shape, b.shape)
-        return Tensor(g.alu(op, out or d, a._expand_to(shape).node, b._expand_to(shape).node))
-
-    def _bin_same(self, other: Tensor, op: Op, reverse: bool, out: DType | None, kinds: str) -> Tensor:
-        """_bin of two tensors of the operation's own dtype (the common case): no promotion and no casts; the
-        same nodes as the general path."""
-        d = self.node.dtype
-        if d.kind not in kinds:
-            raise TypeError(f"{op.name.lower()} is not defined for {d} operands")
-        _check(d)
-        a, b = (other, self) if reverse else (self, other)
         an, bn = a.node, b.node
         if an.shape != bn.shape:
             shape = broadcast_shape(an.shape, bn.shape)
