@@ -82,10 +82,10 @@ class Jit:
         states = getattr(self._local, "states", None)
         if states is None:
             states = self._local.states = {}
-        st = states.get(id(dev))
-        if st is None or st.device is not dev:  # first call on this device in this thread
+        st = states.get(id(dev))  # a state holds its device: the id is not reused while the state is here
+        if st is None:  # first call on this device in this thread
             for key, old in list(states.items()):  # captures of closed devices (reset_device) are dropped
-                if old.device.closed or old is st:
+                if old.device.closed:
                     old.clear()
                     del states[key]
             st = states[id(dev)] = _State(dev, self.max_entries)
