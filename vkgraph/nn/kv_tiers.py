@@ -230,11 +230,14 @@ class PrefixStore:
     def put(self, h: bytes, payload: bytes) -> None:
         """A block the GPU cache evicted."""
         self.spilled += 1
-        if self.host is None:
-            self.disk.put(h, payload)  # type: ignore[union-attr]
-            return
-        for old, p in self.host.put(h, payload):
-            if self.disk is not None:
+        self._keep(h, payload)
+
+    def _keep(self, h: bytes, payload: bytes) -> None:
+        """Into host memory, and what that evicts (the payload itself, when it alone exceeds the budget) down
+        to disk; straight to disk without a host tier."""
+        down = self.host.put(h, payload) if self.host is not None else [(h, payload)]
+        if self.disk is not None:
+            for old, p in down:
                 self.disk.put(old, p)
 
     def get(self, h: bytes) -> tuple[bytes, str] | None:
@@ -247,9 +250,7 @@ class PrefixStore:
             p = self.disk.get(h)
             if p is not None:
                 if self.host is not None:
-                    for old, q in self.host.put(h, p):
-                        if old != h:
-                            self.disk.put(old, q)
+                    self._keep(h, p)  # (too large for host memory: it stays where it is on disk)
                 return p, "disk"
         return None
 
