@@ -343,14 +343,12 @@ class Engine:
         step = StepInputs(positions=positions, slot_mapping=slots, block_tables=tables, context_lens=ctx)
         logits = self.model(ids, step)
         st = SamplingTensors(temperature, top_k, top_p, min_p, penalty, use_top_k, use_top_p, use_sampling)
-        tokens = sample(logits, st, presence, noise)
-        return tokens if top_width == 0 else (tokens, *token_logprobs(logits, tokens, top_width))
+        return _with_logprobs(logits, sample(logits, st, presence, noise), top_width)
 
     def _sample(self, logits: Tensor, reqs: list[Request]) -> tuple[np.ndarray, tuple[np.ndarray, ...] | None]:
         st = SamplingTensors.build([r.params for r in reqs], len(reqs), self.vocab)
         tokens = sample(logits, st, self._presence(reqs, len(reqs)), self._noise(st, reqs, len(reqs)))
-        width = self._top_width(reqs)
-        return _host(tokens if width == 0 else (tokens, *token_logprobs(logits, tokens, width)))
+        return _host(_with_logprobs(logits, tokens, self._top_width(reqs)))
 
     def _top_width(self, reqs: list[Request]) -> int:
         """How many most likely tokens a step computes: 0 when no request asks for logprobs (none computed)."""
@@ -474,6 +472,12 @@ class Engine:
                 raise ValueError("a text prompt needs a tokenizer")
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
+
+
+def _with_logprobs(logits: Tensor, tokens: Tensor, width: int) -> Tensor | tuple[Tensor, ...]:
+    """A step's output: its sampled tokens, and with them their log-probabilities and the `width` most likely
+    tokens' when some request asks for logprobs (width > 0; `_host` takes either apart)."""
+    return tokens if width == 0 else (tokens, *token_logprobs(logits, tokens, width))
 
 
 def _host(out: Tensor | tuple[Tensor, ...]) -> tuple[np.ndarray, tuple[np.ndarray, ...] | None]:
