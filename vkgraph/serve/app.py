@@ -244,14 +244,12 @@ async def _serve(state: ServerState, request: Request, body: _Sampling, prompts:
         return StreamingResponse(_sse(state, streams, body, rid, created, chat, route, include_usage),
                                  media_type="text/event-stream")
     texts = [""] * len(streams)
-    counts = [0] * len(streams)
     reasons: list[str | None] = [None] * len(streams)
-    tokens: list[list[Event]] = [[] for _ in streams]  # events of generated tokens, for their logprobs
+    tokens: list[list[Event]] = [[] for _ in streams]  # events of generated tokens: their count and logprobs
     watcher = asyncio.ensure_future(_watch_disconnect(request, state, streams))
     try:
         async for i, ev in _events(state, streams):
             texts[i] += ev.text
-            counts[i] += ev.token is not None
             if ev.token is not None:
                 tokens[i].append(ev)
             if ev.finished:
@@ -268,11 +266,12 @@ async def _serve(state: ServerState, request: Request, body: _Sampling, prompts:
     choices = [_choice(i, t, r, chat, _logprobs(state, chat, evs) if want else None)
                for i, (t, r, evs) in enumerate(zip(texts, reasons, tokens))]
     prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(map(len, tokens))
     return JSONResponse({
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
         "model": state.model_name, "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sum(counts),
-                  "total_tokens": prompt_tokens + sum(counts)}})
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens}})
 
 
 def _choice(i: int, text: str, reason: str | None, chat: bool, logprobs: dict | None) -> dict:
