@@ -271,14 +271,12 @@ def test_llama3_8b_shape_streams_with_bounded_memory(tmp_path):
     """One layer of the benchmark shape (the embedding and output alone are 2 x 525M values)."""
     import subprocess
     import sys
-    from pathlib import Path
 
     # written in a fresh process, whose peak RSS is read from /proc (VmHWM belongs to the process's own memory
     # map; getrusage's ru_maxrss would carry this test process's peak over through vfork and exec)
-    script = Path(mk.__file__)
-    code = (f"import dataclasses, re, runpy; mk = runpy.run_path({str(script)!r}); "
-            f"cfg = dataclasses.replace(mk['llama3_8b_config'](), n_layers=1); "
-            f"mk['write_model']({str(tmp_path)!r}, cfg, gguf_types=('Q4_0',), safetensors=False); "
+    code = ("import dataclasses, re; from vkgraph.nn import tiny_model as mk; "
+            "cfg = dataclasses.replace(mk.llama3_8b_config(), n_layers=1); "
+            f"mk.write_model({str(tmp_path)!r}, cfg, gguf_types=('Q4_0',), safetensors=False); "
             f"print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(r.stdout.split()[-1]) < 2 * 2**20  # KiB: under 2 GiB, while the embedding alone is 2 GiB of float32
