@@ -34,6 +34,16 @@ def step(x):
 
 def check_step(x):
     np.testing.assert_allclose(step(Tensor(x)).numpy(), (x * 2 + 1).sum(axis=1), rtol=1e-5)
+
+
+def warm_step(seed):
+    """A jit function run eagerly, captured and replayed on the current device; a tensor made there first."""
+    rng = np.random.default_rng(seed)
+    x = rng.random((4, 8)).astype(np.float32)
+    old = Tensor(x)
+    for _ in range(3):
+        check_step(x)
+    return rng, old
 '''
 
 
@@ -46,15 +56,21 @@ def run(body: str, timeout: float = 120, env: dict | None = None) -> tuple[subpr
     return r, time.perf_counter() - t
 
 
+def run_ok(body: str, timeout: float = 120, env: dict | None = None) -> float:
+    """Runs `body` (see run), which must exit 0 having printed only "ok"; returns the seconds it took."""
+    r, elapsed = run(body, timeout, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "ok"
+    return elapsed
+
+
 def test_every_entry_point_of_a_closed_device_raises_device_closed():
-    r, _ = run('''
+    run_ok('''
         d = get_device()
         k = d.pipeline(AXPB)
         a, b = d.alloc(256), d.alloc(256)
         d.upload(a, np.arange(64, dtype=np.float32))
-        x = np.random.default_rng(0).random((4, 8)).astype(np.float32)
-        for _ in range(3):
-            check_step(x)  # eager, capture, replay
+        warm_step(0)  # eager, capture, replay
         d.queue.begin_capture()
         d.dispatch(k, [a, b], (1, 1, 1), (64, 2.0, 0.0))
         graph = d.queue.end_capture()
@@ -81,17 +97,11 @@ def test_every_entry_point_of_a_closed_device_raises_device_closed():
         assert d2.download(c, np.float32, 64)[5] == 5
         print("ok")
     ''')
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip() == "ok"
 
 
 def test_jit_and_tensors_after_close_raise_or_start_afresh():
-    r, _ = run('''
-        rng = np.random.default_rng(0)
-        x = rng.random((4, 8)).astype(np.float32)
-        old = Tensor(x)
-        for _ in range(3):
-            check_step(x)
+    run_ok('''
+        rng, old = warm_step(0)
         get_device().close()
         raises(DeviceClosed, step, old)  # a tensor of the closed device
         raises(DeviceClosed, lambda: (old + 1).numpy())
@@ -101,17 +111,11 @@ def test_jit_and_tensors_after_close_raise_or_start_afresh():
             check_step(rng.random((4, 8)).astype(np.float32))
         print("ok")
     ''')
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip() == "ok"
 
 
 def test_device_lost_then_reset_then_a_jit_captured_before():
-    r, _ = run('''
-        rng = np.random.default_rng(1)
-        x = rng.random((4, 8)).astype(np.float32)
-        old = Tensor(x)
-        for _ in range(3):
-            check_step(x)
+    run_ok('''
+        rng, old = warm_step(1)
         faults.inject("wait")
         raises(DeviceLost, (old * 3).numpy)
         raises(DeviceLost, get_device().alloc, 16)
@@ -122,8 +126,6 @@ def test_device_lost_then_reset_then_a_jit_captured_before():
         assert ((Tensor(np.ones(4, np.float32)) * 3).numpy() == 3).all()
         print("ok")
     ''')
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip() == "ok"
 
 
 RUNAWAY = '''
@@ -157,7 +159,7 @@ def test_after_a_runaway_kernel_the_interpreter_exits():
 
 
 def test_after_a_runaway_kernel_the_next_wait_says_so_and_reset_device_gives_a_working_device():
-    r, elapsed = run(RUNAWAY + textwrap.dedent('''
+    elapsed = run_ok(RUNAWAY + textwrap.dedent('''
         c = d.alloc(256)
         d.dispatch(d.pipeline(AXPB), [b, c], (1, 1, 1), (16, 1.0, 0.0))
         raises(DeviceTimeout, d.synchronize)  # queued behind the runaway kernel
@@ -165,13 +167,9 @@ def test_after_a_runaway_kernel_the_next_wait_says_so_and_reset_device_gives_a_w
         assert d.closed and d.abandoned and d2 is not d
         raises(DeviceClosed, d.alloc, 16)
         raises(DeviceClosed, d2.queue.copy, c, 0, d2.alloc(256), 0, 64)
-        x = np.random.default_rng(2).random((4, 8)).astype(np.float32)
-        for _ in range(3):
-            check_step(x)
+        warm_step(2)
         print("ok", flush=True)
     '''), timeout=90, env={"VKGRAPH_TIMEOUT_S": "1"})
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip() == "ok"
     assert elapsed < 45, f"took {elapsed:.1f} s"
 
 
