@@ -4,6 +4,8 @@
     python benchmarks/bench_matmul.py --tune          # first search tile configurations per shape (codegen.tune)
     python benchmarks/bench_matmul.py --quant Q4_0,Q8_0   # the prefill products over quantized weights
     python benchmarks/bench_matmul.py --quant Q4_0,Q8_0 --tune   # the same, each product's tiles searched first
+    python benchmarks/bench_matmul.py --int8          # int8 x int8 -> int32 against torch._int_mm, and float16
+    python benchmarks/bench_matmul.py --int8 --tune   # the same, int8 tiles searched first
 
 Shapes (M x K @ K x N): 4096^3, and the Llama-3-8B prefill products of 512 tokens, with the weight stored
 (N, K) and read transposed as `x @ w.T` is (the attention and MLP projections). GPU time per product: vkgraph's
@@ -12,7 +14,8 @@ The last column is the fraction of the dense float16/bfloat16 peak, PEAK_TFLOPS 
 With --quant, the prefill products run through QuantLinear over random blocks of the formats given (float32
 activations in, float32 out): the kernel that dequantizes into shared memory (templates.matmul_quant), and the
 float16 copy of the weights with the generated matmul (VKGRAPH_QUANT_COOP=0), beside torch.matmul in float16 on
-the same shape.
+the same shape. With --int8, `x.matmul(w.T, dtype=int32)` of int8 operands (int8 cooperative matrices, int32
+accumulation) against torch._int_mm, beside the float16 product of the same shape, in TOPS (checked exact).
 """
 
 from __future__ import annotations
@@ -63,22 +66,25 @@ def _burst_us(dev: Any, dispatch: Callable[[], object], reps: int) -> float:
 
 
 def search(m: int, n: int, k: int, dname: str, reps: int = 10) -> tuple[Any, dict]:
-    """Time every configuration of matmul_coop.CONFIGS that fits the device on one (m, k) @ (k, n) product of
-    random `dname` values and record the fastest for its shape class (codegen.tune). Returns it and the
-    microseconds of each."""
+    """Time every configuration of matmul_coop.configs that fits the device on one (m, k) @ (k, n) product of
+    random `dname` values (int8: summed in int32) and record the fastest for its shape class (codegen.tune).
+    Returns it and the microseconds of each."""
     d = getattr(dtypes, dname)
     dev = get_device()
     lim = realize.limits()
     rng = np.random.default_rng(0)
-    srcs = [graph.buffer(realize.upload(rng.standard_normal(s, dtype=np.float32), d), 0, d, s)
+    srcs = [graph.buffer(realize.upload(rng.integers(-128, 128, s, dtype=np.int8) if d is dtypes.int8 else
+                                        rng.standard_normal(s, dtype=np.float32), d), 0, d, s)
             for s in ((m, k), (k, n))]
-    mm = graph.matmul(srcs[0], srcs[1], d)
+    if d is dtypes.int8:
+        srcs = [graph.alu(graph.Op.CAST, dtypes.int32, s) for s in srcs]
+    mm = graph.matmul(srcs[0], srcs[1], dtypes.int32 if d is dtypes.int8 else d)
     compute = matmul_coop.compute_type(mm, lim)
     frag = matmul_coop.fragment(lim, matmul_coop.operand_type(compute))
     kern = Kernel(mm, realize.allocate(mm.dtype, mm.numel), ShapeTracker.contiguous(mm.shape))
     times = {}
-    for cfg in matmul_coop.CONFIGS:
-        if not cfg.fits(frag, lim):
+    for cfg in matmul_coop.configs(compute):
+        if not cfg.fits(frag, lim, compute.itemsize):
             continue
         (prog,) = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, compute).programs
         pipe = dev.pipeline(prog.src, name=prog.name)
@@ -151,12 +157,67 @@ def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False) -
                   flush=True)
 
 
+INT8_SHAPES = [("4096^3", 4096, 4096, 4096, False), ("512x4096 @ 4096x14336 (w.T)", 512, 4096, 14336, True)]
+
+
+def int8(reps: int, torch: Any, tune_tiles: bool = False) -> None:
+    """TOPS of int8 x int8 -> int32 products (cooperative matrices where the device has int8 ones) against
+    torch._int_mm and the float16 product of the same shape, each side's int8 result checked exact."""
+    dev = get_device()
+    lim = realize.limits()
+    rng = np.random.default_rng(0)
+    if matmul_coop.fragment(lim, "int8") is None:
+        print(f"int8: {dev.info.name} has no int8 cooperative matrices; the tiled integer path is measured")
+    rows = []
+    for label, m, k, n, wt in INT8_SHAPES:
+        ops = 2 * m * n * k
+        if tune_tiles and matmul_coop.fragment(lim, "int8") is not None:
+            best, times = search(m, n, k, "int8")
+            print(f"int8 {label}: tuned TOPS " + ", ".join(
+                f"{c.bm}x{c.bn}x{c.bk}/{c.wm}x{c.wn}/s{c.stages} {ops / t / 1e6:.0f}"
+                for c, t in sorted(times.items(), key=lambda kv: kv[1])), flush=True)
+        x = rng.integers(-128, 128, (m, k), dtype=np.int8)
+        w = rng.integers(-128, 128, (n, k) if wt else (k, n), dtype=np.int8)
+        wk = w.T if wt else w
+        tx, tw = Tensor(x).realize(), Tensor(w).realize()
+        b = tw.T if wt else tw
+        got = tx[:64].matmul(b, dtype=dtypes.int32).numpy()
+        exact = bool(np.array_equal(got, x[:64].astype(np.int64) @ wk.astype(np.int64)))
+        with realize.count_kernels() as c:
+            tx.matmul(b, dtype=dtypes.int32).realize()
+        us = replay_us(dev, lambda tx=tx, b=b: tx.matmul(b, dtype=dtypes.int32).realize(), reps, per_graph=20)
+        x16, w16 = Tensor(x).cast(dtypes.float16).realize(), Tensor(w).cast(dtypes.float16).realize()
+        b16 = w16.T if wt else w16
+        us16 = replay_us(dev, lambda x16=x16, b16=b16: (x16 @ b16).realize(), reps, per_graph=20)
+        row = [f"int8 {label}", f"{ops / us / 1e6:.1f}", "", "", f"{ops / us16 / 1e6:.1f}", "", str(exact),
+               c.names[0] if c.names else ""]
+        if torch is not None:
+            txx, tww = torch.from_numpy(x).cuda(), torch.from_numpy(w).cuda()
+            tb = tww.T if wt else tww
+            pt_got = torch._int_mm(txx[:64], tb).cpu().numpy()
+            pt_exact = bool(np.array_equal(pt_got, x[:64].astype(np.int64) @ wk.astype(np.int64)))
+            pt = ops / torch_time_us(torch, lambda txx=txx, tb=tb: torch._int_mm(txx, tb), 20) / 1e6
+            t16 = torch.from_numpy(x).cuda().half(), (torch.from_numpy(w).cuda().half())
+            tb16 = t16[1].T if wt else t16[1]
+            pt16 = ops / torch_time_us(torch, lambda a=t16[0], tb16=tb16: a @ tb16, 20) / 1e6
+            row[2:4] = [f"{pt:.1f}{'' if pt_exact else ' (inexact)'}", f"{ops / us / 1e6 / pt:.2f}"]
+            row[5] = f"{pt16:.1f}"
+        rows.append(row)
+        print("  ".join(row), flush=True)
+    print(f"\nGPU: {dev.info.name}; int8 TOPS (2*M*N*K per second, 1e12), float16 TFLOP/s of the same shape")
+    header = ["product", "vkgraph int8", "torch _int_mm", "ratio", "vkgraph f16", "torch f16", "exact", "kernel"]
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(v.ljust(wd) for v, wd in zip(r, widths, strict=True)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tune", action="store_true", help="search tile configurations for each shape first")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--quant", default="", help="quantized formats (Q4_0,Q8_0,Q4_K,Q6_K): their prefill products only")
+    p.add_argument("--int8", action="store_true", help="int8 x int8 -> int32 products only, against torch._int_mm")
     args = p.parse_args()
     dev = get_device()
     lim = realize.limits()
@@ -168,6 +229,10 @@ def main() -> None:
     if args.quant:
         raise_clocks()
         quant(args.quant.split(","), args.reps, torch, args.tune)
+        return
+    if args.int8:
+        raise_clocks(3.0)
+        int8(args.reps, torch, args.tune)
         return
     rng = np.random.default_rng(0)
     print(f"{dev.info.name}: shared memory per workgroup {dev.info.max_shared_memory} bytes", flush=True)

@@ -24,8 +24,10 @@ from vkgraph.tensor import Tensor
 
 F16 = ("float16", "float16", "float32", "float32")
 BF16 = ("bfloat16", "bfloat16", "float32", "float32")
-# an H200's list, at subgroup scope (float16 accumulators and int8 left out: codegen does not take them)
+I8 = ("int8", "int8", "int32", "int32")
+# an H200's list, at subgroup scope (float16 accumulators left out: codegen does not take them)
 COOP = ((16, 16, 16) + F16, (16, 8, 16) + F16, (16, 8, 8) + F16, (16, 16, 16) + BF16)
+COOP_I8 = COOP + ((16, 16, 32) + I8, (16, 8, 32) + I8)
 
 
 def fake_limits(**kw) -> Limits:
@@ -150,6 +152,105 @@ def test_the_bfloat16_mark_is_the_compilers():
     assert matmul_coop.BF16_FRAGMENTS == BF16_FRAGMENTS
 
 
+# ---- int8 products, on made-up device limits ---------------------------------------------------------------------
+
+
+def ints(shape, seed=0, dtype=np.int8):
+    info = np.iinfo(dtype)
+    return np.random.default_rng(seed).integers(info.min, info.max + 1, shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("form", ["dtype_int32", "cast_int32", "int8_result", "dtype_int64", "epilogue"])
+def test_int8_products_take_int8_cooperative_matrices(form):
+    """Every spelling of an int8 product summed in a wider signed type, and int8 @ int8 itself (its int32 sum
+    wraps to numpy's int8), runs on int8 fragments with int32 accumulators, operands read as 16-byte vectors."""
+    a, b = Tensor(ints((200, 96))), Tensor(ints((130, 96), 1)).T  # b read transposed, as x @ w.T
+    t = {"dtype_int32": lambda: a.matmul(b, dtype=dtypes.int32),
+         "cast_int32": lambda: a.cast(dtypes.int32) @ b.cast(dtypes.int32),
+         "int8_result": lambda: a @ b,
+         "dtype_int64": lambda: a.matmul(b, dtype="int64"),
+         "epilogue": lambda: (a.matmul(b, dtype=dtypes.int32) + Tensor(ints((130,), 2, np.int32))).maximum(0)}[form]()
+    (p,) = programs(t, fake_limits(coop=COOP_I8))
+    assert p.name.startswith("MC_") and p.name.endswith("_i8")
+    assert "coopmat<int8_t" in p.src and "coopmat<int32_t" in p.src
+    assert sum("uvec4 data[]" in line for line in p.src.splitlines() if "buffer B" in line) == 2
+    compiles(p.src)
+
+
+def test_int8_signedness_reaches_the_spirv():
+    """coopMatMulAdd of int8_t fragments must be marked signed (A, B, C and result), or the bytes multiply as
+    unsigned: the operand mask of every OpCooperativeMatrixMulAddKHR is 0xf."""
+    import struct
+
+    (p,) = programs(Tensor(ints((64, 64))).matmul(Tensor(ints((64, 64), 1)), dtype=dtypes.int32),
+                    fake_limits(coop=COOP_I8))
+    global _compiler
+    if _compiler is None:
+        _compiler = Compiler(backend="glslang")
+    spv = _compiler.compile(p.src, target="vulkan1.3")
+    words = struct.unpack(f"<{len(spv) // 4}I", spv)
+    i, masks = 5, []
+    while i < len(words):
+        count, op = words[i] >> 16, words[i] & 0xFFFF
+        if op == 4459:  # OpCooperativeMatrixMulAddKHR: result type, id, A, B, C[, operands]
+            masks.append(words[i + 6] if count > 6 else 0)
+        i += count
+    assert masks and all(m == 0xF for m in masks)
+
+
+@pytest.mark.parametrize("what", ["no_int8_shape", "only_16x8", "long_k", "int16_operand", "uint8_operand",
+                                  "unsigned_result", "subgroup_range"])
+def test_int8_products_that_stay_on_the_tiled_path(what):
+    """No fitting int8 shape (16x8x32 fragments are half a 16-byte chunk wide), K past what int32 holds exactly,
+    operands that are not int8 values, an unsigned sum, or a subgroup size that is not fixed."""
+    lim = {"no_int8_shape": fake_limits(), "only_16x8": fake_limits(coop=COOP + ((16, 8, 32) + I8,)),
+           "subgroup_range": fake_limits(coop=COOP_I8, min_subgroup=32, max_subgroup=64)}.get(
+        what, fake_limits(coop=COOP_I8))
+    k = matmul_coop.INT8_MAX_K + 1 if what == "long_k" else 64
+    a, b = Tensor(ints((64, k))), Tensor(ints((k, 64), 1))
+    if what == "int16_operand":
+        b = Tensor(ints((k, 64), 1, np.int16))
+    if what == "uint8_operand":
+        a, b = Tensor(ints((64, k), 0, np.uint8)), Tensor(ints((k, 64), 1, np.uint8))
+    (p,) = programs(a.matmul(b, dtype=dtypes.uint32 if what == "unsigned_result" else dtypes.int32), lim)
+    assert p.name.startswith("M_") and "coopmat" not in p.src
+    assert matmul_coop.INT8_MAX_K * 2**14 < 2**31 <= (matmul_coop.INT8_MAX_K + 1) * 2**14
+
+
+def test_int8_fragment_is_16x16x32_with_int32_accumulation():
+    assert matmul_coop.fragment(fake_limits(coop=COOP_I8), "int8") == (16, 16, 32)
+    assert matmul_coop.fragment(fake_limits(), "int8") is None
+    assert matmul_coop.fragment(fake_limits(coop=((16, 16, 32, "int8", "int8", "float32", "float32"),)),
+                                "int8") is None
+    # the tile configurations of a search all hold int8 slices in the same shared memory as float16 ones
+    assert all(c.bk % 32 == 0 for c in matmul_coop.configs(dtypes.int8))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(64, 300), n=st.integers(64, 300), k=st.integers(1, 200), batch=st.sampled_from([(), (3,), (2, 2)]),
+       ta=st.booleans(), tb=st.booleans(), sub=st.integers(0, 1))
+def test_every_drawn_int8_cooperative_program_compiles(m, n, k, batch, ta, tb, sub):
+    a = Tensor(ints(batch + ((k, m + sub) if ta else (m + sub, k))))
+    b = Tensor(ints((n, k) if tb else (k, n), 1))
+    a = a.transpose(-1, -2) if ta else a
+    b = b.transpose(-1, -2) if tb else b
+    a = a[..., :m, :] if sub else a
+    progs = programs(a.matmul(b, dtype=dtypes.int32), fake_limits(coop=COOP_I8))
+    assert progs[-1].name.endswith("_i8")
+    compiles(progs[-1].src)
+
+
+@pytest.mark.parametrize("m,n,k", [(200, 130, 70), (65, 300, 33), (130, 129, 1)])
+def test_int8_products_on_the_tiled_path_match_numpy(m, n, k):
+    """int8 @ int8 wraps in int8 as numpy's does; summed in int32 or int64 it is numpy's sum of the same type."""
+    a, b = ints((2, m, k)), ints((n, k), 1)
+    ta, tb = Tensor(a), Tensor(b).T
+    np.testing.assert_array_equal((ta @ tb).numpy(), a @ b.T)
+    np.testing.assert_array_equal(ta.matmul(tb, dtype=dtypes.int32).numpy(), np.matmul(a, b.T, dtype=np.int32))
+    np.testing.assert_array_equal((ta.cast(dtypes.int32) @ tb.cast(dtypes.int32)).numpy(),
+                                  a.astype(np.int32) @ b.T.astype(np.int32))
+
+
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
 
 def _has(operand: str) -> bool:
@@ -160,6 +261,8 @@ def _has(operand: str) -> bool:
 needs_f16 = pytest.mark.skipif(not _has("float16"), reason="no float16 cooperative matrices on this device "
                                "(VK_KHR_cooperative_matrix, with float32 accumulation; off under an older "
                                "validation layer)")
+needs_i8 = pytest.mark.skipif(not _has("int8"), reason="no int8 cooperative matrices with int32 accumulation on "
+                              "this device (VK_KHR_cooperative_matrix)")
 needs_bf16 = pytest.mark.skipif(not _has("bfloat16"), reason="the device has no bfloat16 cooperative matrices "
                                 "(VK_KHR_cooperative_matrix with VK_KHR_shader_bfloat16)")
 
@@ -276,6 +379,83 @@ def test_every_tile_configuration_matches_numpy(tb):
         dev.dispatch(dev.pipeline(prog.src, name=prog.name), [ref.buf for ref, _, _ in prog.bindings], prog.groups,
                      prog.push or None)
         _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)
+
+
+@needs_i8
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(64, 260), n=st.integers(64, 260), k=st.integers(1, 300), batch=st.sampled_from([(), (3,), (2, 2)]),
+       ta=st.booleans(), tb=st.booleans(), sub=st.integers(0, 2), out=st.sampled_from(["int32", "int8", "int64"]),
+       seed=st.integers(0, 2**16))
+def test_int8_products_match_numpy_exactly(m, n, k, batch, ta, tb, sub, out, seed):
+    """Odd M, N and K (K not a multiple of 32), batches, transposed and sliced views: numpy's result exactly."""
+    a = ints(batch + ((k, m + sub) if ta else (m + sub, k)), seed)
+    b = ints((n, k) if tb else (k, n), seed + 1)
+    an = np.swapaxes(a, -1, -2) if ta else a
+    bn = b.T if tb else b
+    ta_, tb_ = Tensor(a), Tensor(b)
+    ta_ = ta_.transpose(-1, -2) if ta else ta_
+    tb_ = tb_.transpose(-1, -2) if tb else tb_
+    ta_, an = ta_[..., sub:, :], an[..., sub:, :]
+    with count_kernels() as c:
+        got = ta_.matmul(tb_, dtype=out).numpy()
+    assert any(nm.startswith("MC_") and nm.endswith("_i8") for nm in c.names)
+    np.testing.assert_array_equal(got, np.matmul(an, bn, dtype=getattr(np, out)))
+
+
+@needs_i8
+def test_int8_epilogue_and_int8_result_on_cooperative_matrices():
+    a, b, bias = ints((300, 200), 1), ints((200, 136), 2), ints((130,), 3, np.int32)
+    with count_kernels() as c:
+        got = (Tensor(a)[7:290, 3:].matmul(Tensor(b)[3:, :130], dtype=dtypes.int32) + Tensor(bias)).maximum(0).numpy()
+    assert c.count == 1 and c.names[0].endswith("_i8")
+    want = np.maximum(a[7:290, 3:].astype(np.int32) @ b[3:, :130].astype(np.int32) + bias, 0)
+    np.testing.assert_array_equal(got, want)
+    with count_kernels() as c:
+        got8 = (Tensor(a) @ Tensor(b)).numpy()
+    assert c.names[0].endswith("_i8") and got8.dtype == np.int8
+    np.testing.assert_array_equal(got8, a @ b)
+
+
+@needs_i8
+def test_int8_longest_exact_sum_on_cooperative_matrices():
+    """K = INT8_MAX_K products of -128 * -128: 2^31 - 2^14, the largest int32 sum the path allows."""
+    k = matmul_coop.INT8_MAX_K
+    a = np.full((64, k), -128, np.int8)
+    b = np.full((k, 64), -128, np.int8)
+    b[:, 1] = 127
+    with count_kernels() as c:
+        got = Tensor(a).matmul(Tensor(b), dtype=dtypes.int32).numpy()
+    assert c.names[0].endswith("_i8")
+    np.testing.assert_array_equal(got, a.astype(np.int64) @ b.astype(np.int64))
+
+
+@needs_i8
+@pytest.mark.parametrize("tb", [False, True])
+def test_every_int8_tile_configuration_matches_numpy(tb):
+    from vkgraph import graph
+    from vkgraph.schedule import Kernel
+    from vkgraph.view import ShapeTracker
+
+    dev, lim, d = get_device(), realize_mod.limits(), dtypes.int8
+    m, n, k = 200, 144, 300
+    a, b = ints((m, k), 11), ints((n, k) if tb else (k, n), 12)
+    na = graph.alu(graph.Op.CAST, dtypes.int32, graph.buffer(realize_mod.upload(a, d), 0, d, a.shape))
+    nb = graph.buffer(realize_mod.upload(b, d), 0, d, b.shape)
+    if tb:
+        nb = graph.movement(nb, lambda s: s.permute((1, 0)))
+    mm = graph.matmul(na, graph.alu(graph.Op.CAST, dtypes.int32, nb), dtypes.int32)
+    out = realize_mod.allocate(dtypes.int32, mm.numel)
+    kern = Kernel(mm, out, ShapeTracker.contiguous(mm.shape))
+    frag = matmul_coop.fragment(lim, "int8")
+    want = a.astype(np.int64) @ (b.T if tb else b).astype(np.int64)
+    for cfg in matmul_coop.configs(d):
+        if not cfg.fits(frag, lim, 1):
+            continue
+        (prog,) = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, d).programs
+        dev.upload(out.buf, np.full(m * n, -7, np.int32).view(np.uint8))  # poison: every element is written
+        dev.dispatch(dev.pipeline(prog.src, name=prog.name), [ref.buf for ref, _, _ in prog.bindings], prog.groups,
+                     prog.push or None)
+        np.testing.assert_array_equal(realize_mod.download(out, (m, n)), want, err_msg=str(cfg))
 
 
 # ---- the tiled path (devices without cooperative matrices, float32 and integer products) -------------------------

@@ -1019,8 +1019,11 @@ class Tensor(TensorMath, TensorIndexing):
         return self
 
     # ---- linear algebra and nn ----------------------------------------------------------------------------------
-    def matmul(self, other: Tensor) -> Tensor:
-        """Matrix product with numpy's rules for 1-D operands and broadcasting of batch dimensions."""
+    def matmul(self, other: Tensor, dtype: DType | str | None = None) -> Tensor:
+        """Matrix product with numpy's rules for 1-D operands and broadcasting of batch dimensions. dtype, as
+        numpy's: both operands are cast to it and the product is computed in it (int8 @ int8 wraps in int8 as
+        numpy's does; `a.matmul(b, dtype=dtypes.int32)` sums int8 products in int32, which the int8 cooperative
+        matrices run where the device has them)."""
         other = _as_tensor(other, self)
         if self.ndim == 0 or other.ndim == 0:
             raise ValueError("matmul of a 0-d tensor; use *")
@@ -1029,13 +1032,14 @@ class Tensor(TensorMath, TensorIndexing):
         if a.shape[-1] != b.shape[-2]:
             raise ValueError(f"matmul: {self.shape} @ {other.shape}: inner dimensions "
                              f"{a.shape[-1]} and {b.shape[-2]} differ")
-        d = result_type(a.dtype, b.dtype)
+        d = result_type(a.dtype, b.dtype) if dtype is None else to_dtype(dtype)
         if d.kind == "b":
             raise TypeError("matmul of bool tensors")
         batch = broadcast_shape(a.shape[:-2], b.shape[:-2])
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-        a = a.cast(d)._expand_to(batch + (m, k))
-        b = b.cast(d)._expand_to(batch + (k, n))
+        # broadcast, then cast: an operand's cast over its own buffer's view lets the product read the view directly
+        a = a._expand_to(batch + (m, k)).cast(d)
+        b = b._expand_to(batch + (k, n)).cast(d)
         if k == 0:
             out = Tensor.full(batch + (m, n), 0, d)
         elif m * n < 4096 or m < 16 or n < 16:  # thin products: a row reduction beats 64x64 tiles

@@ -14,6 +14,12 @@ memory and its invocations apply the fused elementwise code and store through th
 
 bfloat16 operands use the same program with the fragment type renamed in the SPIR-V (runtime/spirv.py):
 glslang of this vintage cannot spell bfloat16_t, but the operands never leave shared memory as values.
+
+int8 operands (an int8 @ int8 product, or int8 values widened by casts to a signed integer type, as
+`a.matmul(b, dtype=int32)` and `a.cast(int32) @ b.cast(int32)` give) use the same program on int8 fragments with
+int32 accumulators: 16 values to a staged chunk, fragment K 32. It is taken only for K < 2^17, where the int32
+sum of int8 products cannot overflow, so the result, cast to the product's type, is numpy's exactly; longer
+products keep the tiled integer path (which wraps as numpy does).
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ if TYPE_CHECKING:
     from ..schedule import Kernel
     from .lower import Limits, Lowered
 
-_OPERAND_TYPES = {dtypes.float16: "float16", dtypes.bfloat16: "bfloat16"}
+_OPERAND_TYPES = {dtypes.float16: "float16", dtypes.bfloat16: "bfloat16", dtypes.int8: "int8"}
+_ACCUMULATOR = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}
+# |int8 * int8| <= 2^14: up to this many products sum in int32 without overflow
+INT8_MAX_K = (2**31 - 1) // 2**14
 # The SPIR-V of a program whose source holds this line gets its float16 fragment type marked bfloat16 by the
 # compiler (runtime/spirv.py holds the same text; codegen does not import the runtime)
 BF16_FRAGMENTS = "// vkgraph: float16_t fragments are bfloat16"
@@ -52,15 +61,20 @@ class Config:
     wn: int = 2
     stages: int = 2
 
-    def shared_bytes(self) -> int:
-        # both operand tiles per stage, 8 elements of padding per staged row
-        return self.stages * 2 * ((self.bm + self.bn) * (self.bk + 8))
+    def shared_bytes(self, itemsize: int = 2) -> int:
+        """Both operand tiles per stage with 16 bytes of padding per staged row, in whichever layout (rows along
+        K or across it) takes more; operands of `itemsize` bytes."""
+        p = 16 // itemsize
 
-    def fits(self, frag: tuple[int, int, int], lim: Limits) -> bool:
+        def tile(edge: int) -> int:
+            return max(edge * (self.bk + p), self.bk * (edge + p))
+        return self.stages * itemsize * (tile(self.bm) + tile(self.bn))
+
+    def fits(self, frag: tuple[int, int, int], lim: Limits, itemsize: int = 2) -> bool:
         fm, fn, fk = frag
         return (self.bm % (self.wm * fm) == 0 and self.bn % (self.wn * fn) == 0 and self.bk % fk == 0
-                and self.bk % 8 == 0 and self.wm * self.wn * lim.subgroup <= lim.max_invocations
-                and self.shared_bytes() <= lim.max_shared)
+                and self.bk % (16 // itemsize) == 0 and self.wm * self.wn * lim.subgroup <= lim.max_invocations
+                and self.shared_bytes(itemsize) <= lim.max_shared)
 
 
 CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 128, 32, 4, 4),
@@ -68,6 +82,17 @@ CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 1
            Config(64, 128, 32, 2, 2), Config(64, 64, 32, 2, 2), Config(128, 256, 16, 2, 4),
            Config(256, 128, 16, 4, 2), Config(128, 128, 16, 2, 4), Config(128, 128, 64, 2, 4, 1),
            Config(128, 128, 64, 4, 2, 1), Config(128, 256, 32, 2, 4, 1), Config(256, 128, 32, 4, 2, 1))
+# int8 slices go deeper for the same shared memory (a fragment is 32 deep)
+INT8_CONFIGS = (Config(128, 128, 64, 2, 4), Config(128, 128, 64, 4, 2), Config(128, 128, 64, 4, 4),
+                Config(128, 128, 64, 2, 2), Config(64, 128, 64, 2, 4), Config(128, 64, 64, 4, 2),
+                Config(64, 64, 64, 2, 2), Config(128, 128, 32, 2, 4), Config(128, 256, 32, 2, 4),
+                Config(128, 128, 128, 2, 4, 1), Config(128, 128, 128, 4, 2, 1), Config(128, 256, 64, 2, 4, 1),
+                Config(256, 128, 64, 4, 2, 1))
+
+
+def configs(compute: DType) -> tuple[Config, ...]:
+    """The tile configurations a search measures for operands of type compute."""
+    return INT8_CONFIGS if compute is dtypes.int8 else CONFIGS
 
 
 def operand_type(d: DType) -> str | None:
@@ -75,13 +100,48 @@ def operand_type(d: DType) -> str | None:
 
 
 def fragment(lim: Limits, operand: str) -> tuple[int, int, int] | None:
-    """The fragment shape (M, N, K) for operand type `operand` with float32 accumulation at subgroup scope, the
-    device offers: 16x16x16 where listed (the most work per instruction), else the largest listed."""
+    """The fragment shape (M, N, K) for operand type `operand` with float32 accumulation (int32 for int8) at
+    subgroup scope, the device offers: 16x16x16 (int8: 16x16x32) where listed (the most work per instruction),
+    else the largest listed. Fragment edges are whole 16-byte chunks of staged operands: multiples of 8 16-bit
+    or 16 8-bit values."""
+    acc = _ACCUMULATOR.get(operand)
+    vw = 16 if operand == "int8" else 8
     shapes = [(m, n, k) for m, n, k, a, b, c, res in lim.coop
-              if a == b == operand and c == res == "float32" and m % 8 == 0 and n % 8 == 0 and k % 8 == 0]
+              if a == b == operand and c == res == acc and m % vw == 0 and n % vw == 0 and k % vw == 0]
     if not shapes:
         return None
-    return (16, 16, 16) if (16, 16, 16) in shapes else max(shapes, key=lambda s: (s[0] * s[1] * s[2], s))
+    pref = (16, 16, 32) if operand == "int8" else (16, 16, 16)
+    return pref if pref in shapes else max(shapes, key=lambda s: (s[0] * s[1] * s[2], s))
+
+
+def int8_source(src: Node) -> Node | None:
+    """The int8 node whose values operand src holds, through casts that widen signed integers (which keep the
+    values), or None when src is not int8-valued that way."""
+    n = src
+    while n.dtype is not dtypes.int8:
+        if (n.op is not Op.CAST or n.dtype.kind != "i" or n.srcs[0].dtype.kind != "i"
+                or n.srcs[0].dtype.itemsize > n.dtype.itemsize):
+            return None
+        n = n.srcs[0]
+    return n
+
+
+def _int8_valued(src: Node) -> bool:
+    """Whether src holds int8 values: an int8 node under widening signed-integer casts and views."""
+    n = src
+    while n.dtype is not dtypes.int8:
+        if n.op is Op.VIEW:
+            n = n.srcs[0]
+        elif int8_source(n) is not None:
+            return True
+        else:
+            return False
+    return True
+
+
+def _int8_product(mm: Node) -> bool:
+    """A signed-integer product of int8 values short enough to sum in int32 exactly."""
+    return (mm.dtype.kind == "i" and mm.srcs[0].shape[-1] <= INT8_MAX_K and all(_int8_valued(s) for s in mm.srcs))
 
 
 def compute_type(mm: Node, lim: Limits) -> DType | None:
@@ -92,6 +152,8 @@ def compute_type(mm: Node, lim: Limits) -> DType | None:
         d = mm.dtype
     elif mm.dtype is dtypes.float32 and lim.f32_compute:
         d = dtypes.float16 if lim.f32_compute == "float16" else dtypes.bfloat16
+    elif _int8_product(mm):
+        d = dtypes.int8
     else:
         return None
     if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1:
@@ -99,19 +161,21 @@ def compute_type(mm: Node, lim: Limits) -> DType | None:
     if any(s < 1 for s in mm.shape) or mm.srcs[0].shape[-1] < 1:
         return None
     frag = fragment(lim, operand_type(d))
-    if frag is None or not any(c.fits(frag, lim) for c in CONFIGS):
+    if frag is None or not any(c.fits(frag, lim, d.itemsize) for c in configs(d)):
         return None
     return d
 
 
-def default_config(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[int, int, int]) -> Config:
+def default_config(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[int, int, int],
+                   compute: DType = dtypes.float16) -> Config:
     """The largest tile that still gives a device of ~128 multiprocessors a workgroup each: 128 x 128 with 8
     subgroups of 64 x 32 where the output has at least 128 such tiles (fastest of the measured ones on an H200,
-    benchmarks/RESULTS.md), smaller tiles for smaller outputs."""
-    for c in (Config(128, 128, 32, 2, 4), Config(64, 128, 32, 2, 4), Config(64, 64, 32, 2, 2)):
-        if c.fits(frag, lim) and batch * math.ceil(m / c.bm) * math.ceil(n / c.bn) >= 128:
+    benchmarks/RESULTS.md), smaller tiles for smaller outputs; int8 slices twice as deep (the same bytes)."""
+    bk, size = (64, 1) if compute is dtypes.int8 else (32, 2)
+    for c in (Config(128, 128, bk, 2, 4), Config(64, 128, bk, 2, 4), Config(64, 64, bk, 2, 2)):
+        if c.fits(frag, lim, size) and batch * math.ceil(m / c.bm) * math.ceil(n / c.bn) >= 128:
             return c
-    fitting = [c for c in CONFIGS if c.fits(frag, lim)]
+    fitting = [c for c in configs(compute) if c.fits(frag, lim, size)]
     return min(fitting, key=lambda c: (c.bm * c.bn, c.bk))
 
 
@@ -121,23 +185,27 @@ def default_config(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[
 @dataclass
 class _Operand:
     """How one operand is staged: its node, logical axes (rows, cols) of the tile, which of them is contiguous
-    in shared memory, and for a vector operand the buffer, its strides in 8-element units and its offset."""
+    in shared memory, and for a vector operand the buffer, its strides in chunk units (8 16-bit or 16 8-bit
+    elements) and its offset."""
 
     node: Node
     rows: int  # extent of the operand's first logical axis (M for A, K for B)
     cols: int
     col_major: bool  # shared rows run along the operand's first axis (contiguous along rows)
-    vec: tuple[Any, tuple[int, ...], int] | None = None  # (BufferRef, strides / 8 of every axis, offset / 8)
+    vec: tuple[Any, tuple[int, ...], int] | None = None  # (BufferRef, strides / chunk of every axis, offset / chunk)
 
 
 def _strip(n: Node) -> Node:
-    while n.op is Op.CAST and n.srcs[0].dtype is n.dtype:
+    """n without casts that keep its values: to its own type, and (for int8 products) widening integer ones."""
+    while n.op is Op.CAST and (n.srcs[0].dtype is n.dtype
+                               or (n.dtype is not dtypes.int8 and int8_source(n) is not None)):
         n = n.srcs[0]
     return n
 
 
 def _operand(src: Node, compute: DType, lim: Limits, refs_elsewhere: set[int]) -> _Operand:
     rows, cols = src.shape[-2], src.shape[-1]
+    vw = 16 // compute.itemsize
     n = _strip(src)
     strides: tuple[int, ...] | None = None
     ref, offset = None, 0
@@ -153,13 +221,13 @@ def _operand(src: Node, compute: DType, lim: Limits, refs_elsewhere: set[int]) -
         col_major = strides[-2] == 1 and strides[-1] != 1
         inner = rows if col_major else cols
         inner_axis = len(strides) - (2 if col_major else 1)
-        ok = (strides[inner_axis] == 1 and inner % 8 == 0 and offset % 8 == 0
-              and all(s % 8 == 0 for i, s in enumerate(strides) if i != inner_axis)
+        ok = (strides[inner_axis] == 1 and inner % vw == 0 and offset % vw == 0
+              and all(s % vw == 0 for i, s in enumerate(strides) if i != inner_axis)
               and all(s >= 0 for s in strides) and ref.nbytes <= lim.max_storage_range
               and id(ref) not in refs_elsewhere)
         if ok:
-            vs = tuple(0 if i == inner_axis else s // 8 for i, s in enumerate(strides))
-            return _Operand(src, rows, cols, col_major, (ref, vs, offset // 8))
+            vs = tuple(0 if i == inner_axis else s // vw for i, s in enumerate(strides))
+            return _Operand(src, rows, cols, col_major, (ref, vs, offset // vw))
     else:
         from .lower import _column_major  # the tiled path's rule: unit stride along the next-to-last axis
 
@@ -196,8 +264,11 @@ def _refs_outside(k: Kernel, mm: Node) -> set[int]:
 
 
 def _pack(compute: DType, vals: list[str]) -> str:
-    """Eight float values of the compute type as one uvec4 of 16-bit bit patterns (exact: they are representable)."""
-    if compute is dtypes.float16:
+    """A chunk of values of the compute type as one uvec4: eight floats as 16-bit bit patterns (exact: they are
+    representable), or sixteen int8-valued ints as bytes."""
+    if compute is dtypes.int8:
+        words = [" | ".join(f"((uint({vals[i + j]}) & 0xffu) << {8 * j})" for j in range(4)) for i in range(0, 16, 4)]
+    elif compute is dtypes.float16:
         words = [f"packHalf2x16(vec2({vals[i]}, {vals[i + 1]}))" for i in range(0, 8, 2)]
     else:
         words = [f"((floatBitsToUint({vals[i]}) >> 16) | (floatBitsToUint({vals[i + 1]}) & 0xffff0000u))"
@@ -224,6 +295,9 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     assert frag is not None
     fm, fn, fk = frag
     cfg = cfg or choose(m_, n_, k_, nb, lim, frag, compute)
+    int8 = compute is dtypes.int8
+    vw = 16 // compute.itemsize  # elements per 16-byte chunk
+    sh = vw.bit_length() - 1
     bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
     sg = lim.subgroup
     nt = wm * wn * sg
@@ -240,18 +314,20 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     r = _renderer(lim, params)
     r.ext |= {"GL_KHR_cooperative_matrix", "GL_KHR_memory_scope_semantics", "GL_KHR_shader_subgroup_basic",
               "GL_EXT_shader_explicit_arithmetic_types_float16"}
+    if int8:
+        r.ext |= {"GL_EXT_shader_explicit_arithmetic_types_int8", "GL_EXT_shader_explicit_arithmetic_types_int32"}
 
     # shared memory in 16-byte units: [stage][A tile | B tile], then reused for the epilogue's staging
     def layout(op: _Operand, tile_r: int, tile_c: int) -> tuple[int, int, int]:
         """(outer extent, inner extent in elements, padded row stride in uvec4) of op's tile in shared memory."""
         outer, inner = (tile_c, tile_r) if op.col_major else (tile_r, tile_c)
-        return outer, inner, (inner + 8) // 8
+        return outer, inner, (inner + vw) // vw
 
     a_outer, a_inner, a_stride = layout(opa, bm, bk)
     b_outer, b_inner, b_stride = layout(opb, bk, bn)
     a_size, b_size = a_outer * a_stride, b_outer * b_stride
     stage = a_size + b_size
-    c_stride = (tn_ + 4) // 4  # a row of a subgroup's fragments, float32, padded by 4
+    c_stride = (tn_ + 4) // 4  # a row of a subgroup's fragments, float32 (int32), padded by 4
     c_size = wm * wn * fm * c_stride
     smem = max(cfg.stages * stage, c_size)
     shared = [f"shared uvec4 sm[{smem}];"]
@@ -271,19 +347,20 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     r.emit(f"int wc = sgid % {wn};")
     bc = unravel(Var("bt", 0, nb - 1), batch)
 
-    ct = "float16_t"  # the fragment component type as GLSL spells it (bfloat16: renamed in the SPIR-V)
+    # the fragment component types as GLSL spells them (bfloat16: float16_t, renamed in the SPIR-V)
+    ct, at_, zero_ = ("int8_t", "int32_t", "0") if int8 else ("float16_t", "float", "0.0")
     if compute is dtypes.bfloat16:
         r.emit(BF16_FRAGMENTS)
     # every fragment, register and slice loop is unrolled here: fragment arrays indexed in a loop the driver
     # does not unroll would live in local memory
-    acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
+    acc_t = f"coopmat<{at_}, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
     acc = [[f"acc{i}_{j}" for j in range(ffn)] for i in range(ffm)]
     for row_ in acc:
         for name_ in row_:
-            r.emit(f"{acc_t} {name_} = {acc_t}(0.0);")
+            r.emit(f"{acc_t} {name_} = {acc_t}({zero_});")
 
-    chunks_a = a_outer * (a_inner // 8)
-    chunks_b = b_outer * (b_inner // 8)
+    chunks_a = a_outer * (a_inner // vw)
+    chunks_b = b_outer * (b_inner // vw)
     per_a, per_b = math.ceil(chunks_a / nt), math.ceil(chunks_b / nt)
 
     def base_index(op: _Operand, which: str) -> str:
@@ -300,14 +377,14 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     def fetch(op: _Operand, regs: str, tile_r0: str, tile_c0: str, outer: int, inner: int, per: int,
               base: str | None) -> None:
         """Emit reads of op's slice into the uvec4 registers `regs`0.., zero outside the operand."""
-        chunks = outer * (inner // 8)
+        chunks = outer * (inner // vw)
         for c in range(per):
             r.emit(f"{regs}{c} = uvec4(0u);")
             with r.block("if (true)"):
                 r.emit(f"int e = lid + {c * nt};")
-                # shared row `so` and 8-element chunk `si` of the tile; (gr, gc): the chunk's first element
-                r.emit(f"int so = e / {inner // 8};")
-                r.emit(f"int si = (e % {inner // 8}) * 8;")
+                # shared row `so` and chunk `si` of the tile; (gr, gc): the chunk's first element
+                r.emit(f"int so = e / {inner // vw};")
+                r.emit(f"int si = (e % {inner // vw}) * {vw};")
                 r.emit(f"int gr = {tile_r0} + {'si' if op.col_major else 'so'};")
                 r.emit(f"int gc = {tile_c0} + {'so' if op.col_major else 'si'};")
                 guard = ([] if (c + 1) * nt <= chunks else [f"e < {chunks}"]) + [f"gr < {op.rows}", f"gc < {op.cols}"]
@@ -321,18 +398,20 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
                             idx.append(f"gr * {vs[-2]}")
                         if vs[-1]:
                             idx.append(f"gc * {vs[-1]}")
-                        idx.append(f"({'gr' if op.col_major else 'gc'} >> 3)")
+                        idx.append(f"({'gr' if op.col_major else 'gc'} >> {sh})")
                         r.emit(f"{regs}{c} = b{bnd}.data[{' + '.join(idx)}];")
                     else:
                         vals = []
-                        for j in range(8):
+                        # int8 values as int (exact: the operand holds int8 values)
+                        node, xt = op.node, (dtypes.int32 if int8 else compute)
+                        for j in range(vw):
                             rv = r.define("int", f"gr + {j}" if op.col_major else "gr", "rr")
                             cv = r.define("int", "gc" if op.col_major else f"gc + {j}", "cc")
-                            x = r.define("float", "0.0", "x")
+                            x = r.define("int" if int8 else "float", zero_, "x")
                             with r.block(f"if ({rv} < {op.rows} && {cv} < {op.cols})"):
                                 coords = bc + (Var(rv, 0, op.rows - 1), Var(cv, 0, op.cols - 1))
-                                val = r.value(op.node, coords)
-                                r.emit(f"{x} = {glsl.cast(val, op.node.dtype, compute, r.need)};")
+                                val = r.value(node, coords)
+                                r.emit(f"{x} = {glsl.cast(val, node.dtype, xt, r.need)};")
                             vals.append(x)
                         r.emit(f"{regs}{c} = {_pack(compute, vals)};")
 
@@ -340,7 +419,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
         for c in range(per):
             e = f"(lid + {c * nt})"
             cond = "" if (c + 1) * nt <= chunks else f"if ({e} < {chunks}) "
-            r.emit(f"{cond}sm[{at} + ({e} / {inner // 8}) * {stride} + {e} % {inner // 8}] = {regs}{c};")
+            r.emit(f"{cond}sm[{at} + ({e} / {inner // vw}) * {stride} + {e} % {inner // vw}] = {regs}{c};")
 
     base_a = base_index(opa, "a") if opa.vec else None
     base_b = base_index(opb, "b") if opb.vec else None
@@ -375,14 +454,14 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
         r.emit(f"{a_t} fa[{ffm}];")
         r.emit(f"{b_t} fb[{ffn}];")
         for kk in range(0, bk, fk):
-            # fragment starts in 16-byte units (rows, columns and kk are multiples of 8 elements)
+            # fragment starts in 16-byte units (rows, columns and kk are multiples of a chunk's elements)
             for i in range(ffm):
                 row = f"arow + {i * fm}"
-                at = f"{kk} * {a_stride} + (({row}) >> 3)" if opa.col_major else f"({row}) * {a_stride} + {kk // 8}"
+                at = f"{kk} * {a_stride} + (({row}) >> {sh})" if opa.col_major else f"({row}) * {a_stride} + {kk // vw}"
                 r.emit(f"coopMatLoad(fa[{i}], sm, cur + {at}, {a_stride}, {lay_a});")
             for j in range(ffn):
                 col = f"bcol + {j * fn}"
-                at = f"({col}) * {b_stride} + {kk // 8}" if opb.col_major else f"{kk} * {b_stride} + (({col}) >> 3)"
+                at = f"({col}) * {b_stride} + {kk // vw}" if opb.col_major else f"{kk} * {b_stride} + (({col}) >> {sh})"
                 r.emit(f"coopMatLoad(fb[{j}], sm, cur + {a_size} + {at}, {b_stride}, {lay_b});")
             for i in range(ffm):
                 for j in range(ffn):
@@ -410,14 +489,15 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
             r.emit(f"int n = tn * {bn} + bcol + ec;")
             with r.block(f"if (m < {m_} && n < {n_})"):
                 w = f"sm[{cbase} + er * {c_stride} + (ec >> 2)][ec & 3]"
-                r.subst[mm] = r.define(t, glsl.cast(f"uintBitsToFloat({w})", dtypes.float32, mm.dtype, r.need), "mm")
+                accv, acc_d = (f"int({w})", dtypes.int32) if int8 else (f"uintBitsToFloat({w})", dtypes.float32)
+                r.subst[mm] = r.define(t, glsl.cast(accv, acc_d, mm.dtype, r.need), "mm")
                 coords = bc + (Var("m", 0, m_ - 1), Var("n", 0, n_ - 1))
                 r.store(k.out, k.out.dtype, k.st, coords, r.value(k.root, coords))
         r.emit("subgroupBarrier();")
     if compute is dtypes.bfloat16 and any(d is dtypes.float16 for i, (_, d) in enumerate(r.bindings)
                                           if i not in r.block_types):
         return None
-    name = f"MC_{nb}_{m_}_{n_}_{k_}_{bm}x{bn}x{bk}_{wm}x{wn}_s{cfg.stages}"
+    name = f"MC_{nb}_{m_}_{n_}_{k_}_{bm}x{bn}x{bk}_{wm}x{wn}_s{cfg.stages}{'_i8' if int8 else ''}"
     prog = _finish(r, name, nt, groups, lim, shared)
     prog.groups = _groups2d(groups, lim)
     return Lowered([prog], [])
@@ -442,6 +522,6 @@ def choose(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[int, int
     """The measured configuration for this shape class on this device (Limits.tuned), else the default."""
     cls = shape_class(m, n, k, batch, compute)
     for c, v in lim.tuned:
-        if c == cls and Config(*v).fits(frag, lim):
+        if c == cls and Config(*v).fits(frag, lim, compute.itemsize):
             return Config(*v)
-    return default_config(m, n, k, batch, lim, frag)
+    return default_config(m, n, k, batch, lim, frag, compute)
