@@ -1,7 +1,7 @@
 """The matvec launches side by side on a decode step's shapes: GB/s of weight bytes, PyTorch's float16 beside.
 
     python benchmarks/bench_matvec_launch.py [--formats Q4_0,Q8_0,Q4_K] [--batches 1,8,32] [--shapes 8b,1b]
-                                             [--products o,gate_up] [--sweep] [--reps 10]
+                                             [--products o,gate_up] [--sweep] [--mm-sweep] [--reps 10]
 
 For each format, shape (the products of a Llama-3-8B or Llama-3.2-1B layer and the head) and batch, the product
 alone is timed (benchmarks/common.replay_us: 100 calls captured into one command graph, replayed; weights cycled
@@ -14,6 +14,10 @@ as one call. "us" is the GPU time of the whole product; "torch" is torch.matmul 
 float16 x [K, batch] (CUDA events), in GB/s of its own float16 weight bytes. --sweep also times
 subgroup-launch configurations around the chosen one (rows per group, units in flight, workgroup size, group
 width) and prints the best three.
+On a device with float16 cooperative matrices, "mm" times templates.matmul_quant's small-row tile
+(decode_config) on the same int8 activations, as a decode step from VKGRAPH_DECODE_MM_ROWS rows runs it: the
+product's kernel alone (a tile that splits K over ks workgroups writes ks partial planes; the decode step sums
+them in one more small kernel, not in this time). --mm-sweep also times tiles around it and prints the best three.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from bench_kernels import _release_weights, _torch_matvec, _weight_copies
 from common import replay_us
 
 from vkgraph.quant import FORMATS
+from vkgraph.realize import limits
 from vkgraph.runtime import get_device
+from vkgraph.templates import matmul_quant as mq
 from vkgraph.templates import matvec as mv
 
 SHAPES = {"8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -70,6 +76,30 @@ def product_us(dev, ws, x, y, batch: int, cfg: mv.MatvecConfig, reps: int) -> fl
     return replay_us(dev, run, reps)
 
 
+def mm_us(dev, ws, x, y, batch: int, cfg: mq.Tile, reps: int) -> float:
+    """GPU microseconds of one matmul_quant product of `batch` int8 rows with tile cfg."""
+    lim, calls = limits(), itertools.count()
+
+    def run() -> None:
+        mq.matmul_quant(dev, lim, ws[next(calls) % len(ws)], x, batch, cfg, out=y)
+
+    return replay_us(dev, run, reps)
+
+
+def _mm_tiles(base: mq.Tile, k: int) -> list[mq.Tile]:
+    """Tiles around `base` for --mm-sweep: column width, depth split, slice depth and K split."""
+    found = []
+    for bn, wk, bk, ks in itertools.product((32, 64), (2, 4, 8), (base.bk,), (1, 2, 4, 8)):
+        t = mq.Tile(base.bm, bn, bk, 1, 2, 1, wk, ks)
+        if k % (bk * ks) == 0 and t != base and t.fits((16, 16, 16), limits()):
+            found.append(t)
+    return found
+
+
+def _tile(t: mq.Tile) -> str:
+    return f"{t.bm}x{t.bn}x{t.bk} wk{t.wk} ks{t.ks}"
+
+
 def _cell(nbytes: int, us: float) -> str:
     return f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
 
@@ -81,6 +111,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8b", help="comma-separated: 8b, 1b, smoke")
     ap.add_argument("--products", default="", help="only these products, e.g. o,gate_up (default: all)")
     ap.add_argument("--sweep", action="store_true", help="also sweep subgroup-launch configurations")
+    ap.add_argument("--mm-sweep", action="store_true", help="also sweep matmul_quant's small-row tiles")
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
     dev = get_device()
@@ -89,7 +120,7 @@ def main() -> None:
     print(f"{dev.info.name}: GB/s of weight bytes and us per product (int8 activations where the integer path "
           f"runs); torch: float16 W, its own bytes")
     print(f"{'fmt':>5s} {'shape':>4s} {'product':>8s} {'N x K':>13s} {'batch':>5s} {'workgroup GB/s us':>18s} "
-          f"{'subgroup GB/s us':>17s} {'ratio':>6s} {'torch':>6s}  subgroup config")
+          f"{'subgroup GB/s us':>17s} {'ratio':>6s} {'torch':>6s} {'mm GB/s us':>14s}  subgroup config / mm tile")
     for fmt in a.formats.split(","):
         f = FORMATS[fmt]
         for shape in a.shapes.split(","):
@@ -107,9 +138,26 @@ def main() -> None:
                     y = dev.alloc(batch * n * 4)
                     t_old = product_us(dev, ws, x, y, batch, old, a.reps)
                     t_new = product_us(dev, ws, x, y, batch, new, a.reps)
+                    tile = mq.decode_config(limits(), batch, n, k) if fmt in mq.FORMATS else None
+                    mm, q8 = "-", None
+                    if tile is not None:
+                        q8 = x if isinstance(x, mv.Q8Acts) else mv.Q8Acts(*mv.quantize_activations(dev, x, batch, k))
+                        ym = dev.alloc(8 * batch * n * 4)
+                        mm = _cell(nbytes, mm_us(dev, ws, q8, ym, batch, tile, a.reps))
                     print(f"{fmt:>5s} {shape:>4s} {name:>8s} {n:>6d}x{k:<6d} {batch:>5d} {_cell(nbytes, t_old):>18s} "
-                          f"{_cell(nbytes, t_new):>17s} {t_old / t_new:6.2f} {_torch_matvec(n, k, 50, batch):>6s}  "
-                          f"wg{new.wg} r{new.rows} tpr{new.tpr} u{new.unroll}", flush=True)
+                          f"{_cell(nbytes, t_new):>17s} {t_old / t_new:6.2f} {_torch_matvec(n, k, 50, batch):>6s} "
+                          f"{mm:>14s}  wg{new.wg} r{new.rows} tpr{new.tpr} u{new.unroll}"
+                          f"{' / ' + _tile(tile) if tile else ''}", flush=True)
+                    if a.mm_sweep and tile is not None:
+                        times = {t: mm_us(dev, ws, q8, ym, batch, t, 3) for t in _mm_tiles(tile, k)}
+                        top = sorted(times, key=times.get)[:3]
+                        print("      mm best: " + ", ".join(f"{_tile(t)} {_cell(nbytes, times[t])}" for t in top),
+                              flush=True)
+                    if tile is not None:
+                        ym.release()
+                        if q8 is not x:
+                            for buf in (q8.xq, q8.xd, q8.xs):
+                                buf.release()
                     if a.sweep:
                         found = {}
                         for wg, rows, unroll, tpr_div in SWEEP:

@@ -1,13 +1,14 @@
 """Where a decode step's GPU time goes: per-kernel timestamps of eager decode steps of a random-weight model.
 
     python benchmarks/profile_decode.py [--shape llama3-8b|llama3.2-1b|small] [--format Q4_0] [--batches 1,8]
-                                        [--fusion 0,1] [--launch workgroup,subgroup] [--steps 5]
+                                        [--fusion 0,1] [--launch workgroup,subgroup] [--mm 8,0] [--steps 5]
                                         [--copy-mib 1024] [--kernels]
 
 Per batch size (and per VKGRAPH_DECODE_FUSION setting, on the same model: 0 is the unfused layers), runs the
 engine's decode step captured (JIT, timed by wall clock) and then without the JIT (the same kernels, recorded
 one by one) under VKGRAPH_PROFILE (and per VKGRAPH_MATVEC_LAUNCH setting in --launch: the matvec
-launches), and prints the dispatches per step and the GPU time inside them; with
+launches; per VKGRAPH_DECODE_MM_ROWS setting in --mm: from how many rows the products take matmul_quant's
+small-row tiles, 0 never), and prints the dispatches per step and the GPU time inside them; with
 --kernels also per kernel name: dispatches per step, GPU microseconds per step, and the share of the step.
 
 Then the floor of a step on this device, from two probes: the copy bandwidth (bench_runtime's grid-stride
@@ -32,6 +33,7 @@ os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
 from bench_llm import SHAPES, random_model, weight_bytes  # noqa: E402
 from bench_runtime import bench_copy_kernel  # noqa: E402
 
+from vkgraph.flags import flag  # noqa: E402
 from vkgraph.nn.config import ModelConfig  # noqa: E402
 from vkgraph.nn.engine import Engine  # noqa: E402
 from vkgraph.nn.llama import LlamaModel  # noqa: E402
@@ -113,6 +115,8 @@ def main() -> None:
                     help="VKGRAPH_DECODE_FUSION settings to run on the same model, e.g. 0,1 (unfused, then fused)")
     ap.add_argument("--launch", default="auto",
                     help="VKGRAPH_MATVEC_LAUNCH settings to run on the same model, e.g. workgroup,subgroup")
+    ap.add_argument("--mm", default="",
+                    help="VKGRAPH_DECODE_MM_ROWS settings to run on the same model, e.g. 8,0 (default: the flag's)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
     ap.add_argument("--kernels", action="store_true", help="also print the per-kernel table of each run")
@@ -129,18 +133,20 @@ def main() -> None:
     bytes_ms = nbytes / (gbs * 1e9) * 1e3
     print(f"{dev.info.name}: {a.shape} {a.format}, {nbytes / 1e9:.3f} GB of weights per step; copy bandwidth "
           f"{gbs:.0f} GB/s ({bytes_ms:.3f} ms per step); dependent dispatch {barrier:.2f} us (chain of {CHAIN})")
-    print(f"{'fusion':>6s} {'launch':>9s} {'batch':>5s} {'dispatches':>10s}"
+    print(f"{'fusion':>6s} {'launch':>9s} {'mm':>3s} {'batch':>5s} {'dispatches':>10s}"
           f" {'GPU busy ms':>11s} {'floor ms':>9s} {'JIT ms':>8s} "
           f"{'explained':>9s} {'tok/s':>9s} {'floor tok/s':>11s}", flush=True)
-    for fusion, launch in itertools.product(a.fusion.split(","), a.launch.split(",")):
+    mm_rows = a.mm.split(",") if a.mm else [str(flag("VKGRAPH_DECODE_MM_ROWS"))]
+    for fusion, launch, mm in itertools.product(a.fusion.split(","), a.launch.split(","), mm_rows):
         os.environ["VKGRAPH_DECODE_FUSION"] = fusion  # read when the step's graph is built
         os.environ["VKGRAPH_MATVEC_LAUNCH"] = launch  # read when a matvec is recorded
+        os.environ["VKGRAPH_DECODE_MM_ROWS"] = mm  # read when the step's graph is built
         for b in batches:
             wall, dispatches, per = profile(dev, model, cfg.vocab_size, b, a.steps)
             busy = sum(v[1] for v in per.values()) / a.steps
             floor_ms = bytes_ms + dispatches * barrier / 1e3
             jit_ms = wall * 1e3
-            print(f"{fusion:>6s} {launch:>9s} {b:5d} {dispatches:10.0f} {busy / 1e3:11.3f} {floor_ms:9.3f} "
+            print(f"{fusion:>6s} {launch:>9s} {mm:>3s} {b:5d} {dispatches:10.0f} {busy / 1e3:11.3f} {floor_ms:9.3f} "
                   f"{jit_ms:8.3f} "
                   f"{floor_ms / jit_ms:9.0%} {b / wall:9.1f} {b / (floor_ms / 1e3):11.1f}", flush=True)
             if a.kernels:

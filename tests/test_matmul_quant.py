@@ -22,6 +22,7 @@ from vkgraph.quant import dequantize, random_blocks
 from vkgraph.realize import count_kernels
 from vkgraph.runtime import get_device
 from vkgraph.templates import matmul_quant as mq
+from vkgraph.templates import matvec as mv
 from vkgraph.templates.matvec import upload_weights
 from vkgraph.tensor import Tensor
 
@@ -108,6 +109,7 @@ def test_quant_linear_takes_the_kernel_where_the_device_has_cooperative_matrices
     names = _graph_names(lin(x, residual=Tensor(np.zeros((template_ops.DEQUANT_ROWS, 96), np.float32))))
     want = f"matmul_quant_{fmt}" if fmt in mq.FORMATS else f"dequant_f16_{fmt}"
     assert names == {want}
+    monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "0")  # fewer rows: the matvec (small tiles: further down)
     assert _graph_names(lin(Tensor(np.zeros((template_ops.DEQUANT_ROWS - 1, 256), np.float32)))) == {f"matvec_{fmt}"}
     monkeypatch.setenv("VKGRAPH_QUANT_COOP", "0")
     assert _graph_names(lin(x)) == {f"dequant_f16_{fmt}"}
@@ -116,13 +118,15 @@ def test_quant_linear_takes_the_kernel_where_the_device_has_cooperative_matrices
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
 
 
-def _check(got: np.ndarray, x16: np.ndarray, w: np.ndarray, extra: np.ndarray | float = 0.0) -> None:
+def _check(got: np.ndarray, x16: np.ndarray, w: np.ndarray, extra: np.ndarray | float = 0.0,
+           rounded: float = 2.0**-10) -> None:
     """|got - x @ W.T| within float32 accumulation over |x| @ |W|.T plus one float16 rounding of each weight (the
-    kernel rounds dequantized values with packHalf2x16, whose rounding mode is the device's); NaN never passes."""
+    kernel rounds dequantized values with packHalf2x16, whose rounding mode is the device's; `rounded`: the
+    relative rounding of the staged operands); NaN never passes."""
     x64, w64 = x16.astype(np.float64), w.astype(np.float64)
     ref = x64 @ w64.T + extra
     mag = np.abs(x64) @ np.abs(w64).T + np.abs(extra)
-    tol = mag * (x16.shape[1] * 2.0**-23 + 2.0**-10) + 2.0**-24
+    tol = mag * (x16.shape[1] * 2.0**-23 + rounded) + 2.0**-24
     assert not np.isnan(got).any()
     bad = np.abs(got.astype(np.float64) - ref) > tol
     assert not bad.any(), f"{bad.sum()} of {bad.size} off; worst {np.max(np.abs(got - ref) / tol)} x tolerance"
@@ -168,3 +172,160 @@ def test_quant_linear_prefill_shape(fmt):
     assert f"matmul_quant_{fmt}" in c.names and not any(n.startswith("dequant") for n in c.names)
     w16 = dequantize(qt).astype(np.float16)
     _check(got.reshape(300, 1000), x.reshape(300, 1024).astype(np.float16), w16, r.reshape(300, 1000))
+
+
+# ---- few rows (a batched decode step): small tiles, int8-block activations ---------------------------------------
+
+
+def test_decode_config_fills_the_device_with_few_rows():
+    lim = fake_limits()
+    for m in (1, 8, 16, 17, 32, 40, 63):
+        for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (200, 512)):
+            cfg = mq.decode_config(lim, m, n, k)
+            assert cfg is not None and cfg.fits((16, 16, 16), lim)
+            assert cfg.bm == 16 * -(-m // 16) and k % (cfg.bk * cfg.ks) == 0 and cfg.bk % (cfg.wk * 16) == 0
+            groups = -(-n // cfg.bn) * cfg.ks
+            assert groups >= min(mq.DECODE_GROUPS, -(-n // cfg.bn) * 8) or (k // (2 * cfg.ks)) % cfg.bk
+    assert mq.decode_config(lim, 8, 4096, 4096).ks == 4  # 128 column tiles: K split four ways
+    assert mq.decode_config(lim, 8, 28672, 4096).ks == 1
+    assert mq.decode_config(lim, 64, 4096, 4096) is None  # prefill tiles from there
+    assert mq.decode_config(fake_limits(coop=()), 8, 4096, 4096) is None
+    assert mq.decode_config(lim, 8, 4096, 48) is None
+
+
+@pytest.mark.parametrize("fmt", mq.FORMATS)
+@pytest.mark.parametrize("residual,int8", [(False, True), (True, True), (True, False)])
+def test_decode_programs_compile(fmt, residual, int8):
+    n, k = 200, 512
+    weights = mq_weights(fmt, n, k)
+    cfg = mq.decode_config(fake_limits(), 8, n, k)
+    if residual:
+        cfg = dataclasses.replace(cfg, ks=1)
+    src = mq.source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, (16, 16, 16), 32, residual, int8)
+    assert ("xq[" in src) == int8 and ("res[" in src) == residual
+    compiles(src)
+    with pytest.raises(ValueError, match="residual"):
+        mq.source(fmt, n, k, weights.w_stride, weights.s_stride, dataclasses.replace(cfg, ks=2), (16, 16, 16), 32,
+                  True, int8)
+
+
+@pytest.mark.parametrize("m,bm,bk,nt", [(5, 16, 64, 32), (37, 16, 256, 256), (8, 32, 128, 96)])
+def test_int8_activation_staging_matches_numpy(m, bm, bk, nt):
+    """The product's staging of int8 activations (Q8Acts as quantize_activations and the fused norms write them),
+    run alone on any device: every value is int8 * its block's scale rounded to float16 (one unit in the last
+    place: packHalf2x16's rounding mode), rows past m never read."""
+    k = 512
+    rng = np.random.default_rng(m)
+    x = (rng.standard_normal((m, k)) * rng.choice([1e-2, 1.0, 30.0], size=(m, 1))).astype(np.float32)
+    dev = get_device()
+    xb = dev.alloc(x.nbytes)
+    dev.upload(xb, x)
+    xq, xd, _ = mv.quantize_activations(dev, xb, m, k)
+    out = dev.alloc(m * k * 2)
+    kern = dev.pipeline(mq.stage_x_source(m, k, bm, bk, nt), name="stage_x8")
+    dev.dispatch(kern, [xq, xd, out], (-(-m // bm), k // bk, 1))
+    got = dev.download(out, np.float16, (m, k)).astype(np.float64)
+    q = dev.download(xq, np.int8, (m, k)).astype(np.float64)
+    d = dev.download(xd, np.float32, (m, k // 32)).astype(np.float64)
+    want = q * np.repeat(d, 32, axis=1)
+    assert np.abs(q).max() == 127 and np.all(np.abs(want - x) <= np.repeat(d, 32, axis=1) / 2 + 1e-6)
+    assert np.all(np.abs(got - want) <= np.maximum(np.abs(want) * 2.0**-10, 2.0**-24))
+
+
+def _int8_acts(rows: int, k: int) -> template_ops.Int8Activations:
+    x = Tensor(np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32))
+    return template_ops.rms_norm_q8(x, Tensor(np.ones(k, np.float32)), 1e-5)
+
+
+def test_decode_rows_take_the_kernel_from_the_threshold(monkeypatch):
+    """With cooperative matrices, from VKGRAPH_DECODE_MM_ROWS rows up to DEQUANT_ROWS - 1 the products take
+    matmul_quant's small tiles, int8 activations as they come (takes_int8 says so); fewer rows, the flag at 0 or
+    a device without them keep the matvec. A K split sums its planes in a generated kernel with the residual."""
+    monkeypatch.setattr(template_ops, "limits", lambda: fake_limits())
+    monkeypatch.setattr(template_ops, "has_dtype", lambda d: True)
+    monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "8")
+    lin = QuantLinear(random_blocks(np.random.default_rng(0), "Q4_0", 96, 512))
+    for rows in (8, 32, template_ops.DEQUANT_ROWS - 1):
+        assert lin.decode_tile(rows) is not None and lin.takes_int8(rows)
+        r = Tensor(np.zeros((rows, 96), np.float32))
+        assert _graph_names(lin(_int8_acts(rows, 512), residual=r)) == {"matmul_quant_Q4_0", "rmsnorm_q8"}
+        assert _graph_names(lin(Tensor(np.zeros((rows, 512), np.float32)))) == {"matmul_quant_Q4_0"}
+    assert lin.decode_tile(7) is None and _graph_names(lin(Tensor(np.zeros((7, 512), np.float32)))) == {"matvec_Q4_0"}
+    assert lin.decode_tile(template_ops.DEQUANT_ROWS) is None
+    monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "0")
+    assert lin.decode_tile(8) is None
+    assert _graph_names(lin(Tensor(np.zeros((8, 512), np.float32)))) == {"matvec_Q4_0"}
+    monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "8")
+    monkeypatch.setattr(template_ops, "limits", lambda: fake_limits(coop=()))
+    assert lin.decode_tile(8) is None and lin.takes_int8(8) == template_ops.mv.takes_int8(lin.weights.format, 8, 512)
+    monkeypatch.setattr(template_ops, "limits", lambda: fake_limits())
+    monkeypatch.setenv("VKGRAPH_DECODE_FUSION", "0")
+    assert not lin.takes_int8(8)
+
+
+_DECODE_FMTS = st.sampled_from(mq.FORMATS)
+
+
+@needs_f16
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fmt=_DECODE_FMTS, m=st.integers(1, 40), n=st.integers(1, 300), kb=st.integers(1, 4), residual=st.booleans(),
+       int8=st.booleans(), seed=st.integers(0, 2**16))
+def test_decode_products_match_numpy(fmt, m, n, kb, residual, int8, seed):
+    """The small tiles (decode_config, its K split; without it where a residual is fused) on float16 rows or
+    int8 blocks, against numpy in float64 over the values the kernel stages."""
+    k = 256 * kb
+    lim = realize_mod.limits()
+    cfg = mq.decode_config(lim, m, n, k)
+    if residual:
+        cfg = dataclasses.replace(cfg, ks=1)
+    rng = np.random.default_rng(seed)
+    qt = random_blocks(rng, fmt, n, k)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    r = rng.standard_normal((m, n)).astype(np.float32)
+    dev = get_device()
+    weights = upload_weights(dev, qt)
+    xb, rb = dev.alloc(x.nbytes), dev.alloc(r.nbytes)
+    dev.upload(xb, x)
+    dev.upload(rb, r)
+    if int8:
+        xq, xd, xs = mv.quantize_activations(dev, xb, m, k)
+        xin = mv.Q8Acts(xq, xd, xs)
+        q = dev.download(xq, np.int8, (m, k)).astype(np.float32)
+        xs16 = (q * np.repeat(dev.download(xd, np.float32, (m, k // 32)), 32, axis=1)).astype(np.float16)
+    else:
+        x16 = x.astype(np.float16)
+        xin = dev.alloc(x16.nbytes)
+        dev.upload(xin, x16)
+        xs16 = x16
+    out = mq.matmul_quant(dev, lim, weights, xin, m, cfg, residual=rb if residual else None)
+    got = dev.download(out, np.float32, (cfg.ks, m, n)).astype(np.float64).sum(0)
+    # x rounded to float16 on the device too where it is staged from int8 blocks
+    _check(got, xs16, dequantize(qt).astype(np.float16), r if residual else 0.0, 2.0**-9 if int8 else 2.0**-10)
+
+
+@needs_f16
+def test_decode_step_batch8_matches_the_matvec_route(tmp_path, monkeypatch):
+    """A batch-8 decode step of a Q4_0 model (norms, attention and GLU writing int8 blocks) through matmul_quant's
+    small tiles gives the matvec route's logits within the float16 staging's rounding."""
+    from vkgraph.nn import tiny_model
+    from vkgraph.nn.layers import StepInputs
+    from vkgraph.nn.llama import LlamaModel
+    from vkgraph.nn.weights import load_weights
+
+    path = tiny_model.write_model(tmp_path, tiny_model.tiny_config(n_heads=2, n_kv_heads=1, head_dim=32),
+                                  gguf_types=("Q4_0",), safetensors=False)["Q4_0"]
+    model = LlamaModel(load_weights(path, progress=False), num_blocks=16, block_size=16, kv_dtype="f32",
+                       max_blocks_per_seq=2, float_dtype="float32")
+    b = 8
+    tokens = Tensor(np.array([5, 17, 42, 99, 7, 3, 250, 11], np.int32))
+    step = StepInputs(Tensor(np.zeros(b, np.int32)), Tensor(np.arange(b, dtype=np.int32) * 32),
+                      block_tables=Tensor(np.arange(2 * b, dtype=np.int32).reshape(b, 2)),
+                      context_lens=Tensor(np.ones(b, np.int32)))
+    got = {}
+    for rows in ("8", "0"):
+        monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", rows)
+        with count_kernels() as c:
+            got[rows] = model(tokens, step).numpy()
+        assert any(n.startswith("matmul_quant") for n in c.names) == (rows == "8"), c.names
+    err = np.abs(got["8"] - got["0"]).max() / np.abs(got["0"]).max()
+    assert np.isfinite(got["8"]).all() and err < 1e-2, err

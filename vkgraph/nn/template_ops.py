@@ -22,6 +22,7 @@ from ..templates import matmul_quant as mq
 from ..templates import matvec as mv
 from ..templates import norms
 from ..templates import paged_attention as pa
+from ..templates.common import decode_fusion
 from ..tensor import Tensor, custom
 from .weights import DeviceMatrix
 
@@ -94,7 +95,9 @@ def _matvec_calls(dev: Any, w: mv.DeviceWeights, x: Any, rows_of: Any, rows: int
 class QuantLinear:
     """A weight matrix in a GGUF format (Q8_0, Q4_0, Q4_K, Q6_K, F16, BF16) on the device, as `x @ W.T`.
 
-    Up to DEQUANT_ROWS - 1 activation rows run the matvec template; more run float16 x @ W.T with float32
+    Up to DEQUANT_ROWS - 1 activation rows run the matvec template, except from VKGRAPH_DECODE_MM_ROWS rows on a
+    device with cooperative matrices (Q8_0, Q4_0, Q4_K, Q6_K): templates.matmul_quant's small-row tiles, on float16
+    rows or int8 ones as the fused decode step writes them (decode_tile). More rows run float16 x @ W.T with float32
     accumulation: Q8_0, Q4_0, Q4_K and Q6_K on a device with cooperative matrices through
     templates.matmul_quant, which dequantizes W's blocks into shared memory (float32 result); the others through a
     float16 copy of W and the generated matmul (float16 result), where the device has float16 and the float16 W
@@ -124,9 +127,25 @@ class QuantLinear:
         self._dequantize = dequantize  # one function for every call, so a graph shares one W_f16 node
 
     def takes_int8(self, rows: int) -> bool:
-        """Whether `rows` rows of activations may come as Int8Activations (they would take the integer path)."""
-        return (rows < DEQUANT_ROWS or not self.can_dequantize) and mv.takes_int8(self.weights.format, rows,
-                                                                                 self.in_features)
+        """Whether `rows` rows of activations may come as Int8Activations (they would take the integer matvec, or
+        matmul_quant's small-row tiles: decode_tile)."""
+        if rows >= DEQUANT_ROWS and self.can_dequantize:
+            return False
+        if self.decode_tile(rows) is not None:
+            return decode_fusion()
+        return mv.takes_int8(self.weights.format, rows, self.in_features)
+
+    def decode_tile(self, rows: int) -> Any:
+        """The small-row tile of templates.matmul_quant for `rows` (VKGRAPH_DECODE_MM_ROWS .. DEQUANT_ROWS - 1)
+        activation rows, or None where they take the matvec (fewer rows, flag 0, another format, no cooperative
+        matrices): a batched decode step's products stream W once for all rows on cooperative matrices, where the
+        matvec's cost per weight byte grows with the rows."""
+        least = flag("VKGRAPH_DECODE_MM_ROWS")
+        if not least or not least <= rows < DEQUANT_ROWS or self.in_features % 32:
+            return None
+        if self.format not in mq.FORMATS or not flag("VKGRAPH_QUANT_COOP") or not has_dtype(dtypes.float16):
+            return None
+        return mq.decode_config(limits(), rows, self.out_features, self.in_features)
 
     def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
         """x [..., in_features] float32, or Int8Activations where takes_int8 -> [..., out_features] float32
@@ -143,6 +162,8 @@ class QuantLinear:
         if isinstance(x, Int8Activations):
             return self._from_int8(x, rows, residual)
         if rows >= DEQUANT_ROWS and (cfg := self.coop_tile(rows)) is not None:
+            return self._coop(x, rows, cfg, residual)
+        if (cfg := self.decode_tile(rows)) is not None:
             return self._coop(x, rows, cfg, residual)
         if rows >= DEQUANT_ROWS and self.can_dequantize:
             # W_f16 is a temporary of the graph: made by the template, released after the matmul reads it
@@ -171,27 +192,40 @@ class QuantLinear:
             return None
         return mq.config(limits(), rows, self.out_features, self.in_features, self.format)
 
-    def _coop(self, x: Tensor, rows: int, cfg: Any, residual: Tensor | None) -> Tensor:
+    def _coop(self, x: Tensor | Int8Activations, rows: int, cfg: Any, residual: Tensor | None) -> Tensor:
+        """templates.matmul_quant on float16 rows, or on int8 blocks as they come (Int8Activations). A tile that
+        splits K writes partial planes [ks, rows, n]: their sum (a generated kernel) takes the residual."""
         w, n, k = self.weights, self.out_features, self.in_features
         lim = limits()
-        ins = [x.reshape(rows, k).cast(dtypes.float16), *self.tensors]
-        if residual is not None:
-            ins.append(residual.reshape(rows, n).float())
+        int8 = isinstance(x, Int8Activations)
+        ks = getattr(cfg, "ks", 1)
+        fused = residual if ks == 1 else None
+        ins = [x.words if int8 else x.reshape(rows, k).cast(dtypes.float16), *self.tensors]
+        if fused is not None:
+            ins.append(fused.reshape(rows, n).float())
 
         nw = len(self.tensors)  # the body, and the scales where the format has them
 
         def run(dev: Any, out: Any, bufs: list[Any]) -> None:
             _bind(dev, w, bufs[1:1 + nw])
-            mq.matmul_quant(dev, lim, w, bufs[0], rows, cfg, out=out,
+            xin = mv.Q8Acts.in_buffer(bufs[0], rows, k) if int8 else bufs[0]
+            mq.matmul_quant(dev, lim, w, xin, rows, cfg, out=out,
                             residual=bufs[1 + nw] if len(bufs) > 1 + nw else None)
 
-        y = custom(run, ins, (rows, n), dtypes.float32, key=(id(self), cfg), name=f"matmul_quant_{self.format}")
+        y = custom(run, ins, (ks * rows, n), dtypes.float32, key=(id(self), cfg, int8),
+                   name=f"matmul_quant_{self.format}")
+        if ks > 1:
+            y = y.reshape(ks, rows, n).sum(0)
+            if residual is not None:
+                y = y + residual.reshape(rows, n).float()
         return y.reshape(*x.shape[:-1], n)
 
     def _from_int8(self, x: Int8Activations, rows: int, residual: Tensor | None) -> Tensor:
         if not self.takes_int8(rows):
             raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}) takes no int8 "
                              f"activations for {rows} rows here (see takes_int8)")
+        if (cfg := self.decode_tile(rows)) is not None:
+            return self._coop(x, rows, cfg, residual)
         w, n, k = self.weights, self.out_features, self.in_features
         acts = [x.words] + ([residual.float()] if residual is not None else [])
 

@@ -26,6 +26,7 @@ subgroup size); elsewhere QuantLinear keeps the float16 copy and the generated m
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from ..codegen import matmul_coop
@@ -33,7 +34,7 @@ from ..codegen.lower import Limits
 from ..dtype import dtypes
 from ..runtime import Device
 from .common import check_binding_range, check_buffer, grid_2d
-from .matvec import DeviceWeights
+from .matvec import DeviceWeights, Q8Acts
 
 BLOCK = 32  # a slice is a whole number of 32-element (sub-)blocks deep
 _HALF = "float half_at(uint i) { return unpackHalf2x16(s[i >> 1] >> (16u * (i & 1u))).x; }"
@@ -143,6 +144,57 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Co
     return cfg if cfg.bk % BLOCK == 0 and k % cfg.bk == 0 and cfg.fits(frag, lim) else None
 
 
+@dataclass(frozen=True)
+class Tile(matmul_coop.Config):
+    """A tile for few rows (a batched decode step): matmul_coop's Config plus WK subgroups that split each slice's
+    depth among themselves (their partial tiles summed through shared memory at the end), and KS workgroups that
+    split K (each writes its partial product to its own [m, n] plane of the output; the caller sums the planes).
+    With one or two fragment rows of y per workgroup, N / BN tiles alone are too few to keep W streaming from
+    every multiprocessor at N = 4096: both splits multiply the loads in flight."""
+
+    wk: int = 1
+    ks: int = 1
+
+    def threads(self, subgroup: int) -> int:
+        return self.wm * self.wn * self.wk * subgroup
+
+    def fits(self, frag: tuple[int, int, int], lim: Limits) -> bool:
+        fm, fn, fk = frag
+        epilogue = self.wm * self.wn * self.wk * fm * ((self.bn // self.wn + 4) // 4) * 16
+        return (self.bm % (self.wm * fm) == 0 and self.bn % (self.wn * fn) == 0 and self.bk % (self.wk * fk) == 0
+                and self.bk % BLOCK == 0 and self.threads(lim.subgroup) <= lim.max_invocations
+                and max(self.shared_bytes(), epilogue) <= lim.max_shared and self.ks >= 1)
+
+
+def _splits(cfg: matmul_coop.Config) -> tuple[int, int]:
+    return (cfg.wk, cfg.ks) if isinstance(cfg, Tile) else (1, 1)
+
+
+DECODE_GROUPS = 512  # workgroups a small-M product aims for (about four per multiprocessor of an H200)
+
+
+def decode_config(lim: Limits, m: int, n: int, k: int) -> Tile | None:
+    """The tile for a product of few rows (m < 64, a batched decode step) over K = k, or None where the device has
+    no fitting float16 cooperative matrices: all m rows (whole fragments) by 32 columns, slices as deep as shared
+    memory takes (256 at most) split among 4 subgroups, and K split among up to 8 workgroups until the product
+    has DECODE_GROUPS of them."""
+    if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1 or k % BLOCK or not 1 <= m < 64:
+        return None
+    frag = matmul_coop.fragment(lim, "float16")
+    if frag is None or n < 1:
+        return None
+    fm, fn, fk = frag
+    bm, bn = fm * math.ceil(m / fm), 2 * fn
+    for bk in (256, 128, 64, 32):
+        if k % bk or bk % (4 * fk) or not Tile(bm, bn, bk, 1, 2, 1, 4).fits(frag, lim):
+            continue
+        ks = 1
+        while ks < 8 and math.ceil(n / bn) * ks < DECODE_GROUPS and (k // (2 * ks)) % bk == 0:
+            ks *= 2
+        return Tile(bm, bn, bk, 1, 2, 1, 4, ks)
+    return None
+
+
 # ---- staging W's slices: the same code in the product and in stage_source, which checks it on any device ----------
 
 
@@ -175,6 +227,69 @@ def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str) -> None:
         emit("    sm[at] = lo; sm[at + 1] = hi; } }")
 
 
+# ---- staging x's slices from int8 blocks (Q8Acts: int8 values, a float32 scale per 32) ----------------------------
+
+_X8 = """
+void decode_x8(uvec4 q, float d, out uvec4 lo, out uvec4 hi) {  // 16 int8 values times their block's scale
+    vec4 v0 = vec4((ivec4(bytes_of(q.x)) << 24) >> 24) * d, v1 = vec4((ivec4(bytes_of(q.y)) << 24) >> 24) * d;
+    vec4 v2 = vec4((ivec4(bytes_of(q.z)) << 24) >> 24) * d, v3 = vec4((ivec4(bytes_of(q.w)) << 24) >> 24) * d;
+    lo = uvec4(packHalf2x16(v0.xy), packHalf2x16(v0.zw), packHalf2x16(v1.xy), packHalf2x16(v1.zw));
+    hi = uvec4(packHalf2x16(v2.xy), packHalf2x16(v2.zw), packHalf2x16(v3.xy), packHalf2x16(v3.zw));
+}"""
+
+
+def _declare_x8(emit: Any, bm: int, bk: int, nt: int) -> None:
+    for c in range(math.ceil(bm * (bk // 16) / nt)):
+        emit(f"uvec4 aq{c};")
+        emit(f"float ad{c};")
+
+
+def _load_x8(emit: Any, k: int, bm: int, bk: int, nt: int, k0: str, m: str) -> None:
+    """The int8 words and scale of every chunk of 16 values of x's slice from element k0, rows tm * bm .. (bindings
+    xq, uvec4, and xd, float): into the registers aq*, ad*; zero past row m."""
+    chunks, kb = bm * (bk // 16), bk // 16
+    for c in range(math.ceil(chunks / nt)):
+        guard = f"e < {chunks} && " if (c + 1) * nt > chunks else ""
+        emit(f"{{ int e = lid + {c * nt}; int row = tm * {bm} + e / {kb}; int e0 = ({k0}) + 16 * (e % {kb});")
+        emit(f"  if ({guard}row < {m}) {{ aq{c} = xq[row * {k // 16} + e0 / 16]; "
+             f"ad{c} = xd[row * {k // 32} + e0 / 32]; }}")
+        emit(f"  else {{ aq{c} = uvec4(0u); ad{c} = 0.0; }} }}")
+
+
+def _store_x8(emit: Any, bm: int, bk: int, nt: int, at: str) -> None:
+    """The registers' chunks (decode_x8) into shared memory from `at`: bm rows of bk float16 values, rows padded by
+    8 values (as W's)."""
+    chunks, kb, stride = bm * (bk // 16), bk // 16, (bk + 8) // 8
+    for c in range(math.ceil(chunks / nt)):
+        cond = "" if (c + 1) * nt <= chunks else f"if (lid + {c * nt} < {chunks}) "
+        emit(f"{{ int e = lid + {c * nt};")
+        emit(f"  {cond}{{ int at = {at} + (e / {kb}) * {stride} + 2 * (e % {kb});")
+        emit(f"    uvec4 lo, hi; decode_x8(aq{c}, ad{c}, lo, hi); sm[at] = lo; sm[at + 1] = hi; }} }}")
+
+
+def stage_x_source(m: int, k: int, bm: int, bk: int, nt: int) -> str:
+    """A program that runs only the product's staging of int8 activations: workgroup (tm, kt) of nt invocations
+    loads rows tm * bm .. of x's slice at element kt * bk from the int8 blocks (xq, xd) and writes them as float16
+    into shared memory, as the product does, then copies them out to float16 [m, k] (16-byte words)."""
+    stride = (bk + 8) // 8
+    L = ["#version 450", f"layout(local_size_x = {nt}) in;",
+         "layout(set = 0, binding = 0) readonly buffer XQ { uvec4 xq[]; };",
+         "layout(set = 0, binding = 1) readonly buffer XD { float xd[]; };",
+         "layout(set = 0, binding = 2) writeonly buffer O { uvec4 o[]; };",
+         f"shared uvec4 sm[{bm * stride}];",
+         "uvec4 bytes_of(uint v) { return uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu; }", _X8, "void main() {",
+         "int lid = int(gl_LocalInvocationID.x), tm = int(gl_WorkGroupID.x), kt = int(gl_WorkGroupID.y);"]
+    _declare_x8(L.append, bm, bk, nt)
+    _load_x8(L.append, k, bm, bk, nt, f"kt * {bk}", str(m))
+    _store_x8(L.append, bm, bk, nt, "0")
+    L += ["barrier();",
+          f"for (int e = lid; e < {bm * (bk // 8)}; e += {nt}) {{",
+          f"  int r = e / {bk // 8}, c = e % {bk // 8}, row = tm * {bm} + r;",
+          f"  if (row < {m}) o[row * {k // 8} + kt * {bk // 8} + c] = sm[r * {stride} + c];",
+          "}", "}", ""]
+    return "\n".join(L)
+
+
 def stage_source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, bn: int, bk: int, nt: int) -> str:
     """A program that runs only the product's staging of W: workgroup (tn, kt) of nt invocations loads and decodes
     the bn x bk slice of rows tn * bn .. at element kt * bk into shared memory, as the product does, then copies
@@ -199,21 +314,26 @@ def stage_source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, bn: int
 
 
 def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_coop.Config,
-           frag: tuple[int, int, int], subgroup: int, residual: bool) -> str:
-    """The GLSL of the product for format fmt, W [n, k] with the given strides, tile cfg and fragment shape."""
+           frag: tuple[int, int, int], subgroup: int, residual: bool, int8: bool = False) -> str:
+    """The GLSL of the product for format fmt, W [n, k] with the given strides, tile cfg (a Config, or a Tile with
+    its K splits) and fragment shape; x float16 rows, or with int8 the int8 blocks of Q8Acts (xq, xd)."""
     _check_format(fmt)
     fm, fn, fk = frag
     bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
-    nt = wm * wn * subgroup
+    wk, ks = _splits(cfg)
+    if residual and ks > 1:
+        raise ValueError("matmul_quant: a product split over K writes partial planes; add the residual to their sum")
+    nt = wm * wn * wk * subgroup
     tm_, tn_ = bm // wm, bn // wn
     ffm, ffn = tm_ // fm, tn_ // fn
     tiles_n = math.ceil(n / bn)
-    nk = k // bk
+    kspan = k // ks  # elements of K each workgroup covers
+    nk = kspan // bk
     a_stride = b_stride = (bk + 8) // 8  # shared rows in 16-byte units, padded by 8 elements
     a_size, b_size = bm * a_stride, bn * b_stride
     stage = a_size + b_size
     c_stride = (tn_ + 4) // 4  # a row of a subgroup's accumulators, float32, padded by 4
-    smem = max(cfg.stages * stage, wm * wn * fm * c_stride)
+    smem = max(cfg.stages * stage, wm * wn * wk * fm * c_stride)
     chunks_a = bm * (bk // 8)
     per_a = math.ceil(chunks_a / nt)
     ka = bk // 8  # 8-element chunks of a row of x's slice (W's: 16-element chunks, _load_w)
@@ -222,17 +342,24 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     emit = L.append
 
     def load_slice(k0: str) -> None:
-        # x: row-major float16, 16-byte words; zero past row M
-        for c in range(per_a):
-            guard = f"e < {chunks_a} && " if (c + 1) * nt > chunks_a else ""
-            emit(f"{{ int e = lid + {c * nt}; int row = tm * {bm} + e / {ka};")
-            emit(f"  ar{c} = ({guard}row < int(pc.m)) ? x[row * {k // 8} + ({k0}) / 8 + e % {ka}] : uvec4(0u); }}")
+        k0 = f"kz0 + {k0}"
+        if int8:
+            _load_x8(emit, k, bm, bk, nt, k0, "int(pc.m)")
+        else:  # x: row-major float16, 16-byte words; zero past row M
+            for c in range(per_a):
+                guard = f"e < {chunks_a} && " if (c + 1) * nt > chunks_a else ""
+                emit(f"{{ int e = lid + {c * nt}; int row = tm * {bm} + e / {ka};")
+                emit(f"  ar{c} = ({guard}row < int(pc.m)) ? x[row * {k // 8} + ({k0}) / 8 + e % {ka}] : uvec4(0u); }}")
         _load_w(emit, n, bn, bk, nt, k0)
 
     def store_slice(at: str, k0: str) -> None:
-        for c in range(per_a):
-            cond = "" if (c + 1) * nt <= chunks_a else f"if (lid + {c * nt} < {chunks_a}) "
-            emit(f"{{ int e = lid + {c * nt}; {cond}sm[{at} + (e / {ka}) * {a_stride} + e % {ka}] = ar{c}; }}")
+        k0 = f"kz0 + {k0}"
+        if int8:
+            _store_x8(emit, bm, bk, nt, at)
+        else:
+            for c in range(per_a):
+                cond = "" if (c + 1) * nt <= chunks_a else f"if (lid + {c * nt} < {chunks_a}) "
+                emit(f"{{ int e = lid + {c * nt}; {cond}sm[{at} + (e / {ka}) * {a_stride} + e % {ka}] = ar{c}; }}")
         _store_w(emit, bn, bk, nt, f"{at} + {a_size}", k0)
 
     acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
@@ -240,21 +367,28 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     b_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fk}, {fn}, gl_MatrixUseB>"
     emit("int grp = int(gl_WorkGroupID.x + pc.groups_x * gl_WorkGroupID.y);")
     emit(f"int tiles_m = (int(pc.m) + {bm - 1}) / {bm};")
-    emit(f"if (grp >= tiles_m * {tiles_n}) return;")
+    emit(f"if (grp >= tiles_m * {tiles_n * ks}) return;")
+    # K split: workgroups kz = 0 .. ks - 1 each take one span of K and write plane kz of the output
+    emit(f"int kz = grp / (tiles_m * {tiles_n}); grp -= kz * tiles_m * {tiles_n}; int kz0 = kz * {kspan};")
     emit("int lid = int(gl_LocalInvocationID.x);")
     emit("int sgid = int(gl_SubgroupID);")
+    emit(f"int smn = sgid % {wm * wn}, kidx = sgid / {wm * wn};")  # kidx: which part of a slice's depth
     # grouped order: GROUP_M row tiles share each column tile (its W slices) while it is in the cache
     emit(f"int gfirst = (grp / {g_m * tiles_n}) * {g_m};")
     emit(f"int gsize = min(tiles_m - gfirst, {g_m});")
     emit("int tm = gfirst + (grp % gsize);")
     emit(f"int tn = (grp % {g_m * tiles_n}) / gsize;")
-    emit(f"int arow = (sgid / {wn}) * {tm_};")
-    emit(f"int bcol = (sgid % {wn}) * {tn_};")
+    emit(f"int arow = (smn / {wn}) * {tm_};")
+    emit(f"int bcol = (smn % {wn}) * {tn_};")
+    emit(f"int kb8 = kidx * {bk // wk // 8};")
     # one declaration per statement: NVIDIA's 580 driver crashed creating pipelines declaring several at once
     for i in range(ffm):
         for j in range(ffn):
             emit(f"{acc_t} acc{i}_{j} = {acc_t}(0.0);")
-    emit(f"uvec4 {', '.join(f'ar{c}' for c in range(per_a))};")
+    if int8:
+        _declare_x8(emit, bm, bk, nt)
+    else:
+        emit(f"uvec4 {', '.join(f'ar{c}' for c in range(per_a))};")
     _declare_w(emit, bn, bk, nt)
     load_slice("0")
     store_slice("0", "0")
@@ -267,12 +401,12 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     emit("}")
     emit(f"{a_t} fa[{ffm}];")
     emit(f"{b_t} fb[{ffn}];")
-    for kk in range(0, bk, fk):
+    for kk in range(0, bk // wk, fk):
         for i in range(ffm):
-            emit(f"coopMatLoad(fa[{i}], sm, cur + (arow + {i * fm}) * {a_stride} + {kk // 8}, {a_stride}, "
+            emit(f"coopMatLoad(fa[{i}], sm, cur + (arow + {i * fm}) * {a_stride} + kb8 + {kk // 8}, {a_stride}, "
                  "gl_CooperativeMatrixLayoutRowMajor);")
         for j in range(ffn):
-            emit(f"coopMatLoad(fb[{j}], sm, cur + {a_size} + (bcol + {j * fn}) * {b_stride} + {kk // 8}, "
+            emit(f"coopMatLoad(fb[{j}], sm, cur + {a_size} + (bcol + {j * fn}) * {b_stride} + kb8 + {kk // 8}, "
                  f"{b_stride}, gl_CooperativeMatrixLayoutColumnMajor);")
         for i in range(ffm):
             for j in range(ffn):
@@ -284,33 +418,49 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     emit("}")
     emit("barrier();")
     emit("}")
-    # epilogue: per fragment row, through this subgroup's own region of shared memory, then one element a lane
-    emit(f"int cb = sgid * {fm * c_stride};")
+    # epilogue: per fragment row, through this subgroup's own region of shared memory, then one element a lane;
+    # with the depth split (wk > 1) the subgroups of part 0 add the other parts' regions
+    region = fm * c_stride
+    emit(f"int cb = sgid * {region};")
     emit("int lane = int(gl_SubgroupInvocationID);")
+    out_row = "(kz * int(pc.m) + m)" if ks > 1 else "m"
     for i in range(ffm):
         for j in range(ffn):
             emit(f"coopMatStore(acc{i}_{j}, sm, cb + {j * fn // 4}, {c_stride}, gl_CooperativeMatrixLayoutRowMajor);")
-        emit("subgroupMemoryBarrierShared();")
-        emit("subgroupBarrier();")
+        if wk > 1:
+            emit("barrier();")
+            emit("if (kidx == 0) {")
+        else:
+            emit("subgroupMemoryBarrierShared();")
+            emit("subgroupBarrier();")
         emit(f"for (int e = lane; e < {fm * tn_}; e += {subgroup}) {{")
         emit(f"  int er = e / {tn_}, ec = e % {tn_};")
         emit(f"  int m = tm * {bm} + arow + {i * fm} + er, n = tn * {bn} + bcol + ec;")
-        val = f"uintBitsToFloat(sm[cb + er * {c_stride} + (ec >> 2)][ec & 3])"
+        val = " + ".join(f"uintBitsToFloat(sm[cb + {q * wm * wn * region} + er * {c_stride} + (ec >> 2)][ec & 3])"
+                         for q in range(wk))
         if residual:
             val += f" + res[m * {n} + n]"
-        emit(f"  if (m < int(pc.m) && n < {n}) y[m * {n} + n] = {val};")
+        emit(f"  if (m < int(pc.m) && n < {n}) y[{out_row} * {n} + n] = {val};")
         emit("}")
-        emit("subgroupBarrier();")
+        if wk > 1:
+            emit("}")
+            emit("barrier();")  # the regions are read before the next fragment row overwrites them
+        else:
+            emit("subgroupBarrier();")
 
+    xbind = (["layout(set = 0, binding = 0) readonly buffer XQ { uvec4 xq[]; };",
+              f"layout(set = 0, binding = {5 if residual else 4}) readonly buffer XD {{ float xd[]; }};"] if int8 else
+             ["layout(set = 0, binding = 0) readonly buffer X { uvec4 x[]; };"])
     head = [
         "#version 450",
         "#extension GL_KHR_cooperative_matrix : require",
         "#extension GL_KHR_memory_scope_semantics : require",
         "#extension GL_KHR_shader_subgroup_basic : require",
         "#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require",
-        f"// y = x @ W.T, W {fmt} [{n}, {k}]; tile {bm}x{bn}x{bk}, {wm}x{wn} subgroups, {cfg.stages} stage(s)",
+        f"// y = x @ W.T, W {fmt} [{n}, {k}], x {'int8 blocks' if int8 else 'float16'}; tile {bm}x{bn}x{bk}, "
+        f"{wm}x{wn}x{wk} subgroups, K split {ks}, {cfg.stages} stage(s)",
         f"layout(local_size_x = {nt}) in;",
-        "layout(set = 0, binding = 0) readonly buffer X { uvec4 x[]; };",
+        *xbind,
         "layout(set = 0, binding = 1) readonly buffer W { uvec4 w[]; };",
         "layout(set = 0, binding = 2) readonly buffer S { uint s[]; };",
         "layout(set = 0, binding = 3) writeonly buffer Y { float y[]; };",
@@ -319,43 +469,56 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         head.append("layout(set = 0, binding = 4) readonly buffer R { float res[]; };")
     head += ["layout(push_constant) uniform Push { uint m; uint groups_x; } pc;",
              f"shared uvec4 sm[{smem}];",
-             *_codec(fmt, w_stride, s_stride),
+             *_codec(fmt, w_stride, s_stride), *([_X8] if int8 else []),
              "void main() {"]
     return "\n".join(head + L + ["}", ""])
 
 
 def matmul_quant(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: int, cfg: matmul_coop.Config,
                  out: Any | None = None, residual: Any | None = None) -> Any:
-    """y [m, N] float32 = x [m, K] (float16, row-major) @ W.T (+ residual [m, N] float32) into `out` or a new
-    buffer; returns it. Records the dispatch; does not wait. cfg: from `config` (which must not be None)."""
+    """y [m, N] float32 = x [m, K] @ W.T (+ residual [m, N] float32) into `out` or a new buffer; returns it. x is
+    float16 rows (row-major), or int8 blocks (a Q8Acts: value = int8 * its block's scale, rounded to float16 as it
+    is staged). A Tile splitting K over ks workgroups writes ks partial planes [ks, m, N] (their sum is y) and
+    takes no residual. Records the dispatch; does not wait. cfg: from `config` or `decode_config` (not None)."""
     fmt = weights.format.name
     _check_format(fmt)
     n, k = weights.shape
-    if k % cfg.bk or cfg.bk % BLOCK:
-        raise ValueError(f"matmul_quant: K={k} is not a whole number of {cfg.bk}-deep slices of {BLOCK}-blocks")
+    wk, ks = _splits(cfg)
+    if k % (cfg.bk * ks) or cfg.bk % BLOCK:
+        raise ValueError(f"matmul_quant: K={k} is not a whole number of {cfg.bk}-deep slices of {BLOCK}-blocks "
+                         f"in each of {ks} parts")
     if m < 1:
         raise ValueError(f"matmul_quant: no rows (m={m})")
+    if residual is not None and ks > 1:
+        raise ValueError("matmul_quant: a product split over K (ks > 1) takes no residual: add it to the planes' sum")
     frag = matmul_coop.fragment(lim, "float16")
     if frag is None or not cfg.fits(frag, lim):
         raise ValueError(f"matmul_quant: tile {cfg} does not fit this device's cooperative matrices")
-    check_buffer("x", x, m * k * 2)
+    int8 = isinstance(x, Q8Acts)
+    if int8:
+        x.check(m, k)
+    else:
+        check_buffer("x", x, m * k * 2)
     check_buffer("weights.body", weights.body, n * weights.w_stride * 16)
     if weights.scales is not None:
         check_buffer("weights.scales", weights.scales, (n * weights.s_stride + 1) // 2 * 4)
-    nbytes = m * n * 4
-    check_binding_range(dev, f"matmul_quant output [{m}, {n}]", nbytes)
+    nbytes = ks * m * n * 4
+    check_binding_range(dev, f"matmul_quant output [{ks}, {m}, {n}]", nbytes)
     if residual is not None:
         check_buffer("residual", residual, nbytes)
     if out is None:
         out = dev.alloc(nbytes)
     check_buffer("out", out, nbytes)
-    key = ("mmq", k, cfg, residual is not None)
+    key = ("mmq", k, cfg, residual is not None, int8)
     kern = weights.pipelines.get(key)
     if kern is None:
-        src = source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, frag, lim.subgroup, residual is not None)
+        src = source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, frag, lim.subgroup, residual is not None,
+                     int8)
         kern = weights.pipelines[key] = dev.pipeline(src, name=f"matmul_quant_{fmt.lower()}")
-    groups = grid_2d(dev, math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn))
+    groups = grid_2d(dev, math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * ks)
     scales = weights.scales if weights.scales is not None else weights.body  # Q4_K: bound, never read
-    bufs = [x, weights.body, scales, out] + ([residual] if residual is not None else [])
+    bufs = [x.xq if int8 else x, weights.body, scales, out] + ([residual] if residual is not None else [])
+    if int8:
+        bufs.append(x.xd)
     dev.dispatch(kern, bufs, groups, push={"m": m, "groups_x": groups[0]})
     return out
