@@ -13,8 +13,10 @@ import pytest
 from vkgraph.nn import tiny_model as mk
 from vkgraph.nn.engine import Engine
 from vkgraph.nn.kv_cache import KVCacheManager
-from vkgraph.nn.kv_tiers import DiskTier, HostTier, PrefixStore, model_fingerprint
+from vkgraph.nn.kv_tiers import BlockCopier, DiskTier, HostTier, PrefixStore, model_fingerprint
 from vkgraph.nn.llama import LlamaModel
+from vkgraph.nn.template_ops import KVCache, move_kv_blocks
+from vkgraph.tensor import Tensor
 from vkgraph.nn.weights import load_weights
 
 FP = bytes(range(32))
@@ -81,6 +83,39 @@ def tiny(tmp_path_factory):
     d = mk.write_model(tmp_path_factory.mktemp("tiers"), mk.tiny_config(n_layers=2), gguf_types=())["hf"]
     return load_weights(d, progress=False)
 
+
+
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_block_copier_moves_blocks_bit_for_bit(dtype):
+    """Offload and restore move a block's bytes as they are: any bits (NaN payloads, signed zeros, subnormals)
+    come back unchanged, blocks not named stay untouched, and several copies (chunks) serve a long list."""
+    rng = np.random.default_rng(1)
+    caches = [KVCache.create(7, 2, 8, 4, dtype) for _ in range(3)]
+    words = caches[0].key.shape[0]
+    before = [rng.integers(0, 2**32, words, dtype=np.uint32) for _ in range(6)]
+    for c, (k, v) in zip(caches, zip(before[::2], before[1::2])):
+        c.key, c.value = Tensor(k), Tensor(v)
+    copier = BlockCopier(caches)
+    assert copier.payload_bytes == 2 * 3 * 2 * 4 * 8 * (2 if dtype == "f16" else 4)
+    copier.per_copy = 2  # three copies for five blocks
+    out = copier.read([5, 0, 3, 1, 6])
+    piece = copier.payload_bytes // 6
+    for i, b in enumerate([5, 0, 3, 1, 6]):
+        want = b"".join(x.view(np.uint8)[b * piece:(b + 1) * piece].tobytes() for x in before)
+        assert out[i] == want
+    payloads = [rng.bytes(copier.payload_bytes) for _ in range(3)]
+    payloads[0] = np.full(copier.payload_bytes // 2, 0x7C01, np.uint16).tobytes()  # f16 signalling NaNs
+    copier.write([2, 6, 0], payloads).numpy()
+    assert copier.read([2, 6, 0]) == payloads
+    assert copier.read([1, 3, 5]) == [out[3], out[2], out[0]]
+    assert copier.read([4]) == [b"".join(x.view(np.uint8)[4 * piece:5 * piece].tobytes() for x in before)]
+    assert copier.write([], []) is None
+    with pytest.raises(ValueError, match="payload must be"):
+        copier.write([1], [b"x"])
+    with pytest.raises(ValueError, match="repeat"):
+        move_kv_blocks(caches, Tensor(np.zeros((2, 6, piece // 4), np.uint32)), [1, 1], to_cache=True)
+    with pytest.raises(ValueError, match="below 7"):
+        copier.read([7])
 
 def test_fingerprint_names_weights_dtype_and_block_size(tiny):
     fp = model_fingerprint(tiny, kv_dtype="f16", block_size=16)

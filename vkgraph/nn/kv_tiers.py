@@ -24,16 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
+from ..dtype import dtypes
 from ..quant import QuantizedTensor
-from ..templates.paged_attention import KV_DTYPES
-from ..tensor import Tensor, stack
-from .template_ops import KVCache, write_kv
+from ..templates.paged_attention import cache_bytes
+from ..tensor import Tensor, realize_all
+from .template_ops import KVCache, move_kv_blocks
 
 log = logging.getLogger("vkgraph.kv_tiers")
 
 _MAGIC = b"VKGKV001"
 _HEADER = struct.Struct("<8s32s32s32sQ")  # magic, fingerprint, block hash, payload sha256, payload bytes
 _SAMPLE = 1 << 16  # bytes of each weight tensor the fingerprint reads, spread over the tensor
+_CHUNK = 64 << 20  # bytes of KV blocks per copy between the GPU and the host (bounds the staging buffers)
 
 
 def model_fingerprint(weights: object, *, kv_dtype: str, block_size: int) -> bytes:
@@ -261,38 +263,40 @@ class PrefixStore:
 
 class BlockCopier:
     """Copies whole blocks of a model's paged KV caches (every layer, keys and values) between the GPU and
-    host bytes: one payload per block, the caches' own words in the caches' own layout."""
+    host bytes: one payload per block, the caches' own bytes in the caches' own layout, moved by copies of many
+    regions (no kernel, no conversion), `_CHUNK` bytes of blocks at a time."""
 
     def __init__(self, caches: list[KVCache]) -> None:
         c = caches[0]
         self.caches = caches
-        self.words = c.num_kv_heads * c.block_size * c.head_size * KV_DTYPES[c.dtype] // 4  # per block, per buffer
-
-    @property
-    def payload_bytes(self) -> int:
-        return 2 * len(self.caches) * self.words * 4
+        self.payload_bytes = 2 * len(caches) * cache_bytes(1, c.num_kv_heads, c.head_size, c.block_size, c.dtype)
+        self.per_copy = max(1, _CHUNK // self.payload_bytes)  # blocks per copy
 
     def read(self, blocks: list[int]) -> list[bytes]:
-        idx = Tensor(np.asarray(blocks, np.int32))
-        parts = [t.reshape(c.num_blocks, self.words).take(idx, 0) for c in self.caches for t in (c.key, c.value)]
-        words = stack(parts, 1).numpy()  # (blocks, 2 * layers, words): one download
-        return [words[i].tobytes() for i in range(len(blocks))]
+        chunks = []
+        for s in range(0, len(blocks), self.per_copy):
+            part = blocks[s:s + self.per_copy]
+            rows = Tensor.empty(len(part), 2 * len(self.caches), self.payload_bytes // (8 * len(self.caches)),
+                                dtype=dtypes.uint32)
+            realize_all(*move_kv_blocks(self.caches, rows, part, to_cache=False))
+            chunks.append(rows)
+        out = []
+        for rows in chunks:  # every copy is recorded before the first download waits
+            words = rows.numpy()
+            out += [r.tobytes() for r in words.reshape(len(words), -1)]
+        return out
 
-    def write(self, blocks: list[int], payloads: list[bytes]) -> None:
-        """Into the given blocks, through the cache's own write (keys and values per token at their slots)."""
-        c = self.caches[0]
-        n, bs = len(blocks), c.block_size
-        words = np.frombuffer(b"".join(payloads), np.uint32).reshape(n, 2 * len(self.caches), self.words)
-        slots = Tensor((np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).reshape(-1).astype(np.int32))
-        done = []
-        for i, cache in enumerate(self.caches):
-            k, v = (self._rows(cache, words[:, 2 * i + j]) for j in (0, 1))
-            done.append(write_kv(cache, Tensor(k), Tensor(v), slots))
-        stack(done).numpy()  # written before any pass reads them
-
-    @staticmethod
-    def _rows(cache: KVCache, words: np.ndarray) -> np.ndarray:
-        """(blocks, words) in the layout [kv_heads, block_size, head] -> (tokens, kv_heads, head) float32."""
-        vals = words.view(np.float16 if cache.dtype == "f16" else np.float32)
-        vals = vals.reshape(len(words), cache.num_kv_heads, cache.block_size, cache.head_size).transpose(0, 2, 1, 3)
-        return vals.reshape(-1, cache.num_kv_heads, cache.head_size).astype(np.float32)
+    def write(self, blocks: list[int], payloads: list[bytes]) -> Tensor | None:
+        """Into the given blocks, recorded ahead of any later pass (which reads them after, in queue order).
+        Returns the last copy's token (None for no blocks): waiting on it (`.numpy()`) waits for them all."""
+        if len(blocks) != len(payloads):
+            raise ValueError(f"{len(blocks)} blocks for {len(payloads)} payloads")
+        if any(len(p) != self.payload_bytes for p in payloads):
+            raise ValueError(f"a KV block payload must be {self.payload_bytes} bytes")
+        tokens: list[Tensor] = []
+        for s in range(0, len(blocks), self.per_copy):
+            part = payloads[s:s + self.per_copy]
+            rows = np.frombuffer(b"".join(part), np.uint32).reshape(len(part), 2 * len(self.caches), -1)
+            tokens = move_kv_blocks(self.caches, Tensor(rows), blocks[s:s + self.per_copy], to_cache=True)
+            realize_all(*tokens)
+        return tokens[-1] if tokens else None

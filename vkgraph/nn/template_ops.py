@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..dtype import dtypes
 from ..flags import flag
 from ..quant import ROW_ALIGN_ELEMS, QuantizedTensor, get_format
@@ -325,6 +327,45 @@ def write_kv(cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -
     ins = [key.float(), value.float(), slot_mapping.cast(dtypes.int32), cache.key, cache.value]
     return custom(run, ins, (1,), dtypes.int32, key=(id(cache),), name="kv_write")
 
+
+
+
+def move_kv_blocks(caches: list[KVCache], rows: Tensor, blocks: list[int], *, to_cache: bool) -> list[Tensor]:
+    """Copy whole blocks between every cache and `rows`, uint32 [blocks, 2 * layers, words] (row i: block
+    blocks[i]'s keys then values of each layer in turn), bytes as they are: into the caches (`to_cache`) or
+    out of them into `rows` (a realized buffer, e.g. Tensor.empty). One op per layer, each one copy of many
+    regions per buffer. Returns their tokens: realizing them records the copies, and anything recorded later
+    that reads the written buffers (a pass, a download) runs after them."""
+    c = caches[0]
+    if any((x.num_blocks, x.num_kv_heads, x.head_size, x.block_size, x.dtype)
+           != (c.num_blocks, c.num_kv_heads, c.head_size, c.block_size, c.dtype) for x in caches):
+        raise ValueError("KV blocks move between caches of one shape and dtype")
+    idx = np.asarray(blocks, np.int64).reshape(-1)
+    if len(idx) and (idx.min() < 0 or idx.max() >= c.num_blocks):
+        raise ValueError(f"KV blocks {blocks} must lie below {c.num_blocks}")
+    if to_cache and len(np.unique(idx)) != len(idx):
+        raise ValueError(f"KV blocks {blocks} repeat: each is written once")
+    piece = pa.cache_bytes(1, c.num_kv_heads, c.head_size, c.block_size, c.dtype)  # one block of one buffer
+    want = (len(idx), 2 * len(caches), piece // 4)
+    if rows.shape != want or rows.dtype != dtypes.uint32:
+        raise ValueError(f"move_kv_blocks: rows {rows.dtype} {rows.shape} must be uint32 {want}")
+    at = idx * piece
+    row_at = np.arange(len(idx), dtype=np.int64) * (2 * len(caches) * piece)
+
+    def op(layer: int) -> Tensor:
+        def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            for j, buf in enumerate(ins[1:]):
+                src = row_at + (2 * layer + j) * piece
+                if to_cache:
+                    pa.copy_blocks(dev, ins[0], buf, src, at, piece)
+                else:
+                    pa.copy_blocks(dev, buf, ins[0], at, src, piece)
+
+        cache = caches[layer]
+        return custom(run, [rows, cache.key, cache.value], (1,), dtypes.int32, key=(id(cache), to_cache),
+                      name="kv_blocks_in" if to_cache else "kv_blocks_out")
+
+    return [op(i) for i in range(len(caches))]
 
 def rope_write_kv(cache: KVCache, rows: Tensor, slot_mapping: Tensor, rope: tuple[Tensor, Tensor], *,
                   q_heads: int, k_off: int, v_off: int) -> Tensor:

@@ -15,6 +15,8 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..flags import flag
 from ..interrupts import critical, interruptible
 from . import faults
@@ -231,23 +233,53 @@ class Queue:
     def copy(self, src: Any, src_offset: int, dst: Any, dst_offset: int, nbytes: int, log: bool = True) -> None:
         """Record a buffer-to-buffer copy, ordered by the same hazard rules as dispatches. With `log=False` an
         open capture does not log it (host uploads run once at capture, as constants)."""
-        sa, da = src.alloc, dst.alloc
         with self.lock:
-            self.admit()
-            if sa.freed or da.freed:
-                raise stale_buffer("copy", sa if sa.freed else da)
-            if sa.owner is not self.device.memory or da.owner is not self.device.memory:
-                raise foreign_buffer("copy", sa if sa.owner is not self.device.memory else da, self.device)
-            rec = self._begin()
-            self._hazards([sa, da], (False, True), rec)
+            rec = self._begin_copy(src, dst)
             region = self.copy_region  # read during the call only: one struct serves every copy
             region.srcOffset, region.dstOffset, region.size = src.offset + src_offset, dst.offset + dst_offset, nbytes
-            lib.vkCmdCopyBuffer(rec.cmd, sa.buffer, da.buffer, 1, region)
-            self.stats["copies"] += 1
-            if self.capture is not None and log:
-                self.capture.keep += [src, dst]
-                self.capture.entries.append(("copy", BoundRange(sa, src.offset, src.size), src_offset,
-                                             BoundRange(da, dst.offset, dst.size), dst_offset, nbytes))
+            lib.vkCmdCopyBuffer(rec.cmd, src.alloc.buffer, dst.alloc.buffer, 1, region)
+            self._log_copy(src, dst, [(src_offset, dst_offset, nbytes)], log)
+
+    @critical
+    def copy_regions(self, src: Any, dst: Any, regions: np.ndarray, log: bool = True) -> None:
+        """Record one copy of many regions from `src` to `dst`: `regions` is (n, 3) integers, each row (source
+        offset, destination offset, bytes) within the two buffers (or views). The caller keeps them in bounds
+        and the destination regions apart (as Vulkan requires)."""
+        r = np.asarray(regions)
+        if r.ndim != 2 or r.shape[1] != 3 or r.dtype.kind not in "iu" or (r.size and r.min() < 0):
+            raise ValueError(f"regions must be (n, 3) non-negative integers, got {r.dtype} {r.shape}")
+        if not len(r):
+            return
+        cdata = np.array(r, np.uint64)  # VkBufferCopy is three VkDeviceSize: rows of uint64 are its array
+        cdata[:, 0] += src.offset
+        cdata[:, 1] += dst.offset
+        with self.lock:
+            rec = self._begin_copy(src, dst)
+            lib.vkCmdCopyBuffer(rec.cmd, src.alloc.buffer, dst.alloc.buffer, len(cdata),
+                                ffi.cast("VkBufferCopy *", ffi.from_buffer(cdata)))
+            self._log_copy(src, dst, r.tolist() if self.capture is not None else [], log)
+
+    def _begin_copy(self, src: Any, dst: Any) -> Submission:
+        """Checks and hazards of a copy from src to dst (under the lock): the submission to record it in."""
+        sa, da = src.alloc, dst.alloc
+        self.admit()
+        if sa.freed or da.freed:
+            raise stale_buffer("copy", sa if sa.freed else da)
+        if sa.owner is not self.device.memory or da.owner is not self.device.memory:
+            raise foreign_buffer("copy", sa if sa.owner is not self.device.memory else da, self.device)
+        rec = self._begin()
+        self._hazards([sa, da], (False, True), rec)
+        self.stats["copies"] += 1
+        return rec
+
+    def _log_copy(self, src: Any, dst: Any, regions: list, log: bool) -> None:
+        """An open capture logs a recorded copy, one entry per region."""
+        if self.capture is None or not log:
+            return
+        self.capture.keep += [src, dst]
+        for src_offset, dst_offset, nbytes in regions:
+            self.capture.entries.append(("copy", BoundRange(src.alloc, src.offset, src.size), int(src_offset),
+                                         BoundRange(dst.alloc, dst.offset, dst.size), int(dst_offset), int(nbytes)))
 
     # ---- capture ------------------------------------------------------------------------------------------
     @critical

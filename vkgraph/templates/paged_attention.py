@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..runtime import Device
 from . import catalog
 from .common import check_binding_range, check_buffer, grid_2d
@@ -131,6 +133,25 @@ def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mappin
                            "groups_x": groups[0], "src_stride": stride, "k_off": k_off, "v_off": v_off,
                            "q_heads": q_heads if q_out is not None else 0, "q_off": q_off})
 
+
+
+def copy_blocks(dev: Device, src: Any, dst: Any, src_offsets: Any, dst_offsets: Any, nbytes: int) -> None:
+    """Pieces of `nbytes` (whole blocks of a cache: one block of keys or values is contiguous) from byte
+    src_offsets[i] of `src` to byte dst_offsets[i] of `dst`, as one recorded copy of many regions: a restore
+    or an offload of KV blocks moves their bytes as they are, with no kernel and no conversion."""
+    s, d = np.asarray(src_offsets, np.int64), np.asarray(dst_offsets, np.int64)
+    if s.ndim != 1 or s.shape != d.shape:
+        raise ValueError(f"copy_blocks: offsets {s.shape} and {d.shape} must be two equal 1-D lists")
+    if not len(s):
+        return
+    if nbytes <= 0 or nbytes % 4:
+        raise ValueError(f"copy_blocks: pieces of {nbytes} bytes (a positive multiple of 4)")
+    if s.min() < 0 or d.min() < 0 or s.max() + nbytes > src.size or d.max() + nbytes > dst.size:
+        raise ValueError(f"copy_blocks: a piece of {nbytes} bytes falls outside the source ({src.size} bytes) "
+                         f"or the destination ({dst.size} bytes)")
+    if len(d) > 1 and np.diff(np.sort(d)).min() < nbytes:
+        raise ValueError("copy_blocks: destination pieces overlap")
+    dev.queue.copy_regions(src, dst, np.stack([s, d, np.full_like(s, nbytes)], 1))
 
 SPLIT_PAIRS = 128  # split below this many (sequence, KV head) pairs
 SPLIT_TARGET = 256  # workgroups a split aims for
