@@ -263,21 +263,10 @@ def test_decode_rows_take_the_kernel_from_the_threshold(monkeypatch):
     assert not lin.takes_int8(8)
 
 
-_DECODE_FMTS = st.sampled_from(mq.FORMATS)
-
-
-@needs_f16
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(fmt=_DECODE_FMTS, m=st.integers(1, 40), n=st.integers(1, 300), kb=st.integers(1, 4), residual=st.booleans(),
-       int8=st.booleans(), seed=st.integers(0, 2**16))
-def test_decode_products_match_numpy(fmt, m, n, kb, residual, int8, seed):
-    """The small tiles (decode_config, its K split; without it where a residual is fused) on float16 rows or
-    int8 blocks, against numpy in float64 over the values the kernel stages."""
-    k = 256 * kb
+def _decode_case(fmt: str, m: int, n: int, k: int, cfg: mq.Tile, residual: bool, int8: bool, seed: int) -> None:
+    """One small-row product on the device (float16 rows or int8 blocks, the planes of a K split summed here)
+    against numpy in float64 over the values the kernel stages."""
     lim = realize_mod.limits()
-    cfg = mq.decode_config(lim, m, n, k)
-    if residual:
-        cfg = dataclasses.replace(cfg, ks=1)
     rng = np.random.default_rng(seed)
     qt = random_blocks(rng, fmt, n, k)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -293,14 +282,38 @@ def test_decode_products_match_numpy(fmt, m, n, kb, residual, int8, seed):
         q = dev.download(xq, np.int8, (m, k)).astype(np.float32)
         xs16 = (q * np.repeat(dev.download(xd, np.float32, (m, k // 32)), 32, axis=1)).astype(np.float16)
     else:
-        x16 = x.astype(np.float16)
-        xin = dev.alloc(x16.nbytes)
-        dev.upload(xin, x16)
-        xs16 = x16
+        xs16 = x.astype(np.float16)
+        xin = dev.alloc(xs16.nbytes)
+        dev.upload(xin, xs16)
     out = mq.matmul_quant(dev, lim, weights, xin, m, cfg, residual=rb if residual else None)
     got = dev.download(out, np.float32, (cfg.ks, m, n)).astype(np.float64).sum(0)
     # x rounded to float16 on the device too where it is staged from int8 blocks
     _check(got, xs16, dequantize(qt).astype(np.float16), r if residual else 0.0, 2.0**-9 if int8 else 2.0**-10)
+
+
+@needs_f16
+@pytest.mark.parametrize("int8,wk,ks,residual", [(False, 1, 1, False), (True, 1, 1, False), (True, 4, 1, False),
+                                                 (True, 1, 4, False), (True, 4, 4, False), (True, 4, 1, True),
+                                                 (False, 2, 2, False)])
+def test_decode_tile_variants(int8, wk, ks, residual):
+    """Each part of the small-row tile alone, then together (a failing case names the part): the int8 staging,
+    the depth split among subgroups, the K split among workgroups, the residual."""
+    tile = mq.Tile(16, 32, 128, 1, 2, 1, wk, ks)
+    _decode_case("Q4_0", 11, 100, 1024, tile, residual, int8, 5)
+
+
+@needs_f16
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fmt=st.sampled_from(mq.FORMATS), m=st.integers(1, 40), n=st.integers(1, 300), kb=st.integers(1, 4),
+       residual=st.booleans(), int8=st.booleans(), seed=st.integers(0, 2**16))
+def test_decode_products_match_numpy(fmt, m, n, kb, residual, int8, seed):
+    """The small tiles (decode_config, its K split; without it where a residual is fused) on float16 rows or
+    int8 blocks, against numpy in float64 over the values the kernel stages."""
+    k = 256 * kb
+    cfg = mq.decode_config(realize_mod.limits(), m, n, k)
+    if residual:
+        cfg = dataclasses.replace(cfg, ks=1)
+    _decode_case(fmt, m, n, k, cfg, residual, int8, seed)
 
 
 @needs_f16
