@@ -87,18 +87,18 @@ def mm_us(dev, ws, x, y, batch: int, cfg: mq.Tile, reps: int) -> float:
 
 
 def _mm_tiles(base: mq.Tile, k: int) -> list[mq.Tile]:
-    """Tiles around `base` for --mm-sweep: subgroups across N and fragments each, slice depth, the depth split,
-    the K split."""
+    """Tiles around `base` for --mm-sweep: subgroups across N and fragments each, the depth split, the K split,
+    slices in flight."""
     found = []
-    for wn, per, bk, wk, ks in itertools.product((2, 4), (1, 2), (128, 256), (2, 4), (1, 2, 4, 8)):
-        t = mq.Tile(base.bm, wn * 16 * per, bk, 1, wn, 1, wk, ks)
+    for wn, per, wk, ks, pf in itertools.product((2, 4), (1, 2), (2, 4), (1, 2, 4, 8), (1, 2)):
+        t = mq.Tile(base.bm, wn * 16 * per, base.bk, 1, wn, 1, wk, ks, pf)
         if k % (t.bk * ks) == 0 and t != base and t.fits((16, 16, 16), limits()):
             found.append(t)
     return found
 
 
 def _tile(t: mq.Tile) -> str:
-    return f"{t.bm}x{t.bn}x{t.bk} wn{t.wn} wk{t.wk} ks{t.ks}"
+    return f"{t.bm}x{t.bn}x{t.bk} wn{t.wn} wk{t.wk} ks{t.ks} pf{t.pf}"
 
 
 def _cell(nbytes: int, us: float) -> str:

@@ -194,11 +194,11 @@ def test_decode_config_fills_the_device_with_few_rows():
 
 
 @pytest.mark.parametrize("fmt", mq.FORMATS)
-@pytest.mark.parametrize("residual,int8", [(False, True), (True, True), (True, False)])
-def test_decode_programs_compile(fmt, residual, int8):
-    n, k = 200, 512
+@pytest.mark.parametrize("residual,int8,pf", [(False, True, 1), (True, True, 2), (True, False, 1), (False, False, 2)])
+def test_decode_programs_compile(fmt, residual, int8, pf):
+    n, k = 200, 768
     weights = mq_weights(fmt, n, k)
-    cfg = mq.decode_config(fake_limits(), 8, n, k)
+    cfg = dataclasses.replace(mq.decode_config(fake_limits(), 8, n, k), pf=pf)
     if residual:
         cfg = dataclasses.replace(cfg, ks=1)
     src = mq.source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, (16, 16, 16), 32, residual, int8)
@@ -292,14 +292,15 @@ def _decode_case(fmt: str, m: int, n: int, k: int, cfg: mq.Tile, residual: bool,
 
 
 @needs_f16
-@pytest.mark.parametrize("int8,wk,ks,residual", [(False, 1, 1, False), (True, 1, 1, False), (True, 4, 1, False),
-                                                 (True, 1, 4, False), (True, 4, 4, False), (True, 4, 1, True),
-                                                 (False, 2, 2, False)])
-def test_decode_tile_variants(int8, wk, ks, residual):
+@pytest.mark.parametrize("int8,wk,ks,pf,residual", [
+    (False, 1, 1, 1, False), (True, 1, 1, 1, False), (True, 4, 1, 1, False), (True, 1, 4, 1, False),
+    (True, 1, 1, 2, False), (True, 4, 4, 1, False), (True, 4, 1, 2, True), (False, 2, 2, 2, False)])
+def test_decode_tile_variants(int8, wk, ks, pf, residual):
     """Each part of the small-row tile alone, then together (a failing case names the part): the int8 staging,
-    the depth split among subgroups, the K split among workgroups, the residual."""
-    tile = mq.Tile(16, 32, 128, 1, 2, 1, wk, ks)
-    _decode_case("Q4_0", 11, 100, 1024, tile, residual, int8, 5)
+    the depth split among subgroups, the K split among workgroups, two slices in flight (over an odd number
+    of slices: 1024 / 128 / ks with ks = 1, and 1152 deep), the residual."""
+    tile = mq.Tile(16, 32, 128, 1, 2, 1, wk, ks, pf)
+    _decode_case("Q4_0", 11, 100, 1152 if ks == 1 else 1024, tile, residual, int8, 5)
 
 
 @needs_f16

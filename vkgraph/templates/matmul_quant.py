@@ -148,12 +148,15 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Co
 class Tile(matmul_coop.Config):
     """A tile for few rows (a batched decode step): matmul_coop's Config plus WK subgroups that split each slice's
     depth among themselves (their partial tiles summed through shared memory at the end), and KS workgroups that
-    split K (each writes its partial product to its own [m, n] plane of the output; the caller sums the planes).
-    With one or two fragment rows of y per workgroup, N / BN tiles alone are too few to keep W streaming from
-    every multiprocessor at N = 4096: both splits multiply the loads in flight."""
+    split K (each writes its partial product to its own [m, n] plane of the output; the caller sums the planes),
+    and PF slices in flight in registers (2: the next but one is read while the next is decoded, in two
+    alternating register sets). With one or two fragment rows of y per workgroup, N / BN tiles alone are too few
+    to keep W streaming from every multiprocessor at N = 4096: the splits and the depth of reads in flight
+    multiply the loads in flight."""
 
     wk: int = 1
     ks: int = 1
+    pf: int = 1
 
     def threads(self, subgroup: int) -> int:
         return self.wm * self.wn * self.wk * subgroup
@@ -163,11 +166,12 @@ class Tile(matmul_coop.Config):
         epilogue = self.wm * self.wn * self.wk * fm * ((self.bn // self.wn + 4) // 4) * 16
         return (self.bm % (self.wm * fm) == 0 and self.bn % (self.wn * fn) == 0 and self.bk % (self.wk * fk) == 0
                 and self.bk % BLOCK == 0 and self.threads(lim.subgroup) <= lim.max_invocations
-                and max(self.shared_bytes(), epilogue) <= lim.max_shared and self.ks >= 1)
+                and max(self.shared_bytes(), epilogue) <= lim.max_shared and self.ks >= 1 and self.pf in (1, 2))
 
 
-def _splits(cfg: matmul_coop.Config) -> tuple[int, int]:
-    return (cfg.wk, cfg.ks) if isinstance(cfg, Tile) else (1, 1)
+def _splits(cfg: matmul_coop.Config) -> tuple[int, int, int]:
+    """(wk, ks, pf) of a Tile; a Config has neither split and one slice in flight."""
+    return (cfg.wk, cfg.ks, cfg.pf) if isinstance(cfg, Tile) else (1, 1, 1)
 
 
 DECODE_GROUPS = 512  # workgroups a small-M product aims for (about four per multiprocessor of an H200)
@@ -198,24 +202,25 @@ def decode_config(lim: Limits, m: int, n: int, k: int) -> Tile | None:
 # ---- staging W's slices: the same code in the product and in stage_source, which checks it on any device ----------
 
 
-def _declare_w(emit: Any, bn: int, bk: int, nt: int) -> None:
+def _declare_w(emit: Any, bn: int, bk: int, nt: int, reg: str = "") -> None:
     for c in range(math.ceil(bn * (bk // 16) / nt)):
-        emit(f"uvec4 br{c}_0, br{c}_1, br{c}_2;")
-        emit(f"float bs{c};")
+        emit(f"uvec4 br{c}{reg}_0, br{c}{reg}_1, br{c}{reg}_2;")
+        emit(f"float bs{c}{reg};")
 
 
-def _load_w(emit: Any, n: int, bn: int, bk: int, nt: int, k0: str) -> None:
+def _load_w(emit: Any, n: int, bn: int, bk: int, nt: int, k0: str, reg: str = "") -> None:
     """The raw words of every chunk of 16 values of W's slice from element k0, rows tn * bn ..: load_q into the
     registers br*, bs*; zero past row n."""
     chunks, kb = bn * (bk // 16), bk // 16
     for c in range(math.ceil(chunks / nt)):
         guard = f"e < {chunks} && " if (c + 1) * nt > chunks else ""
         emit(f"{{ int e = lid + {c * nt}; int row = tn * {bn} + e / {kb};")
-        emit(f"  if ({guard}row < {n}) load_q(row, ({k0}) + 16 * (e % {kb}), br{c}_0, br{c}_1, br{c}_2, bs{c});")
-        emit(f"  else {{ br{c}_0 = uvec4(0u); br{c}_1 = uvec4(0u); br{c}_2 = uvec4(0u); bs{c} = 0.0; }} }}")
+        r = f"br{c}{reg}"
+        emit(f"  if ({guard}row < {n}) load_q(row, ({k0}) + 16 * (e % {kb}), {r}_0, {r}_1, {r}_2, bs{c}{reg});")
+        emit(f"  else {{ {r}_0 = uvec4(0u); {r}_1 = uvec4(0u); {r}_2 = uvec4(0u); bs{c}{reg} = 0.0; }} }}")
 
 
-def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str) -> None:
+def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str, reg: str = "") -> None:
     """The registers' chunks decoded (decode_q) into shared memory from `at`: bn rows of bk float16 values, rows
     padded by 8 values."""
     chunks, kb, stride = bn * (bk // 16), bk // 16, (bk + 8) // 8
@@ -223,7 +228,8 @@ def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str) -> None:
         cond = "" if (c + 1) * nt <= chunks else f"if (lid + {c * nt} < {chunks}) "
         emit(f"{{ int e = lid + {c * nt}; int j = e % {kb};")
         emit(f"  {cond}{{ int at = {at} + (e / {kb}) * {stride} + 2 * j;")
-        emit(f"    uvec4 lo, hi; decode_q(({k0}) + 16 * j, br{c}_0, br{c}_1, br{c}_2, bs{c}, lo, hi);")
+        r = f"br{c}{reg}"
+        emit(f"    uvec4 lo, hi; decode_q(({k0}) + 16 * j, {r}_0, {r}_1, {r}_2, bs{c}{reg}, lo, hi);")
         emit("    sm[at] = lo; sm[at + 1] = hi; } }")
 
 
@@ -238,25 +244,25 @@ void decode_x8(uvec4 q, float d, out uvec4 lo, out uvec4 hi) {  // 16 int8 value
 }"""
 
 
-def _declare_x8(emit: Any, bm: int, bk: int, nt: int) -> None:
+def _declare_x8(emit: Any, bm: int, bk: int, nt: int, reg: str = "") -> None:
     for c in range(math.ceil(bm * (bk // 16) / nt)):
-        emit(f"uvec4 aq{c};")
-        emit(f"float ad{c};")
+        emit(f"uvec4 aq{c}{reg};")
+        emit(f"float ad{c}{reg};")
 
 
-def _load_x8(emit: Any, k: int, bm: int, bk: int, nt: int, k0: str, m: str) -> None:
+def _load_x8(emit: Any, k: int, bm: int, bk: int, nt: int, k0: str, m: str, reg: str = "") -> None:
     """The int8 words and scale of every chunk of 16 values of x's slice from element k0, rows tm * bm .. (bindings
     xq, uvec4, and xd, float): into the registers aq*, ad*; zero past row m."""
     chunks, kb = bm * (bk // 16), bk // 16
     for c in range(math.ceil(chunks / nt)):
         guard = f"e < {chunks} && " if (c + 1) * nt > chunks else ""
         emit(f"{{ int e = lid + {c * nt}; int row = tm * {bm} + e / {kb}; int e0 = ({k0}) + 16 * (e % {kb});")
-        emit(f"  if ({guard}row < {m}) {{ aq{c} = xq[row * {k // 16} + e0 / 16]; "
-             f"ad{c} = xd[row * {k // 32} + e0 / 32]; }}")
-        emit(f"  else {{ aq{c} = uvec4(0u); ad{c} = 0.0; }} }}")
+        emit(f"  if ({guard}row < {m}) {{ aq{c}{reg} = xq[row * {k // 16} + e0 / 16]; "
+             f"ad{c}{reg} = xd[row * {k // 32} + e0 / 32]; }}")
+        emit(f"  else {{ aq{c}{reg} = uvec4(0u); ad{c}{reg} = 0.0; }} }}")
 
 
-def _store_x8(emit: Any, bm: int, bk: int, nt: int, at: str) -> None:
+def _store_x8(emit: Any, bm: int, bk: int, nt: int, at: str, reg: str = "") -> None:
     """The registers' chunks (decode_x8) into shared memory from `at`: bm rows of bk float16 values, rows padded by
     8 values (as W's)."""
     chunks, kb, stride = bm * (bk // 16), bk // 16, (bk + 8) // 8
@@ -264,7 +270,7 @@ def _store_x8(emit: Any, bm: int, bk: int, nt: int, at: str) -> None:
         cond = "" if (c + 1) * nt <= chunks else f"if (lid + {c * nt} < {chunks}) "
         emit(f"{{ int e = lid + {c * nt};")
         emit(f"  {cond}{{ int at = {at} + (e / {kb}) * {stride} + 2 * (e % {kb});")
-        emit(f"    uvec4 lo, hi; decode_x8(aq{c}, ad{c}, lo, hi); sm[at] = lo; sm[at + 1] = hi; }} }}")
+        emit(f"    uvec4 lo, hi; decode_x8(aq{c}{reg}, ad{c}{reg}, lo, hi); sm[at] = lo; sm[at + 1] = hi; }} }}")
 
 
 def stage_x_source(m: int, k: int, bm: int, bk: int, nt: int) -> str:
@@ -320,7 +326,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     _check_format(fmt)
     fm, fn, fk = frag
     bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
-    wk, ks = _splits(cfg)
+    wk, ks, pf = _splits(cfg)
     if residual and ks > 1:
         raise ValueError("matmul_quant: a product split over K writes partial planes; add the residual to their sum")
     nt = wm * wn * wk * subgroup
@@ -341,26 +347,28 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     L: list[str] = []
     emit = L.append
 
-    def load_slice(k0: str) -> None:
+    def load_slice(k0: str, reg: str) -> None:
         k0 = f"kz0 + {k0}"
         if int8:
-            _load_x8(emit, k, bm, bk, nt, k0, "int(pc.m)")
+            _load_x8(emit, k, bm, bk, nt, k0, "int(pc.m)", reg)
         else:  # x: row-major float16, 16-byte words; zero past row M
             for c in range(per_a):
                 guard = f"e < {chunks_a} && " if (c + 1) * nt > chunks_a else ""
                 emit(f"{{ int e = lid + {c * nt}; int row = tm * {bm} + e / {ka};")
-                emit(f"  ar{c} = ({guard}row < int(pc.m)) ? x[row * {k // 8} + ({k0}) / 8 + e % {ka}] : uvec4(0u); }}")
-        _load_w(emit, n, bn, bk, nt, k0)
+                emit(f"  ar{c}{reg} = ({guard}row < int(pc.m)) ? "
+                     f"x[row * {k // 8} + ({k0}) / 8 + e % {ka}] : uvec4(0u); }}")
+        _load_w(emit, n, bn, bk, nt, k0, reg)
 
-    def store_slice(at: str, k0: str) -> None:
+    def store_slice(at: str, k0: str, reg: str) -> None:
         k0 = f"kz0 + {k0}"
         if int8:
-            _store_x8(emit, bm, bk, nt, at)
+            _store_x8(emit, bm, bk, nt, at, reg)
         else:
             for c in range(per_a):
                 cond = "" if (c + 1) * nt <= chunks_a else f"if (lid + {c * nt} < {chunks_a}) "
-                emit(f"{{ int e = lid + {c * nt}; {cond}sm[{at} + (e / {ka}) * {a_stride} + e % {ka}] = ar{c}; }}")
-        _store_w(emit, bn, bk, nt, f"{at} + {a_size}", k0)
+                emit(f"{{ int e = lid + {c * nt}; {cond}sm[{at} + (e / {ka}) * {a_stride} + e % {ka}] = "
+                     f"ar{c}{reg}; }}")
+        _store_w(emit, bn, bk, nt, f"{at} + {a_size}", k0, reg)
 
     acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
     a_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
@@ -385,39 +393,58 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     for i in range(ffm):
         for j in range(ffn):
             emit(f"{acc_t} acc{i}_{j} = {acc_t}(0.0);")
-    if int8:
-        _declare_x8(emit, bm, bk, nt)
-    else:
-        emit(f"uvec4 {', '.join(f'ar{c}' for c in range(per_a))};")
-    _declare_w(emit, bn, bk, nt)
-    load_slice("0")
-    store_slice("0", "0")
+    regs = ("", "p")[:pf]  # register sets: with pf = 2 the slices in flight alternate between two
+    for reg in regs:
+        if int8:
+            _declare_x8(emit, bm, bk, nt, reg)
+        else:
+            emit(f"uvec4 {', '.join(f'ar{c}{reg}' for c in range(per_a))};")
+        _declare_w(emit, bn, bk, nt, reg)
+    load_slice("0", "")
+    store_slice("0", "0", "")
+    if pf == 2 and nk > 1:
+        load_slice(f"{bk}", "p")
     emit("barrier();")
-    emit(f"for (int kt = 0; kt < {nk}; kt++) {{")
-    emit(f"int cur = (kt & 1) * {stage};" if cfg.stages == 2 else "int cur = 0;")
-    emit(f"bool more = kt + 1 < {nk};")
-    emit("if (more) {")
-    load_slice(f"(kt + 1) * {bk}")
-    emit("}")
-    emit(f"{a_t} fa[{ffm}];")
-    emit(f"{b_t} fb[{ffn}];")
-    for kk in range(0, bk // wk, fk):
-        for i in range(ffm):
-            emit(f"coopMatLoad(fa[{i}], sm, cur + (arow + {i * fm}) * {a_stride} + kb8 + {kk // 8}, {a_stride}, "
-                 "gl_CooperativeMatrixLayoutRowMajor);")
-        for j in range(ffn):
-            emit(f"coopMatLoad(fb[{j}], sm, cur + {a_size} + (bcol + {j * fn}) * {b_stride} + kb8 + {kk // 8}, "
-                 f"{b_stride}, gl_CooperativeMatrixLayoutColumnMajor);")
-        for i in range(ffm):
+
+    def step(kt: str, load_reg: str, store_reg: str) -> None:
+        """Slice kt multiplied from shared memory while slice kt + pf is read into registers load_reg; then slice
+        kt + 1 (read pf - 1 steps earlier, in store_reg) is decoded into shared memory."""
+        emit(f"int cur = (({kt}) & 1) * {stage};" if cfg.stages == 2 else "int cur = 0;")
+        emit(f"if (({kt}) + {pf} < {nk}) {{")
+        load_slice(f"(({kt}) + {pf}) * {bk}", load_reg)
+        emit("}")
+        emit(f"{a_t} fa[{ffm}];")
+        emit(f"{b_t} fb[{ffn}];")
+        for kk in range(0, bk // wk, fk):
+            for i in range(ffm):
+                emit(f"coopMatLoad(fa[{i}], sm, cur + (arow + {i * fm}) * {a_stride} + kb8 + {kk // 8}, "
+                     f"{a_stride}, gl_CooperativeMatrixLayoutRowMajor);")
             for j in range(ffn):
-                emit(f"acc{i}_{j} = coopMatMulAdd(fa[{i}], fb[{j}], acc{i}_{j});")
-    if cfg.stages == 1:
-        emit("barrier();")  # every subgroup is done with the slice before it is overwritten
-    emit("if (more) {")
-    store_slice(f"{stage} - cur" if cfg.stages == 2 else "0", f"(kt + 1) * {bk}")
-    emit("}")
-    emit("barrier();")
-    emit("}")
+                emit(f"coopMatLoad(fb[{j}], sm, cur + {a_size} + (bcol + {j * fn}) * {b_stride} + kb8 + {kk // 8}, "
+                     f"{b_stride}, gl_CooperativeMatrixLayoutColumnMajor);")
+            for i in range(ffm):
+                for j in range(ffn):
+                    emit(f"acc{i}_{j} = coopMatMulAdd(fa[{i}], fb[{j}], acc{i}_{j});")
+        if cfg.stages == 1:
+            emit("barrier();")  # every subgroup is done with the slice before it is overwritten
+        emit(f"if (({kt}) + 1 < {nk}) {{")
+        store_slice(f"{stage} - cur" if cfg.stages == 2 else "0", f"(({kt}) + 1) * {bk}", store_reg)
+        emit("}")
+        emit("barrier();")
+
+    if pf == 1:
+        emit(f"for (int kt = 0; kt < {nk}; kt++) {{")
+        step("kt", "", "")
+        emit("}")
+    else:  # two steps a trip, so each names its register sets: even steps read into "", odd ones into "p"
+        emit(f"for (int kt = 0; kt < {nk}; kt += 2) {{")
+        emit("{")
+        step("kt", "", "p")
+        emit("}")
+        emit(f"if (kt + 1 < {nk}) {{")
+        step("kt + 1", "p", "")
+        emit("}")
+        emit("}")
     # epilogue: per fragment row, through this subgroup's own region of shared memory, then one element a lane;
     # with the depth split (wk > 1) the subgroups of part 0 add the other parts' regions
     region = fm * c_stride
@@ -483,7 +510,7 @@ def matmul_quant(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: in
     fmt = weights.format.name
     _check_format(fmt)
     n, k = weights.shape
-    wk, ks = _splits(cfg)
+    wk, ks, _ = _splits(cfg)
     if k % (cfg.bk * ks) or cfg.bk % BLOCK:
         raise ValueError(f"matmul_quant: K={k} is not a whole number of {cfg.bk}-deep slices of {BLOCK}-blocks "
                          f"in each of {ks} parts")
