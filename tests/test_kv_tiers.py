@@ -12,12 +12,12 @@ import pytest
 
 from vkgraph.nn import tiny_model as mk
 from vkgraph.nn.engine import Engine
-from vkgraph.nn.kv_cache import KVCacheManager
+from vkgraph.nn.kv_cache import KVCacheManager, OutOfKVBlocks
 from vkgraph.nn.kv_tiers import BlockCopier, DiskTier, HostTier, PrefixStore, model_fingerprint
 from vkgraph.nn.llama import LlamaModel
 from vkgraph.nn.template_ops import KVCache, move_kv_blocks
-from vkgraph.tensor import Tensor
 from vkgraph.nn.weights import load_weights
+from vkgraph.tensor import Tensor
 
 FP = bytes(range(32))
 
@@ -77,6 +77,40 @@ def test_store_spills_host_to_disk_and_promotes_disk_hits(tmp_path):
     assert s.get(h(0)) == (bytes([0]) * 100, "host") and h(2) in s.disk  # and the host's oldest went down
     assert s.get(h(9)) is None and s.spilled == 4
 
+
+
+def test_many_entries_are_read_together_and_a_prefix_ends_at_the_first_unusable_one(tmp_path, caplog):
+    s = PrefixStore(HostTier(250), DiskTier(tmp_path, 1 << 20, FP))
+    s.put_many([(h(i), bytes([i]) * 100) for i in range(6)])  # 4 and 5 in host memory, 0-3 on disk
+    assert set(s.host.entries) == {h(4), h(5)} and s.spilled == 6
+    f = s.disk.dir / f"{h(2).hex()}.kv"
+    f.write_bytes(f.read_bytes() + b"!")  # one byte longer than its header says
+    order = [h(5), h(0), h(1), h(2), h(3), h(9)]
+    with caplog.at_level(logging.WARNING, logger="vkgraph.kv_tiers"):
+        got = s.get_many(order)
+    assert got == [(bytes([5]) * 100, "host"), (bytes([0]) * 100, "disk"), (bytes([1]) * 100, "disk")]
+    assert "digest" in caplog.text and h(2) not in s and not f.exists() and h(3) in s.disk
+    assert s.fetched == {"host": 100, "disk": 200} and s.fetch_s["disk"] > 0
+    assert s.disk.get_many([h(3), h(9), h(3)]) == [bytes([3]) * 100, None, bytes([3]) * 100]
+
+
+def test_a_request_without_room_reads_nothing_from_the_store(tmp_path):
+    store = PrefixStore(None, DiskTier(tmp_path, 1 << 20, FP))
+    kv = KVCacheManager(4, 4, store=store)
+    prompt = list(range(13))  # 4 blocks, the first 3 of them full and cached
+    kv.add_sequence("a", prompt)
+    hashes = list(kv.seqs["a"].hashes)
+    store.put_many([(x, bytes(8)) for x in hashes])
+    kv.free_sequence("a")
+    kv.evict_cached()
+    kv.take_evicted()
+    kv.add_sequence("b", [99])
+    with pytest.raises(OutOfKVBlocks):
+        kv.add_sequence("c", prompt)  # 4 blocks needed, 3 free: refused before any entry is read
+    assert store.fetched == {"host": 0, "disk": 0} and kv.take_restores() == []
+    kv.free_sequence("b")
+    assert kv.add_sequence("c", prompt) == 12 and store.fetched["disk"] == 24
+    assert [r.hash for r in kv.take_restores()] == hashes[:3]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

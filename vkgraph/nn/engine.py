@@ -303,8 +303,7 @@ class Engine:
         store = self.kv.store
         evicted = [(b, h) for b, h in self.kv.take_evicted() if h not in store]
         if evicted:
-            for (_, h), payload in zip(evicted, self._blocks.read([b for b, _ in evicted])):
-                store.put(h, payload)
+            store.put_many([(h, p) for (_, h), p in zip(evicted, self._blocks.read([b for b, _ in evicted]))])
         restores = self.kv.take_restores()
         if restores:
             self._blocks.write([r.block for r in restores], [r.payload for r in restores])

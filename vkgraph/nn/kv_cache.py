@@ -200,34 +200,37 @@ class KVCacheManager:
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
         seq = _Sequence(tokens=list(prompt))
-        found: list[int | tuple[bytes, bytes, str]] = []  # a GPU block, or (hash, payload, tier) from the store
+        found: list[int | bytes] = []  # a GPU block, or the hash of a block in the store
         if self.prefix_caching:
             self._hash_full_blocks(seq)
             for h in seq.hashes[:(len(prompt) - 1) // self.block_size]:
                 b = self.pool.lookup(h)
                 if b is not None:
                     found.append(b)
-                    continue
-                got = self.store.get(h) if self.store is not None else None
-                if got is None:
+                elif self.store is not None and h in self.store:
+                    found.append(h)
+                else:
                     break
-                found.append((h, *got))
+        self._check_room(prompt, found, reserve)  # before any restore is read: a refused request reads nothing
+        stored = [f for f in found if isinstance(f, bytes)]
+        got = self.store.get_many(stored) if stored else []
+        if len(got) < len(stored):  # an entry could not be used: the cached prefix ends before it
+            found = found[:found.index(stored[len(got)])]
+            self._check_room(prompt, found, reserve)
+        got_it = iter(got)
         hits = [b for b in found if isinstance(b, int)]
-        need = self.blocks_for(len(prompt)) - len(hits)
-        free_after_hits = self.pool.num_free - sum(self.pool.ref_count[b] == 0 for b in hits)
-        if need + reserve > free_after_hits:
-            raise OutOfKVBlocks(need + reserve, free_after_hits)
         for b in hits:
             self.pool.acquire(b)
-        fresh = self.pool.allocate(need)
+        fresh = self.pool.allocate(self.blocks_for(len(prompt)) - len(hits))
         for f in found:
             if isinstance(f, int):
                 seq.blocks.append(f)
                 self.hit_tokens_by_tier["gpu"] += self.block_size
             else:
+                payload, tier = next(got_it)
                 seq.blocks.append(fresh.pop(0))
-                self._restores.append(Restore(seq_id, seq.blocks[-1], f[0], f[1]))
-                self.hit_tokens_by_tier[f[2]] += self.block_size
+                self._restores.append(Restore(seq_id, seq.blocks[-1], f, payload))
+                self.hit_tokens_by_tier[tier] += self.block_size
         seq.blocks += fresh
         seq.num_computed = len(found) * self.block_size
         self.seqs[seq_id] = seq
@@ -235,6 +238,14 @@ class KVCacheManager:
             self.queried_tokens += len(prompt)
             self.hit_tokens += seq.num_computed
         return seq.num_computed
+
+    def _check_room(self, prompt: Sequence[int], found: list[int | bytes], reserve: int) -> None:
+        """Raise OutOfKVBlocks unless the prompt's blocks beyond the GPU hits in `found` fit, leaving `reserve`."""
+        hits = [b for b in found if isinstance(b, int)]
+        need = self.blocks_for(len(prompt)) - len(hits)
+        free_after_hits = self.pool.num_free - sum(self.pool.ref_count[b] == 0 for b in hits)
+        if need + reserve > free_after_hits:
+            raise OutOfKVBlocks(need + reserve, free_after_hits)
 
     def take_restores(self) -> list[Restore]:
         """Blocks found below the GPU since the last call, to write into their GPU blocks before the next pass."""

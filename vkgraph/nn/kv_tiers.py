@@ -17,8 +17,11 @@ import json
 import logging
 import os
 import struct
+import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 
@@ -35,6 +38,7 @@ log = logging.getLogger("vkgraph.kv_tiers")
 _MAGIC = b"VKGKV001"
 _HEADER = struct.Struct("<8s32s32s32sQ")  # magic, fingerprint, block hash, payload sha256, payload bytes
 _SAMPLE = 1 << 16  # bytes of each weight tensor the fingerprint reads, spread over the tensor
+_IO_THREADS = min(8, os.cpu_count() or 1)  # disk entries read or written at once
 _CHUNK = 64 << 20  # bytes of KV blocks per copy between the GPU and the host (bounds the staging buffers)
 
 
@@ -72,6 +76,19 @@ def _tensors(obj: object, name: str) -> Iterator[tuple[str, np.ndarray]]:
             if f.name != "config":
                 yield from _tensors(getattr(obj, f.name), f"{name}.{f.name}")
 
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _parallel(fn: Callable, args: list[tuple]) -> list:
+    """fn(*a) for each a, in worker threads when there are several; results in order."""
+    global _pool
+    if len(args) < 2:
+        return [fn(*a) for a in args]
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="vkgraph-kv-io")
+    return list(_pool.map(fn, *zip(*args)))
 
 class HostTier:
     """Payloads in host memory, least recently used first out (to `spill`, when set)."""
@@ -157,49 +174,78 @@ class DiskTier:
         return self.dir / f"{h.hex()}.kv"
 
     def put(self, h: bytes, payload: bytes) -> None:
-        if h in self.entries:
-            self.entries.move_to_end(h)
-            return
-        size = _HEADER.size + len(payload)
-        if size > self.max_bytes:
-            return
+        self.put_many([(h, payload)])
+
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Write entries, several files at once (each digest and write runs in a worker thread: hashlib and file
+        IO release the GIL), then count them in, oldest of `items` first."""
+        new = []
+        for h, payload in items:
+            if h in self.entries:
+                self.entries.move_to_end(h)
+            elif _HEADER.size + len(payload) <= self.max_bytes:
+                new.append((h, payload))
+        for (h, payload), error in zip(new, _parallel(self._write, new)):
+            if error is not None:
+                log.warning("KV disk tier: cannot write %s: %s", self._path(h), error)
+            elif h not in self.entries:
+                self.entries[h] = _HEADER.size + len(payload)
+                self.bytes += _HEADER.size + len(payload)
+        self._evict()
+
+    def _write(self, h: bytes, payload: bytes) -> OSError | None:
         header = _HEADER.pack(_MAGIC, self.fingerprint, h, hashlib.sha256(payload).digest(), len(payload))
         path = self._path(h)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes sharing the folder never share a temp file
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # never shared by two writers
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
                 f.write(payload)
             os.replace(tmp, path)  # a reader never sees half a file under the entry's name
         except OSError as e:
-            log.warning("KV disk tier: cannot write %s: %s", path, e)
             tmp.unlink(missing_ok=True)
-            return
-        self.entries[h] = size
-        self.bytes += size
-        self._evict()
+            return e
+        return None
 
     def get(self, h: bytes) -> bytes | None:
-        if h not in self.entries:
-            return None
-        path = self._path(h)
+        return self.get_many([h])[0]
+
+    def get_many(self, hashes: list[bytes]) -> list[bytes | None]:
+        """Each entry's payload (None where absent, or found corrupt or foreign and dropped with a warning),
+        several files read and checked at once in worker threads."""
+        want = [h for h in hashes if h in self.entries]
+        got = dict(zip(want, _parallel(self._read, [(h,) for h in want])))
+        out: list[bytes | None] = []
+        for h in hashes:
+            p = got.get(h)
+            if isinstance(p, str):
+                if h in self.entries:
+                    self._drop(h, p)
+                p = None
+            elif p is not None:
+                self.entries.move_to_end(h)
+            out.append(p)
+        return out
+
+    def _read(self, h: bytes) -> bytes | str:
+        """The payload of h's file, checked, in one read after the header; or why it cannot be used."""
         try:
-            data = path.read_bytes()
+            with open(self._path(h), "rb", buffering=0) as f:
+                head = f.read(_HEADER.size)
+                if len(head) < _HEADER.size:
+                    return "truncated"
+                magic, fp, key, digest, n = _HEADER.unpack(head)
+                if magic != _MAGIC:
+                    return "not a vkgraph KV file"
+                if fp != self.fingerprint:
+                    return "written for another model"
+                if key != h:
+                    return "holds another block"
+                payload = f.read(n + 1)  # one byte more than the header says: a longer file is caught too
         except OSError as e:
-            return self._drop(h, f"unreadable ({e})")
-        if len(data) < _HEADER.size:
-            return self._drop(h, "truncated")
-        magic, fp, key, digest, n = _HEADER.unpack_from(data)
-        payload = data[_HEADER.size:]
-        if magic != _MAGIC:
-            return self._drop(h, "not a vkgraph KV file")
-        if fp != self.fingerprint:
-            return self._drop(h, "written for another model")
-        if key != h:
-            return self._drop(h, "holds another block")
-        if n != len(payload) or hashlib.sha256(payload).digest() != digest:
-            return self._drop(h, "payload does not match its digest")
-        self.entries.move_to_end(h)
+            return f"unreadable ({e})"
+        if len(payload) != n or hashlib.sha256(payload).digest() != digest:
+            return "payload does not match its digest"
         return payload
 
     def _drop(self, h: bytes, why: str) -> None:
@@ -207,7 +253,6 @@ class DiskTier:
         self.dropped += 1
         self.bytes -= self.entries.pop(h)
         self._path(h).unlink(missing_ok=True)
-        return None
 
     def _evict(self) -> None:
         while self.bytes > self.max_bytes and self.entries:
@@ -225,36 +270,67 @@ class PrefixStore:
         self.host = host
         self.disk = disk
         self.spilled = 0  # blocks the GPU cache handed down
+        self.fetched = {"host": 0, "disk": 0}  # payload bytes found per tier
+        self.fetch_s = {"host": 0.0, "disk": 0.0}  # seconds spent finding them (disk: reading and checking)
 
     def __contains__(self, h: bytes) -> bool:
         return (self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)
 
     def put(self, h: bytes, payload: bytes) -> None:
         """A block the GPU cache evicted."""
-        self.spilled += 1
-        self._keep(h, payload)
+        self.put_many([(h, payload)])
 
-    def _keep(self, h: bytes, payload: bytes) -> None:
-        """Into host memory, and what that evicts (the payload itself, when it alone exceeds the budget) down
-        to disk; straight to disk without a host tier."""
-        down = self.host.put(h, payload) if self.host is not None else [(h, payload)]
-        if self.disk is not None:
-            for old, p in down:
-                self.disk.put(old, p)
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Blocks the GPU cache evicted, oldest first."""
+        self.spilled += len(items)
+        self._keep(items)
+
+    def _keep(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Into host memory, and what that evicts (a payload itself, when it alone exceeds the budget) down to
+        disk; straight to disk without a host tier."""
+        if self.host is None:
+            down = items
+        else:
+            down = [d for h, p in items for d in self.host.put(h, p)]
+        if self.disk is not None and down:
+            self.disk.put_many(down)
 
     def get(self, h: bytes) -> tuple[bytes, str] | None:
         """The payload and the tier it came from; a disk hit is promoted to host memory."""
-        if self.host is not None:
-            p = self.host.get(h)
+        got = self.get_many([h])
+        return got[0] if got else None
+
+    def get_many(self, hashes: list[bytes]) -> list[tuple[bytes, str]]:
+        """(payload, tier) of the leading hashes found, up to the first that is not (absent, or a disk entry
+        found corrupt or foreign: dropped with a warning). Disk entries are read together (`DiskTier.get_many`)
+        and promoted to host memory. Counts the time and bytes per tier in `fetch_s` and `fetched`."""
+        t0 = time.perf_counter()
+        found: list[tuple[bytes | None, str]] = []
+        for h in hashes:
+            p = self.host.get(h) if self.host is not None else None
             if p is not None:
-                return p, "host"
-        if self.disk is not None:
-            p = self.disk.get(h)
-            if p is not None:
+                found.append((p, "host"))
+            elif self.disk is not None and h in self.disk:
+                found.append((None, "disk"))
+            else:
+                break
+        t1 = time.perf_counter()
+        on_disk = [h for h, (p, _) in zip(hashes, found) if p is None]
+        read = iter(self.disk.get_many(on_disk) if on_disk else [])
+        out: list[tuple[bytes, str]] = []
+        for h, (p, tier) in zip(hashes, found):
+            if p is None:
+                p = next(read)
+                if p is None:
+                    break
                 if self.host is not None:
-                    self._keep(h, p)  # (too large for host memory: it stays where it is on disk)
-                return p, "disk"
-        return None
+                    self._keep([(h, p)])  # (too large for host memory: it stays where it is on disk)
+            out.append((p, tier))
+        for tier in ("host", "disk"):
+            self.fetched[tier] += sum(len(p) for p, t in out if t == tier)
+        self.fetch_s["host"] += t1 - t0
+        self.fetch_s["disk"] += time.perf_counter() - t1
+        return out
 
     def sizes(self) -> dict[str, tuple[int, int]]:
         """Per tier: (entries, bytes)."""
