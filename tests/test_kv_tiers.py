@@ -112,6 +112,34 @@ def test_a_request_without_room_reads_nothing_from_the_store(tmp_path):
     assert kv.add_sequence("c", prompt) == 12 and store.fetched["disk"] == 24
     assert [r.hash for r in kv.take_restores()] == hashes[:3]
 
+
+def test_a_queued_prompt_has_its_disk_entries_read_ahead(tmp_path, monkeypatch):
+    store = PrefixStore(HostTier(8), DiskTier(tmp_path, 1 << 20, FP))
+    kv = KVCacheManager(8, 4, store=store)
+    prompt = list(range(17))  # 4 full blocks of which the first 4 (16 tokens) may be cached
+    kv.add_sequence("a", prompt)
+    hashes = list(kv.seqs["a"].hashes)
+    kv.free_sequence("a")
+    kv.evict_cached()
+    kv.take_evicted()
+    store.put_many([(x, bytes([i]) * 8) for i, x in enumerate(hashes)])  # the last one in host memory
+    kv.prefetch(prompt)
+    disk = store.disk
+    assert list(disk.ahead) == hashes[:3] and disk.ahead_bytes == 3 * (8 + 112)
+    for f in disk.ahead.values():
+        f.result()
+    disk._path(hashes[0]).unlink()  # read already: the read ahead is what the lookup uses
+    assert kv.add_sequence("b", prompt) == 16
+    assert [r.payload for r in kv.take_restores()] == [bytes([i]) * 8 for i in range(4)]
+    assert not disk.ahead and disk.ahead_bytes == 0
+    # bounded: the oldest reads are let go; an entry evicted or dropped lets its read go too
+    monkeypatch.setattr("vkgraph.nn.kv_tiers._AHEAD_BYTES", 2 * (8 + 112))
+    disk.prefetch([hashes[1], hashes[2], hashes[3]])
+    assert list(disk.ahead) == [hashes[2], hashes[3]] and disk.ahead_bytes == 2 * (8 + 112)
+    disk.max_bytes = 0
+    disk._evict()
+    assert not disk.entries and not disk.ahead and disk.ahead_bytes == 0
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = mk.write_model(tmp_path_factory.mktemp("tiers"), mk.tiny_config(n_layers=2), gguf_types=())["hf"]

@@ -167,6 +167,8 @@ class Engine:
         req = Request(next(self.ids), ids, params or SamplingParams(), max_tokens, frozenset(eos), tuple(stop),
                       logprobs=logprobs)
         self.waiting.append(req)
+        if self._blocks is not None:
+            self.kv.prefetch(ids)  # a queued request's prefix on disk is read while it waits
         return req.id
 
     def abort(self, request_id: int) -> None:

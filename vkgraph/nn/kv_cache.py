@@ -239,6 +239,22 @@ class KVCacheManager:
             self.hit_tokens += seq.num_computed
         return seq.num_computed
 
+    def prefetch(self, prompt: Sequence[int]) -> None:
+        """Start reading the disk entries of a queued prompt's cached prefix (the blocks neither on the GPU nor in
+        host memory) in the background, so that its `add_sequence` finds them read."""
+        disk = self.store.disk if self.store is not None else None
+        if disk is None or not self.prefix_caching:
+            return
+        seq = _Sequence(tokens=list(prompt[:len(prompt) - 1]))
+        self._hash_full_blocks(seq)
+        want = []
+        for h in seq.hashes:
+            if self.pool.lookup(h) is None and not (self.store.host is not None and h in self.store.host):
+                if h not in disk:
+                    break
+                want.append(h)
+        disk.prefetch(want)
+
     def _check_room(self, prompt: Sequence[int], found: list[int | bytes], reserve: int) -> None:
         """Raise OutOfKVBlocks unless the prompt's blocks beyond the GPU hits in `found` fit, leaving `reserve`."""
         hits = [b for b in found if isinstance(b, int)]

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 
@@ -39,6 +39,7 @@ _MAGIC = b"VKGKV001"
 _HEADER = struct.Struct("<8s32s32s32sQ")  # magic, fingerprint, block hash, payload sha256, payload bytes
 _SAMPLE = 1 << 16  # bytes of each weight tensor the fingerprint reads, spread over the tensor
 _IO_THREADS = min(8, os.cpu_count() or 1)  # disk entries read or written at once
+_AHEAD_BYTES = 1 << 30  # disk entries read ahead of their lookup and not yet taken, at most
 _CHUNK = 64 << 20  # bytes of KV blocks per copy between the GPU and the host (bounds the staging buffers)
 
 
@@ -81,14 +82,18 @@ def _tensors(obj: object, name: str) -> Iterator[tuple[str, np.ndarray]]:
 _pool: ThreadPoolExecutor | None = None
 
 
-def _parallel(fn: Callable, args: list[tuple]) -> list:
-    """fn(*a) for each a, in worker threads when there are several; results in order."""
+def _io_pool() -> ThreadPoolExecutor:
     global _pool
-    if len(args) < 2:
-        return [fn(*a) for a in args]
     if _pool is None:
         _pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="vkgraph-kv-io")
-    return list(_pool.map(fn, *zip(*args)))
+    return _pool
+
+
+def _parallel(fn: Callable, args: list[tuple]) -> list:
+    """fn(*a) for each a, in worker threads when there are several; results in order."""
+    if len(args) < 2:
+        return [fn(*a) for a in args]
+    return list(_io_pool().map(fn, *zip(*args)))
 
 class HostTier:
     """Payloads in host memory, least recently used first out (to `spill`, when set)."""
@@ -150,6 +155,8 @@ class DiskTier:
         self.entries: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes
         self.bytes = 0
         self.dropped = 0  # entries found corrupt or foreign
+        self.ahead: OrderedDict[bytes, Future] = OrderedDict()  # reads started by `prefetch`, oldest first
+        self.ahead_bytes = 0
         found = []
         for f in self.dir.glob("*.kv"):
             try:
@@ -210,11 +217,31 @@ class DiskTier:
     def get(self, h: bytes) -> bytes | None:
         return self.get_many([h])[0]
 
+    def prefetch(self, hashes: list[bytes]) -> None:
+        """Start reading (and checking) these entries in worker threads, for a `get_many` to come: e.g. for a
+        request still queued. At most `_AHEAD_BYTES` are kept read ahead; the oldest reads are let go first."""
+        for h in hashes:
+            if h in self.entries and h not in self.ahead:
+                self.ahead[h] = _io_pool().submit(self._read, h)
+                self.ahead_bytes += self.entries[h]
+        while self.ahead_bytes > _AHEAD_BYTES:
+            self._let_go(next(iter(self.ahead)))
+
+    def _let_go(self, h: bytes) -> Future | None:
+        f = self.ahead.pop(h, None)
+        if f is not None:
+            f.cancel()
+            self.ahead_bytes -= self.entries.get(h, 0)
+        return f
+
     def get_many(self, hashes: list[bytes]) -> list[bytes | None]:
         """Each entry's payload (None where absent, or found corrupt or foreign and dropped with a warning),
-        several files read and checked at once in worker threads."""
+        several files read and checked at once in worker threads, or taken from a read `prefetch` started."""
         want = [h for h in hashes if h in self.entries]
-        got = dict(zip(want, _parallel(self._read, [(h,) for h in want])))
+        early = {h: f for h in want if (f := self._let_go(h)) is not None and not f.cancelled()}
+        rest = [h for h in want if h not in early]
+        got = dict(zip(rest, _parallel(self._read, [(h,) for h in rest])))
+        got.update((h, f.result()) for h, f in early.items())
         out: list[bytes | None] = []
         for h in hashes:
             p = got.get(h)
@@ -251,11 +278,13 @@ class DiskTier:
     def _drop(self, h: bytes, why: str) -> None:
         log.warning("KV disk tier: dropping %s: %s", self._path(h), why)
         self.dropped += 1
+        self._let_go(h)
         self.bytes -= self.entries.pop(h)
         self._path(h).unlink(missing_ok=True)
 
     def _evict(self) -> None:
         while self.bytes > self.max_bytes and self.entries:
+            self._let_go(next(iter(self.entries)))
             h, size = self.entries.popitem(last=False)
             self.bytes -= size
             self._path(h).unlink(missing_ok=True)
