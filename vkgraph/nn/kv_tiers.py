@@ -376,6 +376,7 @@ class BlockCopier:
         self.caches = caches
         self.payload_bytes = 2 * len(caches) * cache_bytes(1, c.num_kv_heads, c.head_size, c.block_size, c.dtype)
         self.per_copy = max(1, _CHUNK // self.payload_bytes)  # blocks per copy
+        self._gather = np.empty(0, np.uint8)
 
     def read(self, blocks: list[int]) -> list[bytes]:
         chunks = []
@@ -401,7 +402,17 @@ class BlockCopier:
         tokens: list[Tensor] = []
         for s in range(0, len(blocks), self.per_copy):
             part = payloads[s:s + self.per_copy]
-            rows = np.frombuffer(b"".join(part), np.uint32).reshape(len(part), 2 * len(self.caches), -1)
+            rows = self._gathered(part).view(np.uint32).reshape(len(part), 2 * len(self.caches), -1)
             tokens = move_kv_blocks(self.caches, Tensor(rows), blocks[s:s + self.per_copy], to_cache=True)
             realize_all(*tokens)
         return tokens[-1] if tokens else None
+
+    def _gathered(self, payloads: list[bytes]) -> np.ndarray:
+        """The payloads one after another in a host buffer kept from call to call (its pages touched already:
+        a fresh one would fault on every page as it is filled). Tensor() uploads at once, so it is free again."""
+        n = len(payloads) * self.payload_bytes
+        if self._gather.size < n:
+            self._gather = np.empty(n, np.uint8)
+        for i, p in enumerate(payloads):
+            self._gather[i * self.payload_bytes:(i + 1) * self.payload_bytes] = np.frombuffer(p, np.uint8)
+        return self._gather[:n]
