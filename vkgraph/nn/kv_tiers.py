@@ -78,7 +78,6 @@ def _tensors(obj: object, name: str) -> Iterator[tuple[str, np.ndarray]]:
                 yield from _tensors(getattr(obj, f.name), f"{name}.{f.name}")
 
 
-
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -94,6 +93,7 @@ def _parallel(fn: Callable, args: list[tuple]) -> list:
     if len(args) < 2:
         return [fn(*a) for a in args]
     return list(_io_pool().map(fn, *zip(*args)))
+
 
 class HostTier:
     """Payloads in host memory, least recently used first out (to `spill`, when set)."""
@@ -347,14 +347,16 @@ class PrefixStore:
         on_disk = [h for h, (p, _) in zip(hashes, found) if p is None]
         read = iter(self.disk.get_many(on_disk) if on_disk else [])
         out: list[tuple[bytes, str]] = []
+        promote = []
         for h, (p, tier) in zip(hashes, found):
             if p is None:
                 p = next(read)
                 if p is None:
                     break
-                if self.host is not None:
-                    self._keep([(h, p)])  # (too large for host memory: it stays where it is on disk)
+                promote.append((h, p))
             out.append((p, tier))
+        if self.host is not None and promote:
+            self._keep(promote)  # (what host memory cannot hold stays where it is on disk)
         for tier in ("host", "disk"):
             self.fetched[tier] += sum(len(p) for p, t in out if t == tier)
         self.fetch_s["host"] += t1 - t0
