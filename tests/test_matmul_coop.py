@@ -28,6 +28,9 @@ I8 = ("int8", "int8", "int32", "int32")
 # an H200's list, at subgroup scope (float16 accumulators left out: codegen does not take them)
 COOP = ((16, 16, 16) + F16, (16, 8, 16) + F16, (16, 8, 8) + F16, (16, 16, 16) + BF16)
 COOP_I8 = COOP + ((16, 16, 32) + I8, (16, 8, 32) + I8)
+U8 = ("uint8", "uint8", "int32", "int32")
+UI8 = ("uint8", "int8", "int32", "int32")
+COOP_8BIT = COOP_I8 + ((16, 16, 32) + U8, (16, 16, 32) + UI8)
 
 
 def fake_limits(**kw) -> Limits:
@@ -177,13 +180,27 @@ def test_int8_products_take_int8_cooperative_matrices(form):
     compiles(p.src)
 
 
-def test_int8_signedness_reaches_the_spirv():
+def test_int8_values_of_a_narrowing_cast_are_read_element_by_element():
+    """int16 values cast to int8 (wrapping) are int8 values: the product takes int8 fragments and reads that
+    operand through the cast, element by element; numpy's result on the tiled path here."""
+    a16, b = ints((100, 80), 0, np.int16), ints((80, 96), 1)
+    a = Tensor(a16).cast(dtypes.int8)
+    (p,) = programs(a.matmul(Tensor(b), dtype=dtypes.int32), fake_limits(coop=COOP_I8))
+    assert p.name.endswith("_i8") and "int16_t data[]" in p.src
+    compiles(p.src)
+    np.testing.assert_array_equal(a.matmul(Tensor(b), dtype=dtypes.int32).numpy(),
+                                  np.matmul(a16.astype(np.int8), b, dtype=np.int32))
+
+
+@pytest.mark.parametrize("ta,tb,mask", [(np.int8, np.int8, 0xF), (np.uint8, np.uint8, 0xC), (np.uint8, np.int8, 0xE)])
+def test_int8_signedness_reaches_the_spirv(ta, tb, mask):
     """coopMatMulAdd of int8_t fragments must be marked signed (A, B, C and result), or the bytes multiply as
-    unsigned: the operand mask of every OpCooperativeMatrixMulAddKHR is 0xf."""
+    unsigned, and uint8_t ones unsigned: the operand mask of every OpCooperativeMatrixMulAddKHR (signed A 1,
+    B 2, C 4, result 8)."""
     import struct
 
-    (p,) = programs(Tensor(ints((64, 64))).matmul(Tensor(ints((64, 64), 1)), dtype=dtypes.int32),
-                    fake_limits(coop=COOP_I8))
+    (p,) = programs(Tensor(ints((64, 64), 0, ta)).matmul(Tensor(ints((64, 64), 1, tb)), dtype=dtypes.int32),
+                    fake_limits(coop=COOP_8BIT))
     global _compiler
     if _compiler is None:
         _compiler = Compiler(backend="glslang")
@@ -195,14 +212,38 @@ def test_int8_signedness_reaches_the_spirv():
         if op == 4459:  # OpCooperativeMatrixMulAddKHR: result type, id, A, B, C[, operands]
             masks.append(words[i + 6] if count > 6 else 0)
         i += count
-    assert masks and all(m == 0xF for m in masks)
+    assert masks and all(m == mask for m in masks)
+
+
+@pytest.mark.parametrize("types,out", [(("uint8", "uint8"), "uint8"), (("uint8", "uint8"), "int32"),
+                                       (("uint8", "int8"), "int16"), (("uint8", "int8"), "int64")])
+def test_int8_family_uint8_operands_take_the_types_the_device_lists(types, out):
+    """uint8 operands (and uint8 x int8) run on fragments of their own types where listed, summed in int32."""
+    ta, tb = (getattr(np, t) for t in types)
+    a, b = Tensor(ints((200, 96), 0, ta)), Tensor(ints((96, 144), 1, tb))
+    (p,) = programs(a.matmul(b, dtype=out), fake_limits(coop=COOP_8BIT))
+    assert p.name.endswith("_i8")
+    assert f"coopmat<{types[0]}_t, gl_ScopeSubgroup, 16, 32, gl_MatrixUseA>" in p.src
+    assert f"coopmat<{types[1]}_t, gl_ScopeSubgroup, 32, 16, gl_MatrixUseB>" in p.src
+    compiles(p.src)
+    (p,) = programs(a.matmul(b, dtype=out), fake_limits(coop=COOP_I8))  # the pair not listed: the tiled path
+    assert p.name.startswith("M_")
+
+
+def test_int8_family_length_limits_follow_the_operand_types():
+    assert matmul_coop.max_k("uint8", "uint8") * 255 * 255 < 2**31 <= (matmul_coop.max_k("uint8", "uint8") + 1) * 255**2
+    a, b = Tensor(ints((64, 33025), 0, np.uint8)), Tensor(ints((33025, 64), 1, np.uint8))
+    assert programs(a.matmul(b, dtype="int32"), fake_limits(coop=COOP_8BIT))[0].name.endswith("_i8")
+    a, b = Tensor(ints((64, 33026), 0, np.uint8)), Tensor(ints((33026, 64), 1, np.uint8))
+    assert programs(a.matmul(b, dtype="int32"), fake_limits(coop=COOP_8BIT))[0].name.startswith("M_")
 
 
 @pytest.mark.parametrize("what", ["no_int8_shape", "only_16x8", "long_k", "int16_operand", "uint8_operand",
                                   "unsigned_result", "subgroup_range"])
 def test_int8_products_that_stay_on_the_tiled_path(what):
     """No fitting int8 shape (16x8x32 fragments are half a 16-byte chunk wide), K past what int32 holds exactly,
-    operands that are not int8 values, an unsigned sum, or a subgroup size that is not fixed."""
+    operands that are not 8-bit values of a listed type (uint8 here: only int8 listed), a sum in an unsigned type
+    of int8 operands (their casts change values), or a subgroup size that is not fixed."""
     lim = {"no_int8_shape": fake_limits(), "only_16x8": fake_limits(coop=COOP + ((16, 8, 32) + I8,)),
            "subgroup_range": fake_limits(coop=COOP_I8, min_subgroup=32, max_subgroup=64)}.get(
         what, fake_limits(coop=COOP_I8))
@@ -228,14 +269,15 @@ def test_int8_fragment_is_16x16x32_with_int32_accumulation():
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=st.integers(64, 300), n=st.integers(64, 300), k=st.integers(1, 200), batch=st.sampled_from([(), (3,), (2, 2)]),
-       ta=st.booleans(), tb=st.booleans(), sub=st.integers(0, 1))
-def test_every_drawn_int8_cooperative_program_compiles(m, n, k, batch, ta, tb, sub):
-    a = Tensor(ints(batch + ((k, m + sub) if ta else (m + sub, k))))
-    b = Tensor(ints((n, k) if tb else (k, n), 1))
+       ta=st.booleans(), tb=st.booleans(), sub=st.integers(0, 1),
+       types=st.sampled_from([(np.int8, np.int8), (np.uint8, np.uint8), (np.uint8, np.int8)]))
+def test_every_drawn_int8_cooperative_program_compiles(m, n, k, batch, ta, tb, sub, types):
+    a = Tensor(ints(batch + ((k, m + sub) if ta else (m + sub, k)), 0, types[0]))
+    b = Tensor(ints((n, k) if tb else (k, n), 1, types[1]))
     a = a.transpose(-1, -2) if ta else a
     b = b.transpose(-1, -2) if tb else b
     a = a[..., :m, :] if sub else a
-    progs = programs(a.matmul(b, dtype=dtypes.int32), fake_limits(coop=COOP_I8))
+    progs = programs(a.matmul(b, dtype=dtypes.int32), fake_limits(coop=COOP_8BIT))
     assert progs[-1].name.endswith("_i8")
     compiles(progs[-1].src)
 
@@ -384,12 +426,15 @@ def test_every_tile_configuration_matches_numpy(tb):
 @needs_i8
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(m=st.integers(64, 260), n=st.integers(64, 260), k=st.integers(1, 300), batch=st.sampled_from([(), (3,), (2, 2)]),
-       ta=st.booleans(), tb=st.booleans(), sub=st.integers(0, 2), out=st.sampled_from(["int32", "int8", "int64"]),
+       ta=st.booleans(), tb=st.booleans(), sub=st.integers(0, 2), out=st.sampled_from(["int32", None, "int64"]),
+       types=st.sampled_from([("int8", "int8"), ("int8", "int8"), ("uint8", "uint8"), ("uint8", "int8")]),
        seed=st.integers(0, 2**16))
-def test_int8_products_match_numpy_exactly(m, n, k, batch, ta, tb, sub, out, seed):
-    """Odd M, N and K (K not a multiple of 32), batches, transposed and sliced views: numpy's result exactly."""
-    a = ints(batch + ((k, m + sub) if ta else (m + sub, k)), seed)
-    b = ints((n, k) if tb else (k, n), seed + 1)
+def test_int8_products_match_numpy_exactly(m, n, k, batch, ta, tb, sub, out, types, seed):
+    """Odd M, N and K (K not a multiple of 32), batches, transposed and sliced views, int8 and uint8 operands,
+    summed in int32, int64 or their own result type (int8 @ int8 wraps in int8): numpy's result exactly, on
+    cooperative matrices where the device lists the operand types."""
+    a = ints(batch + ((k, m + sub) if ta else (m + sub, k)), seed, getattr(np, types[0]))
+    b = ints((n, k) if tb else (k, n), seed + 1, getattr(np, types[1]))
     an = np.swapaxes(a, -1, -2) if ta else a
     bn = b.T if tb else b
     ta_, tb_ = Tensor(a), Tensor(b)
@@ -398,8 +443,11 @@ def test_int8_products_match_numpy_exactly(m, n, k, batch, ta, tb, sub, out, see
     ta_, an = ta_[..., sub:, :], an[..., sub:, :]
     with count_kernels() as c:
         got = ta_.matmul(tb_, dtype=out).numpy()
-    assert any(nm.startswith("MC_") and nm.endswith("_i8") for nm in c.names)
-    np.testing.assert_array_equal(got, np.matmul(an, bn, dtype=getattr(np, out)))
+    listed = matmul_coop.int_fragment(realize_mod.limits(), *types) is not None
+    assert any(nm.startswith("MC_") and nm.endswith("_i8") for nm in c.names) == listed
+    want = np.matmul(an, bn, dtype=getattr(np, out) if out else None)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
 
 
 @needs_i8

@@ -100,8 +100,8 @@ class Limits:
                      if s.scope == "subgroup" and not s.saturating)
         if not info.float16:  # the fragments are declared as float16_t
             coop = ()
-        if not info.int8:  # int8 fragments need int8 arithmetic types in the shader
-            coop = tuple(c for c in coop if "int8" not in c[3:5])
+        if not info.int8:  # 8-bit integer fragments need 8-bit arithmetic types in the shader
+            coop = tuple(c for c in coop if not {"int8", "uint8"} & set(c[3:5]))
         return Limits(int(info.max_workgroup_invocations), tuple(int(x) for x in info.max_workgroup_count),
                       int(info.max_shared_memory), int(info.max_storage_buffer_range),
                       min(int(info.max_storage_buffers), Limits.BINDING_CAP),

@@ -15,11 +15,12 @@ memory and its invocations apply the fused elementwise code and store through th
 bfloat16 operands use the same program with the fragment type renamed in the SPIR-V (runtime/spirv.py):
 glslang of this vintage cannot spell bfloat16_t, but the operands never leave shared memory as values.
 
-int8 operands (an int8 @ int8 product, or int8 values widened by casts to a signed integer type, as
-`a.matmul(b, dtype=int32)` and `a.cast(int32) @ b.cast(int32)` give) use the same program on int8 fragments with
-int32 accumulators: 16 values to a staged chunk, fragment K 32. It is taken only for K < 2^17, where the int32
-sum of int8 products cannot overflow, so the result, cast to the product's type, is numpy's exactly; longer
-products keep the tiled integer path (which wraps as numpy does).
+8-bit integer operands (an int8 @ int8 product, or int8/uint8 values under casts that keep them, as
+`a.matmul(b, dtype=int32)` and `a.cast(int32) @ b.cast(int32)` give) use the same program on int8/uint8 fragments
+with int32 accumulators, for the operand types the device lists: 16 values to a staged chunk, fragment K 32. It
+is taken only where the int32 sum cannot overflow (K < 2^17 for int8 x int8, `max_k`), so the result, cast to the
+product's integer type, is numpy's exactly; longer products keep the tiled integer path (which wraps as numpy
+does).
 """
 
 from __future__ import annotations
@@ -38,10 +39,17 @@ if TYPE_CHECKING:
     from ..schedule import Kernel
     from .lower import Limits, Lowered
 
-_OPERAND_TYPES = {dtypes.float16: "float16", dtypes.bfloat16: "bfloat16", dtypes.int8: "int8"}
-_ACCUMULATOR = {"float16": "float32", "bfloat16": "float32", "int8": "int32"}
-# |int8 * int8| <= 2^14: up to this many products sum in int32 without overflow
-INT8_MAX_K = (2**31 - 1) // 2**14
+_OPERAND_TYPES = {dtypes.float16: "float16", dtypes.bfloat16: "bfloat16", dtypes.int8: "int8", dtypes.uint8: "uint8"}
+_BYTES = {dtypes.int8: "int8", dtypes.uint8: "uint8"}
+_BYTE_MAX = {"int8": 128, "uint8": 255}  # the largest magnitude of each
+
+
+def max_k(ta: str, tb: str) -> int:
+    """The longest product of 8-bit values of types ta and tb whose int32 sum cannot overflow."""
+    return (2**31 - 1) // (_BYTE_MAX[ta] * _BYTE_MAX[tb])
+
+
+INT8_MAX_K = max_k("int8", "int8")  # 2^17 - 1
 # The SPIR-V of a program whose source holds this line gets its float16 fragment type marked bfloat16 by the
 # compiler (runtime/spirv.py holds the same text; codegen does not import the runtime)
 BF16_FRAGMENTS = "// vkgraph: float16_t fragments are bfloat16"
@@ -92,7 +100,7 @@ INT8_CONFIGS = (Config(128, 128, 64, 2, 4), Config(128, 128, 64, 4, 2), Config(1
 
 def configs(compute: DType) -> tuple[Config, ...]:
     """The tile configurations a search measures for operands of type compute."""
-    return INT8_CONFIGS if compute is dtypes.int8 else CONFIGS
+    return INT8_CONFIGS if compute in _BYTES else CONFIGS
 
 
 def operand_type(d: DType) -> str | None:
@@ -100,48 +108,67 @@ def operand_type(d: DType) -> str | None:
 
 
 def fragment(lim: Limits, operand: str) -> tuple[int, int, int] | None:
-    """The fragment shape (M, N, K) for operand type `operand` with float32 accumulation (int32 for int8) at
-    subgroup scope, the device offers: 16x16x16 (int8: 16x16x32) where listed (the most work per instruction),
-    else the largest listed. Fragment edges are whole 16-byte chunks of staged operands: multiples of 8 16-bit
-    or 16 8-bit values."""
-    acc = _ACCUMULATOR.get(operand)
-    vw = 16 if operand == "int8" else 8
-    shapes = [(m, n, k) for m, n, k, a, b, c, res in lim.coop
-              if a == b == operand and c == res == acc and m % vw == 0 and n % vw == 0 and k % vw == 0]
+    """The fragment shape (M, N, K) for operand type `operand` with float32 accumulation (int32 for 8-bit
+    integers: int_fragment) at subgroup scope, the device offers: 16x16x16 where listed (the most work per
+    instruction), else the largest listed. Fragment edges are whole 16-byte chunks of staged operands."""
+    if operand in _BYTE_MAX:
+        return int_fragment(lim, operand, operand)
+    return _pick([(m, n, k) for m, n, k, a, b, c, res in lim.coop
+                  if a == b == operand and c == res == "float32" and m % 8 == 0 and n % 8 == 0 and k % 8 == 0],
+                 (16, 16, 16))
+
+
+def int_fragment(lim: Limits, ta: str, tb: str) -> tuple[int, int, int] | None:
+    """The fragment shape for 8-bit integer operands of types ta (A) and tb (B) with int32 accumulation:
+    16x16x32 where listed; edges of 16 values (a 16x8x32 fragment would split a staged chunk)."""
+    return _pick([(m, n, k) for m, n, k, a, b, c, res in lim.coop
+                  if (a, b) == (ta, tb) and c == res == "int32" and m % 16 == 0 and n % 16 == 0 and k % 16 == 0],
+                 (16, 16, 32))
+
+
+def _pick(shapes: list[tuple[int, int, int]], pref: tuple[int, int, int]) -> tuple[int, int, int] | None:
     if not shapes:
         return None
-    pref = (16, 16, 32) if operand == "int8" else (16, 16, 16)
     return pref if pref in shapes else max(shapes, key=lambda s: (s[0] * s[1] * s[2], s))
 
 
-def int8_source(src: Node) -> Node | None:
-    """The int8 node whose values operand src holds, through casts that widen signed integers (which keep the
-    values), or None when src is not int8-valued that way."""
+def _widens(n: Node) -> bool:
+    """Whether n is a cast between integer types that keeps every value of its source."""
+    if n.op is not Op.CAST:
+        return False
+    s, d = n.srcs[0].dtype, n.dtype
+    if not (s.is_int and d.is_int):
+        return False
+    return s.itemsize <= d.itemsize if s.kind == d.kind else (s.kind == "u" and s.itemsize < d.itemsize)
+
+
+def byte_type(src: Node) -> DType | None:
+    """int8 or uint8 when operand src holds values of that type (under casts that keep them, and views), else
+    None."""
     n = src
-    while n.dtype is not dtypes.int8:
-        if (n.op is not Op.CAST or n.dtype.kind != "i" or n.srcs[0].dtype.kind != "i"
-                or n.srcs[0].dtype.itemsize > n.dtype.itemsize):
+    while n.dtype not in _BYTES:
+        if n.op is not Op.VIEW and not _widens(n):
             return None
         n = n.srcs[0]
-    return n
+    return n.dtype
 
 
-def _int8_valued(src: Node) -> bool:
-    """Whether src holds int8 values: an int8 node under widening signed-integer casts and views."""
-    n = src
-    while n.dtype is not dtypes.int8:
-        if n.op is Op.VIEW:
-            n = n.srcs[0]
-        elif int8_source(n) is not None:
-            return True
-        else:
-            return False
-    return True
+def _byte_types(mm: Node) -> tuple[DType, DType] | None:
+    """The 8-bit types of an integer product's operands, where both have one and the int32 sum of K products
+    cannot overflow (so the result, cast to mm's type, is exact)."""
+    if not mm.dtype.is_int:
+        return None
+    ta, tb = byte_type(mm.srcs[0]), byte_type(mm.srcs[1])
+    if ta is None or tb is None or mm.srcs[0].shape[-1] > max_k(_BYTES[ta], _BYTES[tb]):
+        return None
+    return ta, tb
 
 
-def _int8_product(mm: Node) -> bool:
-    """A signed-integer product of int8 values short enough to sum in int32 exactly."""
-    return (mm.dtype.kind == "i" and mm.srcs[0].shape[-1] <= INT8_MAX_K and all(_int8_valued(s) for s in mm.srcs))
+def _fragment_of(mm: Node, compute: DType, lim: Limits) -> tuple[int, int, int] | None:
+    if compute in _BYTES:
+        ta, tb = _byte_types(mm)
+        return int_fragment(lim, _BYTES[ta], _BYTES[tb])
+    return fragment(lim, operand_type(compute))
 
 
 def compute_type(mm: Node, lim: Limits) -> DType | None:
@@ -152,15 +179,15 @@ def compute_type(mm: Node, lim: Limits) -> DType | None:
         d = mm.dtype
     elif mm.dtype is dtypes.float32 and lim.f32_compute:
         d = dtypes.float16 if lim.f32_compute == "float16" else dtypes.bfloat16
-    elif _int8_product(mm):
-        d = dtypes.int8
+    elif (bt := _byte_types(mm)) is not None:
+        d = bt[0]  # A's type names the compute type (B's is read from mm again)
     else:
         return None
     if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1:
         return None
     if any(s < 1 for s in mm.shape) or mm.srcs[0].shape[-1] < 1:
         return None
-    frag = fragment(lim, operand_type(d))
+    frag = _fragment_of(mm, d, lim)
     if frag is None or not any(c.fits(frag, lim, d.itemsize) for c in configs(d)):
         return None
     return d
@@ -171,7 +198,7 @@ def default_config(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[
     """The largest tile that still gives a device of ~128 multiprocessors a workgroup each: 128 x 128 with 8
     subgroups of 64 x 32 where the output has at least 128 such tiles (fastest of the measured ones on an H200,
     benchmarks/RESULTS.md), smaller tiles for smaller outputs; int8 slices twice as deep (the same bytes)."""
-    bk, size = (64, 1) if compute is dtypes.int8 else (32, 2)
+    bk, size = (64, 1) if compute in _BYTES else (32, 2)
     for c in (Config(128, 128, bk, 2, 4), Config(64, 128, bk, 2, 4), Config(64, 64, bk, 2, 2)):
         if c.fits(frag, lim, size) and batch * math.ceil(m / c.bm) * math.ceil(n / c.bn) >= 128:
             return c
@@ -196,9 +223,8 @@ class _Operand:
 
 
 def _strip(n: Node) -> Node:
-    """n without casts that keep its values: to its own type, and (for int8 products) widening integer ones."""
-    while n.op is Op.CAST and (n.srcs[0].dtype is n.dtype
-                               or (n.dtype is not dtypes.int8 and int8_source(n) is not None)):
+    """n without casts that keep its values: to its own type, and widening integer ones down to an 8-bit type."""
+    while n.op is Op.CAST and (n.srcs[0].dtype is n.dtype or (n.dtype not in _BYTES and _widens(n))):
         n = n.srcs[0]
     return n
 
@@ -266,7 +292,7 @@ def _refs_outside(k: Kernel, mm: Node) -> set[int]:
 def _pack(compute: DType, vals: list[str]) -> str:
     """A chunk of values of the compute type as one uvec4: eight floats as 16-bit bit patterns (exact: they are
     representable), or sixteen int8-valued ints as bytes."""
-    if compute is dtypes.int8:
+    if compute in _BYTES:
         words = [" | ".join(f"((uint({vals[i + j]}) & 0xffu) << {8 * j})" for j in range(4)) for i in range(0, 16, 4)]
     elif compute is dtypes.float16:
         words = [f"packHalf2x16(vec2({vals[i]}, {vals[i + 1]}))" for i in range(0, 8, 2)]
@@ -291,11 +317,12 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     batch = mm.shape[:-2]
     m_, n_, k_ = a.shape[-2], b.shape[-1], a.shape[-1]
     nb = prod(batch)
-    frag = fragment(lim, operand_type(compute))
+    frag = _fragment_of(mm, compute, lim)
     assert frag is not None
     fm, fn, fk = frag
     cfg = cfg or choose(m_, n_, k_, nb, lim, frag, compute)
-    int8 = compute is dtypes.int8
+    int8 = compute in _BYTES  # 8-bit integer operands, each of its own type
+    ta, tb = _byte_types(mm) if int8 else (compute, compute)
     vw = 16 // compute.itemsize  # elements per 16-byte chunk
     sh = vw.bit_length() - 1
     bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
@@ -309,8 +336,8 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     nk = math.ceil(k_ / bk)
 
     outside = _refs_outside(k, mm)
-    opa = _operand(a, compute, lim, outside)
-    opb = _operand(b, compute, lim, outside)
+    opa = _operand(a, ta, lim, outside)
+    opb = _operand(b, tb, lim, outside)
     r = _renderer(lim, params)
     r.ext |= {"GL_KHR_cooperative_matrix", "GL_KHR_memory_scope_semantics", "GL_KHR_shader_subgroup_basic",
               "GL_EXT_shader_explicit_arithmetic_types_float16"}
@@ -348,7 +375,8 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     bc = unravel(Var("bt", 0, nb - 1), batch)
 
     # the fragment component types as GLSL spells them (bfloat16: float16_t, renamed in the SPIR-V)
-    ct, at_, zero_ = ("int8_t", "int32_t", "0") if int8 else ("float16_t", "float", "0.0")
+    at_, zero_ = ("int32_t", "0") if int8 else ("float", "0.0")
+    ct_a, ct_b = (f"{_BYTES[ta]}_t", f"{_BYTES[tb]}_t") if int8 else ("float16_t", "float16_t")
     if compute is dtypes.bfloat16:
         r.emit(BF16_FRAGMENTS)
     # every fragment, register and slice loop is unrolled here: fragment arrays indexed in a loop the driver
@@ -437,8 +465,8 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     load_slice("0")
     store_slice("0")
     r.emit("barrier();")
-    a_t = f"coopmat<{ct}, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
-    b_t = f"coopmat<{ct}, gl_ScopeSubgroup, {fk}, {fn}, gl_MatrixUseB>"
+    a_t = f"coopmat<{ct_a}, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
+    b_t = f"coopmat<{ct_b}, gl_ScopeSubgroup, {fk}, {fn}, gl_MatrixUseB>"
     lay_a = "gl_CooperativeMatrixLayoutColumnMajor" if opa.col_major else "gl_CooperativeMatrixLayoutRowMajor"
     lay_b = "gl_CooperativeMatrixLayoutColumnMajor" if opb.col_major else "gl_CooperativeMatrixLayoutRowMajor"
     r.emit(f"int arow = wr * {tm_};")
