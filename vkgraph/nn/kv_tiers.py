@@ -394,20 +394,21 @@ class BlockCopier:
             out += [r.tobytes() for r in words.reshape(len(words), -1)]
         return out
 
-    def write(self, blocks: list[int], payloads: list[bytes]) -> Tensor | None:
-        """Into the given blocks, recorded ahead of any later pass (which reads them after, in queue order).
-        Returns the last copy's token (None for no blocks): waiting on it (`.numpy()`) waits for them all."""
+    def write(self, blocks: list[int], payloads: list[bytes]) -> None:
+        """Into the given blocks, recorded ahead of any later pass (which reads them after, in queue order)."""
         if len(blocks) != len(payloads):
             raise ValueError(f"{len(blocks)} blocks for {len(payloads)} payloads")
         if any(len(p) != self.payload_bytes for p in payloads):
             raise ValueError(f"a KV block payload must be {self.payload_bytes} bytes")
-        tokens: list[Tensor] = []
         for s in range(0, len(blocks), self.per_copy):
             part = payloads[s:s + self.per_copy]
             rows = self._gathered(part).view(np.uint32).reshape(len(part), 2 * len(self.caches), -1)
-            tokens = move_kv_blocks(self.caches, Tensor(rows), blocks[s:s + self.per_copy], to_cache=True)
-            realize_all(*tokens)
-        return tokens[-1] if tokens else None
+            realize_all(*move_kv_blocks(self.caches, Tensor(rows), blocks[s:s + self.per_copy], to_cache=True))
+
+    def wait(self) -> None:
+        """Until every copy recorded so far has run (for timing): the last cache's values are the last buffer
+        written, and the work recorded before their last writer completes before it (one queue, in order)."""
+        self.caches[-1].value[:1].numpy()
 
     def _gathered(self, payloads: list[bytes]) -> np.ndarray:
         """The payloads one after another in a host buffer kept from call to call (its pages touched already:
