@@ -14,7 +14,8 @@ for one token of prefix + a 16-token suffix, with the prefix:
   (posix_fadvise), so a disk hit reads the device, not memory.
 Prints the median and the best time to first token per case, and for the host and disk cases the restore's own
 time (median): reading the entries from its tier (disk: files read and digests checked) plus copying them into
-the GPU's cache blocks (waited for), with the effective rate over the prefix's bytes.
+the GPU's cache blocks (waited for), with the effective rate over the prefix's bytes; and the offload's time
+(out of the GPU into the tier, disk files written, before the page cache is dropped) with its rate.
 """
 
 from __future__ import annotations
@@ -107,15 +108,19 @@ def main() -> int:
 
         copier.write = timed_write
 
-        def case(kind: str) -> tuple[float, float, float]:
-            """Time to first token, and the restore's parts: reading the tier and copying into the GPU."""
+        def case(kind: str) -> tuple[float, float, float, float]:
+            """Time to first token, the restore's parts (reading the tier, copying into the GPU) and the
+            offload's time before it (out of the GPU into the tier, files written)."""
             prefix = draw(a.prefix)
             store = host_store if kind != "disk" else disk_store
+            offload = 0.0
             if kind != "cold":
                 engine.kv.store = store
                 ttft(engine, prefix + draw(SUFFIX))  # computed: its blocks in the GPU prefix cache
                 if kind in ("host", "disk"):
+                    t = time.perf_counter()
                     engine.offload_prefix_cache()  # from the GPU into the tier
+                    offload = time.perf_counter() - t
                     if kind == "disk":
                         drop_page_cache(disk.dir)
             before = dict(engine.kv.hit_tokens_by_tier)
@@ -125,7 +130,7 @@ def main() -> int:
             want = {} if kind == "cold" else {kind: a.prefix}
             if hit != want:
                 raise SystemExit(f"{kind}: expected prefix hits {want}, got {hit}")
-            return t, sum(store.fetch_s.values()) - fetch0, to_gpu[0]
+            return t, sum(store.fetch_s.values()) - fetch0, to_gpu[0], offload
 
         print(f"model {Path(path).name}, prefix {a.prefix} + suffix {SUFFIX} tokens, KV {a.kv_dtype}, "
               f"{copier.payload_bytes * a.prefix // BLOCK / 2**20:.1f} MiB of KV per prefix")
@@ -135,7 +140,8 @@ def main() -> int:
         runs = {k: [case(k) for _ in range(a.reps)] for k in kinds}
         nbytes = copier.payload_bytes * (a.prefix // BLOCK)
         cold = statistics.median(r[0] for r in runs["cold"])
-        print("prefix in   ttft median ms   best ms   vs recomputing   restore ms = read + to GPU     GB/s")
+        print("prefix in   ttft median ms   best ms   vs recomputing   restore ms = read + to GPU     GB/s"
+              "   offload ms   GB/s")
         for k in kinds:
             ttfts = [r[0] for r in runs[k]]
             med = statistics.median(ttfts)
@@ -144,7 +150,8 @@ def main() -> int:
                 read, gpu = (statistics.median(r[i] for r in runs[k]) for i in (1, 2))
                 total = statistics.median(r[1] + r[2] for r in runs[k])
                 line += f"        {1000 * total:8.1f} = {1000 * read:6.1f} + {1000 * gpu:6.1f}"
-                line += f"   {nbytes / total / 1e9:6.2f}"
+                off = statistics.median(r[3] for r in runs[k])
+                line += f"   {nbytes / total / 1e9:6.2f}   {1000 * off:10.1f} {nbytes / off / 1e9:6.2f}"
             print(line)
     return 0
 
