@@ -15,7 +15,7 @@ from vkgraph.nn.engine import Engine
 from vkgraph.nn.kv_cache import KVCacheManager, OutOfKVBlocks
 from vkgraph.nn.kv_tiers import BlockCopier, DiskTier, HostTier, PrefixStore, model_fingerprint
 from vkgraph.nn.llama import LlamaModel
-from vkgraph.nn.template_ops import KVCache, move_kv_blocks
+from vkgraph.nn.template_ops import KVCache, write_kv_blocks
 from vkgraph.nn.weights import load_weights
 from vkgraph.tensor import Tensor
 
@@ -176,7 +176,7 @@ def test_block_copier_moves_blocks_bit_for_bit(dtype):
     with pytest.raises(ValueError, match="payload must be"):
         copier.write([1], [b"x"])
     with pytest.raises(ValueError, match="repeat"):
-        move_kv_blocks(caches, Tensor(np.zeros((2, 6, piece // 4), np.uint32)), [1, 1], to_cache=True)
+        write_kv_blocks(caches, payloads[:2], [1, 1])
     with pytest.raises(ValueError, match="below 7"):
         copier.read([7])
 

@@ -31,7 +31,7 @@ from ..dtype import dtypes
 from ..quant import QuantizedTensor
 from ..templates.paged_attention import cache_bytes
 from ..tensor import Tensor, realize_all
-from .template_ops import KVCache, move_kv_blocks
+from .template_ops import KVCache, read_kv_blocks, write_kv_blocks
 
 log = logging.getLogger("vkgraph.kv_tiers")
 
@@ -371,14 +371,14 @@ class PrefixStore:
 class BlockCopier:
     """Copies whole blocks of a model's paged KV caches (every layer, keys and values) between the GPU and
     host bytes: one payload per block, the caches' own bytes in the caches' own layout, moved by copies of many
-    regions (no kernel, no conversion), `_CHUNK` bytes of blocks at a time."""
+    regions (no kernel, no conversion), `_CHUNK` bytes of blocks at a time: out through one buffer and one
+    download; in through staging memory, straight into the blocks."""
 
     def __init__(self, caches: list[KVCache]) -> None:
         c = caches[0]
         self.caches = caches
         self.payload_bytes = 2 * len(caches) * cache_bytes(1, c.num_kv_heads, c.head_size, c.block_size, c.dtype)
         self.per_copy = max(1, _CHUNK // self.payload_bytes)  # blocks per copy
-        self._gather = np.empty(0, np.uint8)
 
     def read(self, blocks: list[int]) -> list[bytes]:
         chunks = []
@@ -386,7 +386,7 @@ class BlockCopier:
             part = blocks[s:s + self.per_copy]
             rows = Tensor.empty(len(part), 2 * len(self.caches), self.payload_bytes // (8 * len(self.caches)),
                                 dtype=dtypes.uint32)
-            realize_all(*move_kv_blocks(self.caches, rows, part, to_cache=False))
+            realize_all(*read_kv_blocks(self.caches, rows, part))
             chunks.append(rows)
         out = []
         for rows in chunks:  # every copy is recorded before the first download waits
@@ -401,21 +401,11 @@ class BlockCopier:
         if any(len(p) != self.payload_bytes for p in payloads):
             raise ValueError(f"a KV block payload must be {self.payload_bytes} bytes")
         for s in range(0, len(blocks), self.per_copy):
-            part = payloads[s:s + self.per_copy]
-            rows = self._gathered(part).view(np.uint32).reshape(len(part), 2 * len(self.caches), -1)
-            realize_all(*move_kv_blocks(self.caches, Tensor(rows), blocks[s:s + self.per_copy], to_cache=True))
+            part = slice(s, s + self.per_copy)
+            realize_all(*write_kv_blocks(self.caches, payloads[part], blocks[part]))
 
     def wait(self) -> None:
         """Until every copy recorded so far has run (for timing): the last cache's values are the last buffer
         written, and the work recorded before their last writer completes before it (one queue, in order)."""
         self.caches[-1].value[:1].numpy()
 
-    def _gathered(self, payloads: list[bytes]) -> np.ndarray:
-        """The payloads one after another in a host buffer kept from call to call (its pages touched already:
-        a fresh one would fault on every page as it is filled). Tensor() uploads at once, so it is free again."""
-        n = len(payloads) * self.payload_bytes
-        if self._gather.size < n:
-            self._gather = np.empty(n, np.uint8)
-        for i, p in enumerate(payloads):
-            self._gather[i * self.payload_bytes:(i + 1) * self.payload_bytes] = np.frombuffer(p, np.uint8)
-        return self._gather[:n]

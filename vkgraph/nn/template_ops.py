@@ -330,12 +330,10 @@ def write_kv(cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -
 
 
 
-def move_kv_blocks(caches: list[KVCache], rows: Tensor, blocks: list[int], *, to_cache: bool) -> list[Tensor]:
-    """Copy whole blocks between every cache and `rows`, uint32 [blocks, 2 * layers, words] (row i: block
-    blocks[i]'s keys then values of each layer in turn), bytes as they are: into the caches (`to_cache`) or
-    out of them into `rows` (a realized buffer, e.g. Tensor.empty). One op per layer, each one copy of many
-    regions per buffer. Returns their tokens: realizing them records the copies, and anything recorded later
-    that reads the written buffers (a pass, a download) runs after them."""
+
+def _block_pieces(caches: list[KVCache], blocks: list[int]) -> tuple[int, np.ndarray]:
+    """Bytes of one block of one cache buffer, and each block's offset in a buffer (checking the caches agree
+    and the blocks exist)."""
     c = caches[0]
     if any((x.num_blocks, x.num_kv_heads, x.head_size, x.block_size, x.dtype)
            != (c.num_blocks, c.num_kv_heads, c.head_size, c.block_size, c.dtype) for x in caches):
@@ -343,29 +341,62 @@ def move_kv_blocks(caches: list[KVCache], rows: Tensor, blocks: list[int], *, to
     idx = np.asarray(blocks, np.int64).reshape(-1)
     if len(idx) and (idx.min() < 0 or idx.max() >= c.num_blocks):
         raise ValueError(f"KV blocks {blocks} must lie below {c.num_blocks}")
-    if to_cache and len(np.unique(idx)) != len(idx):
-        raise ValueError(f"KV blocks {blocks} repeat: each is written once")
-    piece = pa.cache_bytes(1, c.num_kv_heads, c.head_size, c.block_size, c.dtype)  # one block of one buffer
-    want = (len(idx), 2 * len(caches), piece // 4)
+    piece = pa.cache_bytes(1, c.num_kv_heads, c.head_size, c.block_size, c.dtype)
+    return piece, idx * piece
+
+
+def read_kv_blocks(caches: list[KVCache], rows: Tensor, blocks: list[int]) -> list[Tensor]:
+    """Copy whole blocks of every cache into `rows`, a realized uint32 buffer [blocks, 2 * layers, words]
+    (e.g. Tensor.empty; row i: block blocks[i]'s keys then values of each layer in turn), bytes as they are:
+    one op per layer, each one copy of a region per block per buffer. Returns their tokens: realizing them
+    records the copies, and a download of `rows` recorded later runs after them."""
+    piece, at = _block_pieces(caches, blocks)
+    want = (len(at), 2 * len(caches), piece // 4)
     if rows.shape != want or rows.dtype != dtypes.uint32:
-        raise ValueError(f"move_kv_blocks: rows {rows.dtype} {rows.shape} must be uint32 {want}")
-    at = idx * piece
-    row_at = np.arange(len(idx), dtype=np.int64) * (2 * len(caches) * piece)
+        raise ValueError(f"read_kv_blocks: rows {rows.dtype} {rows.shape} must be uint32 {want}")
+    row_at = np.arange(len(at), dtype=np.int64) * (2 * len(caches) * piece)
 
     def op(layer: int) -> Tensor:
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
             for j, buf in enumerate(ins[1:]):
-                src = row_at + (2 * layer + j) * piece
-                if to_cache:
-                    pa.copy_blocks(dev, ins[0], buf, src, at, piece)
-                else:
-                    pa.copy_blocks(dev, buf, ins[0], at, src, piece)
+                pa.copy_blocks(dev, buf, ins[0], at, row_at + (2 * layer + j) * piece, piece)
 
         cache = caches[layer]
-        return custom(run, [rows, cache.key, cache.value], (1,), dtypes.int32, key=(id(cache), to_cache),
-                      name="kv_blocks_in" if to_cache else "kv_blocks_out")
+        return custom(run, [rows, cache.key, cache.value], (1,), dtypes.int32, key=(id(cache),),
+                      name="kv_blocks_out")
 
     return [op(i) for i in range(len(caches))]
+
+
+
+def write_kv_blocks(caches: list[KVCache], payloads: list[bytes], blocks: list[int]) -> list[Tensor]:
+    """Write whole blocks of every cache from host bytes: payloads[i] is block blocks[i]'s keys then values of
+    each layer in turn (a row of read_kv_blocks), the caches' own bytes, copied as they are: once into one
+    staging buffer, and from there by one copy of a region per block into each cache buffer (no kernel, no
+    conversion, no buffer between). One op per two layers. Returns their tokens: realizing them records the
+    copies, and a pass recorded later reads the blocks after them."""
+    piece, at = _block_pieces(caches, blocks)
+    if len(np.unique(at)) != len(at):
+        raise ValueError(f"KV blocks {blocks} repeat: each is written once")
+    if len(payloads) != len(at) or any(len(p) != 2 * len(caches) * piece for p in payloads):
+        raise ValueError(f"write_kv_blocks: {len(at)} payloads of {2 * len(caches) * piece} bytes, one per block")
+    row_at = np.arange(len(at), dtype=np.int64) * (2 * len(caches) * piece)
+    staged: list[Any] = []  # the staging buffer, filled by the first op that runs
+
+    def op(lo: int) -> Tensor:
+        group = caches[lo:lo + 2]  # four buffers: within the inputs any device lets one op take
+
+        def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            if not staged:
+                staged.append(pa.stage_bytes(dev, payloads))
+            for j, buf in enumerate(ins):
+                pa.copy_blocks(dev, staged[0], buf, row_at + (2 * lo + j) * piece, at, piece)
+            dev.queue.hold(staged[0])  # kept until these copies have run
+
+        return custom(run, [t for c in group for t in (c.key, c.value)], (1,), dtypes.int32, key=(id(group[0]),),
+                      name="kv_blocks_in")
+
+    return [op(lo) for lo in range(0, len(caches), 2)]
 
 def rope_write_kv(cache: KVCache, rows: Tensor, slot_mapping: Tensor, rope: tuple[Tensor, Tensor], *,
                   q_heads: int, k_off: int, v_off: int) -> Tensor:

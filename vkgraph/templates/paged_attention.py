@@ -153,6 +153,20 @@ def copy_blocks(dev: Device, src: Any, dst: Any, src_offsets: Any, dst_offsets: 
         raise ValueError("copy_blocks: destination pieces overlap")
     dev.queue.copy_regions(src, dst, np.stack([s, d, np.full_like(s, nbytes)], 1))
 
+
+
+def stage_bytes(dev: Device, parts: list[Any]) -> Any:
+    """A staging buffer (host-visible memory that copies into device buffers read from) holding `parts` (bytes
+    objects) one after another, each copied into it once. Whoever records copies from it holds it on the queue
+    (`dev.queue.hold`) after them."""
+    sizes = [len(p) for p in parts]
+    stage = dev.memory.staging.alloc(max(sum(sizes), 4))
+    host, at = stage.alloc.host, 0
+    for p, n in zip(parts, sizes):
+        host[at:at + n] = np.frombuffer(p, np.uint8)
+        at += n
+    return stage
+
 SPLIT_PAIRS = 128  # split below this many (sequence, KV head) pairs
 SPLIT_TARGET = 256  # workgroups a split aims for
 MIN_PART = 128  # tokens per partition: shorter ones cost more in partial outputs than they gain
