@@ -330,7 +330,6 @@ def write_kv(cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -
 
 
 
-
 def _block_pieces(caches: list[KVCache], blocks: list[int]) -> tuple[int, np.ndarray]:
     """Bytes of one block of one cache buffer, and each block's offset in a buffer (checking the caches agree
     and the blocks exist)."""
@@ -368,7 +367,6 @@ def read_kv_blocks(caches: list[KVCache], rows: Tensor, blocks: list[int]) -> li
     return [op(i) for i in range(len(caches))]
 
 
-
 def write_kv_blocks(caches: list[KVCache], payloads: list[bytes], blocks: list[int]) -> list[Tensor]:
     """Write whole blocks of every cache from host bytes: payloads[i] is block blocks[i]'s keys then values of
     each layer in turn (a row of read_kv_blocks), the caches' own bytes, copied as they are: once into one
@@ -397,6 +395,7 @@ def write_kv_blocks(caches: list[KVCache], payloads: list[bytes], blocks: list[i
                       name="kv_blocks_in")
 
     return [op(lo) for lo in range(0, len(caches), 2)]
+
 
 def rope_write_kv(cache: KVCache, rows: Tensor, slot_mapping: Tensor, rope: tuple[Tensor, Tensor], *,
                   q_heads: int, k_off: int, v_off: int) -> Tensor:

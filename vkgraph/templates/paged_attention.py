@@ -134,7 +134,6 @@ def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mappin
                            "q_heads": q_heads if q_out is not None else 0, "q_off": q_off})
 
 
-
 def copy_blocks(dev: Device, src: Any, dst: Any, src_offsets: Any, dst_offsets: Any, nbytes: int) -> None:
     """Pieces of `nbytes` (whole blocks of a cache: one block of keys or values is contiguous) from byte
     src_offsets[i] of `src` to byte dst_offsets[i] of `dst`, as one recorded copy of many regions: a restore
@@ -154,7 +153,6 @@ def copy_blocks(dev: Device, src: Any, dst: Any, src_offsets: Any, dst_offsets: 
     dev.queue.copy_regions(src, dst, np.stack([s, d, np.full_like(s, nbytes)], 1))
 
 
-
 def stage_bytes(dev: Device, parts: list[Any]) -> Any:
     """A staging buffer (host-visible memory that copies into device buffers read from) holding `parts` (bytes
     objects) one after another, each copied into it once. Whoever records copies from it holds it on the queue
@@ -166,6 +164,7 @@ def stage_bytes(dev: Device, parts: list[Any]) -> Any:
         host[at:at + n] = np.frombuffer(p, np.uint8)
         at += n
     return stage
+
 
 SPLIT_PAIRS = 128  # split below this many (sequence, KV head) pairs
 SPLIT_TARGET = 256  # workgroups a split aims for
