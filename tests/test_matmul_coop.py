@@ -163,7 +163,7 @@ def ints(shape, seed=0, dtype=np.int8):
     return np.random.default_rng(seed).integers(info.min, info.max + 1, shape, dtype=dtype)
 
 
-@pytest.mark.parametrize("form", ["dtype_int32", "cast_int32", "int8_result", "dtype_int64", "epilogue"])
+@pytest.mark.parametrize("form", ["dtype_int32", "cast_int32", "int8_result", "dtype_int64", "epilogue", "dequant"])
 def test_int8_products_take_int8_cooperative_matrices(form):
     """Every spelling of an int8 product summed in a wider signed type, and int8 @ int8 itself (its int32 sum
     wraps to numpy's int8), runs on int8 fragments with int32 accumulators, operands read as 16-byte vectors."""
@@ -172,7 +172,10 @@ def test_int8_products_take_int8_cooperative_matrices(form):
          "cast_int32": lambda: a.cast(dtypes.int32) @ b.cast(dtypes.int32),
          "int8_result": lambda: a @ b,
          "dtype_int64": lambda: a.matmul(b, dtype="int64"),
-         "epilogue": lambda: (a.matmul(b, dtype=dtypes.int32) + Tensor(ints((130,), 2, np.int32))).maximum(0)}[form]()
+         "epilogue": lambda: (a.matmul(b, dtype=dtypes.int32) + Tensor(ints((130,), 2, np.int32))).maximum(0),
+         # the scales of int8-quantized rows and columns, applied in the product's epilogue
+         "dequant": lambda: a.matmul(b, dtype=dtypes.int32).cast(dtypes.float32) * rand((200, 1), np.float32)
+         * rand((130,), np.float32, 1)}[form]()
     (p,) = programs(t, fake_limits(coop=COOP_I8))
     assert p.name.startswith("MC_") and p.name.endswith("_i8")
     assert "coopmat<int8_t" in p.src and "coopmat<int32_t" in p.src
@@ -462,6 +465,12 @@ def test_int8_epilogue_and_int8_result_on_cooperative_matrices():
         got8 = (Tensor(a) @ Tensor(b)).numpy()
     assert c.names[0].endswith("_i8") and got8.dtype == np.int8
     np.testing.assert_array_equal(got8, a @ b)
+    # dequantized in the epilogue: the int32 sum rounded to float32 once, then the two scales, as numpy does
+    sa, sb = np.random.default_rng(4).random((300, 1), np.float32), np.random.default_rng(5).random(136, np.float32)
+    with count_kernels() as c:
+        got = (Tensor(a).matmul(Tensor(b), dtype=dtypes.int32).cast(dtypes.float32) * Tensor(sa) * Tensor(sb)).numpy()
+    assert c.count == 1 and c.names[0].endswith("_i8")
+    np.testing.assert_allclose(got, np.matmul(a, b, dtype=np.int32).astype(np.float32) * sa * sb, rtol=2**-22)
 
 
 @needs_i8
