@@ -373,6 +373,8 @@ def test_kv_prefix_tiers_serve_evicted_prefixes_from_disk_and_host_across_a_rest
         assert s.metric("vkgraph_prefix_store_spilled_blocks") >= 4
         assert run(s, a) == want and hits(s, "disk") == 64
         assert s.metric('vkgraph_prefix_store_blocks{tier="disk"}') >= 4
+        assert s.metric('vkgraph_prefix_store_read_bytes{tier="disk"}') > 0
+        assert s.metric('vkgraph_prefix_store_read_seconds{tier="disk"}') > 0
     finally:
         s.stop()
     s = Server(model_dir, *args, "--kv-host-gib", "0.001")  # a restart, with a host tier too

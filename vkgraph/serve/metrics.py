@@ -40,6 +40,12 @@ class Metrics:
                                    "Blocks the GPU prefix cache evicted into the store so far", registry=r)
         self.store_dropped = Gauge("vkgraph_prefix_store_dropped_blocks",
                                    "Disk entries found corrupt or foreign and dropped so far", registry=r)
+        self.store_read_bytes = Gauge("vkgraph_prefix_store_read_bytes",
+                                      "Bytes of KV blocks found and read below the GPU so far, by tier", ["tier"],
+                                      registry=r)
+        self.store_read_seconds = Gauge("vkgraph_prefix_store_read_seconds",
+                                        "Time spent finding and reading them so far, by tier (disk: files read and "
+                                        "digests checked)", ["tier"], registry=r)
         self.preemptions = Gauge("vkgraph_preemptions", "Requests preempted for KV blocks so far", registry=r)
         self.step_seconds = Histogram("vkgraph_engine_step_seconds", "One engine step", buckets=_LATENCY, registry=r)
 
@@ -60,6 +66,9 @@ class Metrics:
                 self.store_blocks.labels(tier).set(blocks)
                 self.store_bytes.labels(tier).set(size)
             self.store_spilled.set(kv.store.spilled)
+            for tier, n in kv.store.fetched.items():
+                self.store_read_bytes.labels(tier).set(n)
+                self.store_read_seconds.labels(tier).set(kv.store.fetch_s[tier])
             self.store_dropped.set(kv.store.disk.dropped if kv.store.disk is not None else 0)
         self.preemptions.set(engine.stats["preemptions"])
         self.generation_tokens.inc(sum(ev.token is not None for ev in events))
