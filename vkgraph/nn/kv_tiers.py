@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..dtype import dtypes
 from ..quant import QuantizedTensor
 from ..templates.paged_attention import cache_bytes
-from ..tensor import Tensor, realize_all
+from ..tensor import realize_all
 from .template_ops import KVCache, read_kv_blocks, write_kv_blocks
 
 log = logging.getLogger("vkgraph.kv_tiers")
@@ -371,8 +370,8 @@ class PrefixStore:
 class BlockCopier:
     """Copies whole blocks of a model's paged KV caches (every layer, keys and values) between the GPU and
     host bytes: one payload per block, the caches' own bytes in the caches' own layout, moved by copies of many
-    regions (no kernel, no conversion), `_CHUNK` bytes of blocks at a time: out through one buffer and one
-    download; in through staging memory, straight into the blocks."""
+    regions (no kernel, no conversion), `_CHUNK` bytes of blocks at a time, through host memory the GPU reads
+    (restores) or writes (offloads) with no buffer between it and the blocks."""
 
     def __init__(self, caches: list[KVCache]) -> None:
         c = caches[0]
@@ -381,17 +380,9 @@ class BlockCopier:
         self.per_copy = max(1, _CHUNK // self.payload_bytes)  # blocks per copy
 
     def read(self, blocks: list[int]) -> list[bytes]:
-        chunks = []
-        for s in range(0, len(blocks), self.per_copy):
-            part = blocks[s:s + self.per_copy]
-            rows = Tensor.empty(len(part), 2 * len(self.caches), self.payload_bytes // (8 * len(self.caches)),
-                                dtype=dtypes.uint32)
-            realize_all(*read_kv_blocks(self.caches, rows, part))
-            chunks.append(rows)
         out = []
-        for rows in chunks:  # every copy is recorded before the first download waits
-            words = rows.numpy()
-            out += [r.tobytes() for r in words.reshape(len(words), -1)]
+        for s in range(0, len(blocks), self.per_copy):
+            out += read_kv_blocks(self.caches, blocks[s:s + self.per_copy])
         return out
 
     def write(self, blocks: list[int], payloads: list[bytes]) -> None:

@@ -25,7 +25,7 @@ from ..templates import matvec as mv
 from ..templates import norms
 from ..templates import paged_attention as pa
 from ..templates.common import decode_fusion
-from ..tensor import Tensor, custom
+from ..tensor import Tensor, custom, realize_all
 from .weights import DeviceMatrix
 
 # From this many activation rows on, QuantLinear expands W to a float16 temporary and runs the generated matmul,
@@ -344,27 +344,32 @@ def _block_pieces(caches: list[KVCache], blocks: list[int]) -> tuple[int, np.nda
     return piece, idx * piece
 
 
-def read_kv_blocks(caches: list[KVCache], rows: Tensor, blocks: list[int]) -> list[Tensor]:
-    """Copy whole blocks of every cache into `rows`, a realized uint32 buffer [blocks, 2 * layers, words]
-    (e.g. Tensor.empty; row i: block blocks[i]'s keys then values of each layer in turn), bytes as they are:
-    one op per layer, each one copy of a region per block per buffer. Returns their tokens: realizing them
-    records the copies, and a download of `rows` recorded later runs after them."""
+def read_kv_blocks(caches: list[KVCache], blocks: list[int]) -> list[bytes]:
+    """Whole blocks of every cache as host bytes, one payload per block: its keys then values of each layer in
+    turn, the caches' own bytes, copied as they are (no kernel, no conversion) by one copy of a region per
+    block out of each cache buffer into one readback buffer, then once each out of it. One op per two layers.
+    Waits for the copies."""
     piece, at = _block_pieces(caches, blocks)
-    want = (len(at), 2 * len(caches), piece // 4)
-    if rows.shape != want or rows.dtype != dtypes.uint32:
-        raise ValueError(f"read_kv_blocks: rows {rows.dtype} {rows.shape} must be uint32 {want}")
-    row_at = np.arange(len(at), dtype=np.int64) * (2 * len(caches) * piece)
+    row = 2 * len(caches) * piece
+    row_at = np.arange(len(at), dtype=np.int64) * row
+    staged: list[Any] = []  # the device and the readback buffer, made by the first op that runs
 
-    def op(layer: int) -> Tensor:
+    def op(lo: int) -> Tensor:
+        group = caches[lo:lo + 2]  # four buffers: within the inputs any device lets one op take
+
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
-            for j, buf in enumerate(ins[1:]):
-                pa.copy_blocks(dev, buf, ins[0], at, row_at + (2 * layer + j) * piece, piece)
+            if not staged:
+                staged.extend((dev, pa.readback_buffer(dev, len(at) * row)))
+            for j, buf in enumerate(ins):
+                pa.copy_blocks(dev, buf, staged[1], at, row_at + (2 * lo + j) * piece, piece)
 
-        cache = caches[layer]
-        return custom(run, [rows, cache.key, cache.value], (1,), dtypes.int32, key=(id(cache),),
+        return custom(run, [t for c in group for t in (c.key, c.value)], (1,), dtypes.int32, key=(id(group[0]),),
                       name="kv_blocks_out")
 
-    return [op(i) for i in range(len(caches))]
+    if not len(at):
+        return []
+    realize_all(*(op(lo) for lo in range(0, len(caches), 2)))
+    return pa.read_parts(staged[0], staged[1], row, len(at))
 
 
 def write_kv_blocks(caches: list[KVCache], payloads: list[bytes], blocks: list[int]) -> list[Tensor]:

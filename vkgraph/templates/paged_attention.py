@@ -166,6 +166,24 @@ def stage_bytes(dev: Device, parts: list[Any]) -> Any:
     return stage
 
 
+def readback_buffer(dev: Device, nbytes: int) -> Any:
+    """Host memory (cached where the device has such) that copies out of device buffers may write, for
+    `read_parts` to read once they have run."""
+    return dev.memory.readback.alloc(max(nbytes, 4))
+
+
+def read_parts(dev: Device, buf: Any, size: int, count: int) -> list[bytes]:
+    """The first `count` pieces of `size` bytes of a readback buffer, each its own bytes object, after every
+    copy recorded into it has run; then the buffer goes back to its pool."""
+    if count * size > buf.size:
+        raise ValueError(f"read_parts: {count} pieces of {size} bytes overflow a buffer of {buf.size} bytes")
+    dev.queue.wait_for(buf.alloc)
+    host = buf.alloc.host
+    out = [host[i * size:(i + 1) * size].tobytes() for i in range(count)]
+    buf.release()
+    return out
+
+
 SPLIT_PAIRS = 128  # split below this many (sequence, KV head) pairs
 SPLIT_TARGET = 256  # workgroups a split aims for
 MIN_PART = 128  # tokens per partition: shorter ones cost more in partial outputs than they gain
