@@ -17,13 +17,15 @@ width) and prints the best three.
 On a device with float16 cooperative matrices, "mm" times templates.matmul_quant's small-row tile
 (decode_config) on the same int8 activations, as a decode step from VKGRAPH_DECODE_MM_ROWS rows runs it: the
 product's kernel alone (a tile that splits K over ks workgroups writes ks partial planes; the decode step sums
-them in one more small kernel, not in this time). --mm-sweep also times tiles around it and prints the best three.
+them in one more small kernel, not in this time). --mm-sweep also times tiles around it and prints them all,
+fastest first.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 
 import numpy as np
 from bench_kernels import _release_weights, _torch_matvec, _weight_copies
@@ -87,14 +89,15 @@ def mm_us(dev, ws, x, y, batch: int, cfg: mq.Tile, reps: int) -> float:
 
 
 def _mm_tiles(base: mq.Tile, k: int) -> list[mq.Tile]:
-    """Tiles around `base` for --mm-sweep: subgroups across N and fragments each, the depth split, the K split,
-    slices in flight."""
-    found = []
-    for wn, per, wk, ks, pf in itertools.product((2, 4), (1, 2), (2, 4), (1, 2, 4, 8), (1, 2)):
-        t = mq.Tile(base.bm, wn * 16 * per, base.bk, 1, wn, 1, wk, ks, pf)
-        if k % (t.bk * ks) == 0 and t != base and t.fits((16, 16, 16), limits()):
-            found.append(t)
-    return found
+    """Tiles around `base` for --mm-sweep, each telling what holds the tile back: fewer subgroups per workgroup
+    (more workgroups per multiprocessor where registers limit them), shallower slices (less shared memory per
+    workgroup), two slices in flight; then other K splits and wider column tiles."""
+    found = [replace(base, wk=wk, bk=bk, pf=pf) for wk in (1, 2, 4) for bk in (64, 128, 256) for pf in (1, 2)]
+    found += [replace(base, ks=ks) for ks in (1, 2, 8)]
+    found += [replace(base, bn=64), replace(base, bn=64, wn=4), replace(base, wk=1, ks=8), replace(base, wk=1, bn=64)]
+    fits = [t for t in dict.fromkeys(found)
+            if t != base and k % (t.bk * t.ks) == 0 and t.fits((16, 16, 16), limits())]
+    return fits
 
 
 def _tile(t: mq.Tile) -> str:
@@ -151,9 +154,9 @@ def main() -> None:
                           f"{' / ' + _tile(tile) if tile else ''}", flush=True)
                     if a.mm_sweep and tile is not None:
                         times = {t: mm_us(dev, ws, q8, ym, batch, t, 3) for t in _mm_tiles(tile, k)}
-                        top = sorted(times, key=times.get)[:3]
-                        print("      mm best: " + ", ".join(f"{_tile(t)} {_cell(nbytes, times[t])}" for t in top),
-                              flush=True)
+                        ranked = sorted(times, key=times.get)
+                        print("      mm, fastest first (GB/s): " + ", ".join(
+                            f"{_tile(t)} {nbytes / times[t] / 1e3:.0f}" for t in ranked), flush=True)
                     if tile is not None:
                         ym.release()
                         if q8 is not x:

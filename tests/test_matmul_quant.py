@@ -243,8 +243,10 @@ def test_decode_rows_take_the_kernel_from_the_threshold(monkeypatch):
     a device without them keep the matvec. A K split sums its planes in a generated kernel with the residual."""
     monkeypatch.setattr(template_ops, "limits", lambda: fake_limits())
     monkeypatch.setattr(template_ops, "has_dtype", lambda d: True)
-    monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "8")
     lin = QuantLinear(random_blocks(np.random.default_rng(0), "Q4_0", 96, 512))
+    monkeypatch.delenv("VKGRAPH_DECODE_MM_ROWS", raising=False)  # the default: where the tile won on an H200
+    assert lin.decode_tile(16) is None and lin.decode_tile(31) is None and lin.decode_tile(32) is not None
+    monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "8")
     for rows in (8, 32, template_ops.DEQUANT_ROWS - 1):
         assert lin.decode_tile(rows) is not None and lin.takes_int8(rows)
         r = Tensor(np.zeros((rows, 96), np.float32))
@@ -320,7 +322,10 @@ def test_decode_products_match_numpy(fmt, m, n, kb, residual, int8, seed):
 @needs_f16
 def test_decode_step_batch8_matches_the_matvec_route(tmp_path, monkeypatch):
     """A batch-8 decode step of a Q4_0 model (norms, attention and GLU writing int8 blocks) through matmul_quant's
-    small tiles gives the matvec route's logits within the float16 staging's rounding."""
+    small tiles gives the matvec route's logits within the int8 activations' reach: the float16 staging's
+    rounding (2^-11 of x and of W) is far smaller, but where it moves a value across an int8 rounding boundary of
+    the next layer's blocks, that value moves by half a step (1/254 of its block's largest), as in
+    test_llm.test_int8_activations_stay_close_to_the_reference (1.09% of the largest logit on an H200)."""
     from vkgraph.nn import tiny_model
     from vkgraph.nn.layers import StepInputs
     from vkgraph.nn.llama import LlamaModel
@@ -342,4 +347,4 @@ def test_decode_step_batch8_matches_the_matvec_route(tmp_path, monkeypatch):
             got[rows] = model(tokens, step).numpy()
         assert any(n.startswith("matmul_quant") for n in c.names) == (rows == "8"), c.names
     err = np.abs(got["8"] - got["0"]).max() / np.abs(got["0"]).max()
-    assert np.isfinite(got["8"]).all() and err < 1e-2, err
+    assert np.isfinite(got["8"]).all() and err < 3e-2, err
