@@ -297,6 +297,33 @@ def test_prompts_of_similar_length_share_compiled_kernels(models):
     assert len(dev.pipelines.cached) == pipelines
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "float32"])
+def test_prefill_streamed_layer_by_layer_equals_one_graph(models, kind):
+    """stream_layers submits each layer as soon as it is built where the layer ends in a template's output (the
+    quantized products): the same kernels and bit-identical logits as one graph of the whole pass; where a layer
+    ends in generated code (float weights) nothing is cut."""
+    from vkgraph.realize import count_kernels
+    from vkgraph.runtime import get_device
+
+    w, model = build(models[kind])
+    dev = get_device()
+    n = 20
+    prompt = Tensor(np.array([(7 * i + 3) % w.config.vocab_size for i in range(n)], np.int32))
+    runs = {}
+    for stream in (False, True, False, True):  # the second of each: cached plans and pooled buffers
+        step = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
+                          cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
+        dev.synchronize()
+        submits = dev.queue.stats["submits"]
+        with count_kernels() as k:
+            logits = model(prompt, step, logit_rows=Tensor(np.array([n - 1], np.int32)),
+                           stream_layers=stream).numpy()
+        runs[stream] = (logits, sorted(k.names), dev.queue.stats["submits"] - submits)
+    (plain, plain_kernels, plain_submits), (streamed, streamed_kernels, streamed_submits) = runs[False], runs[True]
+    assert np.array_equal(streamed, plain) and streamed_kernels == plain_kernels
+    assert streamed_submits == plain_submits + (len(model.layers) if kind == "Q4_0" else 0)
+
+
 @pytest.mark.parametrize("n_experts", [4, 8])
 def test_quantized_moe_runs_only_the_chosen_experts(n_experts):
     """Q8_0 experts run grouped by expert: gate/up and down are one expert-indexed matvec each, whatever the

@@ -35,6 +35,24 @@ def test_pool_reuses_buckets(dev):
     b.release()
 
 
+def test_pool_hands_out_buffers_by_which_are_idle_not_by_return_order(dev):
+    """A repeated sequence of allocations gets the same buffers whatever order they came back in, so the work it
+    records binds the same buffers (and finds its descriptor sets cached) each time."""
+    pool = BufferPool(dev.memory, "device")
+    bufs = [pool.alloc(4096) for _ in range(3)]
+    handles = [b.key[0] for b in bufs]
+    got = []
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        for i in order:
+            bufs[i].release()
+        bufs = [pool.alloc(4096) for _ in range(3)]
+        got.append([b.key[0] for b in bufs])
+    assert got[0] == got[1] == got[2] and sorted(got[0]) == sorted(handles)
+    for b in bufs:
+        b.release()
+    pool.trim(0)
+
+
 def test_pool_cap_and_budget(dev):
     pool = BufferPool(dev.memory, "device")
     pool.bucket_cap = 2

@@ -209,6 +209,11 @@ class Tensor(TensorMath, TensorIndexing):
         realize_all(self)
         return self
 
+    def ends_kernel(self) -> bool:
+        """Whether this tensor sits in a buffer of its own in any schedule (realized already, or a template's output:
+        a custom node), so that realizing it now adds and changes no kernel of the graphs that read it."""
+        return self.node.op is Op.BUFFER or self.node.op is Op.CUSTOM
+
     def numpy(self) -> np.ndarray:
         """The values as a new numpy array (bfloat16 comes back as ml_dtypes.bfloat16)."""
         self.realize()

@@ -295,7 +295,10 @@ class Engine:
             tables = np.zeros((rows, meta.block_tables.shape[1]), np.int32)
             tables[:real] = np.repeat(meta.block_tables, counts, axis=0)
             step = StepInputs(**common, block_tables=Tensor(tables), context_lens=Tensor(meta.positions + 1))
-        return self.model(Tensor(meta.input_ids), step, logit_rows=Tensor((qsl[1:] - 1).astype(np.int32)))
+        rows_out = Tensor((qsl[1:] - 1).astype(np.int32))
+        if isinstance(self.model, LlamaModel):  # each layer submitted as it is built (see LlamaModel.__call__)
+            return self.model(Tensor(meta.input_ids), step, logit_rows=rows_out, stream_layers=True)
+        return self.model(Tensor(meta.input_ids), step, logit_rows=rows_out)
 
     def _move_blocks(self) -> None:
         """Before a pass: copy the hashed blocks just evicted from the GPU into the prefix store (the pass may

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..tensor import Tensor
+from ..tensor import Tensor, realize_all
 from .config import ModelConfig
 from .layers import MLP, Attention, Embedding, Linear, MoE, RMSNorm, RotaryEmbedding, StepInputs
 from .template_ops import KVCache
@@ -63,14 +63,24 @@ class LlamaModel:
         self.caches = [KVCache.create(num_blocks, cfg.n_kv_heads, cfg.head_dim, block_size, kv_dtype)
                        for _ in self.layers]
 
-    def __call__(self, tokens: Tensor, step: StepInputs, logit_rows: Tensor | None = None) -> Tensor:
-        """Logits (rows, vocab) float32 for the tokens at `logit_rows` (all tokens when None)."""
+    def __call__(self, tokens: Tensor, step: StepInputs, logit_rows: Tensor | None = None, *,
+                 stream_layers: bool = False) -> Tensor:
+        """Logits (rows, vocab) float32 for the tokens at `logit_rows` (all tokens when None).
+
+        With `stream_layers` (an eager pass, e.g. a prefill; never inside a vkgraph.jit capture) each layer's
+        output is realized as soon as its graph is built, which submits that layer's kernels: the GPU runs layer i
+        while the host builds layer i+1, where one graph of the whole pass would keep the GPU idle until the host
+        had built and recorded most of it. Only where a layer ends in a template's output (a buffer in any
+        schedule: the quantized products take the residual), so the kernels and results are those of one graph;
+        layers after the first share one cached plan."""
         x = self.embed(tokens)
         if self.config.is_gemma:  # Gemma scales its embeddings by sqrt(dim), rounded to float32 as HF does
             x = x * float(np.float32(np.sqrt(self.config.dim)))
         rope = self.rope.tables(step.positions)
         for layer, cache in zip(self.layers, self.caches):
             x = layer(x, rope, cache, step)
+            if stream_layers and x.ends_kernel():  # the position tables with the first layer: computed once
+                realize_all(x, *rope)
         if logit_rows is not None:
             x = x.take(logit_rows, 0)
         logits = self.lm_head(self.norm(x, into=self.lm_head))

@@ -7,6 +7,7 @@ class; idle allocations over the budget or the per-bucket cap are freed once the
 
 from __future__ import annotations
 
+import bisect
 import threading
 import weakref
 from collections import OrderedDict, defaultdict
@@ -58,6 +59,10 @@ class Allocation:
         self.freed = False
         self.owner = owner  # the MemoryManager that made it (tells a closed device's buffer from a released one)
         self.keep: Any = None  # imported host memory: held until the VkDeviceMemory over it is freed
+
+
+def _handle(alloc: Allocation) -> int:
+    return alloc.handle
 
 
 class _Released:
@@ -164,7 +169,10 @@ class BufferPool:
     def __init__(self, memory: MemoryManager, kind: str) -> None:
         self.memory = memory
         self.kind = kind
-        self.idle: dict[int, list[Allocation]] = defaultdict(list)  # by capacity, most recently returned last
+        # by capacity, in handle order: an allocation takes the idle one of highest handle, so which buffers a repeated
+        # sequence of allocations and releases gets depends on which are idle, not on the order they came back (a
+        # prefill realized layer by layer binds the same buffers at every layer, and finds its descriptor sets cached)
+        self.idle: dict[int, list[Allocation]] = defaultdict(list)
         self.lru: OrderedDict[int, Allocation] = OrderedDict()  # every idle allocation, least recently returned first
         self.stats = PoolStats(budget_bytes=flag("VKGRAPH_POOL_BUDGET_MB") << 20)
         self.bucket_cap = flag("VKGRAPH_POOL_BUCKET_CAP")
@@ -231,12 +239,12 @@ class BufferPool:
             keep = not self.closed and (self.keep_all > 0 or cap <= self.stats.budget_bytes)
             if keep and not self.keep_all:
                 bucket = self.idle[cap]
-                if len(bucket) >= self.bucket_cap:
-                    victims.append(self._take(bucket[0]))
+                if len(bucket) >= self.bucket_cap:  # its least recently returned one
+                    victims.append(self._take(next(a for a in self.lru.values() if a.capacity == cap)))
                 while self.stats.idle_bytes + cap > self.stats.budget_bytes and self.lru:
                     victims.append(self._take(next(iter(self.lru.values()))))
             if keep:
-                self.idle[cap].append(alloc)
+                bisect.insort(self.idle[cap], alloc, key=_handle)
                 self.lru[alloc.handle] = alloc
                 self.stats.idle_bytes += cap
                 self.stats.idle_buffers += 1
