@@ -8,10 +8,12 @@ them, templates.matmul_quant; 0: a float16 copy of each weight and the generated
 VKGRAPH_FLASH_PREFILL setting (1: attention on cooperative matrices, templates.flash_prefill; 0: the template
 prefill_attention), the median
 wall time of `--reps` prefills of one prompt after a clock warm-up (common.raise_clocks; each prompt new, so no
-cached prefix; the first token sampled as the engine does), then one more prefill under VKGRAPH_PROFILE, whose
-per-kernel GPU time is printed by kernel name. `--layers` keeps only the first layers of the shape (the random
-weights of all 32 layers of the 8B shape take a minute to draw): every layer does the same work, so a full-depth
-prefill takes about (measured time - head) * 32 / layers + head. PyTorch runs the same reduced shape.
+cached prefix; the first token sampled as the engine does) and the calling thread's CPU time in it (the host's
+work: building, scheduling and recording the pass; a driver's threads not counted), then one more prefill under
+VKGRAPH_PROFILE, whose per-kernel GPU time is printed by kernel name. `--layers` keeps only the first layers of
+the shape (the random weights of all 32 layers of the 8B shape take a minute to draw): every layer does the same
+work, so a full-depth prefill takes about (measured time - head) * 32 / layers + head. PyTorch runs the same
+reduced shape.
 """
 
 from __future__ import annotations
@@ -34,21 +36,22 @@ from vkgraph.nn.llama import LlamaModel  # noqa: E402
 from vkgraph.runtime import get_device  # noqa: E402
 
 
-def prefill(dev, model, vocab: int, prompt: int, reps: int) -> tuple[float, dict]:
-    """(median seconds of one prefill, {kernel: [dispatches, GPU us]} of one more, profiled)."""
+def prefill(dev, model, vocab: int, prompt: int, reps: int) -> tuple[float, float, dict]:
+    """(median seconds of one prefill, median seconds of the host's CPU time in it, {kernel: [dispatches, GPU us]}
+    of one more, profiled)."""
     engine = Engine(model, max_batch=1)
 
-    def one(r: int) -> float:
+    def one(r: int) -> tuple[float, float]:
         engine.add_request([(i * 3 + r) % vocab for i in range(prompt)], max_tokens=1, stop_token_ids=[])
         dev.synchronize()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         engine.step()
         dev.synchronize()
-        return time.perf_counter() - t
+        return time.perf_counter() - t, time.thread_time() - c
 
     one(1000)  # compiles
     raise_clocks()
-    walls = [one(r) for r in range(reps)]
+    runs = [one(r) for r in range(reps)]
     prof = dev.queue.profiler
     prof.events.clear()
     one(2000)
@@ -57,7 +60,7 @@ def prefill(dev, model, vocab: int, prompt: int, reps: int) -> tuple[float, dict
         per[name][0] += 1
         per[name][1] += (t1 - t0) / 1e3
     prof.events.clear()
-    return statistics.median(walls), per
+    return statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs), per
 
 
 def main() -> None:
@@ -83,10 +86,11 @@ def main() -> None:
         for coop, flash in [(c, f) for c in a.quant_coop.split(",") for f in a.flash.split(",")]:
             # read when the step's graph is built
             os.environ["VKGRAPH_QUANT_COOP"], os.environ["VKGRAPH_FLASH_PREFILL"] = coop, flash
-            wall, per = prefill(dev, model, cfg.vocab_size, a.prompt, a.reps)
+            wall, host, per = prefill(dev, model, cfg.vocab_size, a.prompt, a.reps)
             busy = sum(v[1] for v in per.values())
             print(f"vkgraph {fmt} quant_coop={coop} flash={flash}: {a.prompt / wall:.1f} tok/s ({wall * 1e3:.2f} ms; "
-                  f"GPU busy {busy / 1e3:.2f} ms in {sum(v[0] for v in per.values()):.0f} dispatches)", flush=True)
+                  f"GPU busy {busy / 1e3:.2f} ms in {sum(v[0] for v in per.values()):.0f} dispatches; host CPU "
+                  f"{host * 1e3:.2f} ms)", flush=True)
             for name, (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:a.top]:
                 print(f"  {name[:44]:44s} {count:5.0f} {us / 1e3:9.3f} ms {us / busy:6.1%}")
         del model
