@@ -6,11 +6,12 @@
 Per format, per VKGRAPH_QUANT_COOP setting (1: quantized products on cooperative matrices where the device has
 them, templates.matmul_quant; 0: a float16 copy of each weight and the generated matmul) and per
 VKGRAPH_FLASH_PREFILL setting (1: attention on cooperative matrices, templates.flash_prefill; 0: the template
-prefill_attention), the median
-wall time of `--reps` prefills of one prompt after a clock warm-up (common.raise_clocks; each prompt new, so no
-cached prefix; the first token sampled as the engine does) and the calling thread's CPU time in it (the host's
-work: building, scheduling and recording the pass; a driver's threads not counted), then one more prefill under
-VKGRAPH_PROFILE, whose per-kernel GPU time is printed by kernel name. `--layers` keeps only the first layers of
+prefill_attention), the median wall time of `--reps` prefills of one prompt after a clock warm-up
+(common.raise_clocks; each prompt new, so no cached prefix; the first token sampled as the engine does) and the
+calling thread's CPU time in it (the host's work; a driver's threads not counted): as the engine runs them (the
+first captures the forward pass, the others replay it: vkgraph.nn.engine.PREFILL_CAPTURE_ROWS), then eagerly
+(every graph built, scheduled and recorded, each layer submitted as it is built); then one more eager prefill
+under VKGRAPH_PROFILE, whose per-kernel GPU time is printed by kernel name. `--layers` keeps only the first layers of
 the shape (the random weights of all 32 layers of the 8B shape take a minute to draw): every layer does the same
 work, so a full-depth prefill takes about (measured time - head) * 32 / layers + head. PyTorch runs the same
 reduced shape.
@@ -36,9 +37,10 @@ from vkgraph.nn.llama import LlamaModel  # noqa: E402
 from vkgraph.runtime import get_device  # noqa: E402
 
 
-def prefill(dev, model, vocab: int, prompt: int, reps: int) -> tuple[float, float, dict]:
-    """(median seconds of one prefill, median seconds of the host's CPU time in it, {kernel: [dispatches, GPU us]}
-    of one more, profiled)."""
+def prefill(dev, model, vocab: int, prompt: int, reps: int) -> tuple[tuple[float, float], tuple[float, float], dict]:
+    """(median seconds of one prefill and of the host's CPU time in it) as the engine runs it (the first of `reps`
+    captures the forward pass, later ones replay it) and eagerly (every graph built, scheduled and recorded; each
+    layer submitted as it is built), and {kernel: [dispatches, GPU us]} of one more eager prefill, profiled."""
     engine = Engine(model, max_batch=1)
 
     def one(r: int) -> tuple[float, float]:
@@ -49,9 +51,14 @@ def prefill(dev, model, vocab: int, prompt: int, reps: int) -> tuple[float, floa
         dev.synchronize()
         return time.perf_counter() - t, time.thread_time() - c
 
+    def medians(runs: list[tuple[float, float]]) -> tuple[float, float]:
+        return statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)
+
     one(1000)  # compiles
     raise_clocks()
-    runs = [one(r) for r in range(reps)]
+    captured = medians([one(r) for r in range(reps)])
+    engine._prefill_pass = engine._forward  # eager: every dispatch is recorded, so every one is timed
+    eager = medians([one(100 + r) for r in range(reps)])
     prof = dev.queue.profiler
     prof.events.clear()
     one(2000)
@@ -60,7 +67,7 @@ def prefill(dev, model, vocab: int, prompt: int, reps: int) -> tuple[float, floa
         per[name][0] += 1
         per[name][1] += (t1 - t0) / 1e3
     prof.events.clear()
-    return statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs), per
+    return captured, eager, per
 
 
 def main() -> None:
@@ -86,11 +93,12 @@ def main() -> None:
         for coop, flash in [(c, f) for c in a.quant_coop.split(",") for f in a.flash.split(",")]:
             # read when the step's graph is built
             os.environ["VKGRAPH_QUANT_COOP"], os.environ["VKGRAPH_FLASH_PREFILL"] = coop, flash
-            wall, host, per = prefill(dev, model, cfg.vocab_size, a.prompt, a.reps)
+            (wall, host), (eager, eager_host), per = prefill(dev, model, cfg.vocab_size, a.prompt, a.reps)
             busy = sum(v[1] for v in per.values())
-            print(f"vkgraph {fmt} quant_coop={coop} flash={flash}: {a.prompt / wall:.1f} tok/s ({wall * 1e3:.2f} ms; "
-                  f"GPU busy {busy / 1e3:.2f} ms in {sum(v[0] for v in per.values()):.0f} dispatches; host CPU "
-                  f"{host * 1e3:.2f} ms)", flush=True)
+            print(f"vkgraph {fmt} quant_coop={coop} flash={flash}: {a.prompt / wall:.1f} tok/s ({wall * 1e3:.2f} ms, "
+                  f"host CPU {host * 1e3:.2f} ms); eager {a.prompt / eager:.1f} tok/s ({eager * 1e3:.2f} ms, host CPU "
+                  f"{eager_host * 1e3:.2f} ms); GPU busy {busy / 1e3:.2f} ms in "
+                  f"{sum(v[0] for v in per.values()):.0f} dispatches", flush=True)
             for name, (count, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:a.top]:
                 print(f"  {name[:44]:44s} {count:5.0f} {us / 1e3:9.3f} ms {us / busy:6.1%}")
         del model

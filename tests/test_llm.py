@@ -324,6 +324,33 @@ def test_prefill_streamed_layer_by_layer_equals_one_graph(models, kind):
     assert streamed_submits == plain_submits + (len(model.layers) if kind == "Q4_0" else 0)
 
 
+def test_prefills_of_one_bucket_replay_one_captured_pass(models, monkeypatch):
+    """Prompts padded to one row bucket: the first prefill runs eagerly, the second captures the forward pass and
+    later ones replay it (no kernel from a built graph); the logits equal those of eager passes bit for bit."""
+    import vkgraph.nn.engine as engine_module
+    from vkgraph.realize import count_kernels
+
+    w, model = build(models["Q4_0"])
+    vocab = w.config.vocab_size
+    prompts = [[(5 * i + k) % vocab for i in range(n)] for k, n in enumerate((20, 31, 18, 27))]  # 32 rows each
+
+    def prefill_all(engine):
+        logits, kernels = [], []
+        for k, prompt in enumerate(prompts):
+            engine.kv.add_sequence(k, prompt)
+            with count_kernels() as c:
+                logits.append(engine._prefill([type("Probe", (), {"id": k})()], continue_cached=False).numpy())
+            engine.kv.free_sequence(k)
+            kernels.append(c.count)
+        return logits, kernels
+
+    captured, kernels = prefill_all(Engine(model, max_batch=1, prefix_caching=False))
+    monkeypatch.setattr(engine_module, "PREFILL_CAPTURE_ROWS", 0)
+    eager, eager_kernels = prefill_all(Engine(model, max_batch=1, prefix_caching=False))
+    assert all(np.array_equal(a, b) for a, b in zip(captured, eager))
+    assert kernels[:2] == eager_kernels[:2] and kernels[0] > 0 and kernels[2:] == [0, 0]
+
+
 @pytest.mark.parametrize("n_experts", [4, 8])
 def test_quantized_moe_runs_only_the_chosen_experts(n_experts):
     """Q8_0 experts run grouped by expert: gate/up and down are one expert-indexed matvec each, whatever the

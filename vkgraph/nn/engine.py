@@ -69,6 +69,11 @@ class Event:
     logprobs: TokenLogprob | None = None
 
 
+# prefills of up to this many token rows replay a captured forward pass per shape (Engine._prefill); a capture
+# keeps its intermediates, so larger ones, whose GPU time dwarfs the host's, run eagerly (each layer submitted as
+# it is built)
+PREFILL_CAPTURE_ROWS = 512
+
 # top-k widths a step computes (the smallest that covers every request's), so a handful of captures serve all
 _TOP_BUCKETS = (1, 5, 20)
 MAX_TOP_LOGPROBS = _TOP_BUCKETS[-1]
@@ -141,6 +146,7 @@ class Engine:
         # a model whose step cannot be one captured graph (vkgraph.parallel's: host all-reduces inside) runs eagerly
         capturable = getattr(model, "capturable", True)
         self._decode = jit(self._decode_step, max_entries=16) if capturable else self._decode_step
+        self._prefill_pass = jit(self._forward, max_entries=8) if capturable else self._forward
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, max_tokens: int = 64,
@@ -281,24 +287,38 @@ class Engine:
         """Logits (len(reqs), vocab) of each prompt's last token, computing only tokens not already cached.
 
         Token rows are padded to a power of two (at least 16): prompts of similar length then share one set of
-        compiled kernels and one cached schedule. Padding rows write no KV (slot -1) and are never read."""
+        compiled kernels and one cached schedule, and up to PREFILL_CAPTURE_ROWS rows, one captured pass (the
+        forward pass is a vkgraph.jit function of its inputs, as the decode step is: replayed from the third
+        prefill of a shape on, with no graph built, scheduled or recorded on the host). Padding rows write no KV
+        (slot -1) and are never read."""
         ids = [r.id for r in reqs]
         real = sum(self.kv.context_len(i) - self.kv.num_computed(i) for i in ids)
         rows = _pow2(max(real, 16))
         meta = self.kv.batch(ids, width=self.model.max_blocks_per_seq, pad_tokens=rows)
         qsl = meta.query_start_loc
-        counts = np.diff(qsl)
-        common = dict(positions=Tensor(meta.positions), slot_mapping=Tensor(meta.slot_mapping))
         if not continue_cached:
-            step = StepInputs(**common, cu_seqlens=Tensor(qsl), max_seq_len=int(counts.max()))
+            cu_seqlens, tables, context_lens = Tensor(qsl), None, None
         else:  # some continue a cached prefix: each new token is a query row over the paged cache
-            tables = np.zeros((rows, meta.block_tables.shape[1]), np.int32)
-            tables[:real] = np.repeat(meta.block_tables, counts, axis=0)
-            step = StepInputs(**common, block_tables=Tensor(tables), context_lens=Tensor(meta.positions + 1))
-        rows_out = Tensor((qsl[1:] - 1).astype(np.int32))
+            table = np.zeros((rows, meta.block_tables.shape[1]), np.int32)
+            table[:real] = np.repeat(meta.block_tables, np.diff(qsl), axis=0)
+            cu_seqlens, tables, context_lens = None, Tensor(table), Tensor(meta.positions + 1)
+        forward = self._prefill_pass if rows <= PREFILL_CAPTURE_ROWS else self._forward
+        return forward(Tensor(meta.input_ids), Tensor(meta.positions), Tensor(meta.slot_mapping), cu_seqlens, tables,
+                       context_lens, Tensor((qsl[1:] - 1).astype(np.int32)), rows)
+
+    def _forward(self, ids: Tensor, positions: Tensor, slots: Tensor, cu_seqlens: Tensor | None,
+                 tables: Tensor | None, context_lens: Tensor | None, logit_rows: Tensor, max_seq_len: int) -> Tensor:
+        """The prefill's forward pass: logits at `logit_rows`. Over `cu_seqlens` (prompts from scratch) its
+        attention's grid covers `max_seq_len` query rows per prompt (the padded rows, so that one capture serves
+        every prompt of the bucket; rows past a prompt's end do nothing), else it reads the paged cache through
+        `tables` and `context_lens`."""
+        if tables is None:
+            step = StepInputs(positions, slots, cu_seqlens=cu_seqlens, max_seq_len=max_seq_len)
+        else:
+            step = StepInputs(positions, slots, block_tables=tables, context_lens=context_lens)
         if isinstance(self.model, LlamaModel):  # each layer submitted as it is built (see LlamaModel.__call__)
-            return self.model(Tensor(meta.input_ids), step, logit_rows=rows_out, stream_layers=True)
-        return self.model(Tensor(meta.input_ids), step, logit_rows=rows_out)
+            return self.model(ids, step, logit_rows=logit_rows, stream_layers=True)
+        return self.model(ids, step, logit_rows=logit_rows)
 
     def _move_blocks(self) -> None:
         """Before a pass: copy the hashed blocks just evicted from the GPU into the prefix store (the pass may
