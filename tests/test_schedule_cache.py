@@ -388,3 +388,22 @@ def test_float_constants_past_the_push_budget_are_literals_and_still_right():
             np.testing.assert_allclose(g(ks).numpy(), ref(ks), rtol=1e-5, err_msg=str(i))
         misses += h.misses
     assert 0 < misses < n  # both kinds were changed
+
+
+def test_realizing_a_custom_output_early_changes_no_kernel():
+    """ends_kernel: a realized tensor or a template's output sits in a buffer in any schedule, so realizing it
+    first (and its readers after) runs the kernels of one graph with the same values; a lazy result does not."""
+    from vkgraph.realize import count_kernels
+
+    x = data(100)
+    t = Tensor(x)
+    assert t.ends_kernel() and not (t * 2).ends_kernel() and not (t * 2).reshape(10, 10).ends_kernel()
+    runs = []
+    for early in (False, True):
+        y = add_k(Tensor(x) * 2, 1.5)
+        assert y.ends_kernel()
+        with count_kernels() as c:
+            if early:
+                y.realize()
+            runs.append(((y * 3 + 1).exp().numpy(), sorted(c.names)))
+    assert np.array_equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
