@@ -9,7 +9,7 @@ VKGRAPH_FLASH_PREFILL setting (1: attention on cooperative matrices, templates.f
 prefill_attention), the median wall time of `--reps` prefills of one prompt after a clock warm-up
 (common.raise_clocks; each prompt new, so no cached prefix; the first token sampled as the engine does) and the
 calling thread's CPU time in it (the host's work; a driver's threads not counted): as the engine runs them (the
-first captures the forward pass, the others replay it: vkgraph.nn.engine.PREFILL_CAPTURE_ROWS), then eagerly
+first captures the forward pass, the others replay it: VKGRAPH_PREFILL_CAPTURE_ROWS), then eagerly
 (every graph built, scheduled and recorded, each layer submitted as it is built); then one more eager prefill
 under VKGRAPH_PROFILE, whose per-kernel GPU time is printed by kernel name. `--layers` keeps only the first layers of
 the shape (the random weights of all 32 layers of the 8B shape take a minute to draw): every layer does the same

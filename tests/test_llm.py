@@ -327,7 +327,6 @@ def test_prefill_streamed_layer_by_layer_equals_one_graph(models, kind):
 def test_prefills_of_one_bucket_replay_one_captured_pass(models, monkeypatch):
     """Prompts padded to one row bucket: the first prefill runs eagerly, the second captures the forward pass and
     later ones replay it (no kernel from a built graph); the logits equal those of eager passes bit for bit."""
-    import vkgraph.nn.engine as engine_module
     from vkgraph.realize import count_kernels
 
     w, model = build(models["Q4_0"])
@@ -345,7 +344,7 @@ def test_prefills_of_one_bucket_replay_one_captured_pass(models, monkeypatch):
         return logits, kernels
 
     captured, kernels = prefill_all(Engine(model, max_batch=1, prefix_caching=False))
-    monkeypatch.setattr(engine_module, "PREFILL_CAPTURE_ROWS", 0)
+    monkeypatch.setenv("VKGRAPH_PREFILL_CAPTURE_ROWS", "0")
     eager, eager_kernels = prefill_all(Engine(model, max_batch=1, prefix_caching=False))
     assert all(np.array_equal(a, b) for a, b in zip(captured, eager))
     assert kernels[:2] == eager_kernels[:2] and kernels[0] > 0 and kernels[2:] == [0, 0]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..flags import flag
 from ..jit import jit
 from ..tensor import Tensor, manual_seed
 from .kv_cache import KVCacheManager, OutOfKVBlocks
@@ -68,11 +69,6 @@ class Event:
     finished: str | None
     logprobs: TokenLogprob | None = None
 
-
-# prefills of up to this many token rows replay a captured forward pass per shape (Engine._prefill); a capture
-# keeps its intermediates, so larger ones, whose GPU time dwarfs the host's, run eagerly (each layer submitted as
-# it is built)
-PREFILL_CAPTURE_ROWS = 512
 
 # top-k widths a step computes (the smallest that covers every request's), so a handful of captures serve all
 _TOP_BUCKETS = (1, 5, 20)
@@ -146,7 +142,10 @@ class Engine:
         # a model whose step cannot be one captured graph (vkgraph.parallel's: host all-reduces inside) runs eagerly
         capturable = getattr(model, "capturable", True)
         self._decode = jit(self._decode_step, max_entries=16) if capturable else self._decode_step
-        self._prefill_pass = jit(self._forward, max_entries=8) if capturable else self._forward
+        # prefills of up to VKGRAPH_PREFILL_CAPTURE_ROWS rows: a capture keeps its intermediates (for a Q4_0 8B-shape
+        # pass at 512 rows, the activations of a layer; without cooperative matrices also the float16 weight
+        # temporaries), so few are kept, and larger prefills, whose GPU time dwarfs the host's, run eagerly
+        self._prefill_pass = jit(self._forward, max_entries=4) if capturable else self._forward
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, max_tokens: int = 64,
@@ -287,7 +286,7 @@ class Engine:
         """Logits (len(reqs), vocab) of each prompt's last token, computing only tokens not already cached.
 
         Token rows are padded to a power of two (at least 16): prompts of similar length then share one set of
-        compiled kernels and one cached schedule, and up to PREFILL_CAPTURE_ROWS rows, one captured pass (the
+        compiled kernels and one cached schedule, and up to VKGRAPH_PREFILL_CAPTURE_ROWS rows, one captured pass (the
         forward pass is a vkgraph.jit function of its inputs, as the decode step is: replayed from the third
         prefill of a shape on, with no graph built, scheduled or recorded on the host). Padding rows write no KV
         (slot -1) and are never read."""
@@ -302,7 +301,7 @@ class Engine:
             table = np.zeros((rows, meta.block_tables.shape[1]), np.int32)
             table[:real] = np.repeat(meta.block_tables, np.diff(qsl), axis=0)
             cu_seqlens, tables, context_lens = None, Tensor(table), Tensor(meta.positions + 1)
-        forward = self._prefill_pass if rows <= PREFILL_CAPTURE_ROWS else self._forward
+        forward = self._prefill_pass if rows <= flag("VKGRAPH_PREFILL_CAPTURE_ROWS") else self._forward
         return forward(Tensor(meta.input_ids), Tensor(meta.positions), Tensor(meta.slot_mapping), cu_seqlens, tables,
                        context_lens, Tensor((qsl[1:] - 1).astype(np.int32)), rows)
 
