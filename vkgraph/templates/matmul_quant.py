@@ -179,9 +179,11 @@ DECODE_GROUPS = 512  # workgroups a small-M product aims for (about four per mul
 
 def decode_config(lim: Limits, m: int, n: int, k: int) -> Tile | None:
     """The tile for a product of few rows (m < 64, a batched decode step) over K = k, or None where the device has
-    no fitting float16 cooperative matrices: all m rows (whole fragments) by 32 columns, slices as deep as shared
-    memory takes (256 at most) split among 4 subgroups, and K split among up to 8 workgroups until the product
-    has DECODE_GROUPS of them."""
+    no fitting float16 cooperative matrices: all m rows (whole fragments) by 32 columns, slices 64 deep (32 where K
+    is not a multiple of 64) split between 2 subgroups, and K split among up to 8 workgroups until the product has
+    DECODE_GROUPS of them. On an H200 (2026-12-02, `bench_matvec_launch.py --mm-sweep`, Q4_0 o and gate_up at 8 and
+    32 rows) 64-deep slices between 2 subgroups were the fastest of 24 tiles on all four, 1.4-1.7x the 256-deep
+    slices between 4 subgroups chosen before: shallow slices keep more workgroups resident per multiprocessor."""
     if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1 or k % BLOCK or not 1 <= m < 64:
         return None
     frag = matmul_coop.fragment(lim, "float16")
@@ -189,13 +191,14 @@ def decode_config(lim: Limits, m: int, n: int, k: int) -> Tile | None:
         return None
     fm, fn, fk = frag
     bm, bn = fm * math.ceil(m / fm), 2 * fn
-    for bk in (256, 128, 64, 32):
-        if k % bk or bk % (4 * fk) or not Tile(bm, bn, bk, 1, 2, 1, 4).fits(frag, lim):
+    for bk in (64, 32):
+        wk = max(1, min(2, bk // fk))
+        if k % bk or bk % (wk * fk) or not Tile(bm, bn, bk, 1, 2, 1, wk).fits(frag, lim):
             continue
         ks = 1
         while ks < 8 and math.ceil(n / bn) * ks < DECODE_GROUPS and (k // (2 * ks)) % bk == 0:
             ks *= 2
-        return Tile(bm, bn, bk, 1, 2, 1, 4, ks)
+        return Tile(bm, bn, bk, 1, 2, 1, wk, ks)
     return None
 
 
