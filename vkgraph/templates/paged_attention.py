@@ -7,6 +7,8 @@ A sequence's tokens live in the blocks its block-table row lists, in any order; 
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,13 +159,32 @@ def stage_bytes(dev: Device, parts: list[Any]) -> Any:
     """A staging buffer (host-visible memory that copies into device buffers read from) holding `parts` (bytes
     objects) one after another, each copied into it once. Whoever records copies from it holds it on the queue
     (`dev.queue.hold`) after them."""
-    sizes = [len(p) for p in parts]
-    stage = dev.memory.staging.alloc(max(sum(sizes), 4))
-    host, at = stage.alloc.host, 0
-    for p, n in zip(parts, sizes):
-        host[at:at + n] = np.frombuffer(p, np.uint8)
-        at += n
+    ends = np.cumsum([len(p) for p in parts], dtype=np.int64)
+    stage = dev.memory.staging.alloc(max(int(ends[-1]) if len(ends) else 0, 4))
+    host = stage.alloc.host
+
+    def put(i: int) -> None:
+        host[ends[i] - len(parts[i]):ends[i]] = np.frombuffer(parts[i], np.uint8)
+
+    if len(ends) > 1 and ends[-1] >= _PARALLEL_COPY:
+        list(_copy_pool().map(put, range(len(parts))))
+    else:
+        for i in range(len(parts)):
+            put(i)
     return stage
+
+
+_PARALLEL_COPY = 8 << 20  # bytes from which stage_bytes copies in several threads
+_copier: ThreadPoolExecutor | None = None
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    """Threads for host copies: numpy lets go of the GIL while it copies, and one core alone copies well short
+    of what a server's memory can."""
+    global _copier
+    if _copier is None:
+        _copier = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="vkgraph-stage")
+    return _copier
 
 
 def readback_buffer(dev: Device, nbytes: int) -> Any:
