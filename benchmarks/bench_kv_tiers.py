@@ -4,6 +4,7 @@ recomputing it (vkgraph/nn/kv_tiers.py, docs/serving.md).
     python benchmarks/bench_kv_tiers.py --model /tmp/m8b/model-q4_0.gguf --prefix 2048 --reps 3    # H200
     python benchmarks/bench_kv_tiers.py --prefix 256 --reps 3                          # lavapipe, tiny: a smoke run
     python benchmarks/bench_kv_tiers.py --preset kv8b --prefix 256 --reps 3            # lavapipe, 8B-shaped KV
+    python benchmarks/bench_kv_tiers.py --preset llama3-8b --copies-only --reps 5      # the copies alone
 
 Engine level (no HTTP). Each repetition draws a fresh random prefix (so no tier holds it from before) and asks
 for one token of prefix + a 16-token suffix, with the prefix:
@@ -36,9 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from vkgraph.nn import tiny_model as mk  # noqa: E402
 from vkgraph.nn.engine import Engine  # noqa: E402
-from vkgraph.nn.kv_tiers import DiskTier, HostTier, PrefixStore, model_fingerprint  # noqa: E402
+from vkgraph.nn.kv_tiers import BlockCopier, DiskTier, HostTier, PrefixStore, model_fingerprint  # noqa: E402
 from vkgraph.nn.llama import LlamaModel  # noqa: E402
 from vkgraph.nn.model_file import open_model  # noqa: E402
+from vkgraph.nn.template_ops import KVCache  # noqa: E402
 from vkgraph.nn.weights import load_weights  # noqa: E402
 
 SUFFIX = 16
@@ -65,6 +67,31 @@ def drop_page_cache(folder: Path) -> None:
             os.close(fd)
 
 
+def copies_only(layers: int, kv_heads: int, head_dim: int, prefix: int, reps: int, kv_dtype: str) -> None:
+    """The copies alone, without a model: caches of a model's KV shape, a prefix's blocks of random bits
+    written (staged, then waited for) and read back, checked bit for bit."""
+    blocks = list(range(3, 3 + prefix // BLOCK))
+    caches = [KVCache.create(len(blocks) + 8, kv_heads, head_dim, BLOCK, kv_dtype) for _ in range(layers)]
+    copier = BlockCopier(caches)
+    rng = np.random.default_rng(0)
+    payloads = [rng.bytes(copier.payload_bytes) for _ in blocks]
+    nbytes = len(blocks) * copier.payload_bytes
+    print(f"copies only: {len(caches)} layers, {nbytes / 2**20:.1f} MiB of KV")
+    print("rep   stage ms   wait ms   in GB/s   out ms   out GB/s")
+    for rep in range(reps + 1):  # the first warms the pools
+        t0 = time.perf_counter()
+        copier.write(blocks, payloads)
+        t1 = time.perf_counter()
+        copier.wait()
+        t2 = time.perf_counter()
+        back = copier.read(blocks)
+        t3 = time.perf_counter()
+        if back != payloads:
+            raise SystemExit("the blocks read back differ from those written")
+        print(f"{rep:3d}  {1000 * (t1 - t0):9.1f} {1000 * (t2 - t1):9.1f}  {nbytes / (t2 - t0) / 1e9:8.2f} "
+              f"{1000 * (t3 - t2):8.1f}  {nbytes / (t3 - t2) / 1e9:8.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, help="a model (default: write one of --preset with random weights)")
@@ -73,9 +100,15 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=2048, help="prefix tokens (a multiple of 16)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kv-dtype", choices=["f16", "f32"], default="f16")
+    ap.add_argument("--copies-only", action="store_true",
+                    help="time the restore's and the offload's copies alone, with caches of --preset's KV shape")
     a = ap.parse_args()
     if a.prefix % BLOCK:
         raise SystemExit(f"--prefix must be a multiple of {BLOCK}")
+    if a.copies_only:
+        cfg = PRESETS[a.preset]()
+        copies_only(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, a.prefix, a.reps, a.kv_dtype)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         path = a.model
         if path is None:
