@@ -10,6 +10,7 @@ from vkgraph.nn.engine import Engine
 from vkgraph.nn.layers import StepInputs
 from vkgraph.nn.llama import LlamaModel
 from vkgraph.nn.sampling import SamplingParams
+from vkgraph.nn.template_ops import flash_takes
 from vkgraph.nn.tokenizer import Tokenizer
 from vkgraph.nn.weights import load_weights
 from vkgraph.tensor import Tensor
@@ -39,6 +40,14 @@ def nerr(got, want):
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+def logits_tol(cfg) -> float:
+    """The logits' bound against the float64 reference: 5e-4, or where prefill attention runs flash_prefill
+    (template_ops.flash_takes), 4e-3 as for its output alone: q, k, v and the probabilities rounded to float16
+    (unit roundoff 2^-11) move each probability by up to 2u|score| + u, about 6u for these models' scores, and
+    the residual stream carries that to the logits (measured on an H200: 1.03e-3)."""
+    return 4e-3 if flash_takes(cfg.head_dim, cfg.attn_softcap) else 5e-4
+
+
 def build(path, **kw):
     w = load_weights(path, progress=False)
     kw = {"num_blocks": 48, "block_size": BLOCK, "kv_dtype": "f32", "max_blocks_per_seq": 6, "float_dtype": "float32",
@@ -59,14 +68,14 @@ def test_logits_match_reference_for_prefill_and_every_decode_step(models, kind):
     step = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.array([slot(p) for p in range(n)], np.int32)),
                       cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
     got = model(Tensor(np.array(prompt, np.int32)), step).numpy()
-    assert nerr(got, want) < 5e-4
+    assert nerr(got, want) < logits_tol(w.config)
     tok = int(np.argmax(want[-1]))
     for pos in range(n, n + 24):  # crosses a block boundary
         want = ref.forward([tok], cache)
         step = StepInputs(Tensor(np.array([pos], np.int32)), Tensor(np.array([slot(pos)], np.int32)),
                           block_tables=Tensor(table), context_lens=Tensor(np.array([pos + 1], np.int32)))
         got = model(Tensor(np.array([tok], np.int32)), step).numpy()
-        assert nerr(got, want) < 5e-4, pos
+        assert nerr(got, want) < logits_tol(w.config), pos
         tok = int(np.argmax(want[-1]))
 
 
@@ -169,7 +178,7 @@ def test_prefix_cache_hit_gives_the_same_logits_as_a_cold_run(models):
     probe = type("Probe", (), {"id": "probe"})()
     logits = engine._prefill([probe], continue_cached=True).numpy()
     want = ReferenceLlama(w).forward(prompt)[-1:]
-    assert nerr(logits, want) < 5e-4
+    assert nerr(logits, want) < logits_tol(w.config)
     engine.kv.free_sequence("probe")
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
@@ -404,13 +413,13 @@ def test_mixed_quantization_files_match_reference(tmp_path, mix):
     n = len(prompt)
     step = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
                       cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
-    assert nerr(model(Tensor(np.array(prompt, np.int32)), step).numpy(), want) < 5e-4
+    assert nerr(model(Tensor(np.array(prompt, np.int32)), step).numpy(), want) < logits_tol(w.config)
     tok = int(np.argmax(want[-1]))
     want = ref.forward([tok], cache)
     step = StepInputs(Tensor(np.array([n], np.int32)), Tensor(np.array([n], np.int32)),
                       block_tables=Tensor(np.arange(6, dtype=np.int32)[None]),
                       context_lens=Tensor(np.array([n + 1], np.int32)))
-    assert nerr(model(Tensor(np.array([tok], np.int32)), step).numpy(), want) < 5e-4
+    assert nerr(model(Tensor(np.array([tok], np.int32)), step).numpy(), want) < logits_tol(w.config)
 
 
 @pytest.mark.parametrize("kind", ["hf", "Q8_0"])
@@ -429,7 +438,7 @@ def test_gemma_matches_reference(tmp_path, kind):
     n = len(prompt)
     step = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
                       cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
-    assert nerr(model(Tensor(np.array(prompt, np.int32)), step).numpy(), want) < 5e-4
+    assert nerr(model(Tensor(np.array(prompt, np.int32)), step).numpy(), want) < logits_tol(w.config)
     assert ref.greedy(prompt, 6) == run(Engine(model), [prompt], max_tokens=6)[0]
 
 
@@ -461,7 +470,7 @@ def test_gemma2_matches_reference(tmp_path, kind):
         assert nerr(ReferenceLlama(plain).forward(prompt), want) > 1e-2  # caps and window change the result
         model = LlamaModel(wi, num_blocks=48, block_size=BLOCK, kv_dtype="f32", max_blocks_per_seq=6,
                            float_dtype="float32")
-        assert nerr(model(Tensor(np.array(prompt, np.int32)), step).numpy(), want) < 5e-4
+        assert nerr(model(Tensor(np.array(prompt, np.int32)), step).numpy(), want) < logits_tol(wi.config)
         assert ref.greedy(prompt, 6) == run(Engine(model), [prompt], max_tokens=6)[0]
 
 

@@ -296,25 +296,28 @@ class Engine:
         meta = self.kv.batch(ids, width=self.model.max_blocks_per_seq, pad_tokens=rows)
         qsl = meta.query_start_loc
         if not continue_cached:
-            cu_seqlens, tables, context_lens = Tensor(qsl), None, None
-        else:  # some continue a cached prefix: each new token is a query row over the paged cache
+            cu_seqlens, tables, context_lens, prefix_lens, seq_tables = Tensor(qsl), None, None, None, None
+        else:  # some continue a cached prefix: each new token is a query row over the paged cache (paged_decode),
+            # or where flash prefill runs, each sequence one prefill over its cached prefix and new tokens; the
+            # model picks, so both forms go in
             table = np.zeros((rows, meta.block_tables.shape[1]), np.int32)
             table[:real] = np.repeat(meta.block_tables, np.diff(qsl), axis=0)
-            cu_seqlens, tables, context_lens = None, Tensor(table), Tensor(meta.positions + 1)
+            cu_seqlens, tables, context_lens = Tensor(qsl), Tensor(table), Tensor(meta.positions + 1)
+            prefix_lens = Tensor((meta.context_lens - np.diff(qsl)).astype(np.int32))
+            seq_tables = Tensor(meta.block_tables)
         forward = self._prefill_pass if rows <= flag("VKGRAPH_PREFILL_CAPTURE_ROWS") else self._forward
         return forward(Tensor(meta.input_ids), Tensor(meta.positions), Tensor(meta.slot_mapping), cu_seqlens, tables,
-                       context_lens, Tensor((qsl[1:] - 1).astype(np.int32)), rows)
+                       context_lens, prefix_lens, seq_tables, Tensor((qsl[1:] - 1).astype(np.int32)), rows)
 
-    def _forward(self, ids: Tensor, positions: Tensor, slots: Tensor, cu_seqlens: Tensor | None,
-                 tables: Tensor | None, context_lens: Tensor | None, logit_rows: Tensor, max_seq_len: int) -> Tensor:
-        """The prefill's forward pass: logits at `logit_rows`. Over `cu_seqlens` (prompts from scratch) its
-        attention's grid covers `max_seq_len` query rows per prompt (the padded rows, so that one capture serves
-        every prompt of the bucket; rows past a prompt's end do nothing), else it reads the paged cache through
-        `tables` and `context_lens`."""
-        if tables is None:
-            step = StepInputs(positions, slots, cu_seqlens=cu_seqlens, max_seq_len=max_seq_len)
-        else:
-            step = StepInputs(positions, slots, block_tables=tables, context_lens=context_lens)
+    def _forward(self, ids: Tensor, positions: Tensor, slots: Tensor, cu_seqlens: Tensor,
+                 tables: Tensor | None, context_lens: Tensor | None, prefix_lens: Tensor | None,
+                 seq_tables: Tensor | None, logit_rows: Tensor, max_seq_len: int) -> Tensor:
+        """The prefill's forward pass: logits at `logit_rows`. Over `cu_seqlens` its attention's grid covers
+        `max_seq_len` query rows per prompt (the padded rows, so that one capture serves every prompt of the
+        bucket; rows past a prompt's end do nothing). Prompts that continue cached prefixes also pass the paged
+        cache's view per query row (`tables`, `context_lens`) and per sequence (`prefix_lens`, `seq_tables`)."""
+        step = StepInputs(positions, slots, block_tables=tables, context_lens=context_lens, cu_seqlens=cu_seqlens,
+                          max_seq_len=max_seq_len, prefix_lens=prefix_lens, seq_block_tables=seq_tables)
         if isinstance(self.model, LlamaModel):  # each layer submitted as it is built (see LlamaModel.__call__)
             return self.model(ids, step, logit_rows=logit_rows, stream_layers=True)
         return self.model(ids, step, logit_rows=logit_rows)

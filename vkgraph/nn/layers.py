@@ -23,6 +23,7 @@ from .template_ops import (
     Int8Activations,
     KVCache,
     QuantLinear,
+    flash_takes,
     glu_q8,
     paged_decode,
     prefill_attention,
@@ -129,7 +130,10 @@ class StepInputs:
     positions, slot_mapping: (tokens,). Attention reads the paged cache per query row: `block_tables`
     (rows, max_blocks) and `context_lens` (rows,), where a row is one sequence in decode, or one prompt token
     (its sequence's table, context = position + 1) in a prefill that continues a cached prefix. A prefill
-    from scratch may pass `cu_seqlens` (sequences + 1) and `max_seq_len` instead, to use the prefill kernel."""
+    from scratch may pass `cu_seqlens` (sequences + 1) and `max_seq_len` instead, to use the prefill kernel.
+    A prefill that continues cached prefixes may pass, besides the per-row tables, `cu_seqlens`, `max_seq_len`,
+    `prefix_lens` (sequences,: the cached tokens) and `seq_block_tables` (sequences, max_blocks): where
+    template_ops.flash_takes, attention then runs as one flash prefill over each prefix and its new tokens."""
 
     positions: Tensor
     slot_mapping: Tensor
@@ -137,6 +141,8 @@ class StepInputs:
     context_lens: Tensor | None = None
     cu_seqlens: Tensor | None = None
     max_seq_len: int = 0
+    prefix_lens: Tensor | None = None
+    seq_block_tables: Tensor | None = None
 
 
 class ParallelLinear:
@@ -217,10 +223,14 @@ class Attention:
         else:
             q = RotaryEmbedding.rotate(q, *rope)
             written = write_kv(cache, k, v, step.slot_mapping)
-        if step.cu_seqlens is not None:
-            # a prefill from scratch attends over the prompt's own keys; the cache write still happens
+        cached = step.prefix_lens is not None
+        if step.cu_seqlens is not None and (not cached or flash_takes(self.head_dim, self.scores["softcap"])):
+            # a prefill attends over the prompt's own keys (the cache write still happens) and, where it continues
+            # a cached prefix, over the prefix's in the cache
+            prefix = dict(cache=cache, block_tables=step.seq_block_tables, prefix_lens=step.prefix_lens) if cached \
+                else {}
             att = prefill_attention(q, k, v, step.cu_seqlens, num_seqs=step.cu_seqlens.shape[0] - 1,
-                                    max_seq_len=step.max_seq_len, after=written, **self.scores)
+                                    max_seq_len=step.max_seq_len, after=written, **prefix, **self.scores)
         else:
             max_context = step.block_tables.shape[1] * cache.block_size
             # the attention's last kernel writes the output product's int8 input where that product takes one

@@ -457,28 +457,50 @@ def paged_decode(cache: KVCache, q: Tensor, block_tables: Tensor, context_lens: 
     return custom(run, ins, (b, heads, d), dtypes.float32, key=key, name="paged_decode")
 
 
+def flash_takes(head_size: int, softcap: float = 0.0) -> bool:
+    """Whether prefill attention runs templates.flash_prefill: asked for (VKGRAPH_FLASH_PREFILL=1), on a device with
+    float16 cooperative matrices that fit heads of head_size, and no soft-capping (Gemma 2), which it lacks. Only
+    then can a prefill that continues cached prefixes run as one prefill (else: paged_decode per query row)."""
+    return bool(flag("VKGRAPH_FLASH_PREFILL")) and fp.usable(limits(), head_size) and not softcap
+
+
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, num_seqs: int, max_seq_len: int,
                       scale: float | None = None, window: int = 0, softcap: float = 0.0,
-                      after: Tensor | None = None) -> Tensor:
+                      after: Tensor | None = None, cache: KVCache | None = None, block_tables: Tensor | None = None,
+                      prefix_lens: Tensor | None = None) -> Tensor:
     """Causal attention over packed prompts: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D].
-    `after`: a token (e.g. write_kv's) this op must follow in the graph. With VKGRAPH_FLASH_PREFILL=1, on a device
-    with float16 cooperative matrices, it runs templates.flash_prefill, whose operands are float16."""
+    `after`: a token (e.g. write_kv's) this op must follow in the graph. Where flash_takes, it runs
+    templates.flash_prefill, whose operands are float16; else the float32 template.
+
+    With `cache`, sequence b continues a cached prefix of prefix_lens[b] tokens (sequences,) held in `cache` at
+    the blocks of block_tables[b] (sequences, max_blocks): its new tokens attend to the prefix and to each other.
+    Only flash_prefill runs that; elsewhere this raises, and the caller attends per query row (paged_decode)."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
     lim = limits()
-    # flash_prefill has no soft-capping (Gemma 2): capped scores take the plain template
-    flash = bool(flag("VKGRAPH_FLASH_PREFILL")) and fp.usable(lim, d) and not softcap
+    flash = flash_takes(d, softcap)
+    if cache is not None and not flash:
+        raise ValueError("prefill_attention: a cached prefix runs on flash_prefill only (see flash_takes); "
+                         "attend per query row with paged_decode instead")
+    if (block_tables is None or prefix_lens is None) != (cache is None):
+        raise ValueError("prefill_attention: cache, block_tables and prefix_lens come together")
+    max_blocks = block_tables.shape[1] if block_tables is not None else 0
 
     def run(dev: Any, out: Any, ins: list[Any]) -> None:
         kw = dict(num_seqs=num_seqs, num_tokens=t, num_heads=heads, num_kv_heads=kv_heads, head_size=d,
                   max_seq_len=max_seq_len, scale=scale, window=window, out=out)
+        if cache is not None:
+            kw.update(cache=cache.on(dev, ins[4], ins[5]), block_tables=ins[6], prefix_lens=ins[7],
+                      max_blocks_per_seq=max_blocks)
         if flash:
             fp.flash_prefill(dev, lim, ins[0], ins[1], ins[2], ins[3], **kw)
         else:
             pa.prefill_attention(dev, ins[0], ins[1], ins[2], ins[3], kv_dtype="f32", softcap=softcap, **kw)
 
-    ins = [q.float(), k.float(), v.float(),
-           cu_seqlens.cast(dtypes.int32)] + ([after] if after is not None else [])
+    ins = [q.float(), k.float(), v.float(), cu_seqlens.cast(dtypes.int32)]
+    if cache is not None:
+        ins += [cache.key, cache.value, block_tables.cast(dtypes.int32), prefix_lens.cast(dtypes.int32)]
+    ins += [after] if after is not None else []
     return custom(run, ins, (t, heads, d), dtypes.float32,
-                  key=(num_seqs, max_seq_len, scale, window, softcap, flash),
+                  key=(num_seqs, max_seq_len, scale, window, softcap, flash, id(cache), max_blocks),
                   name="flash_prefill" if flash else "prefill_attention")

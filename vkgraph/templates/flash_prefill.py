@@ -7,6 +7,10 @@ emulated by loops (`source(..., emulate=True)`, `pytest -m slow`): everything bu
 
 Same contract as paged_attention.prefill_attention (the prefill_attention.comp template, which every other device
 runs): packed prompts, cu_seqlens, grouped KV heads, an optional sliding window; q, k, v and the output float32.
+Beyond it, prompts may continue cached prefixes (the engine's prefix cache, restored KV tiers): sequence b's new
+tokens then sit at positions prefix_lens[b].., and the key walk reads positions below prefix_lens[b] from the
+paged cache through the sequence's block table (float16 or float32, any block size) and the rest from k and v,
+one online softmax over both; the template has no such form, and those prefills run there as paged_decode rows.
 
 A workgroup takes BQ = 16 * SUBGROUPS query rows of one sequence and one query head; each subgroup owns 16 rows.
 The queries are rounded to float16 once and kept as fragments. Keys and values are walked in tiles of BKV: both
@@ -31,6 +35,7 @@ from typing import Any
 from ..codegen.lower import Limits
 from ..runtime import Device
 from .common import check_buffer
+from .paged_attention import KV_DTYPES, PagedKVCache
 
 SUBGROUPS = 4
 BQ = 16 * SUBGROUPS  # query rows per workgroup
@@ -126,10 +131,13 @@ class _Matrices:
 
 
 @cache
-def source(d: int, group: int, subgroup: int, emulate: bool = False) -> str:
-    """The GLSL for head size d, `group` query heads per KV head, at subgroup size `subgroup`. With `emulate`, the
-    same program with its matrix operations written as loops (_EMULATION), for any device: the tests run it where
-    there are no cooperative matrices."""
+def source(d: int, group: int, subgroup: int, emulate: bool = False, cache: str | None = None) -> str:
+    """The GLSL for head size d, `group` query heads per KV head, at subgroup size `subgroup`. With `cache` ("f16"
+    or "f32": a paged cache's dtype), each sequence continues a cached prefix whose keys and values the program
+    reads from that cache. With `emulate`, the same program with its matrix operations written as loops
+    (_EMULATION), for any device: the tests run it where there are no cooperative matrices."""
+    if cache not in (None, *KV_DTYPES):
+        raise ValueError(f"flash_prefill: cache dtype must be one of {sorted(KV_DTYPES)}, got {cache!r}")
     lay = _layout(d)
     ds, ss, ps, kv, per = lay["ds"], lay["ss"], lay["ps"], lay["kv"], lay["per"]
     nt = SUBGROUPS * subgroup
@@ -152,6 +160,33 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False) -> str:
                  "packHalf2x16(hi.zw)); }")
             emit(f"    sm[{at} + row * {ds} + c8] = w; }} }}")
 
+    def stage_keys(at: str, src: str, cached: str) -> None:
+        """The tile's BKV key (or value) rows at positions kt.. into shared memory as float16: positions before
+        the sequence's cached prefix from the paged cache, through its block table (float16 words copied as
+        they are, float32 rounded), the new tokens' own from `src`, zero past the end."""
+        chunks = BKV * (d // 8)
+        for c in range(math.ceil(chunks / nt)):
+            cond = f"e < {chunks}" if (c + 1) * nt > chunks else "true"
+            emit(f"{{ int e = lid + {c * nt}; int row = e / {d // 8}, c8 = e % {d // 8}; int pos = kt + row;")
+            emit(f"  if ({cond}) {{ uvec4 w = uvec4(0u);")
+            if cache is not None:
+                emit("    if (pos < pre) {")
+                emit("      int blk = tables[int(gl_WorkGroupID.z) * int(pc.max_blocks) + pos / int(pc.block_size)];")
+                emit(f"      int off = ((blk * hkv + kvh) * int(pc.block_size) + pos % int(pc.block_size)) * {d};")
+                if cache == "f16":
+                    emit(f"      w = {cached}[off / 8 + c8];")
+                else:
+                    emit(f"      vec4 lo = {cached}[off / 4 + c8 * 2], hi = {cached}[off / 4 + c8 * 2 + 1];")
+                    emit("      w = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), "
+                         "packHalf2x16(hi.zw));")
+                emit("    } else")
+            emit("    if (pos < pre + n) {")
+            emit(f"      int b = ((seq0 + pos - pre) * hkv + kvh) * {d // 4} + c8 * 2;")
+            emit(f"      vec4 lo = {src}[b], hi = {src}[b + 1];")
+            emit("      w = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), "
+                 "packHalf2x16(hi.zw)); }")
+            emit(f"    sm[{at} + row * {ds} + c8] = w; }} }}")
+
     def rows(body: list[str]) -> None:
         """body for each row r (0..15) of the subgroup's this invocation updates, with its state m_[i], l_[i]."""
         emit(f"for (int i = 0; i < {rpl}; i++) {{ int r = lane + i * {subgroup}; if (r < 16) {{")
@@ -168,6 +203,8 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False) -> str:
     emit(f"int q0 = int(gl_WorkGroupID.x) * {BQ};")
     emit("if (q0 >= n) return;  // uniform: sequences shorter than the longest")
     emit(f"int kvh = h / {group};")
+    emit("int pre = " + ("prefix_lens[gl_WorkGroupID.z];" if cache is not None else "0;")
+         + "  // the cached prefix: query row i sits at position pre + i")
     emit("int hq = int(pc.num_heads), hkv = int(pc.num_kv_heads);")
     emit(f"int sb = {kv} + sg * {per};  // this subgroup's scores")
     emit(f"int pb = sb + {16 * ss};  // its probabilities")
@@ -183,11 +220,11 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False) -> str:
     # the running maximum (log2-scaled) and sum of each row this invocation updates
     emit(f"float m_[{rpl}], l_[{rpl}];")
     emit(f"for (int i = 0; i < {rpl}; i++) {{ m_[i] = -1e30; l_[i] = 0.0; }}")
-    emit(f"int kend = min(q0 + {BQ}, n);")
-    emit(f"int kbeg = pc.window > 0u ? max(0, q0 + 1 - int(pc.window)) / {BKV} * {BKV} : 0;")
+    emit(f"int kend = pre + min(q0 + {BQ}, n);")
+    emit(f"int kbeg = pc.window > 0u ? max(0, pre + q0 + 1 - int(pc.window)) / {BKV} * {BKV} : 0;")
     emit(f"for (int kt = kbeg; kt < kend; kt += {BKV}) {{")
-    stage(BKV, "0", "kt + row", "k", f"((seq0 + pos) * hkv + kvh) * {d}")
-    stage(BKV, str(BKV * ds), "kt + row", "v", f"((seq0 + pos) * hkv + kvh) * {d}")
+    stage_keys("0", "k", "kc")
+    stage_keys(str(BKV * ds), "v", "vc")
     emit("barrier();")
     for j in range(fkv):
         emit(mat.declare("acc", f"sc{j}", zero=True))
@@ -199,8 +236,8 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False) -> str:
         emit(mat.store(f"sc{j}", f"sb + {4 * j}", ss))
     emit("subgroupMemoryBarrierShared();")
     emit("subgroupBarrier();")
-    vis = "pos <= qpos && pos < n && (pc.window == 0u || pos + int(pc.window) > qpos)"
-    rows(["int qpos = q0 + sg * 16 + r;",
+    vis = "pos <= qpos && pos < pre + n && (pc.window == 0u || pos + int(pc.window) > qpos)"
+    rows(["int qpos = pre + q0 + sg * 16 + r;",
           "float mx = m_[i];",
           f"for (int c = 0; c < {BKV}; c++) {{",
           "  int pos = kt + c;",
@@ -255,6 +292,7 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False) -> str:
              "uintBitsToFloat(sm[sb + r * 4 + c / 4][c % 4]);")
         emit("}")
         emit("subgroupBarrier();")
+    word = "uvec4" if cache == "f16" else "vec4"  # a float16 cache's 8 values, or a float32 cache's 4
     ext = ([] if emulate else ["#extension GL_KHR_cooperative_matrix : require",
                                "#extension GL_KHR_memory_scope_semantics : require",
                                "#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require"])
@@ -263,6 +301,7 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False) -> str:
         *ext,
         "#extension GL_KHR_shader_subgroup_basic : require",
         f"// causal prefill attention, D = {d}, {group} query heads per KV head, {BQ} queries x {BKV} keys per tile"
+        + (f", cached prefixes in a {cache} paged cache" if cache else "")
         + (" (matrices emulated)" if emulate else ""),
         f"layout(local_size_x = {nt}) in;",
         "layout(set = 0, binding = 0) readonly buffer Q { vec4 q[]; };",
@@ -270,7 +309,13 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False) -> str:
         "layout(set = 0, binding = 2) readonly buffer V { vec4 v[]; };",
         "layout(set = 0, binding = 3) readonly buffer Seqs { int cu_seqlens[]; };",
         "layout(set = 0, binding = 4) writeonly buffer O { float o_[]; };",
-        "layout(push_constant) uniform Push { uint num_heads; uint num_kv_heads; float scale_log2; uint window; } pc;",
+        *([] if cache is None else [
+            f"layout(set = 0, binding = 5) readonly buffer KC {{ {word} kc[]; }};",
+            f"layout(set = 0, binding = 6) readonly buffer VC {{ {word} vc[]; }};",
+            "layout(set = 0, binding = 7) readonly buffer Tables { int tables[]; };",
+            "layout(set = 0, binding = 8) readonly buffer Prefix { int prefix_lens[]; };"]),
+        "layout(push_constant) uniform Push { uint num_heads; uint num_kv_heads; float scale_log2; uint window;"
+        + (" uint block_size; uint max_blocks;" if cache else "") + " } pc;",
         f"shared uvec4 sm[{lay['total']}];",
         *([_EMULATION] if emulate else []),
         "void main() {",
@@ -280,10 +325,18 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False) -> str:
 
 def flash_prefill(dev: Device, lim: Limits, q: Any, k: Any, v: Any, cu_seqlens: Any, *, num_seqs: int,
                   num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int,
-                  scale: float | None = None, window: int = 0, out: Any | None = None, emulate: bool = False) -> Any:
+                  scale: float | None = None, window: int = 0, out: Any | None = None, emulate: bool = False,
+                  cache: PagedKVCache | None = None, block_tables: Any | None = None, prefix_lens: Any | None = None,
+                  max_blocks_per_seq: int = 0) -> Any:
     """Causal attention over packed prompts (see paged_attention.prefill_attention; float32 k and v); returns
     out [num_tokens, num_heads, head_size] float32. Records the dispatch; does not wait. `emulate` runs the
-    program with its matrix operations emulated (any device with a fixed subgroup size; for the tests)."""
+    program with its matrix operations emulated (any device with a fixed subgroup size; for the tests).
+
+    With `cache`, sequence b continues a cached prefix of prefix_lens[b] tokens (int32 [num_seqs]) whose keys and
+    values lie in `cache` at the blocks block_tables[b] lists (int32 [num_seqs, max_blocks_per_seq]): its new
+    tokens cu_seqlens[b] .. cu_seqlens[b+1] sit at positions prefix_lens[b].. and attend to the prefix and to
+    each other, causally. The new tokens' own keys and values are read from k and v (they need not be in the
+    cache yet). The kernel trusts the tables and lengths as paged_decode does: a prefix must fit its table."""
     if emulate:
         if lim.min_subgroup != lim.max_subgroup or head_size % 16 or shared_bytes(head_size) > lim.max_shared:
             raise ValueError(f"flash_prefill: cannot emulate heads of {head_size} on this device")
@@ -297,12 +350,27 @@ def flash_prefill(dev: Device, lim: Limits, q: Any, k: Any, v: Any, cu_seqlens: 
     check_buffer("k", k, num_tokens * num_kv_heads * head_size * 4)
     check_buffer("v", v, num_tokens * num_kv_heads * head_size * 4)
     check_buffer("cu_seqlens", cu_seqlens, (num_seqs + 1) * 4)
+    prefix: list[Any] = []
+    push: dict[str, Any] = {}
+    if cache is not None:
+        if block_tables is None or prefix_lens is None or max_blocks_per_seq < 1:
+            raise ValueError("flash_prefill: a cached prefix needs block_tables, prefix_lens and max_blocks_per_seq")
+        if (cache.num_kv_heads, cache.head_size) != (num_kv_heads, head_size):
+            raise ValueError(f"flash_prefill: the cache holds {cache.num_kv_heads} KV heads of {cache.head_size}, "
+                             f"the prompts {num_kv_heads} of {head_size}")
+        check_buffer("block_tables", block_tables, num_seqs * max_blocks_per_seq * 4)
+        check_buffer("prefix_lens", prefix_lens, num_seqs * 4)
+        prefix = [cache.key, cache.value, block_tables, prefix_lens]
+        push = {"block_size": cache.block_size, "max_blocks": max_blocks_per_seq}
+    elif block_tables is not None or prefix_lens is not None:
+        raise ValueError("flash_prefill: block_tables and prefix_lens come with the cache they index")
     out = out if out is not None else dev.alloc(num_tokens * num_heads * head_size * 4)
     check_buffer("out", out, num_tokens * num_heads * head_size * 4)
     group = num_heads // num_kv_heads
-    kern = dev.pipeline(source(head_size, group, lim.subgroup, emulate), name="flash_prefill")
+    kern = dev.pipeline(source(head_size, group, lim.subgroup, emulate, cache.dtype if cache else None),
+                        name="flash_prefill")
     scale = 1.0 / math.sqrt(head_size) if scale is None else scale
-    dev.dispatch(kern, [q, k, v, cu_seqlens, out], (-(-max_seq_len // BQ), num_heads, num_seqs),
+    dev.dispatch(kern, [q, k, v, cu_seqlens, out, *prefix], (-(-max_seq_len // BQ), num_heads, num_seqs),
                  push={"num_heads": num_heads, "num_kv_heads": num_kv_heads, "scale_log2": scale / math.log(2.0),
-                       "window": window})
+                       "window": window, **push})
     return out
