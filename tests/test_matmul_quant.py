@@ -245,7 +245,7 @@ def test_decode_rows_take_the_kernel_from_the_threshold(monkeypatch):
     monkeypatch.setattr(template_ops, "has_dtype", lambda d: True)
     lin = QuantLinear(random_blocks(np.random.default_rng(0), "Q4_0", 96, 512))
     monkeypatch.delenv("VKGRAPH_DECODE_MM_ROWS", raising=False)  # the default: where the tile won on an H200
-    assert lin.decode_tile(16) is None and lin.decode_tile(31) is None and lin.decode_tile(32) is not None
+    assert lin.decode_tile(8) is None and lin.decode_tile(15) is None and lin.decode_tile(16) is not None
     monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "8")
     for rows in (8, 32, template_ops.DEQUANT_ROWS - 1):
         assert lin.decode_tile(rows) is not None and lin.takes_int8(rows)

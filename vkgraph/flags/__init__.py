@@ -66,9 +66,9 @@ FLAGS: dict[str, Flag] = {
              "fused templates against)"),
         Flag("VKGRAPH_QUANT_COOP", int, 1, "0 runs quantized prefill products through a float16 copy of the weights "
              "and the generated matmul instead of the kernel that dequantizes into shared memory (to measure them)"),
-        Flag("VKGRAPH_DECODE_MM_ROWS", int, 32, "from this many activation rows (up to 63) quantized products run "
+        Flag("VKGRAPH_DECODE_MM_ROWS", int, 16, "from this many activation rows (up to 63) quantized products run "
              "templates.matmul_quant's small-row tiles on cooperative matrices, int8 activations staged as "
-             "float16, instead of the matvec, where the device has them (32: where they won on an H200); 0 keeps "
+             "float16, instead of the matvec, where the device has them (16: where they won on an H200); 0 keeps "
              "the matvec"),
         Flag("VKGRAPH_FLASH_PREFILL", int, 0, "1 runs prefill attention on cooperative matrices where the device has "
              "them (templates.flash_prefill: float16 operands, about 1e-3 normalised error); 0 keeps the float32 "
