@@ -291,11 +291,7 @@ def stage_x_source(m: int, k: int, bm: int, bk: int, nt: int) -> str:
     _declare_x8(L.append, bm, bk, nt)
     _load_x8(L.append, k, bm, bk, nt, f"kt * {bk}", str(m))
     _store_x8(L.append, bm, bk, nt, "0")
-    L += ["barrier();",
-          f"for (int e = lid; e < {bm * (bk // 8)}; e += {nt}) {{",
-          f"  int r = e / {bk // 8}, c = e % {bk // 8}, row = tm * {bm} + r;",
-          f"  if (row < {m}) o[row * {k // 8} + kt * {bk // 8} + c] = sm[r * {stride} + c];",
-          "}", "}", ""]
+    _copy_out(L.append, m, k, bm, bk, nt, stride, "tm")
     return "\n".join(L)
 
 
@@ -314,12 +310,21 @@ def stage_source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, bn: int
     _declare_w(L.append, bn, bk, nt)
     _load_w(L.append, n, bn, bk, nt, f"kt * {bk}")
     _store_w(L.append, bn, bk, nt, "0", f"kt * {bk}")
-    L += ["barrier();",
-          f"for (int e = lid; e < {bn * (bk // 8)}; e += {nt}) {{",
-          f"  int r = e / {bk // 8}, c = e % {bk // 8}, row = tn * {bn} + r;",
-          f"  if (row < {n}) o[row * {k // 8} + kt * {bk // 8} + c] = sm[r * {stride} + c];",
-          "}", "}", ""]
+    _copy_out(L.append, n, k, bn, bk, nt, stride, "tn")
     return "\n".join(L)
+
+
+def _copy_out(emit: Any, rows: int, k: int, tile_rows: int, bk: int, nt: int, stride: int, tile: str) -> None:
+    """The end of a staging check program: after a barrier, the tile_rows x bk slice staged in shared memory
+    (rows `stride` uvec4 apart) copied out to float16 [rows, k] at the tile's rows (`tile` * tile_rows ..) and
+    slice kt; then main's closing brace."""
+    emit("barrier();")
+    emit(f"for (int e = lid; e < {tile_rows * (bk // 8)}; e += {nt}) {{")
+    emit(f"  int r = e / {bk // 8}, c = e % {bk // 8}, row = {tile} * {tile_rows} + r;")
+    emit(f"  if (row < {rows}) o[row * {k // 8} + kt * {bk // 8} + c] = sm[r * {stride} + c];")
+    emit("}")
+    emit("}")
+    emit("")
 
 
 def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_coop.Config,
