@@ -135,6 +135,19 @@ def _check(got: np.ndarray, x16: np.ndarray, w: np.ndarray, extra: np.ndarray | 
 _DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.BLOCK == 0]
 
 
+def _operands(dev, fmt: str, m: int, n: int, k: int, x_dtype, seed: int) -> tuple:
+    """Random W [n, k] in fmt, x [m, k] in x_dtype and a residual [m, n] float32, drawn in that order from seed, and
+    on the device: (qt, weights, x, x buffer, r, r buffer)."""
+    rng = np.random.default_rng(seed)
+    qt = random_blocks(rng, fmt, n, k)
+    x = rng.standard_normal((m, k)).astype(x_dtype)
+    r = rng.standard_normal((m, n)).astype(np.float32)
+    xb, rb = dev.alloc(x.nbytes), dev.alloc(r.nbytes)
+    dev.upload(xb, x)
+    dev.upload(rb, r)
+    return qt, upload_weights(dev, qt), x, xb, r, rb
+
+
 @needs_f16
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fmt=st.sampled_from(mq.FORMATS), m=st.integers(1, 300), n=st.integers(1, 300), kb=st.integers(1, 8),
@@ -144,15 +157,8 @@ def test_products_match_numpy(fmt, m, n, kb, cfg, residual, seed):
     lim = realize_mod.limits()
     if not cfg.fits(matmul_coop.fragment(lim, "float16"), lim):
         cfg = mq.config(lim, m, n, k)
-    rng = np.random.default_rng(seed)
-    qt = random_blocks(rng, fmt, n, k)
-    x = rng.standard_normal((m, k)).astype(np.float16)
-    r = rng.standard_normal((m, n)).astype(np.float32)
     dev = get_device()
-    weights = upload_weights(dev, qt)
-    xb, rb = dev.alloc(x.nbytes), dev.alloc(r.nbytes)
-    dev.upload(xb, x)
-    dev.upload(rb, r)
+    qt, weights, x, xb, r, rb = _operands(dev, fmt, m, n, k, np.float16, seed)
     out = mq.matmul_quant(dev, lim, weights, xb, m, cfg, residual=rb if residual else None)
     got = dev.download(out, np.float32, (m, n))
     _check(got, x, dequantize(qt).astype(np.float16), r if residual else 0.0)
@@ -269,15 +275,8 @@ def _decode_case(fmt: str, m: int, n: int, k: int, cfg: mq.Tile, residual: bool,
     """One small-row product on the device (float16 rows or int8 blocks, the planes of a K split summed here)
     against numpy in float64 over the values the kernel stages."""
     lim = realize_mod.limits()
-    rng = np.random.default_rng(seed)
-    qt = random_blocks(rng, fmt, n, k)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    r = rng.standard_normal((m, n)).astype(np.float32)
     dev = get_device()
-    weights = upload_weights(dev, qt)
-    xb, rb = dev.alloc(x.nbytes), dev.alloc(r.nbytes)
-    dev.upload(xb, x)
-    dev.upload(rb, r)
+    qt, weights, x, xb, r, rb = _operands(dev, fmt, m, n, k, np.float32, seed)
     if int8:
         xq, xd, xs = mv.quantize_activations(dev, xb, m, k)
         xin = mv.Q8Acts(xq, xd, xs)
