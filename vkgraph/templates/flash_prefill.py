@@ -147,6 +147,12 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False, cache: str 
     emit = L.append
     mat = _Matrices(emit, emulate)
 
+    def halves(src: str, at: str, tail: str = "") -> None:
+        """w = the 8 float32 values src[at], src[at + 1] (vec4s) rounded to float16."""
+        emit(f"      vec4 lo = {src}[{at}], hi = {src}[{at} + 1];")
+        emit(f"      w = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), "
+             f"packHalf2x16(hi.zw));{tail}")
+
     def stage(rows: int, at: str, row_pos: str, src: str, index: str) -> None:
         """Rows of D float32 values into shared memory as float16 (zero where `row_pos` >= n)."""
         chunks = rows * (d // 8)
@@ -155,9 +161,7 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False, cache: str 
             emit(f"{{ int e = lid + {c * nt}; int row = e / {d // 8}, c8 = e % {d // 8}; int pos = {row_pos};")
             emit(f"  if ({cond}true) {{ uvec4 w = uvec4(0u);")
             emit(f"    if (pos < n) {{ int b = ({index}) / 4 + c8 * 2;")
-            emit(f"      vec4 lo = {src}[b], hi = {src}[b + 1];")
-            emit("      w = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), "
-                 "packHalf2x16(hi.zw)); }")
+            halves(src, "b", " }")
             emit(f"    sm[{at} + row * {ds} + c8] = w; }} }}")
 
     def stage_keys(at: str, src: str, cached: str) -> None:
@@ -176,15 +180,11 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False, cache: str 
                 if cache == "f16":
                     emit(f"      w = {cached}[off / 8 + c8];")
                 else:
-                    emit(f"      vec4 lo = {cached}[off / 4 + c8 * 2], hi = {cached}[off / 4 + c8 * 2 + 1];")
-                    emit("      w = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), "
-                         "packHalf2x16(hi.zw));")
+                    halves(cached, "off / 4 + c8 * 2")
                 emit("    } else")
             emit("    if (pos < pre + n) {")
             emit(f"      int b = ((seq0 + pos - pre) * hkv + kvh) * {d // 4} + c8 * 2;")
-            emit(f"      vec4 lo = {src}[b], hi = {src}[b + 1];")
-            emit("      w = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), "
-                 "packHalf2x16(hi.zw)); }")
+            halves(src, "b", " }")
             emit(f"    sm[{at} + row * {ds} + c8] = w; }} }}")
 
     def rows(body: list[str]) -> None:
