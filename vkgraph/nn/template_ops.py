@@ -143,9 +143,7 @@ class QuantLinear:
         matrices): a batched decode step's products stream W once for all rows on cooperative matrices, where the
         matvec's cost per weight byte grows with the rows."""
         least = flag("VKGRAPH_DECODE_MM_ROWS")
-        if not least or not least <= rows < DEQUANT_ROWS or self.in_features % 32:
-            return None
-        if self.format not in mq.FORMATS or not flag("VKGRAPH_QUANT_COOP") or not has_dtype(dtypes.float16):
+        if not least or not least <= rows < DEQUANT_ROWS or self.in_features % 32 or not self._quant_coop():
             return None
         return mq.decode_config(limits(), rows, self.out_features, self.in_features)
 
@@ -163,9 +161,7 @@ class QuantLinear:
         w, n, k = self.weights, self.out_features, self.in_features
         if isinstance(x, Int8Activations):
             return self._from_int8(x, rows, residual)
-        if rows >= DEQUANT_ROWS and (cfg := self.coop_tile(rows)) is not None:
-            return self._coop(x, rows, cfg, residual)
-        if (cfg := self.decode_tile(rows)) is not None:
+        if (cfg := self.coop_tile(rows) if rows >= DEQUANT_ROWS else self.decode_tile(rows)) is not None:
             return self._coop(x, rows, cfg, residual)
         if rows >= DEQUANT_ROWS and self.can_dequantize:
             # W_f16 is a temporary of the graph: made by the template, released after the matmul reads it
@@ -190,9 +186,13 @@ class QuantLinear:
     def coop_tile(self, rows: int) -> Any:
         """The tile configuration of templates.matmul_quant for `rows` activation rows, or None where this weight
         takes the float16 copy (another format, no cooperative matrices, VKGRAPH_QUANT_COOP=0)."""
-        if self.format not in mq.FORMATS or not flag("VKGRAPH_QUANT_COOP") or not has_dtype(dtypes.float16):
+        if not self._quant_coop():
             return None
         return mq.config(limits(), rows, self.out_features, self.in_features, self.format)
+
+    def _quant_coop(self) -> bool:
+        """Whether this weight's products may run templates.matmul_quant at all (its format, the flag, float16)."""
+        return self.format in mq.FORMATS and bool(flag("VKGRAPH_QUANT_COOP")) and has_dtype(dtypes.float16)
 
     def _coop(self, x: Tensor | Int8Activations, rows: int, cfg: Any, residual: Tensor | None) -> Tensor:
         """templates.matmul_quant on float16 rows, or on int8 blocks as they come (Int8Activations). A tile that
