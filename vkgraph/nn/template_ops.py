@@ -328,8 +328,6 @@ def write_kv(cache: KVCache, key: Tensor, value: Tensor, slot_mapping: Tensor) -
     return custom(run, ins, (1,), dtypes.int32, key=(id(cache),), name="kv_write")
 
 
-
-
 def _block_pieces(caches: list[KVCache], blocks: list[int]) -> tuple[int, np.ndarray]:
     """Bytes of one block of one cache buffer, and each block's offset in a buffer (checking the caches agree
     and the blocks exist)."""
