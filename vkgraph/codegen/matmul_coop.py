@@ -198,7 +198,8 @@ def default_config(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[
     """The largest tile that still gives a device of ~128 multiprocessors a workgroup each: 128 x 128 with 8
     subgroups of 64 x 32 where the output has at least 128 such tiles (fastest of the measured ones on an H200,
     benchmarks/RESULTS.md), smaller tiles for smaller outputs; int8 slices twice as deep (the same bytes)."""
-    bk, size = (64, 1) if compute in _BYTES else (32, 2)
+    size = compute.itemsize
+    bk = 64 // size  # 64 bytes of K per staged row
     for c in (Config(128, 128, bk, 2, 4), Config(64, 128, bk, 2, 4), Config(64, 64, bk, 2, 2)):
         if c.fits(frag, lim, size) and batch * math.ceil(m / c.bm) * math.ceil(n / c.bn) >= 128:
             return c
