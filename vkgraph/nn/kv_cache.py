@@ -203,14 +203,7 @@ class KVCacheManager:
         found: list[int | bytes] = []  # a GPU block, or the hash of a block in the store
         if self.prefix_caching:
             self._hash_full_blocks(seq)
-            for h in seq.hashes[:(len(prompt) - 1) // self.block_size]:
-                b = self.pool.lookup(h)
-                if b is not None:
-                    found.append(b)
-                elif self.store is not None and h in self.store:
-                    found.append(h)
-                else:
-                    break
+            found = self._cached_prefix(seq.hashes[:(len(prompt) - 1) // self.block_size])
         self._check_room(prompt, found, reserve)  # before any restore is read: a refused request reads nothing
         stored = [f for f in found if isinstance(f, bytes)]
         got = self.store.get_many(stored) if stored else []
@@ -247,13 +240,23 @@ class KVCacheManager:
             return
         seq = _Sequence(tokens=list(prompt[:len(prompt) - 1]))
         self._hash_full_blocks(seq)
-        want = []
-        for h in seq.hashes:
-            if self.pool.lookup(h) is None and not (self.store.host is not None and h in self.store.host):
-                if h not in disk:
-                    break
-                want.append(h)
-        disk.prefetch(want)
+        host = self.store.host
+        disk.prefetch([f for f in self._cached_prefix(seq.hashes)
+                       if isinstance(f, bytes) and not (host is not None and f in host)])
+
+    def _cached_prefix(self, hashes: list[bytes]) -> list[int | bytes]:
+        """The leading blocks of `hashes` cached somewhere: each its GPU block, or its hash where the store holds
+        it; up to the first found in neither."""
+        found: list[int | bytes] = []
+        for h in hashes:
+            b = self.pool.lookup(h)
+            if b is not None:
+                found.append(b)
+            elif self.store is not None and h in self.store:
+                found.append(h)
+            else:
+                break
+        return found
 
     def _check_room(self, prompt: Sequence[int], found: list[int | bytes], reserve: int) -> None:
         """Raise OutOfKVBlocks unless the prompt's blocks beyond the GPU hits in `found` fit, leaving `reserve`."""
