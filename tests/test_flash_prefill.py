@@ -87,14 +87,20 @@ def _reference(q, k, v, cu, group, window):
     return ref
 
 
-def _case(lens, hkv, group, d, window, seed, emulate):
-    rng = np.random.default_rng(seed)
-    dev, lim = get_device(), realize_mod.limits()
+def _packed(rng, lens, hkv, group, d):
+    """cu_seqlens of prompts of `lens` tokens, and their packed random q [T, hkv * group, D], k and v [T, hkv, D]."""
     t = sum(lens)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     q = rng.standard_normal((t, hkv * group, d)).astype(np.float32)
     k = rng.standard_normal((t, hkv, d)).astype(np.float32)
     v = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    return t, cu, q, k, v
+
+
+def _case(lens, hkv, group, d, window, seed, emulate):
+    rng = np.random.default_rng(seed)
+    dev, lim = get_device(), realize_mod.limits()
+    t, cu, q, k, v = _packed(rng, lens, hkv, group, d)
     out = fp.flash_prefill(dev, lim, upload(dev, q), upload(dev, k), upload(dev, v), upload(dev, cu),
                            num_seqs=len(lens), num_tokens=t, num_heads=hkv * group, num_kv_heads=hkv, head_size=d,
                            max_seq_len=max(lens), window=window, emulate=emulate)
@@ -146,13 +152,10 @@ def _cached_case(prefixes, lens, hkv, group, d, kv_dtype, window, seed, emulate)
     the prefix (as the cache holds it) and the new tokens together."""
     rng = np.random.default_rng(seed)
     dev, lim = get_device(), realize_mod.limits()
-    bs, t = 16, sum(lens)
+    bs = 16
     width = max(-(-p // bs) for p in prefixes) + 1
     num_blocks = len(prefixes) * width + 1
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    q = rng.standard_normal((t, hkv * group, d)).astype(np.float32)
-    k = rng.standard_normal((t, hkv, d)).astype(np.float32)
-    v = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    t, cu, q, k, v = _packed(rng, lens, hkv, group, d)
     np_dtype = {"f16": np.float16, "f32": np.float32}[kv_dtype]
     kc = rng.standard_normal((num_blocks, hkv, bs, d)).astype(np_dtype)  # blocks nobody lists hold noise
     vc = rng.standard_normal((num_blocks, hkv, bs, d)).astype(np_dtype)
