@@ -67,8 +67,9 @@ class LlamaModel:
                  stream_layers: bool = False) -> Tensor:
         """Logits (rows, vocab) float32 for the tokens at `logit_rows` (all tokens when None).
 
-        With `stream_layers` (an eager pass, e.g. a prefill; never inside a vkgraph.jit capture) each layer's
-        output is realized as soon as its graph is built, which submits that layer's kernels: the GPU runs layer i
+        With `stream_layers` (a prefill's pass; inside a vkgraph.jit capture, where a realize only records the
+        layer, it changes nothing) each layer's output is realized as soon as its graph is built, which submits
+        that layer's kernels: the GPU runs layer i
         while the host builds layer i+1, where one graph of the whole pass would keep the GPU idle until the host
         had built and recorded most of it. Only where a layer ends in a template's output (a buffer in any
         schedule: the quantized products take the residual), so the kernels and results are those of one graph;
