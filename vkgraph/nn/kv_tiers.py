@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from ..quant import QuantizedTensor
-from ..runtime.transfer import STAGING_CHUNK
 from ..templates.paged_attention import cache_bytes
 from ..tensor import realize_all
 from .template_ops import KVCache, read_kv_blocks, write_kv_blocks
@@ -40,6 +39,8 @@ _HEADER = struct.Struct("<8s32s32s32sQ")  # magic, fingerprint, block hash, payl
 _SAMPLE = 1 << 16  # bytes of each weight tensor the fingerprint reads, spread over the tensor
 _IO_THREADS = min(8, os.cpu_count() or 1)  # disk entries read or written at once
 _AHEAD_BYTES = 1 << 30  # disk entries read ahead of their lookup and not yet taken, at most
+_CHUNK = 64 << 20  # bytes of KV blocks per copy between the GPU and the host (bounds the staging buffers; nn/
+# may not import the runtime, whose transfer.STAGING_CHUNK is the same size)
 
 
 def model_fingerprint(weights: object, *, kv_dtype: str, block_size: int) -> bytes:
@@ -370,14 +371,14 @@ class PrefixStore:
 class BlockCopier:
     """Copies whole blocks of a model's paged KV caches (every layer, keys and values) between the GPU and
     host bytes: one payload per block, the caches' own bytes in the caches' own layout, moved by copies of many
-    regions (no kernel, no conversion), `STAGING_CHUNK` bytes of blocks at a time, through host memory the GPU reads
+    regions (no kernel, no conversion), `_CHUNK` bytes of blocks at a time, through host memory the GPU reads
     (restores) or writes (offloads) with no buffer between it and the blocks."""
 
     def __init__(self, caches: list[KVCache]) -> None:
         c = caches[0]
         self.caches = caches
         self.payload_bytes = 2 * len(caches) * cache_bytes(1, c.num_kv_heads, c.head_size, c.block_size, c.dtype)
-        self.per_copy = max(1, STAGING_CHUNK // self.payload_bytes)  # blocks per copy (bounds the staging buffers)
+        self.per_copy = max(1, _CHUNK // self.payload_bytes)  # blocks per copy
 
     def read(self, blocks: list[int]) -> list[bytes]:
         out = []
