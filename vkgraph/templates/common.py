@@ -37,6 +37,10 @@ def pow2_floor(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+def pow2_ceil(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def decode_fusion() -> bool:
     """Whether model code may use the fused templates (rmsnorm_q8, kv_write from the q/k/v rows with RoPE):
     VKGRAPH_DECODE_FUSION, read when a graph is built."""

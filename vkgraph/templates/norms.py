@@ -7,14 +7,36 @@ from typing import Any
 
 from ..runtime import Device
 from . import catalog
-from .common import check_buffer, grid_2d, pow2_floor
+from .common import check_buffer, grid_2d, pow2_ceil, pow2_floor
 from .matvec import Q8Acts
 
 ROW_WG = 128
+# rmsnorm_q8: vec4s of the row each invocation holds (the workgroup is as wide as that needs, within MAX_ROW_WG)
+ROW_VPI = 4
+MAX_ROW_WG = 1024
+GLU_WG = 64  # glu_q8: invocations per workgroup, one vec4 of h each
 
 
 def _row_wg(dev: Device, n: int) -> int:
     return max(1, min(ROW_WG, pow2_floor(n), pow2_floor(dev.info.max_workgroup_invocations)))
+
+
+def _shuffles(dev: Device, wg: int) -> bool:
+    """Whether a launch of `wg` invocations may exchange values through subgroup shuffles (-DSUBGROUP_SHUFFLE in
+    row_reduce.glsl and q8_lanes.glsl): the device shuffles within subgroups, its subgroups have at least 8
+    lanes (a block's 8 invocations), and `wg` is a whole number of its largest ones, so every subgroup is full."""
+    info = dev.info
+    return "shuffle" in info.subgroup_ops and info.min_subgroup_size >= 8 and wg % info.max_subgroup_size == 0
+
+
+def _lanes_defines(dev: Device, wg: int) -> dict[str, int]:
+    return {"SUBGROUP_SHUFFLE": 1} if _shuffles(dev, wg) else {}
+
+
+def _check_wg(dev: Device, wg: int) -> None:
+    if wg < 8 or wg & (wg - 1) or wg > dev.info.max_workgroup_invocations:
+        raise ValueError(f"wg must be a power of two from 8 to the device's {dev.info.max_workgroup_invocations} "
+                         f"invocations, got {wg}")
 
 
 def _check_rows(dev: Device, rows: int, n: int) -> None:
@@ -31,17 +53,19 @@ def rmsnorm(dev: Device, x: Any, weight: Any, rows: int, n: int, *, eps: float =
     check_buffer("weight", weight, n * 4)
     out = out if out is not None else dev.alloc(rows * n * 4)
     check_buffer("out", out, rows * n * 4)
-    kern = catalog.compile(dev, "rmsnorm", spec={"WG": _row_wg(dev, n)})
+    wg = _row_wg(dev, n)
+    kern = catalog.compile(dev, "rmsnorm", spec={"WG": wg}, defines=_lanes_defines(dev, wg))
     catalog.dispatch(dev, kern, [x, weight, out], (rows, 1, 1), push={"n": n, "eps": eps})
     return out
 
 
 def rmsnorm_q8(dev: Device, x: Any, weight: Any, rows: int, n: int, *, eps: float = 1e-6,
-               out: Any | None = None) -> Any:
+               out: Any | None = None, wg: int | None = None) -> Any:
     """RMSNorm of x [rows, n] (as `rmsnorm`) written int8-quantized for the integer dot-product matvec, in one
     kernel: returns the buffer `out` (or a new one) holding matvec.Q8Acts.layout(rows, n); n % 32 == 0. The
     values equal quantize_activations of rmsnorm's output up to a rounding step where the two kernels' float
-    results differ in the last bit."""
+    results differ in the last bit. `wg`: invocations per row (a power of two, 8 or more; each holds
+    ceil(n / 4 / wg) vec4s of the row); None: as many as hold ROW_VPI vec4s each, within MAX_ROW_WG."""
     _check_rows(dev, rows, n)
     if n % 32:
         raise ValueError(f"rmsnorm_q8 quantizes blocks of 32: n % 32 == 0 needed, got n={n}")
@@ -50,26 +74,35 @@ def rmsnorm_q8(dev: Device, x: Any, weight: Any, rows: int, n: int, *, eps: floa
     nbytes = Q8Acts.layout(rows, n)[0]
     out = out if out is not None else dev.alloc(nbytes)
     acts = Q8Acts.in_buffer(out, rows, n)
-    kern = catalog.compile(dev, "rmsnorm_q8", spec={"WG": _row_wg(dev, n // 4)})
+    if wg is None:
+        # at least one full subgroup, so that small rows keep the shuffle path
+        wg = min(max(pow2_ceil(-(-n // (4 * ROW_VPI))), dev.info.max_subgroup_size, 8), MAX_ROW_WG,
+                 pow2_floor(dev.info.max_workgroup_invocations))
+    _check_wg(dev, wg)
+    kern = catalog.compile(dev, "rmsnorm_q8", spec={"WG": wg, "VPI": -(-n // (4 * wg))},
+                           defines=_lanes_defines(dev, wg))
     catalog.dispatch(dev, kern, [x, weight, acts.xq, acts.xd, acts.xs], (rows, 1, 1), push={"n": n, "eps": eps})
     return out
 
 
-def glu_q8(dev: Device, gu: Any, rows: int, f: int, *, gelu_tanh: bool = False, out: Any | None = None) -> Any:
+def glu_q8(dev: Device, gu: Any, rows: int, f: int, *, gelu_tanh: bool = False, out: Any | None = None,
+           wg: int = GLU_WG) -> Any:
     """act(gate) * up from the rows of a stacked gate/up product gu [rows, 2f] (act: SiLU, or the tanh GELU),
     written int8-quantized for the integer dot-product matvec in one kernel: returns the buffer `out` (or a
-    new one) holding matvec.Q8Acts.layout(rows, f); f % 32 == 0."""
+    new one) holding matvec.Q8Acts.layout(rows, f); f % 32 == 0. `wg`: invocations per workgroup (a power of
+    two, 8 or more), one per vec4 of the output."""
     if rows < 1 or f < 1 or f % 32:
         raise ValueError(f"glu_q8 quantizes blocks of 32: rows >= 1 and f % 32 == 0 needed, got {rows} x {f}")
     check_buffer("gu", gu, rows * 2 * f * 4)
+    _check_wg(dev, wg)
     out = out if out is not None else dev.alloc(Q8Acts.layout(rows, f)[0])
     acts = Q8Acts.in_buffer(out, rows, f)
-    wg = 64
-    n_blocks = rows * f // 32
-    groups = grid_2d(dev, -(-n_blocks // wg))
-    kern = catalog.compile(dev, "glu_q8", spec={"WG": wg}, defines={"GELU_TANH": 1} if gelu_tanh else None)
+    n4 = rows * f // 4
+    groups = grid_2d(dev, -(-n4 // wg))
+    defines = _lanes_defines(dev, wg) | ({"GELU_TANH": 1} if gelu_tanh else {})
+    kern = catalog.compile(dev, "glu_q8", spec={"WG": wg}, defines=defines or None)
     catalog.dispatch(dev, kern, [gu, acts.xq, acts.xd, acts.xs], groups,
-                     push={"n_blocks": n_blocks, "f": f, "groups_x": groups[0]})
+                     push={"n4": n4, "f": f, "groups_x": groups[0]})
     return out
 
 
@@ -79,7 +112,8 @@ def softmax(dev: Device, x: Any, rows: int, n: int, *, scale: float = 1.0, out: 
     check_buffer("x", x, rows * n * 4)
     out = out if out is not None else dev.alloc(rows * n * 4)
     check_buffer("out", out, rows * n * 4)
-    kern = catalog.compile(dev, "softmax", spec={"WG": _row_wg(dev, n)})
+    wg = _row_wg(dev, n)
+    kern = catalog.compile(dev, "softmax", spec={"WG": wg}, defines=_lanes_defines(dev, wg))
     catalog.dispatch(dev, kern, [x, out], (rows, 1, 1), push={"n": n, "scale": scale})
     return out
 

@@ -3,7 +3,9 @@
 // gate/up product gu [rows, 2F] (gate in columns 0..F, up in F..2F), h = act(gate) * up [rows, F], written as
 // quantize_q8.comp writes activations (per block of 32: int8 values in xq, the scale max |h| / 127 in xd, the
 // int8 sums of the two halves in xs). act is SiLU, g / (1 + exp(-g)), or with -DGELU_TANH the tanh GELU,
-// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))). One invocation per block; F % 32 == 0.
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))). One invocation per vec4 of h, 8 to a block, which meet its
+// largest |h| and half sums (q8_lanes.glsl): at decode's few rows every lane has one load pair and one exp of
+// work, spread over many workgroups, where one invocation per block left most lanes idle. F % 32 == 0.
 #include "common.glsl"
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 64;
@@ -14,12 +16,12 @@ layout(set = 0, binding = 2) writeonly buffer XD { float xd[]; };
 layout(set = 0, binding = 3) writeonly buffer XS { int xs[]; };
 
 layout(push_constant) uniform Push {
-    uint n_blocks;    // rows * F / 32
+    uint n4;          // rows * F / 4, the vec4s of h
     uint f;           // F, the width of h
-    uint groups_x;    // workgroups along x (blocks are spread over x and y)
+    uint groups_x;    // workgroups along x (the vec4s are spread over x and y)
 } pc;
 
-#include "q8_store.glsl"
+#include "q8_lanes.glsl"
 
 vec4 act(vec4 g) {
 #ifdef GELU_TANH
@@ -31,13 +33,12 @@ vec4 act(vec4 g) {
 }
 
 void main() {
-    const uint blk = (gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x) * WG + gl_LocalInvocationID.x;
-    if (blk >= pc.n_blocks) return;
-    const uint per_row = pc.f / 32;
-    const uint row = blk / per_row;
-    const uint g0 = (row * 2 * pc.f + (blk % per_row) * 32) / 4;  // the block's first gate vec4
-    const uint u0 = g0 + pc.f / 4;
-    vec4 v[8];
-    [[unroll]] for (uint i = 0; i < 8; i++) v[i] = act(gu[g0 + i]) * gu[u0 + i];
-    store_q8_block(blk, v);
+    // no early return: every invocation takes part in its block's exchange
+    const uint e = (gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x) * WG + lane_slot();
+    const bool valid = e < pc.n4;
+    const uint f4 = pc.f / 4;
+    const uint g0 = (e / f4) * 2 * f4 + e % f4;  // its gate vec4; the up vec4 is f4 further
+    vec4 h = vec4(0.0);
+    if (valid) h = act(gu[g0]) * gu[g0 + f4];
+    store_q8_part(e / 8, e % 8, h, valid);
 }

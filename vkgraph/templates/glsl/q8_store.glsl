@@ -1,8 +1,8 @@
 // Writing activations in the integer dot-product matvec's input form (matvec.Q8Acts), shared by every kernel
-// that produces them: per block of 32 values, xq holds round(v / d) as four int8 per uint (ties to even,
-// clamped to +-127), xd the scale d = max |v| / 127 (0 for an all-zero block, whose values are then 0) and xs
-// the int8 sums of its two halves (a matvec run is 16 activations). The including file declares the buffers
-// `uint xq[]`, `float xd[]` and `int xs[]`.
+// that produces them (q8_lanes.glsl does the same over 8 invocations): per block of 32 values, xq holds
+// round(v / d) as four int8 per uint (ties to even, clamped to +-127), xd the scale d = max |v| / 127 (0 for an
+// all-zero block, whose values are then 0) and xs the int8 sums of its two halves (a matvec run is 16
+// activations). The including file declares the buffers `uint xq[]`, `float xd[]` and `int xs[]`.
 void store_q8_block(uint blk, vec4 v[8]) {
     float amax = 0.0;
     [[unroll]] for (uint i = 0; i < 8; i++) {
