@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_templates_common import check, device, snapshot, upload
+from test_templates_common import TOL, check, device, normalised_error, snapshot, upload
 
 from vkgraph.templates import paged_attention as pa
 
@@ -276,3 +276,127 @@ def test_kv_write_rows_with_rope(dtype):
     with pytest.raises(ValueError, match="do not fit"):
         pa.write_kv(dev, cache, rbuf, rbuf, upload(dev, slots), tokens, src_stride=row, k_off=q_width,
                     v_off=q_width + hkv * d + 1)
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE of x [B, heads, D] with cos/sin [B, D/2], in x's precision as kv_write computes it."""
+    h = x.shape[-1] // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x[..., :h] * c - x[..., h:] * s, x[..., h:] * c + x[..., :h] * s], -1)
+
+
+def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int8=False, stale=(), moved=()):
+    """paged_decode writing each sequence's new token itself (NewTokens) against write_kv then paged_decode (the
+    two-kernel route), on two copies of one cache, and against numpy. lens: context lengths with the new token;
+    0 is a padding row (slot -1, nothing attended), and rows in `stale` also get slot -1 but attend their context
+    as the cache holds it. Rows in `moved` write their new token into a spare block instead of the slot their
+    table gives position ctx - 1: the attention still takes that position from the new token, never from the cache
+    (there the two-kernel route differs). The q/k/v rows sit between padding columns (offsets and strides)."""
+    dev = device()
+    b, heads = len(lens), hkv * group
+    need = sum(-(-n // bs) for n in lens) + 1
+    kc, vc = _random_cache(rng, need, hkv, bs, d, dtype)
+    tables = _block_tables(rng, lens, bs, need, False)
+    slots = np.array([tables[i, (n - 1) // bs] * bs + (n - 1) % bs if n and i not in stale else -1
+                      for i, n in enumerate(lens)], np.int32)
+    spare = sorted(set(range(need)) - {tables[i, j] for i, n in enumerate(lens) for j in range(-(-n // bs))})[0]
+    for j, i in enumerate(moved):
+        slots[i] = spare * bs + j
+    q_off = int(rng.integers(0, 3)) * 4
+    k_off, v_off = q_off + heads * d, q_off + heads * d + hkv * d
+    stride = v_off + hkv * d + int(rng.integers(0, 3)) * 4
+    rows = rng.standard_normal((b, stride)).astype(np.float32)
+    ang = rng.random((b, d // 2)) * 6
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    caches = []
+    for _ in range(2):
+        cache = pa.PagedKVCache.create(dev, need, hkv, d, bs, dtype)
+        dev.upload(cache.key, kc)
+        dev.upload(cache.value, vc)
+        caches.append(cache)
+    rbuf, sbuf, tbuf, lbuf = (upload(dev, a) for a in (rows, slots, tables, np.array(lens, np.int32)))
+    tabs = (upload(dev, cos), upload(dev, sin)) if rope else None
+    kw = dict(num_seqs=b, num_heads=heads, max_blocks_per_seq=tables.shape[1], max_context_len=max(lens),
+              window=window, part_tokens=part, int8=int8)
+    since = snapshot()
+    if rope:  # the two-kernel route: write_kv rotates the queries into a buffer of their own
+        q2 = dev.alloc(b * heads * d * 4)
+        pa.write_kv(dev, caches[0], rbuf, rbuf, sbuf, b, src_stride=stride, k_off=k_off, v_off=v_off, rope=tabs,
+                    q_out=q2, q_heads=heads, q_off=q_off)
+    else:
+        pa.write_kv(dev, caches[0], rbuf, rbuf, sbuf, b, src_stride=stride, k_off=k_off, v_off=v_off)
+        q2 = upload(dev, np.ascontiguousarray(rows[:, q_off:k_off]))
+    two = pa.paged_decode(dev, caches[0], q2, tbuf, lbuf, **kw)
+    one = pa.paged_decode(dev, caches[1], rbuf, tbuf, lbuf, **kw,
+                          new_tokens=pa.NewTokens(sbuf, stride, q_off, k_off, v_off, rope=tabs))
+    assert templates_used(since) >= {"kv_write", "paged_decode"}
+    # the cache: every word as the two-kernel route leaves it (float16 rounding allows one unit in the last place)
+    got = [dev.download(c, NP_KV[dtype], kc.shape) for c in (caches[1].key, caches[1].value)]
+    want = [dev.download(c, NP_KV[dtype], kc.shape) for c in (caches[0].key, caches[0].value)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=1e-3 if dtype == "f16" else 1e-6,
+                                   atol=0)
+    q = rows[:, q_off:k_off].reshape(b, heads, d).astype(np.float64)
+    k_new = rows[:, k_off:v_off].reshape(b, hkv, d).astype(np.float64)
+    if rope:
+        q, k_new = _rotate(q, cos, sin), _rotate(k_new, cos, sin)
+    ref_k, ref_v = kc.copy(), vc.copy()
+    ok = slots >= 0
+    ref_k[slots[ok] // bs, :, slots[ok] % bs] = k_new[ok]
+    ref_v[slots[ok] // bs, :, slots[ok] % bs] = rows[:, v_off:v_off + hkv * d].reshape(b, hkv, d)[ok]
+    check(np.concatenate(got), np.concatenate([ref_k, ref_v]), since, tol=1e-3 if dtype == "f16" else 1e-6)
+    if int8:  # the int8 rows [B, heads * D] as values (blocks of 32 times their scales)
+        from vkgraph.templates import matvec as mv
+
+        def values(buf):
+            acts = mv.Q8Acts.in_buffer(buf, b, heads * d)
+            xq = dev.download(acts.xq, np.int8, b * heads * d).reshape(-1, 32).astype(np.float64)
+            return (xq * dev.download(acts.xd, np.float32, b * heads * d // 32)[:, None]).reshape(b, heads, d)
+
+        got_o, two_o = values(one), values(two)
+        tol = 2e-2  # int8 rounding of the output
+    else:
+        got_o, two_o = (dev.download(o, np.float32, (b, heads, d)) for o in (one, two))
+        tol = TOL
+        same = [i for i in range(b) if i not in moved]
+        assert normalised_error(got_o[same], two_o[same]) <= 1e-6
+    ref = np.zeros((b, heads, d))
+    for i, n in enumerate(lens):
+        pos = np.arange(max(0, n - window) if window else 0, n)
+        blk, off = tables[i, pos // bs], pos % bs
+        kk = np.repeat(ref_k[blk, :, off].astype(np.float64), group, axis=1)
+        vv = np.repeat(ref_v[blk, :, off].astype(np.float64), group, axis=1)
+        if slots[i] >= 0:  # the new token, as the cache holds it
+            kk[-1] = np.repeat(ref_k[slots[i] // bs, :, slots[i] % bs], group, axis=0)
+            vv[-1] = np.repeat(ref_v[slots[i] // bs, :, slots[i] % bs], group, axis=0)
+        ref[i] = _softmax_attend(q[i], kk, vv, 1 / math.sqrt(d))
+    check(got_o, ref, since, tol=tol)
+
+
+def templates_used(since) -> set:
+    from vkgraph import templates
+
+    return set(templates.DISPATCHES - since)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), d=st.sampled_from([64, 128, 96]), dtype=st.sampled_from(["f16", "f32"]),
+       hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), bs=st.sampled_from([16, 8]),
+       seed=st.integers(0, 2**31))
+def test_paged_decode_writes_new_tokens(data, d, dtype, hkv, group, bs, seed):
+    """Batches of 1-8 sequences of different lengths, padding rows, split-K on and off, GQA, float16 and float32
+    caches, sliding windows, with and without RoPE."""
+    lens = data.draw(st.lists(st.integers(1, 200), min_size=1, max_size=8))
+    lens += [0] * data.draw(st.integers(0, 1))  # a padding row
+    stale = {i for i in range(len(lens)) if data.draw(st.integers(0, 5)) == 0}
+    moved = [i for i in range(len(lens)) if lens[i] and i not in stale and data.draw(st.integers(0, 5)) == 0]
+    window = data.draw(st.sampled_from([0, 0, 1, 40]))
+    part = data.draw(st.sampled_from([None, 0, 32, 64]))
+    _new_token_case(np.random.default_rng(seed), lens, hkv, group, d, bs, dtype, window, part,
+                    rope=data.draw(st.booleans()), stale=stale, moved=moved[:bs])
+
+
+@pytest.mark.parametrize("part", [0, 32])
+def test_paged_decode_writes_new_tokens_int8(part):
+    """The new tokens written by the attention that writes the output product's int8 rows, split or not."""
+    _new_token_case(np.random.default_rng(11), [70, 1, 33, 0], 2, 2, 64, 16, "f16", 0, part, rope=True, int8=True)

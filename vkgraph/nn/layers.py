@@ -28,6 +28,7 @@ from .template_ops import (
     paged_decode,
     prefill_attention,
     rms_norm_q8,
+    rope_paged_decode,
     rope_write_kv,
     write_kv,
 )
@@ -133,7 +134,9 @@ class StepInputs:
     from scratch may pass `cu_seqlens` (sequences + 1) and `max_seq_len` instead, to use the prefill kernel.
     A prefill that continues cached prefixes may pass, besides the per-row tables, `cu_seqlens`, `max_seq_len`,
     `prefix_lens` (sequences,: the cached tokens) and `seq_block_tables` (sequences, max_blocks): where
-    template_ops.flash_takes, attention then runs as one flash prefill over each prefix and its new tokens."""
+    template_ops.flash_takes, attention then runs as one flash prefill over each prefix and its new tokens.
+    `decode`: each row is one sequence's only new token, the last of its context (position context_lens - 1, at its
+    slot; padding rows: slot -1), so the attention kernel may rotate and write the new keys and values itself."""
 
     positions: Tensor
     slot_mapping: Tensor
@@ -143,6 +146,7 @@ class StepInputs:
     max_seq_len: int = 0
     prefix_lens: Tensor | None = None
     seq_block_tables: Tensor | None = None
+    decode: bool = False
 
 
 class ParallelLinear:
@@ -208,6 +212,19 @@ class Attention:
                  cache: KVCache, step: StepInputs) -> Tensor:
         t = x.shape[0]
         fused = self.qkv.stacked(x) if decode_fusion() else None
+        # the attention's last kernel writes the output product's int8 input where that product takes one
+        int8 = fused is not None and self.head_dim % 32 == 0 and self.o.takes_int8(t)
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        half = (t, self.head_dim // 2)
+        if fused is not None and step.decode:
+            # one kernel rotates the queries and the new keys, writes the new keys and values into the cache and
+            # attends, reading the product's rows in place
+            att = rope_paged_decode(cache, fused, step.slot_mapping, (rope[0].reshape(half), rope[1].reshape(half)),
+                                    step.block_tables, step.context_lens, q_heads=self.n_heads, k_off=q_width,
+                                    v_off=q_width + kv_width,
+                                    max_context_len=step.block_tables.shape[1] * cache.block_size, int8=int8,
+                                    **self.scores)
+            return self.o(att if int8 else att.reshape(t, q_width), residual=residual)
         q, k, v = self.qkv(x) if fused is None else self.qkv.split(fused)
         q = q.reshape(t, self.n_heads, self.head_dim)
         k = k.reshape(t, self.n_kv_heads, self.head_dim)
@@ -216,10 +233,9 @@ class Attention:
         if fused is not None:
             # one kernel rotates queries and keys and writes keys and values, reading the product's rows in place;
             # its output, the rotated queries, orders the cache's readers after the write
-            q_width, half = self.n_heads * self.head_dim, (t, self.head_dim // 2)
             tables = (rope[0].reshape(half), rope[1].reshape(half))
             q = written = rope_write_kv(cache, fused, step.slot_mapping, tables, q_heads=self.n_heads, k_off=q_width,
-                                        v_off=q_width + self.n_kv_heads * self.head_dim)
+                                        v_off=q_width + kv_width)
         else:
             q = RotaryEmbedding.rotate(q, *rope)
             written = write_kv(cache, k, v, step.slot_mapping)
@@ -233,13 +249,11 @@ class Attention:
                                     max_seq_len=step.max_seq_len, after=written, **prefix, **self.scores)
         else:
             max_context = step.block_tables.shape[1] * cache.block_size
-            # the attention's last kernel writes the output product's int8 input where that product takes one
-            int8 = fused is not None and self.head_dim % 32 == 0 and self.o.takes_int8(t)
             att = paged_decode(cache, q, step.block_tables, step.context_lens, written, max_context_len=max_context,
                                int8=int8, **self.scores)
             if int8:
                 return self.o(att, residual=residual)
-        return self.o(att.reshape(t, self.n_heads * self.head_dim), residual=residual)
+        return self.o(att.reshape(t, q_width), residual=residual)
 
 
 class MLP:

@@ -447,12 +447,52 @@ def paged_decode(cache: KVCache, q: Tensor, block_tables: Tensor, context_lens: 
 
     ins = [q.float(), block_tables.cast(dtypes.int32), context_lens.cast(dtypes.int32), after, cache.key,
            cache.value]
-    key = (id(cache), max_context_len, scale, window, softcap, int8)
+    return _attention_out(run, ins, b, heads, d, (id(cache), max_context_len, scale, window, softcap, int8), int8)
+
+
+def _attention_out(run: Any, ins: list[Tensor], b: int, heads: int, d: int, key: tuple, int8: bool
+                   ) -> Tensor | Int8Activations:
+    """The paged_decode node: its output [b, heads, d] float32, or the rows' int8 activations."""
     if int8:
         words = custom(run, ins, (mv.Q8Acts.layout(b, heads * d)[0] // 4,), dtypes.uint32, key=key,
                        name="paged_decode")
         return Int8Activations(words, (b,), heads * d)
     return custom(run, ins, (b, heads, d), dtypes.float32, key=key, name="paged_decode")
+
+
+def rope_paged_decode(cache: KVCache, rows: Tensor, slot_mapping: Tensor, rope: tuple[Tensor, Tensor],
+                      block_tables: Tensor, context_lens: Tensor, *, q_heads: int, k_off: int, v_off: int,
+                      max_context_len: int, scale: float | None = None, window: int = 0, softcap: float = 0.0,
+                      int8: bool = False) -> Tensor | Int8Activations:
+    """A decode step's attention as one kernel, from the rows [B, width] of a fused q/k/v product (queries from
+    column 0, keys from k_off, values from v_off, read where they are): it rotates the queries and the new key by
+    RoPE (rotate-half; cos, sin [B, head_size / 2]), writes the new key and value into the paged cache at
+    slot_mapping (-1 skips: padding) and attends each sequence's context with the new token as its last position
+    (context_lens[b] - 1, which the block table must map to slot_mapping[b]), as paged_decode after rope_write_kv
+    would. Row b must be sequence b's only new token: several tokens of one sequence need rope_write_kv first."""
+    b, width = rows.shape
+    d = cache.head_size
+    half = (b, d // 2)
+    if slot_mapping.shape != (b,) or context_lens.shape != (b,) or block_tables.shape[0] != b:
+        raise ValueError(f"rope_paged_decode: slot_mapping {slot_mapping.shape}, context_lens {context_lens.shape} "
+                         f"and block_tables {block_tables.shape} must have one row per sequence ({b})")
+    if rope[0].shape != half or rope[1].shape != half:
+        raise ValueError(f"rope_paged_decode: cos {rope[0].shape} and sin {rope[1].shape} must be {half}")
+    if int8 and d % 32:
+        raise ValueError(f"rope_paged_decode: int8 output comes in blocks of 32, head size {d} is not a multiple")
+    max_blocks = block_tables.shape[1]
+
+    def run(dev: Any, out: Any, ins: list[Any]) -> None:
+        new = pa.NewTokens(ins[3], width, 0, k_off, v_off, rope=(ins[4], ins[5]))
+        pa.paged_decode(dev, cache.on(dev, ins[6], ins[7]), ins[0], ins[1], ins[2], num_seqs=b, num_heads=q_heads,
+                        max_blocks_per_seq=max_blocks, max_context_len=max_context_len, scale=scale, window=window,
+                        softcap=softcap, out=out, int8=int8, new_tokens=new)
+
+    # the cache's Tensors are inputs: the template writes the new tokens into them
+    ins = [rows.float(), block_tables.cast(dtypes.int32), context_lens.cast(dtypes.int32),
+           slot_mapping.cast(dtypes.int32), rope[0].float(), rope[1].float(), cache.key, cache.value]
+    key = (id(cache), max_context_len, scale, window, softcap, int8, q_heads, k_off, v_off)
+    return _attention_out(run, ins, b, q_heads, d, key, int8)
 
 
 def flash_takes(head_size: int, softcap: float = 0.0) -> bool:

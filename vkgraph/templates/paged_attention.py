@@ -74,16 +74,42 @@ def _defines(dev: Device, head_size: int, dtype: str, **extra: int) -> dict[str,
     return d
 
 
-def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str) -> int:
-    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl)
-    return rows * head_size * 4 + 2 * tile * (head_size * KV_DTYPES[dtype] + 16) + rows * tile * 4 + 3 * rows * 4
+def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str, new_kv: bool = False) -> int:
+    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl); with new_kv, one more
+    # token's key and value (unpadded)
+    token = head_size * KV_DTYPES[dtype]
+    return rows * head_size * 4 + 2 * tile * (token + 16) + rows * tile * 4 + 3 * rows * 4 + 2 * token * new_kv
 
 
-def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str) -> int:
+def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str, new_kv: bool = False) -> int:
     for tile in TILES:
-        if _shared_bytes(rows, tile, head_size, dtype) <= dev.info.max_shared_memory:
+        if _shared_bytes(rows, tile, head_size, dtype, new_kv) <= dev.info.max_shared_memory:
             return tile
     raise ValueError(f"{rows} query rows of head size {head_size} do not fit the device's shared memory")
+
+
+@dataclass(frozen=True)
+class NewTokens:
+    """A decode step's new token per sequence, for paged_decode to write into the cache and attend itself: the
+    token is the last of its sequence's context (position context_lens[b] - 1, at slot_mapping[b], int32 [B];
+    negative: none, a padding row). paged_decode's `q` is then the rows [B, src_stride] float32 of the fused q/k/v
+    product: row b's query heads from column q_off, its new key from k_off and value from v_off (kv heads x head
+    size each). rope: (cos, sin) float32 [B, head_size / 2], rotating the queries and the key (rotate-half)."""
+
+    slot_mapping: Any
+    src_stride: int
+    q_off: int
+    k_off: int
+    v_off: int
+    rope: tuple[Any, Any] | None = None
+
+
+def _check_rows(name: str, buf: Any, rows: int, stride: int, spans: dict[str, tuple[int, int]]) -> None:
+    """Raise ValueError unless every (offset, width) of spans fits rows of `stride` floats, and `buf` holds them."""
+    for what, (off, width) in spans.items():
+        if off < 0 or off + width > stride:
+            raise ValueError(f"{what} at {off} ({width} wide) do not fit rows of {stride}")
+        check_buffer(name, buf, ((rows - 1) * stride + off + width) * 4 if rows else 0)
 
 
 def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mapping: Any,
@@ -232,7 +258,7 @@ def _softcap(cap: float) -> float:
 def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, context_lens: Any, *,
                  num_seqs: int, num_heads: int, max_blocks_per_seq: int, max_context_len: int,
                  scale: float | None = None, window: int = 0, softcap: float = 0.0, part_tokens: int | None = None,
-                 out: Any | None = None, int8: bool = False) -> Any:
+                 out: Any | None = None, int8: bool = False, new_tokens: NewTokens | None = None) -> Any:
     """Attention of one query token per sequence over its cached context; returns out [B, num_heads, D].
 
     q: float32 [num_seqs, num_heads, D]; block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens:
@@ -240,7 +266,9 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     it off, else the tokens per partition (a multiple of the tile). window > 0: only the last `window`
     positions are visible. softcap > 0: scores (scaled) become softcap * tanh(score / softcap). int8: `out`
     holds the rows [B, num_heads * D] as the integer matvec's input (matvec.Q8Acts.layout), written by the kernel
-    that finishes the output instead of float32; D % 32 == 0.
+    that finishes the output instead of float32; D % 32 == 0. new_tokens: the same dispatch writes each sequence's
+    new key and value into the cache and attends them from registers (see NewTokens; `q` is then the q/k/v rows),
+    where write_kv would run before it.
     """
     d, hkv = cache.head_size, cache.num_kv_heads
     if num_heads % hkv:
@@ -251,7 +279,15 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
     group = num_heads // hkv
-    check_buffer("q", q, num_seqs * num_heads * d * 4)
+    new = new_tokens
+    if new is None:
+        check_buffer("q", q, num_seqs * num_heads * d * 4)
+    else:
+        _check_rows("q", q, num_seqs, new.src_stride, {"queries": (new.q_off, num_heads * d),
+                                                      "keys": (new.k_off, hkv * d), "values": (new.v_off, hkv * d)})
+        check_buffer("slot_mapping", new.slot_mapping, num_seqs * 4)
+        for name, buf in zip(("cos", "sin"), new.rope or ()):
+            check_buffer(name, buf, num_seqs * d // 2 * 4)
     check_buffer("block_tables", block_tables, num_seqs * max_blocks_per_seq * 4)
     check_buffer("context_lens", context_lens, num_seqs * 4)
     if int8 and d % 32:
@@ -261,7 +297,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     check_buffer("out", out, nbytes)
     # the int8 parts, or `out` bound where the float output is written
     acts = Q8Acts.in_buffer(out, num_seqs, num_heads * d) if int8 else Q8Acts(out, out, out)
-    tile = _choose_tile(dev, group, d, cache.dtype)
+    tile = _choose_tile(dev, group, d, cache.dtype, new is not None)
     if part_tokens is None:
         part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, tile)
     if part_tokens < 0 or part_tokens % tile:
@@ -272,14 +308,25 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
         part_ml = dev.alloc(num_seqs * num_heads * parts * 8)
     else:
         part_o = part_ml = out  # bound but never written
-    q8 = {"Q8_OUT": 1} if int8 and not part_tokens else {}  # split: paged_reduce writes the output
-    kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
-                           defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile, **q8))
+    flags = {"Q8_OUT": 1} if int8 and not part_tokens else {}  # split: paged_reduce writes the output
     push = {"num_kv_heads": hkv, "block_size": cache.block_size, "max_blocks": max_blocks_per_seq,
             "scale": 1.0 / math.sqrt(d) if scale is None else scale, "window": window,
-            "part_tokens": part_tokens, "max_parts": parts, "softcap": _softcap(softcap)}
+            "part_tokens": part_tokens, "max_parts": parts, "softcap": _softcap(softcap), "src_stride": 0,
+            "q_off": 0, "k_off": 0, "v_off": 0}
+    # without new tokens the bindings of their inputs take context_lens (read) and `out` (written anyway)
+    extra = [context_lens, context_lens, context_lens, out, out]
+    if new is not None:
+        flags["NEW_KV"] = 1
+        if new.rope is not None:
+            if d % 2:
+                raise ValueError(f"RoPE needs an even head size, got {d}")
+            flags["ROPE"] = 1
+        extra = [new.slot_mapping, *(new.rope or (context_lens, context_lens)), cache.key, cache.value]
+        push.update(src_stride=new.src_stride, q_off=new.q_off, k_off=new.k_off, v_off=new.v_off)
+    kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
+                           defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile, **flags))
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
-                                 acts.xq, acts.xd, acts.xs], (parts, hkv, num_seqs), push=push)
+                                 acts.xq, acts.xd, acts.xs, *extra], (parts, hkv, num_seqs), push=push)
     if part_tokens:
         red = catalog.compile(dev, "paged_reduce", spec={"WG": min(ATTN_WG, d)},
                               defines={"Q8_OUT": 1, "HEAD_SIZE": d} if int8 else None)

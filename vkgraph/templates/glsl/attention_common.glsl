@@ -19,6 +19,9 @@
 //   uint kv_word(uint pos)              index of token pos's first uvec4 in the K/V buffers
 //   bool visible(uint row, uint pos)    whether row may attend to key position pos
 // then calls attend(begin, end) and reads acc[], sM[] and sL[].
+// With -DNEW_KV the token at position new_pos comes from sNewK/sNewV (words as the K/V buffers hold them), which
+// the including file fills (and makes visible with a barrier) before attend, in place of the K/V buffers: a token
+// that the same dispatch writes, which other workgroups of it may not see in memory.
 #include "common.glsl"
 
 #ifdef KV_F16
@@ -45,6 +48,10 @@ shared uvec4 sK[TILE * TOKEN_STRIDE];
 shared uvec4 sV[TILE * TOKEN_STRIDE];
 shared vec4 sP[ROWS * TILE / 4];   // TILE is a multiple of 4
 shared float sM[ROWS], sL[ROWS], sAlpha[ROWS];
+#ifdef NEW_KV
+shared uvec4 sNewK[WORDS_PER_TOKEN], sNewV[WORDS_PER_TOKEN];
+uint new_pos = 0xFFFFFFFFu;   // none
+#endif
 
 vec4 acc[ACC_N];
 float lsum[ACC_N];
@@ -74,6 +81,13 @@ void load_tile(uint t0, uint end) {   // the tile at t0 into nextK/nextV (zeros 
         nextK[j] = uvec4(0);   // a zero weight times garbage could be NaN
         nextV[j] = uvec4(0);
         if (i < TILE * WORDS_PER_TOKEN && pos < end) {
+#ifdef NEW_KV
+            if (pos == new_pos) {
+                nextK[j] = sNewK[i % WORDS_PER_TOKEN];
+                nextV[j] = sNewV[i % WORDS_PER_TOKEN];
+                continue;
+            }
+#endif
             const uint g = kv_word(pos) + i % WORDS_PER_TOKEN;
             nextK[j] = kc[g];
             nextV[j] = vc[g];

@@ -8,8 +8,18 @@
 // may be shared or in any order. Optional sliding window: only the last `window` positions are visible.
 // Split-K: with part_tokens > 0, partition p covers positions [p*part_tokens, (p+1)*part_tokens) and writes
 // its unnormalised output and (max, sum) to the partial buffers for paged_reduce; else the output directly.
+//
+// -DNEW_KV: the decode step's new token (the last of each context, position ctx - 1) is written here instead of by
+// kv_write.comp. `q` is then the rows [B, src_stride] of the fused q/k/v product: queries from column q_off, the
+// new key from k_off, its value from v_off; -DROPE rotates queries and key as kv_write.comp does (rotate-half,
+// cos/sin [B, HEAD_SIZE / 2] per sequence). The new key and value, as the cache will hold them (float16 rounded
+// to nearest even, or float32), are attended at position ctx - 1 from shared memory, never read back from the
+// cache, and the workgroup of the partition that covers ctx - 1 (partition 0 where ctx is 0) writes them at
+// block slot_mapping[seq] / block_size, offset slot_mapping[seq] % block_size: one writer per cache word. A
+// negative slot (padding) writes nothing and attends the cache as it is. The slot must be the one the block
+// table gives position ctx - 1, and no other sequence of the dispatch may read it.
 #define ROWS GROUP
-layout(set = 0, binding = 0) readonly buffer Q { float q[]; };            // [B, Hq, D] float32
+layout(set = 0, binding = 0) readonly buffer Q { float q[]; };  // [B, Hq, D] float32; -DNEW_KV: [B, src_stride]
 layout(set = 0, binding = 1) readonly buffer KC { uvec4 kc[]; };
 layout(set = 0, binding = 2) readonly buffer VC { uvec4 vc[]; };
 layout(set = 0, binding = 3) readonly buffer Tables { int block_tables[]; };  // [B, max_blocks]
@@ -22,6 +32,13 @@ layout(set = 0, binding = 7) writeonly buffer PartML { vec2 part_ml[]; };   // [
 layout(set = 0, binding = 8) writeonly buffer XQ { uint xq[]; };
 layout(set = 0, binding = 9) writeonly buffer XD { float xd[]; };
 layout(set = 0, binding = 10) writeonly buffer XS { int xs[]; };
+// -DNEW_KV only (else any buffers; the cache's writes go through bindings of their own, so the loads above keep
+// their read-only binding)
+layout(set = 0, binding = 11) readonly buffer Slots { int slot_mapping[]; };  // [B]
+layout(set = 0, binding = 12) readonly buffer Cos { float rope_cos[]; };      // [B, HEAD_SIZE / 2] (-DROPE)
+layout(set = 0, binding = 13) readonly buffer Sin { float rope_sin[]; };
+layout(set = 0, binding = 14) writeonly buffer KW { uvec4 kw[]; };            // the cache's K buffer
+layout(set = 0, binding = 15) writeonly buffer VW { uvec4 vw[]; };            // and its V buffer
 
 layout(push_constant) uniform Push {
     uint num_kv_heads;
@@ -32,6 +49,10 @@ layout(push_constant) uniform Push {
     uint part_tokens;    // 0: one partition per sequence (no split)
     uint max_parts;
     float softcap;       // > 0: scores become softcap * tanh(score / softcap)
+    uint src_stride;     // -DNEW_KV: floats per row of q, and where a row's queries, key and value start
+    uint q_off;
+    uint k_off;
+    uint v_off;
 } pc;
 
 #include "attention_common.glsl"
@@ -47,9 +68,65 @@ uint kv_word(uint pos) {
 
 bool visible(uint row, uint pos) { return true; }   // the window is applied through the range
 
+#ifdef NEW_KV
+// element e of the head at q[base], with rope rotated as kv_write.comp rotates it (-DROPE)
+float element(uint base, uint e, bool rope) {
+#ifdef ROPE
+    if (rope) {
+        const uint half_size = HEAD_SIZE / 2, j = e % half_size, t = seq_id();
+        const float c = rope_cos[t * half_size + j], s = rope_sin[t * half_size + j];
+        return e < half_size ? q[base + e] * c - q[base + e + half_size] * s
+                             : q[base + e] * c + q[base + j] * s;
+    }
+#endif
+    return q[base + e];
+}
+
+vec4 element4(uint base, uint e, bool rope) {
+    return vec4(element(base, e, rope), element(base, e + 1, rope), element(base, e + 2, rope),
+                element(base, e + 3, rope));
+}
+
+uvec4 cache_word(uint base, uint e, bool rope) {   // dimensions e... of the head at q[base] as one cache word
+#ifdef KV_F16
+    const vec4 a = element4(base, e, rope), b = element4(base, e + 4, rope);
+    return uvec4(packHalf2x16(a.xy), packHalf2x16(a.zw), packHalf2x16(b.xy), packHalf2x16(b.zw));
+#else
+    return floatBitsToUint(element4(base, e, rope));
+#endif
+}
+
+// The new token's key and value words to sNewK/sNewV (attention_common.glsl), and from the owning partition's
+// workgroup into the cache.
+void new_token(uint ctx, uint part) {
+    const int slot = slot_mapping[seq_id()];
+    if (slot < 0) return;   // uniform: one sequence per workgroup
+    new_pos = ctx - 1;      // ctx 0: 0xFFFFFFFF, no position
+    const uint owner = pc.part_tokens > 0 && ctx > 0 ? min((ctx - 1) / pc.part_tokens, pc.max_parts - 1) : 0;
+    const uint row = seq_id() * pc.src_stride, kb = row + pc.k_off + kv_head() * HEAD_SIZE;
+    const uint vb = row + pc.v_off + kv_head() * HEAD_SIZE;
+    const uint dst = ((uint(slot) / pc.block_size * pc.num_kv_heads + kv_head()) * pc.block_size
+                      + uint(slot) % pc.block_size) * WORDS_PER_TOKEN;
+    for (uint w = gl_LocalInvocationID.x; w < WORDS_PER_TOKEN; w += WG) {
+        const uvec4 k = cache_word(kb, w * KV_PER_WORD, true), v = cache_word(vb, w * KV_PER_WORD, false);
+        sNewK[w] = k;
+        sNewV[w] = v;
+        if (part == owner) {
+            kw[dst + w] = k;
+            vw[dst + w] = v;
+        }
+    }
+}
+#endif
+
 vec4 q_at(uint row, uint e) {
+#ifdef NEW_KV
+    return pc.scale * element4(seq_id() * pc.src_stride + pc.q_off + (kv_head() * GROUP + row) * HEAD_SIZE, e,
+                                true);
+#else
     const uint base = ((seq_id() * pc.num_kv_heads + kv_head()) * GROUP + row) * HEAD_SIZE + e;
     return pc.scale * vec4(q[base], q[base + 1], q[base + 2], q[base + 3]);
+#endif
 }
 
 void main() {
@@ -61,6 +138,10 @@ void main() {
         end = min(begin + pc.part_tokens, ctx);
     }
     if (pc.window > 0 && ctx > pc.window) begin = max(begin, ctx - pc.window);
+#ifdef NEW_KV
+    new_token(ctx, part);
+    barrier();   // sNewK/sNewV before attend's first loads
+#endif
     attend(begin, max(begin, end));
 
     const uint tid = gl_LocalInvocationID.x;
