@@ -148,6 +148,34 @@ def test_batch_gives_what_each_gives_alone_and_frees_every_block(models):
     engine.kv.check_invariants()
 
 
+def test_decode_steps_of_one_batch_reuse_its_sampling_inputs(models):
+    """A batch's sampling parameters go to the device once, not every step; the noise of a sampling batch is new
+    every step; a request joining with other parameters gives the batch new ones."""
+    _, model = build(models["Q8_0"])
+    engine = Engine(model, max_batch=4)
+    calls = []
+    decode = engine._decode
+
+    def spy(*args):
+        calls.append(args)
+        return decode(*args)
+
+    engine._decode = spy
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.7, top_k=20), max_tokens=8, stop_token_ids=[])
+    for _ in range(3):
+        engine.step()
+    engine.add_request(PROMPTS[2], SamplingParams(temperature=0.0), max_tokens=4, stop_token_ids=[])
+    engine.step()
+    params = slice(5, 11)  # temperature, top_k, top_p, min_p, penalty, presence
+    first, second, joined = calls[0], calls[1], calls[-1]
+    assert all(a is b for a, b in zip(first[params], second[params]))
+    assert first[11] is not second[11]  # the Gumbel noise
+    assert not any(a is b for a, b in zip(first[params], joined[params]))
+    assert joined[5].numpy().ravel()[:2].tolist() == [np.float32(0.7), 0.0]
+    while engine.has_work():
+        engine.step()
+
+
 def test_requests_join_while_others_decode(models):
     w, model = build(models["float32"])
     ref = ReferenceLlama(w)

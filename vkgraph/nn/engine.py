@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..caches import LRU
 from ..flags import flag
 from ..jit import jit
 from ..tensor import Tensor, manual_seed
@@ -139,6 +140,9 @@ class Engine:
         self._marks: list[_Mark] = []  # the state before this step of each request it has touched
         manual_seed(seed)
         self._host_rng = np.random.default_rng(seed)  # rows batched with a seeded request (see _noise)
+        # a batch's sampling parameters and zero placeholders, uploaded once while the batch keeps them rather than
+        # every step: a small batch's decode step waits on the host's work between replays
+        self._step_constants: LRU[tuple, SamplingTensors | Tensor] = LRU("engine step inputs", 16)
         # a model whose step cannot be one captured graph (vkgraph.parallel's: host all-reduces inside) runs eagerly
         capturable = getattr(model, "capturable", True)
         self._decode = jit(self._decode_step, max_entries=16) if capturable else self._decode_step
@@ -349,7 +353,7 @@ class Engine:
         rows = _bucket(len(reqs), self.max_batch)
         meta = self.kv.batch([r.id for r in reqs], width=self.model.max_blocks_per_seq, pad_seqs=rows,
                              pad_tokens=rows)
-        st = SamplingTensors.build([r.params for r in reqs], rows, self.vocab)
+        st = self._sampling(reqs, rows)
         presence = self._presence(reqs, rows)
         noise = self._noise(st, reqs, rows)
         out = self._decode(Tensor(meta.input_ids), Tensor(meta.positions), Tensor(meta.slot_mapping),
@@ -372,7 +376,7 @@ class Engine:
         return _with_logprobs(logits, sample(logits, st, presence, noise), top_width)
 
     def _sample(self, logits: Tensor, reqs: list[Request]) -> tuple[np.ndarray, tuple[np.ndarray, ...] | None]:
-        st = SamplingTensors.build([r.params for r in reqs], len(reqs), self.vocab)
+        st = self._sampling(reqs, len(reqs))
         tokens = sample(logits, st, self._presence(reqs, len(reqs)), self._noise(st, reqs, len(reqs)))
         return _host(_with_logprobs(logits, tokens, self._top_width(reqs)))
 
@@ -383,13 +387,32 @@ class Engine:
             return 0
         return min(next(b for b in _TOP_BUCKETS if b >= max(want)), self.vocab)
 
+    def _sampling(self, reqs: list[Request], rows: int) -> SamplingTensors:
+        """The rows' sampling parameters as tensors, the same ones while the batch's parameters are unchanged."""
+        params = [r.params for r in reqs]
+        key = ("sampling", rows, tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
+                                       for p in params))
+        st = self._step_constants.get(key)
+        if st is None:
+            st = SamplingTensors.build(params, rows, self.vocab)
+            self._step_constants.put(key, st)
+        return st
+
+    def _zero_column(self, rows: int) -> Tensor:
+        """A (rows, 1) float32 zero column, the placeholder of an unused noise or presence input."""
+        col = self._step_constants.get(("zeros", rows))
+        if col is None:
+            col = Tensor(np.zeros((rows, 1), np.float32))
+            self._step_constants.put(("zeros", rows), col)
+        return col
+
     def _noise(self, st: SamplingTensors, reqs: list[Request], rows: int) -> Tensor:
         """Uniform noise for the Gumbel draw; a (rows, 1) placeholder when every row is greedy (no vocabulary-
         sized random kernel per step). A request with a seed draws from a generator keyed by (seed, the index of
         the token drawn), so its output does not depend on the batch it runs in or on preemption; a batch holding
         one is drawn on the host (the other rows from the engine's own seeded generator)."""
         if not st.use_sampling:
-            return Tensor(np.zeros((rows, 1), np.float32))
+            return self._zero_column(rows)
         if all(r.params.seed is None for r in reqs):
             return Tensor.rand(rows, self.vocab)
         noise = self._host_rng.random((rows, self.vocab), dtype=np.float32)
@@ -402,7 +425,7 @@ class Engine:
         """Tokens each request has seen, for the repetition penalty; a (rows, 1) zero column (broadcast, and no
         vocabulary-sized upload every step) when no request uses the penalty."""
         if all(r.params.repetition_penalty == 1.0 for r in reqs):
-            return Tensor(np.zeros((rows, 1), np.float32))
+            return self._zero_column(rows)
         mask = np.zeros((rows, self.vocab), np.float32)
         for i, r in enumerate(reqs):
             if r.params.repetition_penalty != 1.0:
