@@ -1,7 +1,8 @@
 """The matvec launches side by side on a decode step's shapes: GB/s of weight bytes, PyTorch's float16 beside.
 
     python benchmarks/bench_matvec_launch.py [--formats Q4_0,Q8_0,Q4_K] [--batches 1,8,32] [--shapes 8b,1b]
-                                             [--products o,gate_up] [--sweep] [--mm-sweep] [--reps 10]
+                                             [--products o,gate_up] [--sweep] [--nb-sweep] [--mm-sweep]
+                                             [--reps 10] [--budget 8]
 
 For each format, shape (the products of a Llama-3-8B or Llama-3.2-1B layer and the head) and batch, the product
 alone is timed (benchmarks/common.replay_us: 100 calls captured into one command graph, replayed; weights cycled
@@ -13,7 +14,11 @@ Batches past 8 run the workgroup launch as calls of 8 rows (as the decode step d
 as one call. "us" is the GPU time of the whole product; "torch" is torch.matmul of float16 W [N, K] by
 float16 x [K, batch] (CUDA events), in GB/s of its own float16 weight bytes. --sweep also times
 subgroup-launch configurations around the chosen one (rows per group, units in flight, workgroup size, group
-width) and prints the best three.
+width) and prints the best three. --nb-sweep times the integer path's candidates for 2-16 activation rows
+(matvec.SG_INT_DOT_PREFERRED's entries): rows per group and units in flight, each with and without fold (a
+unit's runs summed as integers first) and stage (a round's activations staged in shared memory per workgroup),
+and the workgroup launch with and without fold; it prints the chosen configuration's figure, the best of each
+(fold, stage) pair and the ten fastest, at most --budget seconds per product and batch.
 On a device with float16 cooperative matrices, "mm" times templates.matmul_quant's small-row tile
 (decode_config) on the same int8 activations, as a decode step from VKGRAPH_DECODE_MM_ROWS rows runs it: the
 product's kernel alone (a tile that splits K over ks workgroups writes ks partial planes; the decode step sums
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -45,6 +51,8 @@ SHAPES = {"8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096
 # (workgroup size, rows per group, units in flight, group width as a fraction of the chosen one)
 SWEEP = [(wg, rows, unroll, tpr_div) for wg in (128, 256) for rows in (1, 2, 4) for unroll in (1, 2, 4, 8)
          for tpr_div in (1, 2)]
+# --nb-sweep: (rows per group, units in flight), fewest registers first; each also with fold and stage
+NB_SWEEP = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1), (8, 2)]
 
 
 def _acts(dev, rng, batch: int, k: int, int_dot: bool):
@@ -104,6 +112,52 @@ def _tile(t: mq.Tile) -> str:
     return f"{t.bm}x{t.bn}x{t.bk} wn{t.wn} wk{t.wk} ks{t.ks} pf{t.pf}"
 
 
+def _nb_configs(dev, f, base: mv.MatvecConfig, old: mv.MatvecConfig, batch: int) -> list[mv.MatvecConfig]:
+    """--nb-sweep's candidates around the chosen subgroup-rows configuration `base` (its group width and
+    workgroup size), the plain body first, then the workgroup launch's `old` with fold (at most 8 rows)."""
+    found = []
+    for fold, stage in ((False, False), (True, False), (False, True), (True, True)):
+        for rows, unroll in NB_SWEEP:
+            if rows * batch > 64 and rows > 2:  # past the registers an invocation has
+                continue
+            cfg = replace(base, rows=rows, unroll=unroll, fold=fold and f.name in mv.FOLD_FORMATS, stage=False)
+            if stage:
+                if not mv.stage_fits(dev, f, cfg, batch):
+                    continue
+                cfg = replace(cfg, stage=True)
+            found.append(cfg)
+    if batch <= mv.MAX_BATCH:
+        found += [old, replace(old, fold=f.name in mv.FOLD_FORMATS)]
+    return list(dict.fromkeys(found))
+
+
+def _nb_name(c: mv.MatvecConfig) -> str:
+    launch = f"sg wg{c.wg} r{c.rows} u{c.unroll} tpr{c.tpr}" if c.tpr else f"wg wg{c.wg} r{c.rows}"
+    return launch + (" fold" if c.fold else "") + (" stage" if c.stage else "")
+
+
+def nb_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, old: mv.MatvecConfig, reps: int,
+             budget: float) -> None:
+    """Time _nb_configs for --budget seconds at most and print what --nb-sweep promises (GB/s of weight bytes)."""
+    nbytes = ws[0].shape[0] * f.row_bytes(ws[0].shape[1])
+    start, times = time.perf_counter(), {}
+    for cfg in [base, *_nb_configs(dev, f, base, old, batch)]:
+        if cfg in times:
+            continue
+        if time.perf_counter() - start > budget:
+            print(f"      nb: budget spent after {len(times)} configurations", flush=True)
+            break
+        times[cfg] = product_us(dev, ws, x, y, batch, cfg, reps)
+    gbs = {c: nbytes / t / 1e3 for c, t in times.items()}
+    best = {}
+    for c in sorted(gbs, key=gbs.get, reverse=True):
+        best.setdefault((c.tpr > 0, c.fold, c.stage), c)
+    print(f"      nb chosen: {_nb_name(base)} {gbs[base]:.0f}; best per (launch, fold, stage): " + ", ".join(
+        f"{_nb_name(c)} {gbs[c]:.0f}" for c in best.values()), flush=True)
+    print("      nb top: " + ", ".join(f"{_nb_name(c)} {gbs[c]:.0f}"
+                                       for c in sorted(gbs, key=gbs.get, reverse=True)[:10]), flush=True)
+
+
 def _cell(nbytes: int, us: float) -> str:
     return f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
 
@@ -115,8 +169,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="8b", help="comma-separated: 8b, 1b, smoke")
     ap.add_argument("--products", default="", help="only these products, e.g. o,gate_up (default: all)")
     ap.add_argument("--sweep", action="store_true", help="also sweep subgroup-launch configurations")
+    ap.add_argument("--nb-sweep", action="store_true",
+                    help="also time the integer path's candidates for 2-16 rows (fold, stage, rows, units in flight)")
     ap.add_argument("--mm-sweep", action="store_true", help="also sweep matmul_quant's small-row tiles")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--budget", type=float, default=8.0, help="--nb-sweep's seconds per product and batch")
     a = ap.parse_args()
     dev = get_device()
     rng = np.random.default_rng(0)
@@ -162,6 +219,8 @@ def main() -> None:
                         if q8 is not x:
                             for buf in (q8.xq, q8.xd, q8.xs):
                                 buf.release()
+                    if a.nb_sweep and new.int_dot:
+                        nb_sweep(dev, f, ws, x, y, batch, new, old, max(3, a.reps // 2), a.budget)
                     if a.sweep:
                         found = {}
                         for wg, rows, unroll, tpr_div in SWEEP:

@@ -2,13 +2,15 @@
 
     python benchmarks/profile_decode.py [--shape llama3-8b|llama3.2-1b|small] [--format Q4_0] [--batches 1,8]
                                         [--fusion 0,1] [--launch workgroup,subgroup] [--mm 8,0] [--steps 5]
+                                        [--matvec-sg "/8:128,4,2,0,1,1"]
                                         [--copy-mib 1024] [--kernels]
 
 Per batch size (and per VKGRAPH_DECODE_FUSION setting, on the same model: 0 is the unfused layers), runs the
 engine's decode step captured (JIT, timed by wall clock) and then without the JIT (the same kernels, recorded
 one by one) under VKGRAPH_PROFILE (and per VKGRAPH_MATVEC_LAUNCH setting in --launch: the matvec
 launches; per VKGRAPH_DECODE_MM_ROWS setting in --mm: from how many rows the products take matmul_quant's
-small-row tiles, 0 never), and prints the dispatches per step and the GPU time inside them; with
+small-row tiles, 0 never; per VKGRAPH_MATVEC_SG setting in --matvec-sg, separated by '/', an empty one for the
+tables' parameters), and prints the dispatches per step and the GPU time inside them; with
 --kernels also per kernel name: dispatches per step, GPU microseconds per step, and the share of the step.
 
 Then the floor of a step on this device, from two probes: the copy bandwidth (bench_runtime's grid-stride
@@ -117,6 +119,8 @@ def main() -> None:
                     help="VKGRAPH_MATVEC_LAUNCH settings to run on the same model, e.g. workgroup,subgroup")
     ap.add_argument("--mm", default="",
                     help="VKGRAPH_DECODE_MM_ROWS settings to run on the same model, e.g. 8,0 (default: the flag's)")
+    ap.add_argument("--matvec-sg", default=None,
+                    help="VKGRAPH_MATVEC_SG settings separated by '/', e.g. '/8:128,4,2,0,1,1' (empty: the tables)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
     ap.add_argument("--kernels", action="store_true", help="also print the per-kernel table of each run")
@@ -137,7 +141,11 @@ def main() -> None:
           f" {'GPU busy ms':>11s} {'floor ms':>9s} {'JIT ms':>8s} "
           f"{'explained':>9s} {'tok/s':>9s} {'floor tok/s':>11s}", flush=True)
     mm_rows = a.mm.split(",") if a.mm else [str(flag("VKGRAPH_DECODE_MM_ROWS"))]
-    for fusion, launch, mm in itertools.product(a.fusion.split(","), a.launch.split(","), mm_rows):
+    sg_settings = a.matvec_sg.split("/") if a.matvec_sg is not None else [flag("VKGRAPH_MATVEC_SG")]
+    for sg, fusion, launch, mm in itertools.product(sg_settings, a.fusion.split(","), a.launch.split(","), mm_rows):
+        if len(sg_settings) > 1:
+            print(f"VKGRAPH_MATVEC_SG={sg!r}", flush=True)
+        os.environ["VKGRAPH_MATVEC_SG"] = sg  # read when a matvec is recorded
         os.environ["VKGRAPH_DECODE_FUSION"] = fusion  # read when the step's graph is built
         os.environ["VKGRAPH_MATVEC_LAUNCH"] = launch  # read when a matvec is recorded
         os.environ["VKGRAPH_DECODE_MM_ROWS"] = mm  # read when the step's graph is built

@@ -110,6 +110,58 @@ def test_matvec_subgroup_rows_many_rows(batch):
         _run_int_dot("Q4_0", 21, _k_for("Q4_0", 6), batch, "f32", True, False, rows=1, seed=batch)
 
 
+# The integer path's options (fold, stage) beside the plain body, from 2 to 16 activation rows: K past a round of
+# tpr * unroll units or short of it (a last round cut off), row counts past the last group's rows, formats with
+# and without UNIT_COEFFS (fold) and with super-blocks (stage rounds of whole super-blocks).
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fmt=st.sampled_from(["Q4_0", "Q8_0", "Q5_1", "IQ4_XS", "Q4_K", "Q6_K"]), n=st.integers(1, 40),
+       blocks=st.integers(1, 12), batch=st.integers(2, 16), rows=st.integers(1, 4), tpr=st.sampled_from([2, 4, 8]),
+       unroll=st.integers(1, 3), wg_groups=st.sampled_from([1, 2, 4]), fold=st.booleans(), stage=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_matvec_int_dot_options(fmt, n, blocks, batch, rows, tpr, unroll, wg_groups, fold, stage, seed):
+    _needs_int_dot()
+    _needs_shuffle()
+    dev = device()
+    f = quant.FORMATS[fmt]
+    tpr = min(tpr, dev.info.min_subgroup_size)
+    wg = max(wg_groups * tpr, dev.info.max_subgroup_size)
+    cfg = mv.MatvecConfig(wg, rows, True, True, tpr, unroll, fold=fold and fmt in mv.FOLD_FORMATS)
+    if stage and f.block_size == 256:  # stage takes rounds of whole super-blocks
+        cfg = dataclasses.replace(cfg, unroll=max(1, 256 // (tpr * mv.UNIT_ELEMS[fmt])))
+    cfg = dataclasses.replace(cfg, stage=stage and mv.stage_fits(dev, f, cfg, batch))
+    assert cfg.stage == stage  # every drawn case fits lavapipe's shared memory
+    k = _k_for(fmt, 1 + blocks % 3 if f.block_size == 256 else blocks)
+    rng = np.random.default_rng(seed)
+    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, seed)
+    x = rng.standard_normal((batch, k)).astype(np.float32)
+    res = rng.standard_normal((batch, n)).astype(np.float32)
+    ref = _device_quantized(dev, x) @ qt.dequantize().astype(np.float64).T + res
+    since = snapshot()
+    y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), batch, config=cfg, residual=upload(dev, res))
+    check(dev.download(y, np.float32, (batch, n)), ref, since)
+
+
+def test_matvec_int_dot_options_refused():
+    """fold where runs do not share their scale, stage off the subgroup-rows launch, over part of a super-block or
+    past the shared memory: ValueError before any GPU work."""
+    _needs_int_dot()
+    _needs_shuffle()
+    dev = device()
+    x = upload(dev, np.ones((2, 256), np.float32))
+    q4k = mv.upload_weights(dev, quant.quantize(np.ones((8, 256), np.float32), "Q4_K"))
+    q40 = mv.upload_weights(dev, quant.quantize(np.ones((8, 256), np.float32), "Q4_0"))
+    big = mv.MatvecConfig(32, 1, True, True, tpr=1, unroll=1, stage=True)
+    big_rows = dev.info.max_shared_memory // 16  # int8 words alone past the device's shared memory
+    assert not mv.stage_fits(dev, quant.FORMATS["Q8_0"], dataclasses.replace(big, unroll=2), big_rows)
+    for w, cfg in ((q4k, mv.MatvecConfig(32, 1, True, True, fold=True)),
+                   (q40, mv.MatvecConfig(32, 1, True, False, fold=True)),
+                   (q40, mv.MatvecConfig(32, 1, True, True, stage=True)),
+                   (q4k, mv.MatvecConfig(32, 1, True, True, tpr=2, unroll=1, stage=True)),
+                   (q40, mv.MatvecConfig(32, 1, True, False, tpr=2, unroll=1, stage=True))):
+        with pytest.raises(ValueError, match="fold|stage"):
+            mv.matvec(dev, w, x, 2, config=cfg)
+
+
 def test_matvec_subgroup_rows_bad_config():
     _needs_shuffle()
     dev = device()
@@ -138,7 +190,12 @@ def test_matvec_launch_flag(monkeypatch):
         cfg = mv.choose_config(dev, fmt, 4096, 4096, 1)
         assert (cfg.wg, cfg.rows, cfg.tpr) == (64, 3, 1) and cfg.unroll in (1, 2)  # one on a CPU device
         assert mv.choose_config(dev, fmt, 4096, 4096, 32).rows == 4
-    for bad in ("3:64,1,1", "1:64,1", "1:64,0,1", "1:a,1,1", "64,1,1"):
+        monkeypatch.setenv("VKGRAPH_MATVEC_SG", "8:64,2,1,0,1,1")  # derived group width, fold and stage
+        cfg = mv.choose_config(dev, fmt, 4096, 4096, 8, int_dot=True)
+        assert (cfg.rows, cfg.fold, cfg.stage) == (2, True, mv.stage_fits(dev, fmt, cfg, 8)) and cfg.tpr >= 1
+        assert not mv.choose_config(dev, quant.FORMATS["Q4_K"], 4096, 4096, 8, int_dot=True).fold
+        assert not mv.choose_config(dev, fmt, 4096, 4096, 8, int_dot=False).fold
+    for bad in ("3:64,1,1", "1:64,1", "1:64,0,1", "1:a,1,1", "64,1,1", "8:64,2,1,0,2,0", "8:64,2,1,0,1"):
         monkeypatch.setenv("VKGRAPH_MATVEC_SG", bad)
         with pytest.raises(ValueError, match="VKGRAPH_MATVEC_SG"):
             mv.choose_config(dev, fmt, 4096, 4096, 1)

@@ -54,9 +54,9 @@ FLAGS: dict[str, Flag] = {
              "a few rows, several units in flight each), workgroup (a workgroup owns a few rows, shared-memory "
              "reduction: the earlier launch) or auto (subgroup where the device has subgroup shuffles, for more "
              "than one activation row)"),
-        Flag("VKGRAPH_MATVEC_SG", str, "", "subgroup-rows launch parameters replacing matvec.SG_PREFERRED, e.g. "
-             "'1:128,2,4;32:256,4,1,16' (activation rows bucket: workgroup size, rows per group, units in flight"
-             "[, group width])"),
+        Flag("VKGRAPH_MATVEC_SG", str, "", "subgroup-rows launch parameters replacing matvec.SG_PREFERRED and "
+             "SG_INT_DOT_PREFERRED, e.g. '1:128,2,4;32:256,4,1,16;8:128,4,2,0,1,1' (activation rows bucket: "
+             "workgroup size, rows per group, units in flight[, group width (0: derived)[, fold, stage]])"),
         Flag("VKGRAPH_MATMUL_F32_COMPUTE", str, "", "float32 matrix products with 16-bit operands on cooperative "
              "matrices (float16 or bfloat16; rounds the operands, accumulates in float32); empty: exact float32"),
         Flag("VKGRAPH_MATMUL_TUNE", int, 1, "0 ignores tuned matmul tile configurations (codegen.tune) and uses "

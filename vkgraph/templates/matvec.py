@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,8 @@ UNIT_ELEMS = {"Q8_0": 16, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q2_K"
 ACT_DTYPES = {"f32": np.float32, "f16": np.float16}
 # templates with an integer dot-product path (-DINT_DOT)
 INT_DOT_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+# integer-path templates whose runs share one scale and one activation block (UNIT_COEFFS): they take `fold`
+FOLD_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
 MAX_BATCH = 8  # activation rows one call of the workgroup launch takes
 MAX_BATCH_SUBGROUP = 32  # ... of the subgroup-rows launch, which reads the weights once for all of them
 
@@ -71,6 +73,11 @@ class MatvecConfig:
     # `unroll` units of every row in flight; 0: the workgroup launch (a workgroup owns `rows` rows)
     tpr: int = 0
     unroll: int = 1
+    # integer path, FOLD_FORMATS: a unit's runs summed as integers before its one scale (-DFOLD)
+    fold: bool = False
+    # integer path, subgroup-rows launch: each round of tpr * unroll units' activations staged in shared memory
+    # once per workgroup, which its groups then read there (-DSTAGE_X; `stage_fits` says where it can)
+    stage: bool = False
 
     @property
     def rows_per_workgroup(self) -> int:
@@ -150,7 +157,7 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
     bucket = 1 << (batch - 1).bit_length()
     units = k // UNIT_ELEMS[fmt.name]
     if subgroup_rows:
-        return _subgroup_rows_config(dev, n, units, bucket, int_dot)
+        return _subgroup_rows_config(dev, fmt, n, units, bucket, int_dot)
     if batch > MAX_BATCH:
         raise ValueError(f"the workgroup launch takes 1..{MAX_BATCH} activation rows, got {batch}")
     if int_dot:
@@ -175,6 +182,10 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
 # From 16 rows on, four rows per group share each activation load: the activations, not the weights, are most of
 # what an invocation reads there.
 SG_PREFERRED = {1: (128, 2, 4), 2: (128, 2, 4), 4: (128, 2, 2), 8: (128, 2, 2), 16: (128, 4, 1), 32: (128, 4, 1)}
+# The integer path in that launch: (workgroup size, rows per group, units in flight, fold where the format can,
+# stage where it fits) by activation rows (`bench_matvec_launch.py --nb-sweep` times the candidates). Where no
+# H200 figure chose otherwise, SG_PREFERRED's entries without fold and stage.
+SG_INT_DOT_PREFERRED = {bucket: (*SG_PREFERRED[bucket], False, False) for bucket in SG_PREFERRED}
 
 
 def rows_per_call(dev: Device) -> int:
@@ -184,11 +195,14 @@ def rows_per_call(dev: Device) -> int:
     return MAX_BATCH_SUBGROUP if wide else MAX_BATCH
 
 
-def _subgroup_rows_config(dev: Device, n: int, units: int, bucket: int, int_dot: bool) -> MatvecConfig:
+def _subgroup_rows_config(dev: Device, fmt: QuantFormat, n: int, units: int, bucket: int,
+                          int_dot: bool) -> MatvecConfig:
     """SG_PREFERRED with the group as wide as the row's units allow (`unroll` units per invocation at least),
-    within the device's smallest subgroup; the workgroup a whole number of the largest subgroups."""
+    within the device's smallest subgroup; the workgroup a whole number of the largest subgroups. On the integer
+    path, SG_INT_DOT_PREFERRED with fold and stage where the format and the device's shared memory take them."""
     info = dev.info
-    wg, rows, unroll, tpr = sg_overrides().get(bucket, (*SG_PREFERRED[bucket], 0))
+    wg, rows, unroll, fold, stage = SG_INT_DOT_PREFERRED[bucket] if int_dot else (*SG_PREFERRED[bucket], False, False)
+    wg, rows, unroll, tpr, fold, stage = sg_overrides().get(bucket, (wg, rows, unroll, 0, fold, stage))
     if not tpr:
         tpr = max(1, min(info.min_subgroup_size, 32, pow2_floor(max(units // unroll, 1))))
     # no more units in flight than a row has per invocation; a CPU device has no memory latency to hide, and
@@ -196,24 +210,45 @@ def _subgroup_rows_config(dev: Device, n: int, units: int, bucket: int, int_dot:
     unroll = 1 if info.device_type == "cpu" else max(1, min(unroll, -(-units // tpr)))
     groups = -(-n // rows)  # no more groups per workgroup than the rows need
     wg = max(min(wg, (1 << (groups - 1).bit_length()) * tpr), info.max_subgroup_size, tpr)
-    return MatvecConfig(wg, rows, True, int_dot, tpr, unroll)
+    cfg = MatvecConfig(wg, rows, True, int_dot, tpr, unroll, fold=int_dot and fold and fmt.name in FOLD_FORMATS)
+    return replace(cfg, stage=bool(stage) and stage_fits(dev, fmt, cfg, bucket))
 
 
-def sg_overrides() -> dict[int, tuple[int, int, int, int]]:
-    """VKGRAPH_MATVEC_SG: SG_PREFERRED entries replaced without a code change, e.g. "1:128,2,4;32:256,4,1,16"
-    (activation rows bucket: workgroup size, rows per group, units in flight[, group width; else derived])."""
+def stage_bytes(fmt: QuantFormat, cfg: MatvecConfig, batch: int) -> int:
+    """Shared memory of STAGE_X's arrays: per activation row and element of a round, the int8 value, a quarter
+    of the int32 sum per 16 and an eighth of the float32 scale per 32 (the value array rounded to even words)."""
+    words = batch * cfg.tpr * cfg.unroll * UNIT_ELEMS[fmt.name] // 16
+    return (words + words % 2) * 16 + words * 4 + words // 2 * 4
+
+
+def stage_fits(dev: Device, fmt: QuantFormat, cfg: MatvecConfig, batch: int) -> bool:
+    """Whether STAGE_X takes this launch: the integer path of the subgroup-rows launch, a round of units that
+    covers whole blocks of activations and whole super-blocks of weights (its units then cover consecutive
+    elements), and the arrays (for `batch` rows) within the device's shared memory, 1 KiB left for the rest."""
+    elems = cfg.tpr * cfg.unroll * UNIT_ELEMS.get(fmt.name, 1)
+    whole = elems % max(32, fmt.block_size) == 0
+    return (cfg.int_dot and cfg.tpr > 0 and fmt.name in INT_DOT_FORMATS and whole
+            and stage_bytes(fmt, cfg, batch) + 1024 <= dev.info.max_shared_memory)
+
+
+def sg_overrides() -> dict[int, tuple[int, int, int, int, bool, bool]]:
+    """VKGRAPH_MATVEC_SG: SG_PREFERRED and SG_INT_DOT_PREFERRED entries replaced without a code change, e.g.
+    "1:128,2,4;32:256,4,1,16;8:128,4,2,0,1,1" (activation rows bucket: workgroup size, rows per group, units in
+    flight[, group width (0 or left out: derived)[, fold, stage (0 or 1; left out: neither)]])."""
     text = flag("VKGRAPH_MATVEC_SG").strip()
     out = {}
     for entry in filter(None, (e.strip() for e in text.split(";"))):
         try:
             bucket, values = entry.split(":")
             nums = [int(v) for v in values.split(",")]
-            if int(bucket) not in SG_PREFERRED or len(nums) not in (3, 4) or min(nums) < 1:
+            if (int(bucket) not in SG_PREFERRED or len(nums) not in (3, 4, 6) or min(nums[:3]) < 1
+                    or min(nums[3:], default=0) < 0 or max(nums[4:], default=0) > 1):
                 raise ValueError
         except ValueError:
-            raise ValueError(f"VKGRAPH_MATVEC_SG entry {entry!r}: expected ROWS_BUCKET:WG,ROWS,UNROLL[,TPR] with a "
-                             f"bucket in {sorted(SG_PREFERRED)}") from None
-        out[int(bucket)] = (nums[0], nums[1], nums[2], nums[3] if len(nums) == 4 else 0)
+            raise ValueError(f"VKGRAPH_MATVEC_SG entry {entry!r}: expected ROWS_BUCKET:WG,ROWS,UNROLL[,TPR[,FOLD,"
+                             f"STAGE]] with a bucket in {sorted(SG_PREFERRED)}") from None
+        fold, stage = (bool(nums[4]), bool(nums[5])) if len(nums) == 6 else (False, False)
+        out[int(bucket)] = (nums[0], nums[1], nums[2], nums[3] if len(nums) >= 4 else 0, fold, stage)
     return out
 
 
@@ -291,6 +326,18 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
         if cfg.int_dot:
             _check_int_dot(dev, weights.format)
             defines["INT_DOT"] = 1
+        if cfg.fold:
+            if not cfg.int_dot or weights.format.name not in FOLD_FORMATS:
+                raise ValueError(f"fold takes the integer path of {FOLD_FORMATS}, not {weights.format.name} "
+                                 f"(int_dot={cfg.int_dot})")
+            defines["FOLD"] = 1
+        if cfg.stage:
+            if not stage_fits(dev, weights.format, cfg, batch):
+                need = stage_bytes(weights.format, cfg, batch)
+                raise ValueError(f"stage needs the integer path of the subgroup-rows launch, rounds of tpr * unroll "
+                                 f"units over whole blocks and super-blocks, and {need} bytes of shared memory "
+                                 f"within the device's {dev.info.max_shared_memory} - 1024")
+            defines["STAGE_X"] = 1
         if expert_ids:
             defines["EXPERT_IDS"] = 1
         if act_dtype == "f16":

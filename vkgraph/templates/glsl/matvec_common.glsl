@@ -13,7 +13,8 @@
 // The per-invocation sums are reduced with subgroupAdd (USE_SUBGROUP) or a shared-memory tree.
 //
 // The format file defines RUN, RUNS, UNIT_ELEMS, HAS_OFFSET, HAS_MIN (INT_DOT, below), IQ4_TABLE where it looks
-// levels up in common.glsl's shared tables, and `struct Unit` (a unit's raw words), then
+// levels up in common.glsl's shared tables, UNIT_COEFFS where every run of a unit has the same (c, m) and lies in
+// one block of 32 activations (-DFOLD, below), and `struct Unit` (a unit's raw words), then
 //   Unit load_unit(uint row, uint u)                   the loads of unit u of `row`
 //   uint x_run(uint u, uint j)                         the first element of run j of unit u
 //   vec4 run_levels(Unit q, uint j, uint i)            weights 4i..4i+3 of run j, each possibly times a power
@@ -30,7 +31,9 @@
 //                                                    their sum xs, exactly, in integers
 // and the same (c, m) as the float path: run j adds xd * c * run_idot, plus xd * m * xs where the format's m
 // is a minimum of its own (HAS_MIN: Q4_K). This computes W times the int8-quantized activations, as
-// llama.cpp's integer path does.
+// llama.cpp's integer path does. Two options of the integer path, launch parameters measured per activation rows:
+// -DFOLD (UNIT_COEFFS formats) sums a unit's runs as integers before its one scale, and -DSTAGE_X (subgroup-rows
+// launch) reads the activations from a copy in shared memory (both described where they are used).
 //
 // -DEXPERT_IDS (mul_mat_id): `w` holds n_experts matrices of n_rows rows each, stacked; pair p of n_pairs
 // computes y[p] = W[ids[p]] x[p / x_div] (NB = 1, no bias or residual). The weight row and its scale row are
@@ -145,22 +148,94 @@ shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * N
 #if defined(SG_ROWS) && defined(EXPERT_IDS)
 #error "the subgroup-rows launch has no expert-indexed form"
 #endif
+#if defined(STAGE_X) && !(defined(SG_ROWS) && defined(INT_DOT))
+#error "STAGE_X is a form of the subgroup-rows launch's integer path"
+#endif
 
 float acc[ROWS * NB];
 Unit q[UNROLL * ROWS];   // the units in flight: q[t * ROWS + r] is unit t of row r
 
+// The integer path's activations: 16 int8 from element e of activation row b (e % 16 == 0), the scale of
+// e's block of 32, the int8 sum of e's 16, from the global buffers or from the chunk staged in shared memory.
+#ifdef INT_DOT
+#ifdef STAGE_X
+// -DSTAGE_X (the subgroup-rows launch): per round of TPR * UNROLL units, the workgroup first copies the NB rows'
+// activations of those units into shared memory (consecutive invocations, consecutive 16-byte words), then every
+// group reads them there: the WG / TPR groups of a workgroup read the same activations, which each of them
+// otherwise loaded from global memory through L1 with its lanes a unit apart. The host checks that a round's
+// units cover SX_ELEMS consecutive elements (whole super-blocks) and that the arrays fit.
+const uint SX_ELEMS = TPR * UNROLL * UNIT_ELEMS;   // elements of one round, per activation row
+shared uvec4 sxq[((NB * (SX_ELEMS / 16) + 1) / 2) * 2];   // even: sq_at swaps neighbours
+shared int sxs[NB * (SX_ELEMS / 16)];
+shared float sxd[NB * (SX_ELEMS / 32)];
+uint x0;   // the round's first element
+// word i's place: lanes reading every other word (two runs per unit) spread over all banks, not half of them
+uint sq_at(uint i) { return i ^ ((i >> 3) & 1u); }
+uvec4 load_xq(uint b, uint e) { return sxq[sq_at(b * (SX_ELEMS / 16) + ((e - x0) >> 4))]; }
+float load_xd(uint b, uint e) { return sxd[b * (SX_ELEMS / 32) + ((e - x0) >> 5)]; }
+int load_xs(uint b, uint e) { return sxs[b * (SX_ELEMS / 16) + ((e - x0) >> 4)]; }
+
+// copy the round from element x0 (pieces past K are left as they are: no unit reads them)
+void stage_round(uint tid) {
+    const uint pieces = min(SX_ELEMS, pc.k - x0) / 16;   // 16-element pieces per row (K % 32 == 0)
+    for (uint i = tid; i < NB * (SX_ELEMS / 16); i += WG) {
+        const uint b = i / (SX_ELEMS / 16), p = i % (SX_ELEMS / 16);
+        if (p < pieces) {
+            const uint g = (X_ROW(b) * pc.k + x0) / 16 + p;
+            sxq[sq_at(i)] = x[g];
+            if (HAS_OFFSET) sxs[i] = xsum[g];
+        }
+    }
+    for (uint i = tid; i < NB * (SX_ELEMS / 32); i += WG) {
+        const uint b = i / (SX_ELEMS / 32), p = i % (SX_ELEMS / 32);
+        if (p < pieces / 2) sxd[i] = xd[(X_ROW(b) * pc.k + x0) / 32 + p];
+    }
+}
+#else
+uvec4 load_xq(uint b, uint e) { return x[(X_ROW(b) * pc.k + e) >> 4]; }
+float load_xd(uint b, uint e) { return xd[(X_ROW(b) * pc.k + e) >> 5]; }
+int load_xs(uint b, uint e) { return xsum[(X_ROW(b) * pc.k + e) >> 4]; }
+#endif
+#endif
+#if defined(FOLD) && !(defined(INT_DOT) && defined(UNIT_COEFFS))
+#error "FOLD needs the integer path and a format whose runs share their coefficients (UNIT_COEFFS)"
+#endif
+
 // add unit u, held in q[base .. base + ROWS), to the partial sums of every (row, activation row)
 void accumulate(uint base, uint u) {
-#ifdef INT_DOT
+#if defined(FOLD)
+    // -DFOLD: the format's runs share (c, m) and one activation block (UNIT_COEFFS), so the runs' integer dot
+    // products (offsets included) add up as integers and each (row, activation row) takes one conversion and
+    // one scale per unit instead of one per run
+    vec2 cm[ROWS];
+    [[unroll]] for (uint r = 0; r < ROWS; r++) cm[r] = run_coeffs(q[base + r], u, 0);
+    [[unroll]] for (uint b = 0; b < NB; b++) {
+        uvec4 xq[RUNS];
+        int xs[RUNS];
+        int xsu = 0;   // the unit's int8 sum (HAS_MIN)
+        [[unroll]] for (uint j = 0; j < RUNS; j++) {
+            const uint e = x_run(u, j);
+            xq[j] = load_xq(b, e);
+            xs[j] = HAS_OFFSET ? load_xs(b, e) : 0;
+            xsu += xs[j];
+        }
+        const float dx = load_xd(b, x_run(u, 0));
+        [[unroll]] for (uint r = 0; r < ROWS; r++) {
+            int d = 0;
+            [[unroll]] for (uint j = 0; j < RUNS; j++) d += run_idot(q[base + r], j, xq[j], xs[j]);
+            const float t = cm[r].x * float(d);
+            acc[r * NB + b] += dx * (HAS_MIN ? t + cm[r].y * float(xsu) : t);
+        }
+    }
+#elif defined(INT_DOT)
     [[unroll]] for (uint j = 0; j < RUNS; j++) {
         vec2 cm[ROWS];
         [[unroll]] for (uint r = 0; r < ROWS; r++) cm[r] = run_coeffs(q[base + r], u, j);
-        const uint e0 = x_run(u, j);
+        const uint e = x_run(u, j);
         [[unroll]] for (uint b = 0; b < NB; b++) {
-            const uint e = X_ROW(b) * pc.k + e0;   // the run's first element in the flattened x
-            const uvec4 xq = x[e >> 4];
-            const float dx = xd[e >> 5];
-            const int xs = HAS_OFFSET ? xsum[e >> 4] : 0;
+            const uvec4 xq = load_xq(b, e);
+            const float dx = load_xd(b, e);
+            const int xs = HAS_OFFSET ? load_xs(b, e) : 0;
             [[unroll]] for (uint r = 0; r < ROWS; r++) {
                 const float t = cm[r].x * float(run_idot(q[base + r], j, xq, xs));
                 acc[r * NB + b] += dx * (HAS_MIN ? t + cm[r].y * float(xs) : t);
@@ -220,7 +295,30 @@ void main() {
 
     [[unroll]] for (uint i = 0; i < ROWS * NB; i++) acc[i] = 0.0;
 
-#ifdef SG_ROWS
+#if defined(SG_ROWS) && defined(STAGE_X)
+    // rounds of TPR * UNROLL units for the whole workgroup (the barriers need every group in every round): the
+    // weight loads first, in flight while the round's activations are staged
+    const bool live = row0 < pc.n_rows;   // a group past the last row stages and joins the sums only
+    for (uint c0 = 0; c0 < units; c0 += TPR * UNROLL) {
+        if (live) {
+            [[unroll]] for (uint t = 0; t < UNROLL; t++) {
+                const uint u = min(c0 + lane + t * TPR, units - 1);
+                [[unroll]] for (uint r = 0; r < ROWS; r++) {
+                    q[t * ROWS + r] = load_unit(min(row0 + r, pc.n_rows - 1), u);
+                }
+            }
+        }
+        barrier();   // every group is done with the previous round
+        x0 = c0 * UNIT_ELEMS;
+        stage_round(tid);
+        barrier();
+        if (live) {
+            [[unroll]] for (uint t = 0; t < UNROLL; t++) {
+                if (c0 + lane + t * TPR < units) accumulate(t * ROWS, c0 + lane + t * TPR);
+            }
+        }
+    }
+#elif defined(SG_ROWS)
     const uint group_units = row0 < pc.n_rows ? units : 0;   // a group past the last row only joins the sums
     for (uint u0 = lane; u0 < group_units; u0 += TPR * UNROLL) {
         [[unroll]] for (uint t = 0; t < UNROLL; t++) {
@@ -233,6 +331,8 @@ void main() {
             if (u0 + t * TPR < units) accumulate(t * ROWS, u0 + t * TPR);
         }
     }
+#endif
+#ifdef SG_ROWS
     // a butterfly over the group's TPR lanes leaves every lane with the same sum; lane i % TPR stores sum i
     [[unroll]] for (uint i = 0; i < ROWS * NB; i++) {
         float v = acc[i];

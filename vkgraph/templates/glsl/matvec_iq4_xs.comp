@@ -8,6 +8,7 @@
 #define UNIT_ELEMS 32
 #define HAS_OFFSET false
 #define HAS_MIN false
+#define UNIT_COEFFS
 #define IQ4_TABLE
 struct Unit { uvec4 v; float dl; };
 #include "matvec_common.glsl"

@@ -7,6 +7,7 @@
 #define UNIT_ELEMS 32
 #define HAS_OFFSET true
 #define HAS_MIN false
+#define UNIT_COEFFS
 struct Unit { uvec4 v; uint qh; float d; };
 #include "matvec_common.glsl"
 

@@ -7,6 +7,7 @@
 #define UNIT_ELEMS 32
 #define HAS_OFFSET true
 #define HAS_MIN true
+#define UNIT_COEFFS
 struct Unit { uvec4 v; uint qh; vec2 dm; };
 #include "matvec_common.glsl"
 
