@@ -370,7 +370,7 @@ class Engine:
 
     def _decode_step(self, ids, positions, slots, tables, ctx, temperature, top_k, top_p, min_p, penalty, presence,
                      noise, use_top_k, use_top_p, use_sampling, top_width):
-        step = StepInputs(positions=positions, slot_mapping=slots, block_tables=tables, context_lens=ctx)
+        step = StepInputs(positions=positions, slot_mapping=slots, block_tables=tables, context_lens=ctx, decode=True)
         logits = self.model(ids, step)
         st = SamplingTensors(temperature, top_k, top_p, min_p, penalty, use_top_k, use_top_p, use_sampling)
         return _with_logprobs(logits, sample(logits, st, presence, noise), top_width)
