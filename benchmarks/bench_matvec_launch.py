@@ -51,8 +51,10 @@ SHAPES = {"8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096
 # (workgroup size, rows per group, units in flight, group width as a fraction of the chosen one)
 SWEEP = [(wg, rows, unroll, tpr_div) for wg in (128, 256) for rows in (1, 2, 4) for unroll in (1, 2, 4, 8)
          for tpr_div in (1, 2)]
-# --nb-sweep: (rows per group, units in flight), fewest registers first; each also with fold and stage
-NB_SWEEP = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1), (8, 2)]
+# --nb-sweep: (rows per group, units in flight), each with fold and stage, both, neither (in that order: what a
+# spent budget leaves out is the least likely to win), then both with workgroups of 256 (twice the groups share
+# a staged round)
+NB_SWEEP = [(2, 2), (4, 1), (4, 2), (8, 1)]
 
 
 def _acts(dev, rng, batch: int, k: int, int_dot: bool):
@@ -113,14 +115,16 @@ def _tile(t: mq.Tile) -> str:
 
 
 def _nb_configs(dev, f, base: mv.MatvecConfig, old: mv.MatvecConfig, batch: int) -> list[mv.MatvecConfig]:
-    """--nb-sweep's candidates around the chosen subgroup-rows configuration `base` (its group width and
-    workgroup size), the plain body first, then the workgroup launch's `old` with fold (at most 8 rows)."""
+    """--nb-sweep's candidates around the chosen subgroup-rows configuration `base` (its group width; NB_SWEEP's
+    order), then the workgroup launch's `old` with and without fold (at most 8 rows)."""
     found = []
-    for fold, stage in ((False, False), (True, False), (False, True), (True, True)):
+    for wg, fold, stage in ((base.wg, True, True), (base.wg, True, False), (base.wg, False, True),
+                            (base.wg, False, False), (256, True, True)):
         for rows, unroll in NB_SWEEP:
             if rows * batch > 64 and rows > 2:  # past the registers an invocation has
                 continue
-            cfg = replace(base, rows=rows, unroll=unroll, fold=fold and f.name in mv.FOLD_FORMATS, stage=False)
+            cfg = replace(base, wg=max(wg, base.wg), rows=rows, unroll=unroll,
+                          fold=fold and f.name in mv.FOLD_FORMATS, stage=False)
             if stage:
                 if not mv.stage_fits(dev, f, cfg, batch):
                     continue
