@@ -2,6 +2,7 @@
 
     python benchmarks/bench_matmul.py                 # float16 and bfloat16 (where offered), default tiles
     python benchmarks/bench_matmul.py --tune          # first search tile configurations per shape (codegen.tune)
+    python benchmarks/bench_matmul.py --tune --dtypes float16 --shapes 4096x4096x4096,512x4096x14336   # some shapes
     python benchmarks/bench_matmul.py --quant Q4_0,Q8_0   # the prefill products over quantized weights
     python benchmarks/bench_matmul.py --quant Q4_0,Q8_0 --tune   # the same, each product's tiles searched first
     python benchmarks/bench_matmul.py --int8          # int8 x int8 -> int32 against torch._int_mm, and float16
@@ -23,8 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -49,26 +48,11 @@ from vkgraph.view import ShapeTracker  # noqa: E402
 PEAK_TFLOPS = 989.5
 
 
-def _burst_us(dev: Any, dispatch: Callable[[], object], reps: int) -> float:
-    """Microseconds per call of `dispatch` (one product recorded): five calls first (compile, then let the clocks
-    rise), then the median of three bursts of `reps` calls (one burst alone was seen to read 3x low)."""
-    for _ in range(5):
-        dispatch()
-    dev.synchronize()
-    bursts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(reps):
-            dispatch()
-        dev.synchronize()
-        bursts.append((time.perf_counter() - t) / reps * 1e6)
-    return sorted(bursts)[1]
-
-
-def search(m: int, n: int, k: int, dname: str, reps: int = 10) -> tuple[Any, dict]:
+def search(m: int, n: int, k: int, dname: str, reps: int = 5) -> tuple[Any, dict]:
     """Time every configuration of matmul_coop.configs that fits the device on one (m, k) @ (k, n) product of
     random `dname` values (int8: summed in int32) and record the fastest for its shape class (codegen.tune).
-    Returns it and the microseconds of each."""
+    Each is timed as the replayed figures are (a graph of 10 products replayed `reps` times, the median): bursts
+    of dispatches read up to 3x low. Returns the best and the microseconds of each."""
     d = getattr(dtypes, dname)
     dev = get_device()
     lim = realize.limits()
@@ -89,7 +73,7 @@ def search(m: int, n: int, k: int, dname: str, reps: int = 10) -> tuple[Any, dic
         (prog,) = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, compute).programs
         pipe = dev.pipeline(prog.src, name=prog.name)
         bufs = [ref.buf for ref, _, _ in prog.bindings]
-        times[cfg] = _burst_us(dev, partial(dev.dispatch, pipe, bufs, prog.groups, None), reps)
+        times[cfg] = replay_us(dev, partial(dev.dispatch, pipe, bufs, prog.groups, None), reps, per_graph=10)
     best = min(times, key=times.get)
     tune.record(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device), matmul_coop.shape_class(m, n, k, 1, compute), best)
     realize.forget_limits()
@@ -100,7 +84,7 @@ SHAPES = [("4096^3", 4096, 4096, 4096, False), ("prefill 512x4096 @ 4096x4096 (w
           ("prefill 512x14336 @ 14336x4096 (w.T)", 512, 14336, 4096, True)]
 
 
-def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 10) -> dict:
+def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 5) -> dict:
     """Time templates.matmul_quant in every tile of matmul_coop.CONFIGS that fits the device and takes whole
     blocks, on QuantLinear lin's weights and the float16 rows x; record the fastest for the product's class
     (codegen.tune). Returns the microseconds of each."""
@@ -115,7 +99,8 @@ def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 10) -> dict:
     for cfg in matmul_coop.CONFIGS:
         if not cfg.fits(frag, lim) or cfg.bk % mq.BLOCK or k % cfg.bk:
             continue
-        times[cfg] = _burst_us(dev, partial(mq.matmul_quant, dev, lim, lin.weights, x, m, cfg, out=out), reps)
+        times[cfg] = replay_us(dev, partial(mq.matmul_quant, dev, lim, lin.weights, x, m, cfg, out=out), reps,
+                               per_graph=10)
     best = min(times, key=times.get)
     tune.record(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device), mq.shape_class(lin.format, m, n, k), best)
     realize.forget_limits()
@@ -138,7 +123,7 @@ def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False) -
                 x16 = tx.cast(dtypes.float16).realize()
                 times = search_quant(lin, x16.node.arg[0].buf, m)
                 print(f"{fmt} {label}: tuned TFLOP/s " + ", ".join(
-                    f"{c.bm}x{c.bn}x{c.bk}/{c.wm}x{c.wn}/s{c.stages} {flop / t / 1e6:.0f}"
+                    f"{c.label()} {flop / t / 1e6:.0f}"
                     for c, t in sorted(times.items(), key=lambda kv: kv[1])), flush=True)
             cells = []
             for coop in ("1", "0"):
@@ -152,7 +137,7 @@ def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False) -
                 tww = torch.randn(n, k, device="cuda", dtype=torch.float16)
                 pt = flop / torch_time_us(torch, lambda txx=txx, tww=tww: txx @ tww.T, 20) / 1e6
             cfg = lin.coop_tile(m)
-            tile = f"{cfg.bm}x{cfg.bn}x{cfg.bk}/{cfg.wm}x{cfg.wn}/s{cfg.stages}" if cfg else "none"
+            tile = cfg.label() if cfg else "none"
             print(f"{fmt + ' ' + label:40s}{cells[0]:8.1f}{cells[1]:10.1f}{pt:11.1f}{cells[0] / pt:7.2f}  {tile}",
                   flush=True)
 
@@ -178,7 +163,7 @@ def int8(reps: int, torch: Any, tune_tiles: bool = False) -> None:
             searched.add((m, n, k))
             best, times = search(m, n, k, "int8")
             print(f"int8 {label}: tuned TOPS " + ", ".join(
-                f"{c.bm}x{c.bn}x{c.bk}/{c.wm}x{c.wn}/s{c.stages} {ops / t / 1e6:.0f}"
+                f"{c.label()} {ops / t / 1e6:.0f}"
                 for c, t in sorted(times.items(), key=lambda kv: kv[1])), flush=True)
         x = rng.integers(-128, 128, (m, k), dtype=np.int8)
         w = rng.integers(-128, 128, (n, k) if wt else (k, n), dtype=np.int8)
@@ -226,6 +211,7 @@ def main() -> None:
     p.add_argument("--tune", action="store_true", help="search tile configurations for each shape first")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtypes", default="float16,bfloat16")
+    p.add_argument("--shapes", default="", help="MxKxN products of the float shapes to run (default: all of SHAPES)")
     p.add_argument("--quant", default="", help="quantized formats (Q4_0,Q8_0,Q4_K,Q6_K): their prefill products only")
     p.add_argument("--int8", action="store_true", help="int8 x int8 -> int32 products only, against torch._int_mm")
     args = p.parse_args()
@@ -254,13 +240,16 @@ def main() -> None:
         npd = np.float16 if d is dtypes.float16 else ml_dtypes.bfloat16
         if matmul_coop.fragment(lim, matmul_coop.operand_type(d)) is None:
             print(f"{dname}: {dev.info.name} has no cooperative matrices for it; the tiled path is measured")
+        wanted = set(args.shapes.split(",")) if args.shapes else None
         for label, m, k, n, wt in SHAPES:
+            if wanted is not None and f"{m}x{k}x{n}" not in wanted:
+                continue
             flop = 2 * m * n * k
             x = rng.standard_normal((m, k), dtype=np.float32).astype(npd)
             w = rng.standard_normal((n, k) if wt else (k, n), dtype=np.float32).astype(npd)
             if args.tune and matmul_coop.fragment(lim, matmul_coop.operand_type(d)) is not None:
                 best, times = search(m, n, k, dname)
-                spread = ", ".join(f"{c.bm}x{c.bn}x{c.bk}/{c.wm}x{c.wn}/s{c.stages} {flop / t / 1e6:.0f}"
+                spread = ", ".join(f"{c.label()} {flop / t / 1e6:.0f}"
                                    for c, t in sorted(times.items(), key=lambda kv: kv[1]))
                 print(f"{dname} {label}: tuned TFLOP/s {spread}", flush=True)
             tx, tw = Tensor(x).realize(), Tensor(w).realize()

@@ -136,7 +136,7 @@ def test_tuned_configurations_are_read_per_device_and_class(tmp_path, monkeypatc
     pa, pb = tune.path(tmp_path, "dev A/1"), tune.path(tmp_path, "dev B/1")
     assert tune.load(pa) == ()
     tune.record(pa, cls, matmul_coop.Config(64, 128, 32, 2, 2, 1))
-    assert json.loads(pa.read_text())[cls] == [64, 128, 32, 2, 2, 1] and tune.load(pb) == ()
+    assert json.loads(pa.read_text())[cls] == [64, 128, 32, 2, 2, 1, 1] and tune.load(pb) == ()
     lim = fake_limits(tuned=tune.load(pa))
     want = matmul_coop.Config(64, 128, 32, 2, 2, 1)
     assert matmul_coop.choose(512, 4096, 4096, 1, lim, (16, 16, 16), dtypes.float16) == want
@@ -148,6 +148,69 @@ def test_tuned_configurations_are_read_per_device_and_class(tmp_path, monkeypatc
     assert realize_mod._with_matmul_settings(dev_lim).tuned == tune.load(pa)
     monkeypatch.setenv("VKGRAPH_MATMUL_TUNE", "0")
     assert realize_mod._with_matmul_settings(dev_lim).tuned == ()
+
+
+def test_tables_written_before_the_prefetch_depth_read_as_one_slice_in_flight(tmp_path):
+    p = tune.path(tmp_path, "dev")
+    p.parent.mkdir(parents=True)
+    p.write_text(json.dumps({"float16:4096x4096x4096": [256, 128, 32, 4, 2, 1], "bad": [1, 2, 3]}))
+    assert tune.load(p) == (("float16:4096x4096x4096", (256, 128, 32, 4, 2, 1, 1)),)
+    tune.record(p, "float16:512x4096x4096", matmul_coop.Config(128, 128, 32, 2, 4, 2, 2))
+    lim = fake_limits(tuned=tune.load(p))
+    assert matmul_coop.choose(512, 4096, 4096, 1, lim, (16, 16, 16), dtypes.float16).pf == 2
+    assert matmul_coop.choose(4096, 4096, 4096, 1, lim, (16, 16, 16), dtypes.float16) == \
+        matmul_coop.Config(256, 128, 32, 4, 2, 1, 1)
+
+
+def _lowered(m: int, n: int, k: int, tb: bool, cfg: matmul_coop.Config, d=dtypes.float16) -> str:
+    """The source of an m x k @ k x n product of buffers (B read transposed with tb) in tile cfg."""
+    from vkgraph import graph
+    from vkgraph.schedule import Kernel
+    from vkgraph.view import ShapeTracker
+
+    na = graph.buffer(realize_mod.allocate(d, m * k), 0, d, (m, k))
+    nb = graph.buffer(realize_mod.allocate(d, k * n), 0, d, (n, k) if tb else (k, n))
+    if tb:
+        nb = graph.movement(nb, lambda s: s.permute((1, 0)))
+    if d is dtypes.int8:
+        na, nb = (graph.alu(graph.Op.CAST, dtypes.int32, x) for x in (na, nb))
+    mm = graph.matmul(na, nb, dtypes.int32 if d is dtypes.int8 else d)
+    kern = Kernel(mm, realize_mod.allocate(mm.dtype, mm.numel), ShapeTracker.contiguous(mm.shape))
+    (prog,) = matmul_coop.lower_coop(kern, mm, fake_limits(coop=COOP_I8), {}, cfg, d).programs
+    return prog.src
+
+
+@pytest.mark.parametrize("d", [dtypes.float16, dtypes.int8])
+def test_every_tile_configuration_compiles(d):
+    """Each configuration the search measures (both prefetch depths and stage counts), on whole tiles and on
+    ragged sizes with B in both layouts: glslang accepts the program."""
+    lim = fake_limits(coop=COOP_I8)
+    frag = matmul_coop.fragment(lim, matmul_coop.operand_type(d))
+    fitting = [c for c in matmul_coop.configs(d) if c.fits(frag, lim, d.itemsize)]
+    assert {c.pf for c in fitting} == {1, 2} and {c.stages for c in fitting} == {1, 2}
+    for i, cfg in enumerate(fitting):
+        shape = (512, 256, 512, i % 2 == 1) if i % 3 == 0 else (200, 136, 300, i % 2 == 0)
+        compiles(_lowered(*shape, cfg, d))
+
+
+def test_two_slices_in_flight_alternate_register_sets():
+    """PF 2 reads slice kt + 2 into one register set while the other, read a step earlier, is stored; PF 1 reads
+    kt + 1 into one set, as before."""
+    one = _lowered(200, 136, 304, False, matmul_coop.Config(128, 128, 32, 2, 4, 2, 1))
+    two = _lowered(200, 136, 304, False, matmul_coop.Config(128, 128, 32, 2, 4, 2, 2))
+    assert "(kt + 1) * 32" in one and "(kt + 2)" not in one and "aq0" not in one
+    assert "(kt + 2) * 32" in two and "((kt + 1) + 2) * 32" in two and "kt += 2" in two
+    assert "aq0 = b" in two and "= aq0;" in two and "ar0 = b" in two and "= ar0;" in two
+    # K of one slice: nothing is in flight past the first, and the program still compiles
+    compiles(_lowered(64, 64, 16, False, matmul_coop.Config(128, 128, 32, 2, 4, 2, 2)))
+
+
+def test_reads_of_whole_tiles_leave_out_the_bounds_checks():
+    cfg = matmul_coop.Config(128, 128, 32, 2, 4)
+    assert "gr < " not in _lowered(256, 256, 512, False, cfg) and "gc < " not in _lowered(256, 256, 512, True, cfg)
+    ragged_m, ragged_k = _lowered(200, 256, 512, False, cfg), _lowered(256, 256, 500, False, cfg)
+    assert "gr < 200" in ragged_m and "gc < 512" not in ragged_m
+    assert "gc < 500" in ragged_k and "gr < 500" in ragged_k and "gr < 256" not in ragged_k
 
 
 def test_the_bfloat16_mark_is_the_compilers():

@@ -51,7 +51,9 @@ def test_config_follows_the_device():
 @pytest.mark.parametrize("fmt,cfg,residual", [("Q8_0", matmul_coop.Config(128, 128, 32, 2, 4), False),
                                               ("Q4_0", matmul_coop.Config(128, 128, 64, 2, 4, 1), True),
                                               ("Q4_K", matmul_coop.Config(64, 128, 32, 2, 4), True),
-                                              ("Q6_K", matmul_coop.Config(128, 256, 32, 2, 4, 1), False)])
+                                              ("Q6_K", matmul_coop.Config(128, 256, 32, 2, 4, 1), False),
+                                              ("Q4_0", matmul_coop.Config(128, 128, 32, 2, 4, 2, 2), True),
+                                              ("Q4_K", matmul_coop.Config(128, 128, 64, 4, 2, 1, 2), False)])
 def test_programs_compile(fmt, cfg, residual):
     n, k = 200, 512
     weights = mq_weights(fmt, n, k)
@@ -162,6 +164,21 @@ def test_products_match_numpy(fmt, m, n, kb, cfg, residual, seed):
     out = mq.matmul_quant(dev, lim, weights, xb, m, cfg, residual=rb if residual else None)
     got = dev.download(out, np.float32, (m, n))
     _check(got, x, dequantize(qt).astype(np.float16), r if residual else 0.0)
+
+
+@needs_f16
+@pytest.mark.parametrize("cfg", _DEEP, ids=lambda c: c.label())
+def test_every_prefill_tile_matches_numpy(cfg):
+    """Each tile the search may pick (matmul_coop.CONFIGS of whole blocks: both prefetch depths and stage counts)
+    computes the same product, over rows and columns that are not whole tiles."""
+    lim = realize_mod.limits()
+    if not cfg.fits(matmul_coop.fragment(lim, "float16"), lim):
+        pytest.skip(f"{cfg} does not fit this device")
+    dev = get_device()
+    m, n, k = 200, 136, 3 * cfg.bk
+    qt, weights, x, xb, r, rb = _operands(dev, "Q4_0", m, n, k, np.float16, 3)
+    out = mq.matmul_quant(dev, lim, weights, xb, m, cfg, residual=rb)
+    _check(dev.download(out, np.float32, (m, n)), x, dequantize(qt).astype(np.float16), r)
 
 
 @needs_f16
@@ -300,7 +317,7 @@ def test_decode_tile_variants(int8, wk, ks, pf, residual):
     """Each part of the small-row tile alone, then together (a failing case names the part): the int8 staging,
     the depth split among subgroups, the K split among workgroups, two slices in flight (over an odd number
     of slices: 1024 / 128 / ks with ks = 1, and 1152 deep), the residual."""
-    tile = mq.Tile(16, 32, 128, 1, 2, 1, wk, ks, pf)
+    tile = mq.Tile(16, 32, 128, 1, 2, 1, pf, wk, ks)
     _decode_case("Q4_0", 11, 100, 1152 if ks == 1 else 1024, tile, residual, int8, 5)
 
 

@@ -1,11 +1,15 @@
 """Matrix products on cooperative matrices (VK_KHR_cooperative_matrix: tensor cores, matrix cores, XMX).
 
 A workgroup computes a BM x BN tile of the output with WM x WN subgroups, each holding a (BM/WM) x (BN/WN)
-block of float32 accumulator fragments. Slices BK deep of both operands are staged through shared memory as
-16-byte chunks (8 16-bit values): the next slice is read from memory into registers while the subgroups
+block of float32 accumulator fragments; per 16-deep step a subgroup loads each of its A and B fragments from
+shared memory once and multiplies every pair. Slices BK deep of both operands are staged through shared memory
+as 16-byte chunks (8 16-bit values): the next slice is read from memory into registers while the subgroups
 multiply the current one, then written to the other of two buffers (one barrier per slice), or, in the
 single-stage configurations that fit deeper slices into shared memory, over the current one after a second
-barrier. Tile configurations come from a measured search (codegen.tune) or a default. Operands
+barrier. With two register sets (Config.pf 2) the slice after next is read while the current one is multiplied,
+so each read has two slices' multiplies to arrive in (Vulkan has no asynchronous copy into shared memory: the
+registers are the pipeline). Bounds checks are left out of the reads where the sizes are whole tiles. Tile
+configurations come from a measured search (codegen.tune) or a default. Operands
 that are plain buffers or strided views of them, with 8-element-aligned rows, are read as 16-byte vectors;
 anything else (fused producers, pads, broadcasts, odd strides) is read element by element through the
 renderer, with the same shared layout. Out-of-range rows and columns read as zero, so any M, N and K work.
@@ -58,9 +62,11 @@ GROUP_M = 8  # output tiles walked column-block by column-block in groups of 8 r
 
 @dataclass(frozen=True)
 class Config:
-    """A tile configuration: workgroup tile BM x BN, slice depth BK, WM x WN subgroups, and the slices held in
+    """A tile configuration: workgroup tile BM x BN, slice depth BK, WM x WN subgroups, the slices held in
     shared memory: 2 (the next is stored beside the current one, one barrier per slice) or 1 (half the shared
-    memory, so deeper slices fit; a second barrier before the store)."""
+    memory, so deeper slices fit; a second barrier before the store), and PF, the slices in flight in registers:
+    1 (the next slice is read while the current one is multiplied) or 2 (the one after it too, in a second
+    register set: twice the reads in flight, for twice the registers)."""
 
     bm: int = 128
     bn: int = 128
@@ -68,6 +74,15 @@ class Config:
     wm: int = 2
     wn: int = 2
     stages: int = 2
+    pf: int = 1
+
+    def key(self) -> list[int]:
+        """The configuration as the tuned table stores it (codegen.tune)."""
+        return [self.bm, self.bn, self.bk, self.wm, self.wn, self.stages, self.pf]
+
+    def label(self) -> str:
+        pf = f"/p{self.pf}" if self.pf > 1 else ""
+        return f"{self.bm}x{self.bn}x{self.bk}/{self.wm}x{self.wn}/s{self.stages}{pf}"
 
     def shared_bytes(self, itemsize: int = 2) -> int:
         """Both operand tiles per stage with 16 bytes of padding per staged row, in whichever layout (rows along
@@ -82,20 +97,26 @@ class Config:
         fm, fn, fk = frag
         return (self.bm % (self.wm * fm) == 0 and self.bn % (self.wn * fn) == 0 and self.bk % fk == 0
                 and self.bk % (16 // itemsize) == 0 and self.wm * self.wn * lim.subgroup <= lim.max_invocations
-                and self.shared_bytes(itemsize) <= lim.max_shared)
+                and self.shared_bytes(itemsize) <= lim.max_shared and self.stages in (1, 2) and self.pf in (1, 2))
 
 
 CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 128, 32, 4, 4),
            Config(128, 128, 32, 2, 2), Config(64, 128, 32, 2, 4), Config(128, 64, 32, 4, 2),
            Config(64, 128, 32, 2, 2), Config(64, 64, 32, 2, 2), Config(128, 256, 16, 2, 4),
            Config(256, 128, 16, 4, 2), Config(128, 128, 16, 2, 4), Config(128, 128, 64, 2, 4, 1),
-           Config(128, 128, 64, 4, 2, 1), Config(128, 256, 32, 2, 4, 1), Config(256, 128, 32, 4, 2, 1))
+           Config(128, 128, 64, 4, 2, 1), Config(128, 256, 32, 2, 4, 1), Config(256, 128, 32, 4, 2, 1),
+           # two slices in flight: the fastest tiles of the search without it (benchmarks/RESULTS.md), and shallow
+           # slices, whose single slice in flight gives the reads the least time
+           Config(128, 128, 32, 2, 4, 2, 2), Config(128, 128, 32, 4, 2, 2, 2), Config(128, 128, 16, 2, 4, 2, 2),
+           Config(256, 128, 16, 4, 2, 2, 2), Config(128, 256, 16, 2, 4, 2, 2), Config(128, 128, 64, 2, 4, 1, 2),
+           Config(128, 128, 64, 4, 2, 1, 2), Config(256, 128, 32, 4, 2, 1, 2), Config(128, 256, 32, 2, 4, 1, 2))
 # int8 slices go deeper for the same shared memory (a fragment is 32 deep)
 INT8_CONFIGS = (Config(128, 128, 64, 2, 4), Config(128, 128, 64, 4, 2), Config(128, 128, 64, 4, 4),
                 Config(128, 128, 64, 2, 2), Config(64, 128, 64, 2, 4), Config(128, 64, 64, 4, 2),
                 Config(64, 64, 64, 2, 2), Config(128, 128, 32, 2, 4), Config(128, 256, 32, 2, 4),
                 Config(128, 128, 128, 2, 4, 1), Config(128, 128, 128, 4, 2, 1), Config(128, 256, 64, 2, 4, 1),
-                Config(256, 128, 64, 4, 2, 1))
+                Config(256, 128, 64, 4, 2, 1), Config(128, 128, 64, 2, 4, 2, 2), Config(128, 128, 64, 4, 2, 2, 2),
+                Config(128, 128, 128, 2, 4, 1, 2), Config(256, 128, 64, 4, 2, 1, 2))
 
 
 def configs(compute: DType) -> tuple[Config, ...]:
@@ -404,8 +425,9 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
         return r.define("int", " + ".join(terms) if terms else "0", f"base{which}")
 
     def fetch(op: _Operand, regs: str, tile_r0: str, tile_c0: str, outer: int, inner: int, per: int,
-              base: str | None) -> None:
-        """Emit reads of op's slice into the uvec4 registers `regs`0.., zero outside the operand."""
+              base: str | None, whole: tuple[bool, bool]) -> None:
+        """Emit reads of op's slice into the uvec4 registers `regs`0.., zero outside the operand; `whole`: whether
+        the operand's rows (columns) are a whole number of tiles, so that no read of a chunk needs their check."""
         chunks = outer * (inner // vw)
         for c in range(per):
             r.emit(f"{regs}{c} = uvec4(0u);")
@@ -416,8 +438,9 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
                 r.emit(f"int si = (e % {inner // vw}) * {vw};")
                 r.emit(f"int gr = {tile_r0} + {'si' if op.col_major else 'so'};")
                 r.emit(f"int gc = {tile_c0} + {'so' if op.col_major else 'si'};")
-                guard = ([] if (c + 1) * nt <= chunks else [f"e < {chunks}"]) + [f"gr < {op.rows}", f"gc < {op.cols}"]
-                with r.block(f"if ({' && '.join(guard)})"):
+                guard = ([] if (c + 1) * nt <= chunks else [f"e < {chunks}"]) + \
+                    [g for g, w in ((f"gr < {op.rows}", whole[0]), (f"gc < {op.cols}", whole[1])) if not w]
+                with r.block(f"if ({' && '.join(guard) or 'true'})"):
                     if op.vec is not None:
                         ref, vs, _ = op.vec
                         bnd = r.binding(ref, ref.dtype)
@@ -452,19 +475,27 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
 
     base_a = base_index(opa, "a") if opa.vec else None
     base_b = base_index(opb, "b") if opb.vec else None
-    r.emit(f"uvec4 {', '.join(f'ar{c}' for c in range(per_a))};")
-    r.emit(f"uvec4 {', '.join(f'br{c}' for c in range(per_b))};")
+    pf = cfg.pf
+    sets = ("r", "q")[:pf]  # register sets: with pf 2 the slices in flight alternate between two
+    for s_ in sets:
+        r.emit(f"uvec4 {', '.join(f'a{s_}{c}' for c in range(per_a))};")
+        r.emit(f"uvec4 {', '.join(f'b{s_}{c}' for c in range(per_b))};")
+    # (rows, columns) whole tiles: A is M x K, B is K x N
+    whole_k = k_ % bk == 0
+    whole_a, whole_b = (m_ % bm == 0, whole_k), (whole_k, n_ % bn == 0)
 
-    def load_slice(k0: str) -> None:
-        fetch(opa, "ar", f"tm * {bm}", k0, a_outer, a_inner, per_a, base_a)
-        fetch(opb, "br", k0, f"tn * {bn}", b_outer, b_inner, per_b, base_b)
+    def load_slice(k0: str, s_: str) -> None:
+        fetch(opa, f"a{s_}", f"tm * {bm}", k0, a_outer, a_inner, per_a, base_a, whole_a)
+        fetch(opb, f"b{s_}", k0, f"tn * {bn}", b_outer, b_inner, per_b, base_b, whole_b)
 
-    def store_slice(at: str) -> None:
-        put("ar", per_a, chunks_a, a_inner, a_stride, at)
-        put("br", per_b, chunks_b, b_inner, b_stride, f"{at} + {a_size}")
+    def store_slice(at: str, s_: str) -> None:
+        put(f"a{s_}", per_a, chunks_a, a_inner, a_stride, at)
+        put(f"b{s_}", per_b, chunks_b, b_inner, b_stride, f"{at} + {a_size}")
 
-    load_slice("0")
-    store_slice("0")
+    load_slice("0", sets[0])
+    store_slice("0", sets[0])
+    if pf == 2 and nk > 1:
+        load_slice(f"{bk}", sets[1])
     r.emit("barrier();")
     a_t = f"coopmat<{ct_a}, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
     b_t = f"coopmat<{ct_b}, gl_ScopeSubgroup, {fk}, {fn}, gl_MatrixUseB>"
@@ -472,18 +503,21 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     lay_b = "gl_CooperativeMatrixLayoutColumnMajor" if opb.col_major else "gl_CooperativeMatrixLayoutRowMajor"
     r.emit(f"int arow = wr * {tm_};")
     r.emit(f"int bcol = wc * {tn_};")
-    with r.block(f"for (int kt = 0; kt < {nk}; kt++)"):
-        r.emit(f"int cur = (kt & 1) * {stage};" if cfg.stages == 2 else "int cur = 0;")
-        r.emit(f"bool more = kt + 1 < {nk};")
-        with r.block("if (more)"):  # the next slice's reads are in flight during the multiplies
-            load_slice(f"(kt + 1) * {bk}")
-        # fragments are declared in the loop's body, so none is carried from one iteration to the next, as
-        # arrays (indexed by constants): NVIDIA's 580 driver crashed creating the pipeline when they were
-        # declared as several variables of one statement
+
+    def step(kt: str, load_set: str, store_set: str) -> None:
+        """Slice kt multiplied from shared memory while slice kt + pf is read into registers load_set; then slice
+        kt + 1 (read pf - 1 steps earlier, into store_set) is stored for the next step."""
+        r.emit(f"int cur = (({kt}) & 1) * {stage};" if cfg.stages == 2 else "int cur = 0;")
+        with r.block(f"if ({kt} + {pf} < {nk})"):  # the reads are in flight during the multiplies
+            load_slice(f"({kt} + {pf}) * {bk}", load_set)
+        # fragments are declared in the step's block, so none is carried from one step to the next, as arrays
+        # (indexed by constants): NVIDIA's 580 driver crashed creating the pipeline when they were declared as
+        # several variables of one statement
         r.emit(f"{a_t} fa[{ffm}];")
         r.emit(f"{b_t} fb[{ffn}];")
         for kk in range(0, bk, fk):
-            # fragment starts in 16-byte units (rows, columns and kk are multiples of a chunk's elements)
+            # fragment starts in 16-byte units (rows, columns and kk are multiples of a chunk's elements); each
+            # fragment is loaded once and used by every product of its row (column) of accumulators
             for i in range(ffm):
                 row = f"arow + {i * fm}"
                 at = f"{kk} * {a_stride} + (({row}) >> {sh})" if opa.col_major else f"({row}) * {a_stride} + {kk // vw}"
@@ -497,9 +531,19 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
                     r.emit(f"{acc[i][j]} = coopMatMulAdd(fa[{i}], fb[{j}], {acc[i][j]});")
         if cfg.stages == 1:
             r.emit("barrier();")  # every subgroup is done with the slice before it is overwritten
-        with r.block("if (more)"):
-            store_slice(f"{stage} - cur" if cfg.stages == 2 else "0")
+        with r.block(f"if ({kt} + 1 < {nk})"):
+            store_slice(f"{stage} - cur" if cfg.stages == 2 else "0", store_set)
         r.emit("barrier();")
+
+    if pf == 1:
+        with r.block(f"for (int kt = 0; kt < {nk}; kt++)"):
+            step("kt", sets[0], sets[0])
+    else:  # two steps a trip, so each names its register sets: even steps read into the first, odd the second
+        with r.block(f"for (int kt = 0; kt < {nk}; kt += 2)"):
+            with r.block("if (true)"):
+                step("kt", sets[0], sets[1])
+            with r.block(f"if (kt + 1 < {nk})"):
+                step("(kt + 1)", sets[1], sets[0])
 
     # epilogue: per fragment row, stage in shared memory (this subgroup's own region), then per element
     t = mm.dtype.glsl
@@ -526,7 +570,8 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     if compute is dtypes.bfloat16 and any(d is dtypes.float16 for i, (_, d) in enumerate(r.bindings)
                                           if i not in r.block_types):
         return None
-    name = f"MC_{nb}_{m_}_{n_}_{k_}_{bm}x{bn}x{bk}_{wm}x{wn}_s{cfg.stages}{'_i8' if int8 else ''}"
+    name = (f"MC_{nb}_{m_}_{n_}_{k_}_{bm}x{bn}x{bk}_{wm}x{wn}_s{cfg.stages}{f'_p{pf}' if pf > 1 else ''}"
+            f"{'_i8' if int8 else ''}")
     prog = _finish(r, name, nt, groups, lim, shared)
     prog.groups = _groups2d(groups, lim)
     return Lowered([prog], [])

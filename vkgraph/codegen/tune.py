@@ -1,7 +1,8 @@
 """Measured tile configurations of the cooperative-matrix matmul, kept on disk per device.
 
 A file `<cache dir>/matmul/<device>.json` maps shape classes (matmul_coop.shape_class: the compute type and the
-sizes rounded to powers of two) to [BM, BN, BK, WM, WN, stages]. `realize` loads the device's table into
+sizes rounded to powers of two) to [BM, BN, BK, WM, WN, stages, PF] (matmul_coop.Config; tables written before PF
+existed hold six numbers and read as PF 1). `realize` loads the device's table into
 `Limits.tuned` (unless VKGRAPH_MATMUL_TUNE=0), so lowering keys on it; `benchmarks/bench_matmul.py --tune`
 measures the configurations of `matmul_coop.CONFIGS` on the device and records the fastest.
 """
@@ -26,8 +27,8 @@ def load(p: Path) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The table at p as Limits.tuned holds it; empty when there is none or it cannot be read."""
     try:
         raw = json.loads(p.read_text())
-        return tuple(sorted((str(k), tuple(int(x) for x in v)) for k, v in raw.items()
-                            if isinstance(v, list) and len(v) == 6))
+        return tuple(sorted((str(k), tuple(int(x) for x in v) + (1,) * (7 - len(v))) for k, v in raw.items()
+                            if isinstance(v, list) and len(v) in (6, 7)))
     except (OSError, ValueError, AttributeError, TypeError):
         return ()
 
@@ -35,7 +36,7 @@ def load(p: Path) -> tuple[tuple[str, tuple[int, ...]], ...]:
 def record(p: Path, cls: str, cfg: matmul_coop.Config) -> None:
     """Remember cfg for shape class cls in the table at p (written whole, then renamed)."""
     table = {k: list(v) for k, v in load(p)}
-    table[cls] = [cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn, cfg.stages]
+    table[cls] = cfg.key()
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:

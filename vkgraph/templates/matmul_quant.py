@@ -146,17 +146,16 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Co
 
 @dataclass(frozen=True)
 class Tile(matmul_coop.Config):
-    """A tile for few rows (a batched decode step): matmul_coop's Config plus WK subgroups that split each slice's
-    depth among themselves (their partial tiles summed through shared memory at the end), and KS workgroups that
-    split K (each writes its partial product to its own [m, n] plane of the output; the caller sums the planes),
-    and PF slices in flight in registers (2: the next but one is read while the next is decoded, in two
-    alternating register sets). With one or two fragment rows of y per workgroup, N / BN tiles alone are too few
-    to keep W streaming from every multiprocessor at N = 4096: the splits and the depth of reads in flight
-    multiply the loads in flight."""
+    """A tile for few rows (a batched decode step): matmul_coop's Config (whose PF, the slices in flight in
+    registers, this program takes too: 2 reads the next but one while the next is decoded, in two alternating
+    register sets) plus WK subgroups that split each slice's depth among themselves (their partial tiles summed
+    through shared memory at the end), and KS workgroups that split K (each writes its partial product to its own
+    [m, n] plane of the output; the caller sums the planes). With one or two fragment rows of y per workgroup,
+    N / BN tiles alone are too few to keep W streaming from every multiprocessor at N = 4096: the splits and the
+    depth of reads in flight multiply the loads in flight."""
 
     wk: int = 1
     ks: int = 1
-    pf: int = 1
 
     def threads(self, subgroup: int) -> int:
         return self.wm * self.wn * self.wk * subgroup
@@ -170,8 +169,8 @@ class Tile(matmul_coop.Config):
 
 
 def _splits(cfg: matmul_coop.Config) -> tuple[int, int, int]:
-    """(wk, ks, pf) of a Tile; a Config has neither split and one slice in flight."""
-    return (cfg.wk, cfg.ks, cfg.pf) if isinstance(cfg, Tile) else (1, 1, 1)
+    """(wk, ks, pf) of a tile; a Config has neither split."""
+    return (cfg.wk, cfg.ks, cfg.pf) if isinstance(cfg, Tile) else (1, 1, cfg.pf)
 
 
 DECODE_GROUPS = 512  # workgroups a small-M product aims for (about four per multiprocessor of an H200)
@@ -193,12 +192,12 @@ def decode_config(lim: Limits, m: int, n: int, k: int) -> Tile | None:
     bm, bn = fm * math.ceil(m / fm), 2 * fn
     for bk in (64, 32):
         wk = max(1, min(2, bk // fk))
-        if k % bk or bk % (wk * fk) or not Tile(bm, bn, bk, 1, 2, 1, wk).fits(frag, lim):
+        if k % bk or bk % (wk * fk) or not Tile(bm, bn, bk, 1, 2, 1, wk=wk).fits(frag, lim):
             continue
         ks = 1
         while ks < 8 and math.ceil(n / bn) * ks < DECODE_GROUPS and (k // (2 * ks)) % bk == 0:
             ks *= 2
-        return Tile(bm, bn, bk, 1, 2, 1, wk, ks)
+        return Tile(bm, bn, bk, 1, 2, 1, wk=wk, ks=ks)
     return None
 
 
