@@ -215,10 +215,10 @@ def _subgroup_rows_config(dev: Device, fmt: QuantFormat, n: int, units: int, buc
 
 
 def stage_bytes(fmt: QuantFormat, cfg: MatvecConfig, batch: int) -> int:
-    """Shared memory of STAGE_X's arrays: per activation row and element of a round, the int8 value, a quarter
-    of the int32 sum per 16 and an eighth of the float32 scale per 32 (the value array rounded to even words)."""
+    """Shared memory of STAGE_X's arrays: per activation row and element of a round, the int8 value and half a
+    byte of the 16-byte record per block of 32 (scale and two half sums; the value array rounded to even words)."""
     words = batch * cfg.tpr * cfg.unroll * UNIT_ELEMS[fmt.name] // 16
-    return (words + words % 2) * 16 + words * 4 + words // 2 * 4
+    return (words + words % 2) * 16 + words // 2 * 16
 
 
 def stage_fits(dev: Device, fmt: QuantFormat, cfg: MatvecConfig, batch: int) -> bool:

@@ -162,33 +162,34 @@ Unit q[UNROLL * ROWS];   // the units in flight: q[t * ROWS + r] is unit t of ro
 // -DSTAGE_X (the subgroup-rows launch): per round of TPR * UNROLL units, the workgroup first copies the NB rows'
 // activations of those units into shared memory (consecutive invocations, consecutive 16-byte words), then every
 // group reads them there: the WG / TPR groups of a workgroup read the same activations, which each of them
-// otherwise loaded from global memory through L1 with its lanes a unit apart. The host checks that a round's
-// units cover SX_ELEMS consecutive elements (whole super-blocks) and that the arrays fit.
+// otherwise loaded from global memory through L1 with its lanes a unit apart. A block of 32 keeps its scale and
+// its two half sums in one 16-byte record, one load for a unit of the UNIT_COEFFS formats under FOLD. The host
+// checks that a round's units cover SX_ELEMS consecutive elements (whole super-blocks) and that the arrays fit.
 const uint SX_ELEMS = TPR * UNROLL * UNIT_ELEMS;   // elements of one round, per activation row
 shared uvec4 sxq[((NB * (SX_ELEMS / 16) + 1) / 2) * 2];   // even: sq_at swaps neighbours
-shared int sxs[NB * (SX_ELEMS / 16)];
-shared float sxd[NB * (SX_ELEMS / 32)];
+shared uvec4 sxm[NB * (SX_ELEMS / 32)];   // per block: (float bits of the scale, sum of 0..15, of 16..31, 0)
 uint x0;   // the round's first element
 // word i's place: lanes reading every other word (two runs per unit) spread over all banks, not half of them
 uint sq_at(uint i) { return i ^ ((i >> 3) & 1u); }
 uvec4 load_xq(uint b, uint e) { return sxq[sq_at(b * (SX_ELEMS / 16) + ((e - x0) >> 4))]; }
-float load_xd(uint b, uint e) { return sxd[b * (SX_ELEMS / 32) + ((e - x0) >> 5)]; }
-int load_xs(uint b, uint e) { return sxs[b * (SX_ELEMS / 16) + ((e - x0) >> 4)]; }
+uvec4 load_rec(uint b, uint e) { return sxm[b * (SX_ELEMS / 32) + ((e - x0) >> 5)]; }
+float load_xd(uint b, uint e) { return uintBitsToFloat(load_rec(b, e).x); }
+int load_xs(uint b, uint e) { return int(load_rec(b, e)[1 + ((e >> 4) & 1u)]); }
 
 // copy the round from element x0 (pieces past K are left as they are: no unit reads them)
 void stage_round(uint tid) {
     const uint pieces = min(SX_ELEMS, pc.k - x0) / 16;   // 16-element pieces per row (K % 32 == 0)
     for (uint i = tid; i < NB * (SX_ELEMS / 16); i += WG) {
         const uint b = i / (SX_ELEMS / 16), p = i % (SX_ELEMS / 16);
-        if (p < pieces) {
-            const uint g = (X_ROW(b) * pc.k + x0) / 16 + p;
-            sxq[sq_at(i)] = x[g];
-            if (HAS_OFFSET) sxs[i] = xsum[g];
-        }
+        if (p < pieces) sxq[sq_at(i)] = x[(X_ROW(b) * pc.k + x0) / 16 + p];
     }
     for (uint i = tid; i < NB * (SX_ELEMS / 32); i += WG) {
         const uint b = i / (SX_ELEMS / 32), p = i % (SX_ELEMS / 32);
-        if (p < pieces / 2) sxd[i] = xd[(X_ROW(b) * pc.k + x0) / 32 + p];
+        if (p < pieces / 2) {
+            const uint g = (X_ROW(b) * pc.k + x0) / 32 + p;
+            const uvec2 hs = HAS_OFFSET ? uvec2(xsum[2 * g], xsum[2 * g + 1]) : uvec2(0);
+            sxm[i] = uvec4(floatBitsToUint(xd[g]), hs, 0);
+        }
     }
 }
 #else
@@ -213,13 +214,22 @@ void accumulate(uint base, uint u) {
         uvec4 xq[RUNS];
         int xs[RUNS];
         int xsu = 0;   // the unit's int8 sum (HAS_MIN)
+#ifdef STAGE_X
+        const uvec4 rec = load_rec(b, x_run(u, 0));   // the unit's one block: scale and both half sums at once
+        const float dx = uintBitsToFloat(rec.x);
+#else
+        const float dx = load_xd(b, x_run(u, 0));
+#endif
         [[unroll]] for (uint j = 0; j < RUNS; j++) {
             const uint e = x_run(u, j);
             xq[j] = load_xq(b, e);
+#ifdef STAGE_X
+            xs[j] = HAS_OFFSET ? int(rec[1 + ((e >> 4) & 1u)]) : 0;
+#else
             xs[j] = HAS_OFFSET ? load_xs(b, e) : 0;
+#endif
             xsu += xs[j];
         }
-        const float dx = load_xd(b, x_run(u, 0));
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
             int d = 0;
             [[unroll]] for (uint j = 0; j < RUNS; j++) d += run_idot(q[base + r], j, xq[j], xs[j]);
