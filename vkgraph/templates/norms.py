@@ -11,10 +11,12 @@ from .common import check_buffer, grid_2d, pow2_ceil, pow2_floor
 from .matvec import Q8Acts
 
 ROW_WG = 128
-# rmsnorm_q8: vec4s of the row each invocation holds (the workgroup is as wide as that needs, within MAX_ROW_WG)
+# rmsnorm_q8: vec4s of the row each invocation holds (the workgroup is as wide as that needs, within MAX_ROW_WG);
+# glu_q8: invocations per workgroup, one vec4 of h each. Not measured on a GPU yet: benchmarks/bench_decode_small.py
+# --wg-sweep times the alternatives.
 ROW_VPI = 4
 MAX_ROW_WG = 1024
-GLU_WG = 64  # glu_q8: invocations per workgroup, one vec4 of h each
+GLU_WG = 64
 
 
 def _row_wg(dev: Device, n: int) -> int:
