@@ -141,6 +141,22 @@ def test_matvec_int_dot_options(fmt, n, blocks, batch, rows, tpr, unroll, wg_gro
     check(dev.download(y, np.float32, (batch, n)), ref, since)
 
 
+def test_matvec_int_dot_table(monkeypatch):
+    """SG_INT_DOT_PREFERRED's entry for a format and bucket sets the integer path's launch; other formats, the
+    float path and buckets without an entry keep SG_PREFERRED's, without fold or stage."""
+    _needs_shuffle()
+    dev = device()
+    monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "subgroup")
+    monkeypatch.setitem(mv.SG_INT_DOT_PREFERRED, "Q4_0", {8: (128, 4, 2, True, True)})
+    q40, q4k = quant.FORMATS["Q4_0"], quant.FORMATS["Q4_K"]
+    cfg = mv.choose_config(dev, q40, 4096, 4096, 7, int_dot=True)
+    assert (cfg.rows, cfg.fold, cfg.stage) == (4, True, mv.stage_fits(dev, q40, cfg, 8))
+    for other, bucket in ((mv.choose_config(dev, q4k, 4096, 4096, 7, int_dot=True), 8),
+                          (mv.choose_config(dev, q40, 4096, 4096, 7, int_dot=False), 8),
+                          (mv.choose_config(dev, q40, 4096, 4096, 3, int_dot=True), 4)):
+        assert (other.rows, other.fold, other.stage) == (mv.SG_PREFERRED[bucket][1], False, False)
+
+
 def test_matvec_int_dot_options_refused():
     """fold where runs do not share their scale, stage off the subgroup-rows launch, over part of a super-block or
     past the shared memory: ValueError before any GPU work."""

@@ -182,10 +182,10 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
 # From 16 rows on, four rows per group share each activation load: the activations, not the weights, are most of
 # what an invocation reads there.
 SG_PREFERRED = {1: (128, 2, 4), 2: (128, 2, 4), 4: (128, 2, 2), 8: (128, 2, 2), 16: (128, 4, 1), 32: (128, 4, 1)}
-# The integer path in that launch: (workgroup size, rows per group, units in flight, fold where the format can,
-# stage where it fits) by activation rows (`bench_matvec_launch.py --nb-sweep` times the candidates). Where no
-# H200 figure chose otherwise, SG_PREFERRED's entries without fold and stage.
-SG_INT_DOT_PREFERRED = {bucket: (*SG_PREFERRED[bucket], False, False) for bucket in SG_PREFERRED}
+# The integer path in that launch, by format and activation rows: (workgroup size, rows per group, units in
+# flight, fold where the format can, stage where it fits) (`bench_matvec_launch.py --nb-sweep` times the
+# candidates). A format or bucket without an H200 figure takes SG_PREFERRED's entry without fold and stage.
+SG_INT_DOT_PREFERRED: dict[str, dict[int, tuple[int, int, int, bool, bool]]] = {}
 
 
 def rows_per_call(dev: Device) -> int:
@@ -201,8 +201,9 @@ def _subgroup_rows_config(dev: Device, fmt: QuantFormat, n: int, units: int, buc
     within the device's smallest subgroup; the workgroup a whole number of the largest subgroups. On the integer
     path, SG_INT_DOT_PREFERRED with fold and stage where the format and the device's shared memory take them."""
     info = dev.info
-    wg, rows, unroll, fold, stage = SG_INT_DOT_PREFERRED[bucket] if int_dot else (*SG_PREFERRED[bucket], False, False)
-    wg, rows, unroll, tpr, fold, stage = sg_overrides().get(bucket, (wg, rows, unroll, 0, fold, stage))
+    plain = (*SG_PREFERRED[bucket], False, False)
+    chosen = SG_INT_DOT_PREFERRED.get(fmt.name, {}).get(bucket, plain) if int_dot else plain
+    wg, rows, unroll, tpr, fold, stage = sg_overrides().get(bucket, (*chosen[:3], 0, *chosen[3:]))
     if not tpr:
         tpr = max(1, min(info.min_subgroup_size, 32, pow2_floor(max(units // unroll, 1))))
     # no more units in flight than a row has per invocation; a CPU device has no memory latency to hide, and
