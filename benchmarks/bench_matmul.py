@@ -48,18 +48,21 @@ from vkgraph.view import ShapeTracker  # noqa: E402
 PEAK_TFLOPS = 989.5
 
 
-def search(m: int, n: int, k: int, dname: str, reps: int = 5) -> tuple[Any, dict]:
+def search(m: int, n: int, k: int, dname: str, reps: int = 5, wt: bool = False) -> tuple[Any, dict]:
     """Time every configuration of matmul_coop.configs that fits the device on one (m, k) @ (k, n) product of
     random `dname` values (int8: summed in int32) and record the fastest for its shape class (codegen.tune).
     Each is timed as the replayed figures are (a graph of 10 products replayed `reps` times, the median): bursts
-    of dispatches read up to 3x low. Returns the best and the microseconds of each."""
+    of dispatches read up to 3x low; each is printed as it is measured). With wt, B is stored (n, k) and read
+    transposed, as `x @ w.T` reads a weight. Returns the best and the microseconds of each."""
     d = getattr(dtypes, dname)
     dev = get_device()
     lim = realize.limits()
     rng = np.random.default_rng(0)
     srcs = [graph.buffer(realize.upload(rng.integers(-128, 128, s, dtype=np.int8) if d is dtypes.int8 else
                                         rng.standard_normal(s, dtype=np.float32), d), 0, d, s)
-            for s in ((m, k), (k, n))]
+            for s in ((m, k), (n, k) if wt else (k, n))]
+    if wt:
+        srcs[1] = graph.movement(srcs[1], lambda st: st.permute((1, 0)))
     if d is dtypes.int8:
         srcs = [graph.alu(graph.Op.CAST, dtypes.int32, s) for s in srcs]
     mm = graph.matmul(srcs[0], srcs[1], dtypes.int32 if d is dtypes.int8 else d)
@@ -70,10 +73,15 @@ def search(m: int, n: int, k: int, dname: str, reps: int = 5) -> tuple[Any, dict
     for cfg in matmul_coop.configs(compute):
         if not cfg.fits(frag, lim, compute.itemsize):
             continue
-        (prog,) = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, compute).programs
-        pipe = dev.pipeline(prog.src, name=prog.name)
-        bufs = [ref.buf for ref, _, _ in prog.bindings]
-        times[cfg] = replay_us(dev, partial(dev.dispatch, pipe, bufs, prog.groups, None), reps, per_graph=10)
+        lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, compute)
+        for ref in lowered.scratch:  # a K split's partial planes
+            ref.buf = dev.alloc(ref.nbytes)
+        steps = [(dev.pipeline(p.src, name=p.name), [ref.buf for ref, _, _ in p.bindings], p.groups, p.push or None)
+                 for p in lowered.programs]
+        times[cfg] = replay_us(dev, lambda steps=steps: [dev.dispatch(*st) for st in steps], reps, per_graph=10)
+        print(f"  {dname} {m}x{k}x{n} {cfg.label()}: {2 * m * n * k / times[cfg] / 1e6:.1f} TFLOP/s", flush=True)
+        for ref in lowered.scratch:
+            ref.buf.release()
     best = min(times, key=times.get)
     tune.record(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device), matmul_coop.shape_class(m, n, k, 1, compute), best)
     realize.forget_limits()
@@ -94,10 +102,10 @@ def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 5) -> dict:
     frag = matmul_coop.fragment(lim, "float16")
     bufs = [t.realize().node.arg[0].buf for t in lin.tensors]  # the weight Tensors' device buffers
     lin.weights.bind(dev, bufs[0], bufs[1])
-    out = dev.alloc(m * n * 4)
+    out = dev.alloc(max(c.ks for c in matmul_coop.CONFIGS) * m * n * 4)  # a K split writes a plane per part
     times = {}
     for cfg in matmul_coop.CONFIGS:
-        if not cfg.fits(frag, lim) or cfg.bk % mq.BLOCK or k % cfg.bk:
+        if not cfg.fits(frag, lim) or cfg.bk % mq.BLOCK or k % (cfg.bk * cfg.ks):
             continue
         times[cfg] = replay_us(dev, partial(mq.matmul_quant, dev, lim, lin.weights, x, m, cfg, out=out), reps,
                                per_graph=10)
@@ -248,7 +256,7 @@ def main() -> None:
             x = rng.standard_normal((m, k), dtype=np.float32).astype(npd)
             w = rng.standard_normal((n, k) if wt else (k, n), dtype=np.float32).astype(npd)
             if args.tune and matmul_coop.fragment(lim, matmul_coop.operand_type(d)) is not None:
-                best, times = search(m, n, k, dname)
+                best, times = search(m, n, k, dname, wt=wt)
                 spread = ", ".join(f"{c.label()} {flop / t / 1e6:.0f}"
                                    for c, t in sorted(times.items(), key=lambda kv: kv[1]))
                 print(f"{dname} {label}: tuned TFLOP/s {spread}", flush=True)

@@ -136,7 +136,7 @@ def test_tuned_configurations_are_read_per_device_and_class(tmp_path, monkeypatc
     pa, pb = tune.path(tmp_path, "dev A/1"), tune.path(tmp_path, "dev B/1")
     assert tune.load(pa) == ()
     tune.record(pa, cls, matmul_coop.Config(64, 128, 32, 2, 2, 1))
-    assert json.loads(pa.read_text())[cls] == [64, 128, 32, 2, 2, 1, 1] and tune.load(pb) == ()
+    assert json.loads(pa.read_text())[cls] == [64, 128, 32, 2, 2, 1, 1, 1] and tune.load(pb) == ()
     lim = fake_limits(tuned=tune.load(pa))
     want = matmul_coop.Config(64, 128, 32, 2, 2, 1)
     assert matmul_coop.choose(512, 4096, 4096, 1, lim, (16, 16, 16), dtypes.float16) == want
@@ -150,20 +150,21 @@ def test_tuned_configurations_are_read_per_device_and_class(tmp_path, monkeypatc
     assert realize_mod._with_matmul_settings(dev_lim).tuned == ()
 
 
-def test_tables_written_before_the_prefetch_depth_read_as_one_slice_in_flight(tmp_path):
+def test_tables_written_before_the_prefetch_depth_and_k_split_read_as_one_slice_in_flight_unsplit(tmp_path):
     p = tune.path(tmp_path, "dev")
     p.parent.mkdir(parents=True)
     p.write_text(json.dumps({"float16:4096x4096x4096": [256, 128, 32, 4, 2, 1], "bad": [1, 2, 3]}))
-    assert tune.load(p) == (("float16:4096x4096x4096", (256, 128, 32, 4, 2, 1, 1)),)
+    assert tune.load(p) == (("float16:4096x4096x4096", (256, 128, 32, 4, 2, 1, 1, 1)),)
     tune.record(p, "float16:512x4096x4096", matmul_coop.Config(128, 128, 32, 2, 4, 2, 2))
     lim = fake_limits(tuned=tune.load(p))
     assert matmul_coop.choose(512, 4096, 4096, 1, lim, (16, 16, 16), dtypes.float16).pf == 2
     assert matmul_coop.choose(4096, 4096, 4096, 1, lim, (16, 16, 16), dtypes.float16) == \
-        matmul_coop.Config(256, 128, 32, 4, 2, 1, 1)
+        matmul_coop.Config(256, 128, 32, 4, 2, 1, 1, 1)
 
 
-def _lowered(m: int, n: int, k: int, tb: bool, cfg: matmul_coop.Config, d=dtypes.float16) -> str:
-    """The source of an m x k @ k x n product of buffers (B read transposed with tb) in tile cfg."""
+def _lowered(m: int, n: int, k: int, tb: bool, cfg: matmul_coop.Config, d=dtypes.float16, first: bool = True):
+    """The source of an m x k @ k x n product of buffers (B read transposed with tb) in tile cfg: its first
+    program's, or with first=False the Lowered."""
     from vkgraph import graph
     from vkgraph.schedule import Kernel
     from vkgraph.view import ShapeTracker
@@ -176,8 +177,8 @@ def _lowered(m: int, n: int, k: int, tb: bool, cfg: matmul_coop.Config, d=dtypes
         na, nb = (graph.alu(graph.Op.CAST, dtypes.int32, x) for x in (na, nb))
     mm = graph.matmul(na, nb, dtypes.int32 if d is dtypes.int8 else d)
     kern = Kernel(mm, realize_mod.allocate(mm.dtype, mm.numel), ShapeTracker.contiguous(mm.shape))
-    (prog,) = matmul_coop.lower_coop(kern, mm, fake_limits(coop=COOP_I8), {}, cfg, d).programs
-    return prog.src
+    lowered = matmul_coop.lower_coop(kern, mm, fake_limits(coop=COOP_I8), {}, cfg, d)
+    return lowered.programs[0].src if first else lowered
 
 
 @pytest.mark.parametrize("d", [dtypes.float16, dtypes.int8])
@@ -188,9 +189,25 @@ def test_every_tile_configuration_compiles(d):
     frag = matmul_coop.fragment(lim, matmul_coop.operand_type(d))
     fitting = [c for c in matmul_coop.configs(d) if c.fits(frag, lim, d.itemsize)]
     assert {c.pf for c in fitting} == {1, 2} and {c.stages for c in fitting} == {1, 2}
+    assert {c.ks for c in fitting} == ({1, 2, 4} if d.itemsize == 2 else {1})
     for i, cfg in enumerate(fitting):
-        shape = (512, 256, 512, i % 2 == 1) if i % 3 == 0 else (200, 136, 300, i % 2 == 0)
-        compiles(_lowered(*shape, cfg, d))
+        shape = (512, 256, 512, i % 2 == 1) if i % 3 == 0 or cfg.ks > 1 else (200, 136, 300, i % 2 == 0)
+        for prog in _lowered(*shape, cfg, d, first=False).programs:
+            compiles(prog.src)
+
+
+def test_a_k_split_writes_partial_planes_that_a_reduction_sums():
+    """KS parts of K each write a float32 plane of a scratch buffer; the second program sums them and runs the
+    epilogue. Where K is not a whole number of KS slices, or the operands are 8-bit, K is not split."""
+    cfg = matmul_coop.Config(128, 128, 32, 2, 4, 2, 1, 4)
+    split = _lowered(200, 136, 512, True, cfg, first=False)
+    first, *rest = split.programs
+    assert first.name.endswith("_k4") and rest and split.scratch[0].numel == 4 * 200 * 136
+    assert "int kz0 = kz * 128;" in first.src and "coopMatMulAdd" in first.src
+    assert all("coopmat" not in p.src for p in rest)
+    whole = _lowered(200, 136, 500, True, cfg, first=False)
+    assert len(whole.programs) == 1 and not whole.scratch and "kz" not in whole.programs[0].src
+    assert not matmul_coop.Config(128, 128, 64, 2, 4, 2, 1, 2).fits((16, 16, 32), fake_limits(coop=COOP_I8), 1)
 
 
 def test_two_slices_in_flight_alternate_register_sets():
@@ -375,6 +392,15 @@ needs_bf16 = pytest.mark.skipif(not _has("bfloat16"), reason="the device has no 
                                 "(VK_KHR_cooperative_matrix with VK_KHR_shader_bfloat16)")
 
 
+def run_lowered(dev, lowered) -> None:
+    """Record a lowered kernel's programs in order, its scratch buffers allocated first."""
+    for ref in lowered.scratch:
+        ref.buf = dev.alloc(ref.nbytes)
+    for prog in lowered.programs:
+        dev.dispatch(dev.pipeline(prog.src, name=prog.name), [ref.buf for ref, _, _ in prog.bindings], prog.groups,
+                     prog.push or None)
+
+
 def _check(got: np.ndarray, a: np.ndarray, b: np.ndarray, out_eps: float, extra: np.ndarray | float = 0.0):
     """|got - a @ b| within float32 accumulation over |a| @ |b| plus the output's rounding (relative, and half the
     smallest float16 subnormal); NaN never passes."""
@@ -482,11 +508,55 @@ def test_every_tile_configuration_matches_numpy(tb):
     for cfg in matmul_coop.CONFIGS:
         if not cfg.fits(frag, lim):
             continue
-        (prog,) = matmul_coop.lower_coop(kern, mm, lim, {}, cfg).programs
+        lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg)
         dev.upload(out.buf, np.full(m * n, np.nan, np.float16).view(np.uint8))  # poison: every element is written
-        dev.dispatch(dev.pipeline(prog.src, name=prog.name), [ref.buf for ref, _, _ in prog.bindings], prog.groups,
-                     prog.push or None)
+        run_lowered(dev, lowered)
         _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)
+
+
+@needs_f16
+@pytest.mark.parametrize("tb", [False, True])
+def test_every_split_configuration_matches_numpy(tb):
+    """Configurations that split K (partial planes, then their sum) on a K they divide, B in both layouts."""
+    from vkgraph import graph
+    from vkgraph.schedule import Kernel
+    from vkgraph.view import ShapeTracker
+
+    dev, lim, d = get_device(), realize_mod.limits(), dtypes.float16
+    m, n, k = 200, 136, 512
+    a, b = _arr((m, k), 13, np.float16), _arr((n, k) if tb else (k, n), 14, np.float16)
+    na = graph.buffer(realize_mod.upload(a, d), 0, d, a.shape)
+    nb = graph.buffer(realize_mod.upload(b, d), 0, d, b.shape)
+    if tb:
+        nb = graph.movement(nb, lambda s: s.permute((1, 0)))
+    mm = graph.matmul(na, nb, d)
+    out = realize_mod.allocate(d, mm.numel)
+    kern = Kernel(mm, out, ShapeTracker.contiguous(mm.shape))
+    frag = matmul_coop.fragment(lim, "float16")
+    for cfg in matmul_coop.CONFIGS:
+        if cfg.ks == 1 or not cfg.fits(frag, lim):
+            continue
+        lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg)
+        assert len(lowered.programs) >= 2 and lowered.scratch, cfg
+        dev.upload(out.buf, np.full(m * n, np.nan, np.float16).view(np.uint8))
+        run_lowered(dev, lowered)
+        _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)
+
+
+@needs_f16
+def test_split_product_with_epilogue_and_batch_through_realize(monkeypatch):
+    """A batched product with a fused bias and relu, its class tuned to a K split: the partial planes' sum takes
+    the epilogue, and realize allocates the scratch."""
+    a, b, bias = _arr((2, 100, 256), 15, np.float16), _arr((256, 72), 16, np.float16), _arr((72,), 17, np.float16)
+    cls = matmul_coop.shape_class(100, 72, 256, 2, dtypes.float16)
+    lim = dataclasses.replace(realize_mod.limits(), tuned=((cls, (64, 64, 32, 2, 2, 2, 2, 4)),))
+    monkeypatch.setattr(realize_mod, "limits", lambda: lim)
+    with count_kernels() as c:
+        got = (Tensor(a) @ Tensor(b) + Tensor(bias)).relu().numpy()
+    assert any(nm.startswith("MC_") and nm.endswith("_k4") for nm in c.names), c.names
+    pre = a.astype(np.float64) @ b.astype(np.float64) + bias.astype(np.float64)
+    mag = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)) + np.abs(bias.astype(np.float64))
+    assert np.all(np.abs(got - np.maximum(pre, 0)) <= mag * 2e-3 + 1e-6)
 
 
 @needs_i8

@@ -8,8 +8,11 @@ multiply the current one, then written to the other of two buffers (one barrier 
 single-stage configurations that fit deeper slices into shared memory, over the current one after a second
 barrier. With two register sets (Config.pf 2) the slice after next is read while the current one is multiplied,
 so each read has two slices' multiplies to arrive in (Vulkan has no asynchronous copy into shared memory: the
-registers are the pipeline). Bounds checks are left out of the reads where the sizes are whole tiles. Tile
-configurations come from a measured search (codegen.tune) or a default. Operands
+registers are the pipeline). Bounds checks are left out of the reads where the sizes are whole tiles. With K
+split among KS workgroups per output tile (Config.ks, for outputs of too few tiles to fill the device), each
+writes its float32 partial product to its own plane of a scratch buffer and a second program (the generated
+reduction, lower._reduce) sums the planes and runs the epilogue. Tile configurations come from a measured search
+(codegen.tune) or a default. Operands
 that are plain buffers or strided views of them, with 8-element-aligned rows, are read as 16-byte vectors;
 anything else (fused producers, pads, broadcasts, odd strides) is read element by element through the
 renderer, with the same shared layout. Out-of-range rows and columns read as zero, so any M, N and K work.
@@ -34,8 +37,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..dtype import DType, dtypes
-from ..graph import Node, Op
-from ..view import prod
+from ..graph import BufferRef, Node, Op, ReduceOp, alu, buffer, movement, reduce, substitute
+from ..view import ShapeTracker, prod
 from . import glsl
 from .symbolic import Var, unravel
 
@@ -64,9 +67,10 @@ GROUP_M = 8  # output tiles walked column-block by column-block in groups of 8 r
 class Config:
     """A tile configuration: workgroup tile BM x BN, slice depth BK, WM x WN subgroups, the slices held in
     shared memory: 2 (the next is stored beside the current one, one barrier per slice) or 1 (half the shared
-    memory, so deeper slices fit; a second barrier before the store), and PF, the slices in flight in registers:
+    memory, so deeper slices fit; a second barrier before the store), PF, the slices in flight in registers:
     1 (the next slice is read while the current one is multiplied) or 2 (the one after it too, in a second
-    register set: twice the reads in flight, for twice the registers)."""
+    register set: twice the reads in flight, for twice the registers), and KS, the workgroups that split K per
+    output tile (16-bit operands only; taken where K is a whole number of KS * BK-deep parts, else 1)."""
 
     bm: int = 128
     bn: int = 128
@@ -75,14 +79,15 @@ class Config:
     wn: int = 2
     stages: int = 2
     pf: int = 1
+    ks: int = 1
 
     def key(self) -> list[int]:
         """The configuration as the tuned table stores it (codegen.tune)."""
-        return [self.bm, self.bn, self.bk, self.wm, self.wn, self.stages, self.pf]
+        return [self.bm, self.bn, self.bk, self.wm, self.wn, self.stages, self.pf, self.ks]
 
     def label(self) -> str:
-        pf = f"/p{self.pf}" if self.pf > 1 else ""
-        return f"{self.bm}x{self.bn}x{self.bk}/{self.wm}x{self.wn}/s{self.stages}{pf}"
+        extra = (f"/p{self.pf}" if self.pf > 1 else "") + (f"/k{self.ks}" if self.ks > 1 else "")
+        return f"{self.bm}x{self.bn}x{self.bk}/{self.wm}x{self.wn}/s{self.stages}{extra}"
 
     def shared_bytes(self, itemsize: int = 2) -> int:
         """Both operand tiles per stage with 16 bytes of padding per staged row, in whichever layout (rows along
@@ -97,7 +102,8 @@ class Config:
         fm, fn, fk = frag
         return (self.bm % (self.wm * fm) == 0 and self.bn % (self.wn * fn) == 0 and self.bk % fk == 0
                 and self.bk % (16 // itemsize) == 0 and self.wm * self.wn * lim.subgroup <= lim.max_invocations
-                and self.shared_bytes(itemsize) <= lim.max_shared and self.stages in (1, 2) and self.pf in (1, 2))
+                and self.shared_bytes(itemsize) <= lim.max_shared and self.stages in (1, 2) and self.pf in (1, 2)
+                and self.ks >= 1 and (self.ks == 1 or itemsize == 2))
 
 
 CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 128, 32, 4, 4),
@@ -109,7 +115,11 @@ CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 1
            # slices, whose single slice in flight gives the reads the least time
            Config(128, 128, 32, 2, 4, 2, 2), Config(128, 128, 32, 4, 2, 2, 2), Config(128, 128, 16, 2, 4, 2, 2),
            Config(256, 128, 16, 4, 2, 2, 2), Config(128, 256, 16, 2, 4, 2, 2), Config(128, 128, 64, 2, 4, 1, 2),
-           Config(128, 128, 64, 4, 2, 1, 2), Config(256, 128, 32, 4, 2, 1, 2), Config(128, 256, 32, 2, 4, 1, 2))
+           Config(128, 128, 64, 4, 2, 1, 2), Config(256, 128, 32, 4, 2, 1, 2), Config(128, 256, 32, 2, 4, 1, 2),
+           # K split in two or four: outputs of few tiles (512 x 4096: 128 of 128 x 128 for ~132 multiprocessors)
+           Config(128, 128, 32, 2, 4, 2, 1, 2), Config(128, 128, 32, 2, 4, 2, 2, 2),
+           Config(128, 128, 64, 2, 4, 1, 1, 2), Config(128, 128, 32, 2, 4, 2, 2, 4),
+           Config(256, 128, 32, 4, 2, 1, 1, 2))
 # int8 slices go deeper for the same shared memory (a fragment is 32 deep)
 INT8_CONFIGS = (Config(128, 128, 64, 2, 4), Config(128, 128, 64, 4, 2), Config(128, 128, 64, 4, 4),
                 Config(128, 128, 64, 2, 2), Config(64, 128, 64, 2, 4), Config(128, 64, 64, 4, 2),
@@ -330,9 +340,10 @@ def _pack(compute: DType, vals: list[str]) -> str:
 def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Config | None = None,
                compute: DType | None = None) -> Lowered | None:
     """The program for kernel k, whose matmul node is mm, on cooperative matrices with `compute` operands
-    (mm's dtype by default) and tile configuration cfg (tuned or default when None); None for a bfloat16
-    product whose kernel also reads float16 values (the one 16-bit float type of the SPIR-V is renamed)."""
-    from .lower import Lowered, _finish, _renderer
+    (mm's dtype by default) and tile configuration cfg (tuned or default when None), then with K split (cfg.ks)
+    the reduction of the partial products that runs the epilogue; None for a bfloat16 product whose kernel also
+    reads float16 values (the one 16-bit float type of the SPIR-V is renamed)."""
+    from .lower import Lowered, _finish, _reduce, _renderer
 
     compute = compute or mm.dtype
     a, b = mm.srcs
@@ -354,8 +365,11 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     ffm, ffn = tm_ // fm, tn_ // fn  # its fragments along M and N
     tiles_m, tiles_n = math.ceil(m_ / bm), math.ceil(n_ / bn)
     per_batch = tiles_m * tiles_n
-    groups = nb * per_batch
-    nk = math.ceil(k_ / bk)
+    # K split among ks workgroups per output tile, each over kspan elements of K (a whole number of slices)
+    ks = cfg.ks if cfg.ks > 1 and not int8 and k_ % (bk * cfg.ks) == 0 else 1
+    kspan = k_ // ks
+    groups = ks * nb * per_batch
+    nk = math.ceil(kspan / bk)
 
     outside = _refs_outside(k, mm)
     opa = _operand(a, ta, lim, outside)
@@ -383,6 +397,10 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
 
     r.emit(f"int grp = {'int(gl_WorkGroupID.x + gl_NumWorkGroups.x * gl_WorkGroupID.y)'};")
     r.emit(f"if (grp >= {groups}) return;")
+    if ks > 1:  # part kz of K: workgroups kz * nb * per_batch ..
+        r.emit(f"int kz = grp / {nb * per_batch};")
+        r.emit(f"grp -= kz * {nb * per_batch};")
+        r.emit(f"int kz0 = kz * {kspan};")
     r.emit("int lid = int(gl_LocalInvocationID.x);")
     r.emit("int sgid = int(gl_SubgroupID);")
     r.emit(f"int bt = grp / {per_batch};")
@@ -481,10 +499,11 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
         r.emit(f"uvec4 {', '.join(f'a{s_}{c}' for c in range(per_a))};")
         r.emit(f"uvec4 {', '.join(f'b{s_}{c}' for c in range(per_b))};")
     # (rows, columns) whole tiles: A is M x K, B is K x N
-    whole_k = k_ % bk == 0
+    whole_k = kspan % bk == 0
     whole_a, whole_b = (m_ % bm == 0, whole_k), (whole_k, n_ % bn == 0)
 
     def load_slice(k0: str, s_: str) -> None:
+        k0 = f"kz0 + {k0}" if ks > 1 else k0
         fetch(opa, f"a{s_}", f"tm * {bm}", k0, a_outer, a_inner, per_a, base_a, whole_a)
         fetch(opb, f"b{s_}", k0, f"tn * {bn}", b_outer, b_inner, per_b, base_b, whole_b)
 
@@ -545,8 +564,13 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
             with r.block(f"if (kt + 1 < {nk})"):
                 step("(kt + 1)", sets[1], sets[0])
 
-    # epilogue: per fragment row, stage in shared memory (this subgroup's own region), then per element
+    # epilogue: per fragment row, stage in shared memory (this subgroup's own region), then per element: the
+    # fused elementwise code and the kernel's output, or with K split the partial product into plane kz * nb + bt
+    # of the scratch buffer
     t = mm.dtype.glsl
+    scratch = BufferRef(dtypes.float32, ks * nb * m_ * n_) if ks > 1 else None
+    if scratch is not None:
+        r.emit(f"int kb = kz * {nb} + bt;")
     cbase = r.define("int", f"sgid * {fm * c_stride}", "cb")
     r.emit("int lane = int(gl_SubgroupInvocationID);")
     for i in range(ffm):
@@ -563,18 +587,32 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
             with r.block(f"if (m < {m_} && n < {n_})"):
                 w = f"sm[{cbase} + er * {c_stride} + (ec >> 2)][ec & 3]"
                 accv, acc_d = (f"int({w})", dtypes.int32) if int8 else (f"uintBitsToFloat({w})", dtypes.float32)
-                r.subst[mm] = r.define(t, glsl.cast(accv, acc_d, mm.dtype, r.need), "mm")
-                coords = bc + (Var("m", 0, m_ - 1), Var("n", 0, n_ - 1))
-                r.store(k.out, k.out.dtype, k.st, coords, r.value(k.root, coords))
+                mn = (Var("m", 0, m_ - 1), Var("n", 0, n_ - 1))
+                if scratch is not None:
+                    r.store(scratch, dtypes.float32, ShapeTracker.contiguous((ks * nb, m_, n_)),
+                            (Var("kb", 0, ks * nb - 1),) + mn, accv)
+                else:
+                    r.subst[mm] = r.define(t, glsl.cast(accv, acc_d, mm.dtype, r.need), "mm")
+                    r.store(k.out, k.out.dtype, k.st, bc + mn, r.value(k.root, bc + mn))
         r.emit("subgroupBarrier();")
     if compute is dtypes.bfloat16 and any(d is dtypes.float16 for i, (_, d) in enumerate(r.bindings)
                                           if i not in r.block_types):
         return None
     name = (f"MC_{nb}_{m_}_{n_}_{k_}_{bm}x{bn}x{bk}_{wm}x{wn}_s{cfg.stages}{f'_p{pf}' if pf > 1 else ''}"
-            f"{'_i8' if int8 else ''}")
+            f"{f'_k{ks}' if ks > 1 else ''}{'_i8' if int8 else ''}")
     prog = _finish(r, name, nt, groups, lim, shared)
     prog.groups = _groups2d(groups, lim)
-    return Lowered([prog], [])
+    if scratch is None:
+        return Lowered([prog], [])
+    # the planes summed in float32 (one rounding to mm's type after), then the kernel's epilogue, as a reduction
+    from ..schedule import Kernel
+
+    planes = buffer(scratch, 0, dtypes.float32, (ks, *batch, m_, n_))
+    total = movement(reduce(planes, ReduceOp.SUM, (0,)), lambda st: st.reshape(mm.shape))
+    if mm.dtype is not dtypes.float32:
+        total = alu(Op.CAST, mm.dtype, total)
+    second = _reduce(Kernel(substitute(k.root, {mm: total}), k.out, k.st), lim, params)
+    return Lowered([prog, *second.programs], [scratch, *second.scratch])
 
 
 def _groups2d(groups: int, lim: Limits) -> tuple[int, int, int]:

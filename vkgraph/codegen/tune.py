@@ -1,8 +1,8 @@
 """Measured tile configurations of the cooperative-matrix matmul, kept on disk per device.
 
 A file `<cache dir>/matmul/<device>.json` maps shape classes (matmul_coop.shape_class: the compute type and the
-sizes rounded to powers of two) to [BM, BN, BK, WM, WN, stages, PF] (matmul_coop.Config; tables written before PF
-existed hold six numbers and read as PF 1). `realize` loads the device's table into
+sizes rounded to powers of two) to [BM, BN, BK, WM, WN, stages, PF, KS] (matmul_coop.Config; tables written before
+PF and KS existed hold six or seven numbers, the missing ones read as 1). `realize` loads the device's table into
 `Limits.tuned` (unless VKGRAPH_MATMUL_TUNE=0), so lowering keys on it; `benchmarks/bench_matmul.py --tune`
 measures the configurations of `matmul_coop.CONFIGS` on the device and records the fastest.
 """
@@ -27,8 +27,8 @@ def load(p: Path) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The table at p as Limits.tuned holds it; empty when there is none or it cannot be read."""
     try:
         raw = json.loads(p.read_text())
-        return tuple(sorted((str(k), tuple(int(x) for x in v) + (1,) * (7 - len(v))) for k, v in raw.items()
-                            if isinstance(v, list) and len(v) in (6, 7)))
+        return tuple(sorted((str(k), tuple(int(x) for x in v) + (1,) * (8 - len(v))) for k, v in raw.items()
+                            if isinstance(v, list) and 6 <= len(v) <= 8))
     except (OSError, ValueError, AttributeError, TypeError):
         return ()
 

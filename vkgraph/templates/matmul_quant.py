@@ -136,26 +136,30 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Co
         return None
     cls = shape_class(fmt, m, n, k)
     for c, v in lim.tuned:
-        if c == cls and (cfg := matmul_coop.Config(*v)).fits(frag, lim) and cfg.bk % BLOCK == 0 and k % cfg.bk == 0:
+        if c == cls and (cfg := matmul_coop.Config(*v)).fits(frag, lim) and _whole(cfg, k):
             return cfg
     cfg = matmul_coop.choose(m, n, k, 1, lim, frag, dtypes.float16)
-    if cfg.bk % BLOCK or k % cfg.bk:  # slices of whole blocks that divide K: take the default (BK 32) instead
+    if not _whole(cfg, k):  # slices of whole blocks that divide K: take the default (BK 32) instead
         cfg = matmul_coop.default_config(m, n, k, 1, lim, frag)
-    return cfg if cfg.bk % BLOCK == 0 and k % cfg.bk == 0 and cfg.fits(frag, lim) else None
+    return cfg if _whole(cfg, k) and cfg.fits(frag, lim) else None
+
+
+def _whole(cfg: matmul_coop.Config, k: int) -> bool:
+    """Whether cfg's slices are whole blocks and K a whole number of slices in each of its KS parts."""
+    return cfg.bk % BLOCK == 0 and k % (cfg.bk * cfg.ks) == 0
 
 
 @dataclass(frozen=True)
 class Tile(matmul_coop.Config):
-    """A tile for few rows (a batched decode step): matmul_coop's Config (whose PF, the slices in flight in
-    registers, this program takes too: 2 reads the next but one while the next is decoded, in two alternating
-    register sets) plus WK subgroups that split each slice's depth among themselves (their partial tiles summed
-    through shared memory at the end), and KS workgroups that split K (each writes its partial product to its own
-    [m, n] plane of the output; the caller sums the planes). With one or two fragment rows of y per workgroup,
-    N / BN tiles alone are too few to keep W streaming from every multiprocessor at N = 4096: the splits and the
-    depth of reads in flight multiply the loads in flight."""
+    """A tile for few rows (a batched decode step): matmul_coop's Config plus WK subgroups that split each slice's
+    depth among themselves (their partial tiles summed through shared memory at the end). This program takes the
+    Config's PF (2: the next but one slice is read while the next is decoded, in two alternating register sets)
+    and KS (workgroups that split K: each writes its partial product to its own [m, n] plane of the output; the
+    caller sums the planes) from any tile. With one or two fragment rows of y per workgroup, N / BN tiles alone are
+    too few to keep W streaming from every multiprocessor at N = 4096: the splits and the depth of reads in flight
+    multiply the loads in flight."""
 
     wk: int = 1
-    ks: int = 1
 
     def threads(self, subgroup: int) -> int:
         return self.wm * self.wn * self.wk * subgroup
@@ -169,8 +173,8 @@ class Tile(matmul_coop.Config):
 
 
 def _splits(cfg: matmul_coop.Config) -> tuple[int, int, int]:
-    """(wk, ks, pf) of a tile; a Config has neither split."""
-    return (cfg.wk, cfg.ks, cfg.pf) if isinstance(cfg, Tile) else (1, 1, cfg.pf)
+    """(wk, ks, pf) of a tile; a Config does not split a slice's depth."""
+    return (cfg.wk if isinstance(cfg, Tile) else 1), cfg.ks, cfg.pf
 
 
 DECODE_GROUPS = 512  # workgroups a small-M product aims for (about four per multiprocessor of an H200)
