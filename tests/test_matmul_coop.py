@@ -376,6 +376,94 @@ def test_int8_products_on_the_tiled_path_match_numpy(m, n, k):
                                   a.astype(np.int32) @ b.T.astype(np.int32))
 
 
+# ---- the programs with their cooperative matrices emulated, on any device ---------------------------------------
+
+_EMULATION = """
+float h_at(int i) { return unpackHalf2x16(sm[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }
+float f_at(ivec3 f, int r, int c) { return h_at(f.z != 0 ? (f.x + c * f.y) * 8 + r : (f.x + r * f.y) * 8 + c); }
+void m_zero(out float m[ROWS * 16]) { for (int i = 0; i < ROWS * 16; i++) m[i] = 0.0; }
+void m_store(float m[ROWS * 16], int off, int stride) {
+    int l = int(gl_SubgroupInvocationID);
+    for (int i = 0; i < ROWS; i++) for (int c = 0; c < 16; c++)
+        sm[off + (l + i * SG) * stride + (c >> 2)][c & 3] = floatBitsToUint(m[i * 16 + c]);
+}
+void m_mma(ivec3 a, ivec3 b, inout float m[ROWS * 16]) {
+    int l = int(gl_SubgroupInvocationID);
+    for (int i = 0; i < ROWS; i++) for (int c = 0; c < 16; c++) {
+        float t = m[i * 16 + c];
+        for (int k = 0; k < 16; k++) t += f_at(a, l + i * SG, k) * f_at(b, k, c);
+        m[i * 16 + c] = t;
+    }
+}
+"""
+_COOPMAT = r"coopmat<[^>]*>"
+
+
+def emulated(src: str, sg: int) -> str:
+    """A float16 program of matmul_coop or matmul_quant with its 16 x 16 cooperative matrices emulated (any device
+    with a fixed subgroup size sg): an A or B fragment is where it lies in shared memory (offset, stride, column-
+    major), read when multiplied, which holds since the programs store no staged slice between a fragment's load
+    and its products; lane l of a subgroup holds rows l, l + sg, .. of each accumulator. Everything but the
+    matrix operations (staging, pipelining, K split, epilogue) is the program's own."""
+    import re
+
+    src = src.replace("#extension GL_KHR_cooperative_matrix : require\n", "")
+    src = re.sub(rf"{_COOPMAT} (\w+) = {_COOPMAT}\(0\.0\);", r"float \1[ROWS * 16]; m_zero(\1);", src)
+    src = re.sub(rf"{_COOPMAT} (\w+)\[(\d+)\];", r"ivec3 \1[\2];", src)
+    src = re.sub(r"coopMatLoad\(([^,]+), sm, (.+), (\d+), gl_CooperativeMatrixLayout(Row|Column)Major\);",
+                 lambda m: f"{m[1]} = ivec3({m[2]}, {m[3]}, {int(m[4] == 'Column')});", src)
+    src = re.sub(r"(\w+) = coopMatMulAdd\(([^,]+), ([^,]+), \1\);", r"m_mma(\2, \3, \1);", src)
+    src = re.sub(r"coopMatStore\((\w+), sm, (.+), (\d+), gl_CooperativeMatrixLayoutRowMajor\);",
+                 r"m_store(\1, \2, \3);", src)
+    assert "coopMat" not in src and "coopmat" not in src
+    consts = f"const int SG = {sg}, ROWS = {16 // sg};"
+    return re.sub(r"(shared uvec4 sm\[\d+\];)", lambda m: m[1] + "\n" + consts + _EMULATION, src)
+
+
+def _emulated_product(m: int, n: int, k: int, tb: bool, cfgs: list) -> None:
+    """Each tile configuration's float16 product, emulated, against numpy (NaN-poisoned output)."""
+    from vkgraph import graph
+    from vkgraph.schedule import Kernel
+    from vkgraph.view import ShapeTracker
+
+    dev, d = get_device(), dtypes.float16
+    lim = dataclasses.replace(realize_mod.limits(), coop=COOP)
+    if lim.subgroup < 1 or 16 % lim.subgroup or lim.min_subgroup != lim.max_subgroup:
+        pytest.skip("the emulation needs a fixed subgroup size that divides 16")
+    a, b = _arr((m, k), 21, np.float16), _arr((n, k) if tb else (k, n), 22, np.float16)
+    na = graph.buffer(realize_mod.upload(a, d), 0, d, a.shape)
+    nb = graph.buffer(realize_mod.upload(b, d), 0, d, b.shape)
+    if tb:
+        nb = graph.movement(nb, lambda s: s.permute((1, 0)))
+    mm = graph.matmul(na, nb, d)
+    out = realize_mod.allocate(d, mm.numel)
+    kern = Kernel(mm, out, ShapeTracker.contiguous(mm.shape))
+    for cfg in cfgs:
+        lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg)
+        assert len(lowered.programs) == (2 if cfg.ks > 1 and k % (cfg.bk * cfg.ks) == 0 else 1), cfg
+        for p in lowered.programs:
+            if p.name.startswith("MC_"):
+                p.src = emulated(p.src, lim.subgroup)
+        dev.upload(out.buf, np.full(m * n, np.nan, np.float16).view(np.uint8))
+        run_lowered(dev, lowered)
+        _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)
+
+
+def test_pipelined_split_product_emulated_matches_numpy():
+    """Two slices in flight and K split in four, ragged M and N, B read transposed."""
+    _emulated_product(130, 72, 256, True, [matmul_coop.Config(64, 64, 16, 2, 2, 2, 2, 4)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tb", [False, True])
+def test_tile_parameters_emulated_match_numpy(tb):
+    """Both prefetch depths, both stage counts and K splits on small tiles (the device's shared memory), over
+    ragged M and N and a K of whole slices; then a ragged K, whose split falls back to one part."""
+    cfgs = [matmul_coop.Config(64, 64, 32, 2, 2, s, pf, ks) for s in (1, 2) for pf in (1, 2) for ks in (1, 2)]
+    _emulated_product(130, 72, 256, tb, cfgs)
+    _emulated_product(100, 70, 88, tb, [matmul_coop.Config(64, 64, 32, 2, 2, 2, 2, 2)])
+
+
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
 
 def _has(operand: str) -> bool:
