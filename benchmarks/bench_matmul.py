@@ -49,7 +49,7 @@ PEAK_TFLOPS = 989.5
 
 
 def search(m: int, n: int, k: int, dname: str, reps: int = 5, wt: bool = False) -> tuple[Any, dict]:
-    """Time every configuration of matmul_coop.configs that fits the device on one (m, k) @ (k, n) product of
+    """Time every configuration of matmul_coop.candidates (those that fit the device) on one (m, k) @ (k, n) product of
     random `dname` values (int8: summed in int32) and record the fastest for its shape class (codegen.tune).
     Each is timed as the replayed figures are (a graph of 10 products replayed `reps` times, the median): bursts
     of dispatches read up to 3x low; each is printed as it is measured). With wt, B is stored (n, k) and read
@@ -70,9 +70,7 @@ def search(m: int, n: int, k: int, dname: str, reps: int = 5, wt: bool = False) 
     frag = matmul_coop.fragment(lim, matmul_coop.operand_type(compute))
     kern = Kernel(mm, realize.allocate(mm.dtype, mm.numel), ShapeTracker.contiguous(mm.shape))
     times = {}
-    for cfg in matmul_coop.configs(compute):
-        if not cfg.fits(frag, lim, compute.itemsize):
-            continue
+    for cfg in matmul_coop.candidates(m, n, k, 1, lim, frag, compute):
         lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, compute)
         for ref in lowered.scratch:  # a K split's partial planes
             ref.buf = dev.alloc(ref.nbytes)
@@ -93,9 +91,9 @@ SHAPES = [("4096^3", 4096, 4096, 4096, False), ("prefill 512x4096 @ 4096x4096 (w
 
 
 def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 5) -> dict:
-    """Time templates.matmul_quant in every tile of matmul_coop.CONFIGS that fits the device and takes whole
-    blocks, on QuantLinear lin's weights and the float16 rows x; record the fastest for the product's class
-    (codegen.tune). Returns the microseconds of each."""
+    """Time templates.matmul_quant in every tile of matmul_coop.candidates that takes whole blocks, on QuantLinear
+    lin's weights and the float16 rows x; record the fastest for the product's class (codegen.tune). Returns the
+    microseconds of each."""
     dev = get_device()
     lim = realize.limits()
     n, k = lin.out_features, lin.in_features
@@ -104,8 +102,8 @@ def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 5) -> dict:
     lin.weights.bind(dev, bufs[0], bufs[1])
     out = dev.alloc(max(c.ks for c in matmul_coop.CONFIGS) * m * n * 4)  # a K split writes a plane per part
     times = {}
-    for cfg in matmul_coop.CONFIGS:
-        if not cfg.fits(frag, lim) or cfg.bk % mq.BLOCK or k % (cfg.bk * cfg.ks):
+    for cfg in matmul_coop.candidates(m, n, k, 1, lim, frag, dtypes.float16):
+        if cfg.bk % mq.BLOCK or k % (cfg.bk * cfg.ks):
             continue
         times[cfg] = replay_us(dev, partial(mq.matmul_quant, dev, lim, lin.weights, x, m, cfg, out=out), reps,
                                per_graph=10)
@@ -255,6 +253,14 @@ def main() -> None:
             flop = 2 * m * n * k
             x = rng.standard_normal((m, k), dtype=np.float32).astype(npd)
             w = rng.standard_normal((n, k) if wt else (k, n), dtype=np.float32).astype(npd)
+            pt = float("nan")
+            if torch is not None:  # first, so that a search cut short still leaves the reference printed
+                tdt = torch.float16 if d is dtypes.float16 else torch.bfloat16
+                txx = torch.from_numpy(x.astype(np.float32)).cuda().to(tdt)
+                tww = torch.from_numpy(w.astype(np.float32)).cuda().to(tdt)
+                tb = tww.T if wt else tww
+                pt = flop / torch_time_us(torch, lambda txx=txx, tb=tb: txx @ tb, 20) / 1e6
+                print(f"{dname} {label}: torch.matmul {pt:.1f} TFLOP/s", flush=True)
             if args.tune and matmul_coop.fragment(lim, matmul_coop.operand_type(d)) is not None:
                 best, times = search(m, n, k, dname, wt=wt)
                 spread = ", ".join(f"{c.label()} {flop / t / 1e6:.0f}"
@@ -270,11 +276,6 @@ def main() -> None:
             vk = flop / us / 1e6
             row = [f"{dname} {label}", f"{vk:.1f}", "", "", f"{vk / PEAK_TFLOPS:.1%}", f"{err:.1e}"]
             if torch is not None:
-                tdt = torch.float16 if d is dtypes.float16 else torch.bfloat16
-                txx = torch.from_numpy(x.astype(np.float32)).cuda().to(tdt)
-                tww = torch.from_numpy(w.astype(np.float32)).cuda().to(tdt)
-                tb = tww.T if wt else tww
-                pt = flop / torch_time_us(torch, lambda txx=txx, tb=tb: txx @ tb, 20) / 1e6
                 row[2:4] = [f"{pt:.1f}", f"{vk / pt:.2f}"]
             rows.append(row)
             print("  ".join(row), flush=True)

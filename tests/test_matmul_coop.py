@@ -196,6 +196,15 @@ def test_every_tile_configuration_compiles(d):
             compiles(prog.src)
 
 
+def test_the_search_splits_k_only_for_outputs_of_few_tiles():
+    lim, frag = fake_limits(), (16, 16, 16)
+    big = matmul_coop.candidates(4096, 4096, 4096, 1, lim, frag, dtypes.float16)
+    few = matmul_coop.candidates(512, 4096, 4096, 1, lim, frag, dtypes.float16)
+    ragged = matmul_coop.candidates(512, 4096, 4000, 1, lim, frag, dtypes.float16)
+    assert {c.ks for c in big} == {1} and {c.ks for c in few} == {1, 2, 4} and {c.ks for c in ragged} == {1}
+    assert {c for c in few if c.ks == 1} == set(big) and all(c.fits(frag, lim) for c in few)
+
+
 def test_a_k_split_writes_partial_planes_that_a_reduction_sums():
     """KS parts of K each write a float32 plane of a scratch buffer; the second program sums them and runs the
     epilogue. Where K is not a whole number of KS slices, or the operands are 8-bit, K is not split."""

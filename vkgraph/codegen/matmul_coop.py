@@ -129,9 +129,21 @@ INT8_CONFIGS = (Config(128, 128, 64, 2, 4), Config(128, 128, 64, 4, 2), Config(1
                 Config(128, 128, 128, 2, 4, 1, 2), Config(256, 128, 64, 4, 2, 1, 2))
 
 
+SPLIT_TILES = 256  # outputs of fewer tiles may split K: under about two workgroups per multiprocessor of an H200
+
+
 def configs(compute: DType) -> tuple[Config, ...]:
-    """The tile configurations a search measures for operands of type compute."""
+    """The tile configurations of operands of type compute (those a search may measure)."""
     return INT8_CONFIGS if compute in _BYTES else CONFIGS
+
+
+def candidates(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[int, int, int],
+               compute: DType) -> list[Config]:
+    """The configurations a search measures for a batch of m x k @ k x n products: those of `configs` that fit the
+    device, splitting K only where the output has fewer than SPLIT_TILES tiles and K is a whole number of the
+    parts' slices (elsewhere the split adds a pass and no parallelism the device lacks)."""
+    return [c for c in configs(compute) if c.fits(frag, lim, compute.itemsize) and (c.ks == 1 or (
+        batch * math.ceil(m / c.bm) * math.ceil(n / c.bn) < SPLIT_TILES and k % (c.bk * c.ks) == 0))]
 
 
 def operand_type(d: DType) -> str | None:
