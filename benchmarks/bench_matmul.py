@@ -217,7 +217,8 @@ def main() -> None:
     p.add_argument("--tune", action="store_true", help="search tile configurations for each shape first")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--dtypes", default="float16,bfloat16")
-    p.add_argument("--shapes", default="", help="MxKxN products of the float shapes to run (default: all of SHAPES)")
+    p.add_argument("--shapes", default="",
+                   help="MxKxN products of the float shapes to run, in this order (default: all of SHAPES)")
     p.add_argument("--quant", default="", help="quantized formats (Q4_0,Q8_0,Q4_K,Q6_K): their prefill products only")
     p.add_argument("--int8", action="store_true", help="int8 x int8 -> int32 products only, against torch._int_mm")
     args = p.parse_args()
@@ -246,10 +247,9 @@ def main() -> None:
         npd = np.float16 if d is dtypes.float16 else ml_dtypes.bfloat16
         if matmul_coop.fragment(lim, matmul_coop.operand_type(d)) is None:
             print(f"{dname}: {dev.info.name} has no cooperative matrices for it; the tiled path is measured")
-        wanted = set(args.shapes.split(",")) if args.shapes else None
-        for label, m, k, n, wt in SHAPES:
-            if wanted is not None and f"{m}x{k}x{n}" not in wanted:
-                continue
+        by_size = {f"{m}x{k}x{n}": (label, m, k, n, wt) for label, m, k, n, wt in SHAPES}
+        shapes = [by_size[s] for s in args.shapes.split(",") if s in by_size] if args.shapes else SHAPES
+        for label, m, k, n, wt in shapes:
             flop = 2 * m * n * k
             x = rng.standard_normal((m, k), dtype=np.float32).astype(npd)
             w = rng.standard_normal((n, k) if wt else (k, n), dtype=np.float32).astype(npd)
