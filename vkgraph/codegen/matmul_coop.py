@@ -116,6 +116,10 @@ CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 1
            Config(128, 128, 32, 2, 4, 2, 2), Config(128, 128, 32, 4, 2, 2, 2), Config(128, 128, 16, 2, 4, 2, 2),
            Config(256, 128, 16, 4, 2, 2, 2), Config(128, 256, 16, 2, 4, 2, 2), Config(128, 128, 64, 2, 4, 1, 2),
            Config(128, 128, 64, 4, 2, 1, 2), Config(256, 128, 32, 4, 2, 1, 2), Config(128, 256, 32, 2, 4, 1, 2),
+           # 16 subgroups: twice the warps per multiprocessor where registers allow one workgroup of 8 (a barrier's
+           # wait then leaves no other workgroup to run)
+           Config(128, 128, 32, 4, 4, 2, 2), Config(256, 128, 16, 4, 4, 2, 2), Config(128, 256, 16, 4, 4, 2, 2),
+           Config(256, 128, 32, 4, 4, 1, 1), Config(256, 128, 32, 4, 4, 1, 2),
            # K split in two or four: outputs of few tiles (512 x 4096: 128 of 128 x 128 for ~132 multiprocessors)
            Config(128, 128, 32, 2, 4, 2, 1, 2), Config(128, 128, 32, 2, 4, 2, 2, 2),
            Config(128, 128, 64, 2, 4, 1, 1, 2), Config(128, 128, 32, 2, 4, 2, 2, 4),
