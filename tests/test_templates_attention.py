@@ -229,6 +229,14 @@ def test_attention_bad_input():
     with pytest.raises(ValueError, match="softcap"):
         pa.paged_decode(dev, cache, q, ints, ints, num_seqs=1, num_heads=4, max_blocks_per_seq=1,
                         max_context_len=16, softcap=-1.0)
+    # the new tokens' q/k/v rows: 4 query heads and 2 KV heads of 64 are 512 floats a row
+    rows = upload(dev, np.zeros(512, np.float32))
+    for new, seqs, match in [(pa.NewTokens(ints, 512, 0, 256, 385), 1, "values at 385"),
+                             (pa.NewTokens(ints, 512, 0, 256, 384, rope=(ints, ints)), 1, "cos"),
+                             (pa.NewTokens(ints, 512, 0, 256, 384), 2, "smaller than")]:
+        with pytest.raises(ValueError, match=match):
+            pa.paged_decode(dev, cache, rows, ints, ints, num_seqs=seqs, num_heads=4, max_blocks_per_seq=1,
+                            max_context_len=16, new_tokens=new)
 
 
 @pytest.mark.parametrize("dtype", ["f16", "f32"])

@@ -126,20 +126,14 @@ def write_kv(dev: Device, cache: PagedKVCache, key: Any, value: Any, slot_mappin
     same rotation of the q_heads query heads at key[t * src_stride + q_off ...], in the same dispatch."""
     row = cache.num_kv_heads * cache.head_size
     stride = row if src_stride is None else src_stride
-    if k_off < 0 or v_off < 0 or k_off + row > stride or v_off + row > stride:
-        raise ValueError(f"keys at {k_off} and values at {v_off} (each {row} wide) do not fit rows of {stride}")
-    span = (num_tokens - 1) * stride * 4 if num_tokens else 0
-    check_buffer("key", key, span + (k_off + row) * 4)
-    check_buffer("value", value, span + (v_off + row) * 4)
+    _check_rows("key", key, num_tokens, stride, {"keys": (k_off, row)})
+    _check_rows("value", value, num_tokens, stride, {"values": (v_off, row)})
     check_buffer("slot_mapping", slot_mapping, num_tokens * 4)
     q_items = num_tokens * q_heads * cache.head_size if q_out is not None else 0
     if q_out is not None:
         if rope is None or q_heads < 1:
             raise ValueError("q_out takes the rotated queries: it needs rope and q_heads >= 1")
-        q_row = q_heads * cache.head_size
-        if q_off < 0 or q_off + q_row > stride:
-            raise ValueError(f"queries at {q_off} ({q_row} wide) do not fit rows of {stride}")
-        check_buffer("key", key, span + (q_off + q_row) * 4)
+        _check_rows("key", key, num_tokens, stride, {"queries": (q_off, q_heads * cache.head_size)})
         check_buffer("q_out", q_out, q_items * 4)
     defines = _defines(dev, cache.head_size, cache.dtype)
     tables = [key, key]
