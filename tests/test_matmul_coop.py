@@ -470,7 +470,7 @@ def test_tile_parameters_emulated_match_numpy(tb):
     ragged M and N and a K of whole slices; then a ragged K, whose split falls back to one part."""
     cfgs = [matmul_coop.Config(64, 64, 32, 2, 2, s, pf, ks) for s in (1, 2) for pf in (1, 2) for ks in (1, 2)]
     _emulated_product(130, 72, 256, tb, cfgs)
-    _emulated_product(100, 70, 88, tb, [matmul_coop.Config(64, 64, 32, 2, 2, 2, 2, 2)])
+    _emulated_product(100, 70, 88, tb, [matmul_coop.Config(64, 64, 32, 2, 2, s, 2, 2) for s in (1, 2)])
 
 
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
