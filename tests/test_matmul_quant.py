@@ -117,6 +117,30 @@ def test_quant_linear_takes_the_kernel_where_the_device_has_cooperative_matrices
     assert _graph_names(lin(x)) == {f"dequant_f16_{fmt}"}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,cfg", [("Q4_0", matmul_coop.Config(64, 64, 32, 2, 2, 2, 2, 1)),
+                                     ("Q4_K", matmul_coop.Config(64, 64, 32, 2, 2, 1, 2, 2)),
+                                     ("Q8_0", matmul_coop.Config(64, 64, 64, 2, 2, 1, 1, 2))],
+                         ids=["Q4_0-p2", "Q4_K-s1-p2-k2", "Q8_0-s1-k2"])
+def test_prefill_tiles_emulated_match_numpy(fmt, cfg, monkeypatch):
+    """The prefill product with two slices in flight and with K split (partial planes), its cooperative matrices
+    emulated (test_matmul_coop.emulated), on any device with a fixed subgroup size dividing 16."""
+    from test_matmul_coop import COOP, emulated
+
+    lim = dataclasses.replace(realize_mod.limits(), coop=COOP)
+    if lim.subgroup < 1 or 16 % lim.subgroup or lim.min_subgroup != lim.max_subgroup:
+        pytest.skip("the emulation needs a fixed subgroup size that divides 16")
+    dev = get_device()
+    get = dev.pipelines.get
+    monkeypatch.setattr(dev.pipelines, "get",
+                        lambda src, **kw: get(emulated(src, lim.subgroup) if "coopMat" in src else src, **kw))
+    m, n, k = 70, 100, 512
+    qt, weights, x, xb, r, rb = _operands(dev, fmt, m, n, k, np.float16, 3)
+    out = mq.matmul_quant(dev, lim, weights, xb, m, cfg, residual=rb if cfg.ks == 1 else None)
+    got = dev.download(out, np.float32, (cfg.ks, m, n)).sum(0, dtype=np.float32)
+    _check(got, x, dequantize(qt).astype(np.float16), r if cfg.ks == 1 else 0.0)
+
+
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
 
 
