@@ -145,6 +145,22 @@ def test_truncate_drops_rejected_draft_tokens():
     m.check_invariants()
 
 
+def test_set_token_replaces_a_placeholder_in_place():
+    m = KVCacheManager(8, BS)
+    run(m, "a", list(range(BS - 1)))
+    m.append_tokens("a", [-1])  # a slot for a token still being sampled: it fills the first block
+    table = m.block_table("a")
+    with pytest.raises(ValueError):
+        m.set_token("a", 0, 5)  # computed tokens are final
+    m.set_token("a", BS - 1, 99)
+    assert m.block_table("a") == table and m.context_len("a") == BS
+    m.mark_computed("a")
+    m.free_sequence("a")
+    # the block is cached under the real token, not the placeholder
+    assert m.add_sequence("b", list(range(BS - 1)) + [99, 7]) == BS
+    m.check_invariants()
+
+
 def test_batch_metadata_is_padded():
     m = KVCacheManager(16, BS)
     run(m, "a", list(range(6)))

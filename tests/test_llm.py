@@ -176,6 +176,37 @@ def test_decode_steps_of_one_batch_reuse_its_sampling_inputs(models):
         engine.step()
 
 
+def test_decode_ahead_gives_what_steps_one_at_a_time_give(models, monkeypatch):
+    """Decode steps submitted before the host read the previous step's tokens give the same tokens, stops, freed
+    blocks and prefix-cache entries as steps taken one at a time, with a stop token ending requests mid-flight."""
+    _, model = build(models["Q8_0"])
+    prompts = [PROMPTS[3], PROMPTS[0], PROMPTS[1]]
+    first = run(Engine(model, max_batch=4), prompts[1:2], max_tokens=12)[0]
+    stop = first[4]  # ends that request after a few tokens, while the next step is in flight
+
+    def go(ahead: int):
+        monkeypatch.setenv("VKGRAPH_DECODE_AHEAD", str(ahead))
+        engine = Engine(model, max_batch=4)
+        ids = [engine.add_request(p, max_tokens=12, stop_token_ids=[stop]) for p in prompts]
+        out: dict[int, list[int]] = {}
+        ends = {}
+        while engine.has_work():
+            for ev in engine.step():
+                out.setdefault(ev.request_id, []).append(ev.token)
+                ends[ev.request_id] = ev.finished
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        engine.kv.check_invariants()
+        # the whole first sequence again: its full blocks come from the prefix cache, hashed over the real tokens
+        again = run(engine, [prompts[0] + out[ids[0]]], max_tokens=4)[0]
+        return [out[i] for i in ids], [ends[i] for i in ids], again, engine.stats
+
+    tokens, ends, again, stats = go(1)
+    assert (tokens, ends, again) == go(0)[:3]
+    assert ends[1] == "stop" and ends[0] == "length" and len(tokens[0]) == 12
+    assert stats["decode_ahead_steps"] > 0
+    assert stats["cached_prompt_tokens"] >= 3 * BLOCK
+
+
 def test_requests_join_while_others_decode(models):
     w, model = build(models["float32"])
     ref = ReferenceLlama(w)

@@ -114,6 +114,18 @@ def test_round_trip_offsets_and_bytes(dev):
         dev.download(c, np.float32, 251)
 
 
+def test_download_async_gives_the_values_when_called(dev):
+    x = np.arange(1000, dtype=np.float32)
+    b = dev.alloc(x.nbytes + 64)
+    dev.upload(b, x)
+    pending = dev.download_async(b, np.float32, (10, 100))
+    dev.upload(b, np.zeros(1000, np.float32))  # work after the call rewrites the buffer
+    assert np.array_equal(pending.result(), x.reshape(10, 100))
+    assert not dev.download(b, np.float32, 1000).any()
+    with pytest.raises(ValueError, match="download_async"):
+        dev.download_async(b, np.float32, (1017,))
+
+
 def test_round_trip_over_storage_range(dev):
     # more than 128 MiB (lavapipe's binding range) and an odd size; fixed, so a 4 GiB range does not make it slow
     n = (129 << 20) + 3

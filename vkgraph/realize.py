@@ -28,7 +28,7 @@ from .dtype import DType
 from .flags import flag
 from .graph import BufferRef, KeyedRef, Node, Op, argkey, forgetter, runtime_values
 from .interrupts import critical
-from .runtime import UnsupportedFeature, get_device
+from .runtime import HostCopy, UnsupportedFeature, get_device
 from .schedule import CustomCall, Schedule, create_schedule, structure
 from .view import ShapeTracker
 
@@ -542,6 +542,13 @@ def allocate(dtype: DType, numel: int) -> BufferRef:
     if numel:
         _ensure(get_device(), ref)
     return ref
+
+
+def download_async(ref: BufferRef, shape: tuple[int, ...]) -> HostCopy:
+    """Start copying a realized buffer to the host (Device.download_async)."""
+    if ref.numel == 0:
+        return HostCopy.empty(ref.dtype.np, shape)
+    return get_device().download_async(ref.buf, ref.dtype.np, shape)
 
 
 def download(ref: BufferRef, shape: tuple[int, ...]) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,10 +29,13 @@ from .dtype import (
     to_dtype,
 )
 from .graph import Node, Op, ReduceOp, Variable
-from .realize import allocate, assign, download, has_dtype, realize, require_dtype, upload
+from .realize import allocate, assign, download, download_async, has_dtype, realize, require_dtype, upload
 from .tensor_index import TensorIndexing, needs_advanced
 from .tensor_math import TensorMath
 from .view import ShapeTracker
+
+if TYPE_CHECKING:
+    from .runtime import HostCopy
 
 Scalar = int | float | bool
 _PY_SCALARS = (int, float, bool)  # exact types (numpy scalars take the general path)
@@ -218,6 +221,13 @@ class Tensor(TensorMath, TensorIndexing):
         """The values as a new numpy array (bfloat16 comes back as ml_dtypes.bfloat16)."""
         self.realize()
         return download(self.node.arg[0], self.shape)
+
+    def copy_to_host_async(self) -> HostCopy:
+        """Start copying the values to the host without waiting: `.result()` on what this returns gives the numpy
+        array, waiting only for the work recorded up to now, not for work submitted after this call. A loop can
+        so submit its next step before reading this one's output. Empty and bfloat16 tensors included."""
+        self.realize()
+        return download_async(self.node.arg[0], self.shape)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         out = self.numpy()

@@ -73,6 +73,9 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_FLASH_PREFILL", int, 0, "1 runs prefill attention on cooperative matrices where the device has "
              "them (templates.flash_prefill: float16 operands, about 1e-3 normalised error); 0 keeps the float32 "
              "template"),
+        Flag("VKGRAPH_DECODE_AHEAD", int, 1, "1: an engine submits the next decode step before the host has read the "
+             "tokens of the one in flight (their slots reserved, the tokens fed on the device), where the batch "
+             "stays the same and no request needs its tokens on the host first; 0: one step at a time"),
         Flag("VKGRAPH_PREFILL_CAPTURE_ROWS", int, 512, "an engine's prefills of up to this many token rows replay "
              "a forward pass captured per shape (vkgraph.jit); each capture keeps its intermediates; 0: never"),
         Flag("VKGRAPH_FUZZ_EXAMPLES", int, 10000, "examples per long fuzz test (pytest -m slow)"),

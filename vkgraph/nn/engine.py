@@ -12,10 +12,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..caches import LRU
 from ..flags import flag
 from ..jit import jit
 from ..tensor import Tensor, manual_seed
@@ -25,6 +25,9 @@ from .layers import StepInputs
 from .llama import LlamaModel
 from .sampling import SamplingParams, SamplingTensors, sample, token_logprobs
 from .tokenizer import IncrementalDecoder, Tokenizer
+
+if TYPE_CHECKING:
+    from ..runtime import HostCopy
 
 
 @dataclass(eq=False)
@@ -71,6 +74,8 @@ class Event:
     logprobs: TokenLogprob | None = None
 
 
+_STEP_CONSTANTS = 16  # sampling-parameter and placeholder tensors an engine keeps
+_PLACEHOLDER = -1  # the token of a KV slot reserved for a token still on the device (decode ahead)
 # top-k widths a step computes (the smallest that covers every request's), so a handful of captures serve all
 _TOP_BUCKETS = (1, 5, 20)
 MAX_TOP_LOGPROBS = _TOP_BUCKETS[-1]
@@ -88,6 +93,16 @@ class _Mark:
     sent: int
     preemptions: int
     decoder: tuple[IncrementalDecoder, tuple[int, int, int]] | None
+
+
+@dataclass
+class _InFlight:
+    """A decode step submitted but not yet read: its batch (row i is reqs[i]), its sampled tokens on the device
+    (the next step's input ids while the batch stays) and their copy on its way to the host."""
+
+    reqs: list[Request]
+    tokens: Tensor
+    host: HostCopy
 
 
 @dataclass
@@ -114,7 +129,17 @@ class Engine:
     `step()` is transactional: if anything raises inside it (a device error, a KeyboardInterrupt), every request
     is put back to its state before the step (KV blocks returned; running ones are requeued and recomputed),
     except that on an `Exception` the requests that took part in the step finish with "error" (reported by an
-    event at the next step) so a failure that repeats cannot loop forever. Then the exception propagates."""
+    event at the next step) so a failure that repeats cannot loop forever. Then the exception propagates.
+
+    Decode ahead (VKGRAPH_DECODE_AHEAD): a decode step is left in flight when `step()` returns, and the next
+    `step()` submits the following one, fed with the tokens still on the device, before it reads them back. The GPU
+    then runs step after step while the host reads tokens, checks stops and prepares inputs, instead of idling
+    through that host time every step. The slot of each token in flight is reserved with a placeholder that the
+    token replaces once read. A request that stops on a token read this way had one more step computed for it,
+    which is dropped. Steps go one at a time where the batch changes (a request waits for a free row, one finished
+    or was aborted), where a request needs its tokens on the host before the next step (logprobs, repetition
+    penalty, a seed, a prefix store below the GPU's blocks) and where one reaches max_tokens with the token in
+    flight."""
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
                  prefix_caching: bool = True, seed: int = 0, max_prefill_tokens: int = 4096,
@@ -135,17 +160,19 @@ class Engine:
         self.ids = itertools.count()
         self.decoders: dict[int, IncrementalDecoder] = {}
         self.stats = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "decode_tokens": 0, "decode_steps": 0,
-                      "preemptions": 0, "recomputed_tokens": 0, "failed_steps": 0}
+                      "preemptions": 0, "recomputed_tokens": 0, "failed_steps": 0, "decode_ahead_steps": 0}
         self._failed: list[Event] = []  # error events of requests a failed step finished, for the next step
         self._marks: list[_Mark] = []  # the state before this step of each request it has touched
         manual_seed(seed)
         self._host_rng = np.random.default_rng(seed)  # rows batched with a seeded request (see _noise)
         # a batch's sampling parameters and zero placeholders, uploaded once while the batch keeps them rather than
         # every step: a small batch's decode step waits on the host's work between replays
-        self._step_constants: LRU[tuple, SamplingTensors | Tensor] = LRU("engine step inputs", 16)
+        self._step_constants: dict[tuple, SamplingTensors | Tensor] = {}
         # a model whose step cannot be one captured graph (vkgraph.parallel's: host all-reduces inside) runs eagerly
         capturable = getattr(model, "capturable", True)
         self._decode = jit(self._decode_step, max_entries=16) if capturable else self._decode_step
+        self._ahead = capturable and bool(flag("VKGRAPH_DECODE_AHEAD"))
+        self._in_flight: _InFlight | None = None  # the decode step submitted and not yet read (decode ahead)
         # prefills of up to VKGRAPH_PREFILL_CAPTURE_ROWS rows: a capture keeps its intermediates (for a Q4_0 8B-shape
         # pass at 512 rows, the activations of a layer; without cooperative matrices also the float16 weight
         # temporaries), so few are kept, and larger prefills, whose GPU time dwarfs the host's, run eagerly
@@ -190,9 +217,11 @@ class Engine:
                         self.kv.free_sequence(r.id)
         self.decoders.pop(request_id, None)
         self._failed = [e for e in self._failed if e.request_id != request_id]
+        if self._in_flight is not None and not any(r in self.running for r in self._in_flight.reqs):
+            self._in_flight = None  # a step for nobody: nothing to read (its memory returns once it completes)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._failed)
+        return bool(self.waiting or self.running or self._failed or self._in_flight)
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None,
                  **kwargs: object) -> Iterator[Event]:
@@ -209,6 +238,13 @@ class Engine:
         try:  # everything up to handing the events back: an interrupt anywhere in it rolls the step back
             self._marks = [self._mark(r) for r in self.running]  # and each request the step takes from the queue
             events = self._failed
+            flight, self._in_flight = self._in_flight, None
+            if flight is not None:  # submit the next step before reading this one, where the batch lets it
+                ahead = self._decode_ahead(flight)
+                events = events + self._land(flight.reqs, flight.host.result(), None, ahead=ahead)
+                if ahead:
+                    self._failed = []
+                    return events
             if not self._reserve_running():  # no preemption: there is room to admit
                 events = events + self._admit()
                 self._reserve_running()  # the first tokens of those admitted (room was reserved for them)
@@ -347,8 +383,11 @@ class Engine:
             self.kv.evict_cached()
             self._move_blocks()
 
-    def _decode_running(self) -> list[Event]:
-        reqs = self.running
+    def _decode_running(self, ids: Tensor | None = None) -> list[Event]:
+        """One decode step of every running request, fed `ids` (the tokens of the step in flight, still on the
+        device) or the last sampled tokens. Read back now, or left in flight for the next step() where the batch
+        can run ahead (`_can_run_ahead`)."""
+        reqs = list(self.running)
         self._move_blocks()
         rows = _bucket(len(reqs), self.max_batch)
         meta = self.kv.batch([r.id for r in reqs], width=self.model.max_blocks_per_seq, pad_seqs=rows,
@@ -356,16 +395,59 @@ class Engine:
         st = self._sampling(reqs, rows)
         presence = self._presence(reqs, rows)
         noise = self._noise(st, reqs, rows)
-        out = self._decode(Tensor(meta.input_ids), Tensor(meta.positions), Tensor(meta.slot_mapping),
-                           Tensor(meta.block_tables), Tensor(meta.context_lens), st.temperature, st.top_k, st.top_p,
-                           st.min_p, st.penalty, presence, noise, st.use_top_k, st.use_top_p, st.use_sampling,
-                           self._top_width(reqs))
-        tokens, lps = _host(out)
+        width = self._top_width(reqs)
+        out = self._decode(Tensor(meta.input_ids) if ids is None else ids, Tensor(meta.positions),
+                           Tensor(meta.slot_mapping), Tensor(meta.block_tables), Tensor(meta.context_lens),
+                           st.temperature, st.top_k, st.top_p, st.min_p, st.penalty, presence, noise, st.use_top_k,
+                           st.use_top_p, st.use_sampling, width)
         self.stats["decode_steps"] += 1
+        if self._can_run_ahead(reqs, width):
+            self._in_flight = _InFlight(reqs, out, out.copy_to_host_async())
+            return []
+        tokens, lps = _host(out)
+        return self._land(reqs, tokens, lps, ahead=False)
+
+    def _can_run_ahead(self, reqs: list[Request], width: int) -> bool:
+        """Whether the step after this one may be fed this one's tokens on the device: nothing about the batch
+        needs them on the host first (see the class doc)."""
+        return (self._ahead and width == 0 and self._blocks is None
+                and all(r.params.repetition_penalty == 1.0 and r.params.seed is None for r in reqs))
+
+    def _decode_ahead(self, flight: _InFlight) -> bool:
+        """Submit the step after `flight`, fed its tokens on the device, if the batch is unchanged, no request
+        waits for a free row to join and none ends by length with the token in flight; each running request first
+        gets a slot for that token, holding a placeholder until it is read. Whether it was submitted."""
+        if ((self.waiting and len(self.running) < self.max_batch) or flight.reqs != self.running
+                or any(len(r.output) + 1 >= r.max_tokens for r in self.running)):
+            return False
+        grown = []
+        try:
+            for r in self.running:
+                self.kv.mark_computed(r.id)  # the step in flight computes them, on the queue before the next
+                self.kv.append_tokens(r.id, [_PLACEHOLDER])
+                grown.append(r)
+        except OutOfKVBlocks:  # the step waits for the tokens, and preemption makes room
+            for r in grown:
+                self.kv.truncate(r.id, self.kv.context_len(r.id) - 1)
+            return False
+        self._decode_running(ids=flight.tokens)
+        self.stats["decode_ahead_steps"] += 1
+        return True
+
+    def _land(self, reqs: list[Request], tokens: np.ndarray, lps: tuple[np.ndarray, ...] | None, *,
+              ahead: bool) -> list[Event]:
+        """Emit a decode step's tokens, row i to reqs[i], skipping rows of requests no longer running (finished or
+        aborted while the step was in flight). With `ahead` the next step is in flight already: each token
+        replaces its placeholder, whose KV that step is computing (and marks computed when it lands)."""
         events = []
-        for i, (r, t) in enumerate(zip(list(reqs), tokens[:len(reqs)])):
-            self.kv.mark_computed(r.id)
-            events.append(self._emit(r, int(t), _row_logprob(lps, i, r)))
+        for i, r in enumerate(reqs):
+            if r not in self.running:
+                continue
+            if ahead:
+                self.kv.set_token(r.id, self.kv.context_len(r.id) - 1, int(tokens[i]))
+            else:
+                self.kv.mark_computed(r.id)
+            events.append(self._emit(r, int(tokens[i]), _row_logprob(lps, i, r)))
         return events
 
     def _decode_step(self, ids, positions, slots, tables, ctx, temperature, top_k, top_p, min_p, penalty, presence,
@@ -395,15 +477,20 @@ class Engine:
         st = self._step_constants.get(key)
         if st is None:
             st = SamplingTensors.build(params, rows, self.vocab)
-            self._step_constants.put(key, st)
+            self._keep_step_constant(key, st)
         return st
+
+    def _keep_step_constant(self, key: tuple, value: SamplingTensors | Tensor) -> None:
+        if len(self._step_constants) >= _STEP_CONSTANTS:  # batches come and go: start afresh now and then
+            self._step_constants.clear()
+        self._step_constants[key] = value
 
     def _zero_column(self, rows: int) -> Tensor:
         """A (rows, 1) float32 zero column, the placeholder of an unused noise or presence input."""
         col = self._step_constants.get(("zeros", rows))
         if col is None:
             col = Tensor(np.zeros((rows, 1), np.float32))
-            self._step_constants.put(("zeros", rows), col)
+            self._keep_step_constant(("zeros", rows), col)
         return col
 
     def _noise(self, st: SamplingTensors, reqs: list[Request], rows: int) -> Tensor:
@@ -492,6 +579,7 @@ class Engine:
                 dec, point = m.decoder
                 dec.rewind(point)
                 self.decoders[r.id] = dec
+        self._in_flight = None  # its requests are recomputed: the tokens it holds were never emitted
         self.stats.update(before.stats)
         self.stats["failed_steps"] += 1
         self._failed = before.failed

@@ -295,6 +295,16 @@ class KVCacheManager:
             seq.blocks += self.pool.allocate(need)
         seq.tokens += token_ids
 
+    def set_token(self, seq_id: Hashable, index: int, token: int) -> None:
+        """Replace token `index`, not yet computed, in place (its slot and block stay): e.g. the placeholder of a
+        slot reserved for a token that was still being sampled."""
+        seq = self.seqs[seq_id]
+        if not seq.num_computed <= index < len(seq.tokens):
+            raise ValueError(f"set_token({index}): must be between the computed length {seq.num_computed} and "
+                             f"the length {len(seq.tokens)}")
+        seq.tokens[index] = token
+        del seq.hashes[index // self.block_size:]  # hashes over the old token
+
     def truncate(self, seq_id: Hashable, length: int) -> None:
         """Drop tokens beyond `length` (rejected draft tokens) and the blocks they alone used. Only tokens not
         yet marked computed can be dropped: computed full blocks may be indexed and shared."""

@@ -16,10 +16,11 @@ from .errors import (
 )
 from .memory import Buffer, BufferView, size_class
 from .pipeline import Pipeline
+from .transfer import HostCopy
 
 __all__ = [
     "Buffer", "BufferView", "CaptureError", "CommandGraph", "CompileError", "Device", "DeviceClosed", "DeviceError",
-    "DeviceInfo", "DeviceLost", "DeviceTimeout", "KernelInterfaceError", "LiveValue", "OutOfDeviceMemory", "Pipeline",
-    "UnsupportedFeature", "VkgraphError", "current_device", "get_device", "open_device", "reset_device", "size_class",
-    "use_device",
+    "DeviceInfo", "DeviceLost", "DeviceTimeout", "HostCopy", "KernelInterfaceError", "LiveValue", "OutOfDeviceMemory",
+    "Pipeline", "UnsupportedFeature", "VkgraphError", "current_device", "get_device", "open_device", "reset_device",
+    "size_class", "use_device",
 ]

@@ -28,7 +28,7 @@ from .errors import DeviceClosed, DeviceError, DeviceLost, UnsupportedFeature
 from .memory import Buffer, BufferView, MemoryManager
 from .pipeline import Pipeline, PipelineManager
 from .queue import Queue
-from .transfer import Transfers
+from .transfer import HostCopy, Transfers
 from .vk import NULL, Keep, check, ffi, lib, vk
 
 _TYPE_NAMES = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
@@ -384,6 +384,12 @@ class Device:
         if self.lost or self.closed:
             self.check_usable()
         return self.transfers.download(buf, dtype, shape, offset)
+
+    def download_async(self, buf: Buffer | BufferView, dtype: Any, shape: tuple[int, ...]) -> HostCopy:
+        """Start a download of `buf`'s first bytes as an array of `shape`; see Transfers.download_async."""
+        if self.lost or self.closed:
+            self.check_usable()
+        return self.transfers.download_async(buf, dtype, shape)
 
     def pipeline(self, source: str, *, spec: dict[str, Any] | None = None, defines: dict[str, Any] | None = None,
                name: str | None = None, include_dirs: list[str | Path] | None = None,

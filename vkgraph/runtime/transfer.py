@@ -48,6 +48,24 @@ class Transfers:
             if n == STAGING_CHUNK:
                 queue.flush()
 
+    def download_async(self, buf: Buffer | BufferView, dtype: Any, shape: tuple[int, ...]) -> HostCopy:
+        """Start copying `buf`'s first bytes (an array of `shape`) to the host: the copy is recorded after the work
+        already recorded and submitted now; `HostCopy.result()` waits for that submission only, so work submitted
+        after it (the next step of a loop) keeps the GPU busy while the host reads."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes > min(buf.size, STAGING_CHUNK):
+            raise ValueError(f"download_async of {nbytes} bytes from a buffer of {buf.size} bytes (at most "
+                             f"{STAGING_CHUNK} bytes at a time)")
+        queue = self.device.queue
+        if queue.capture is not None and queue.capture.thread == threading.get_ident():
+            raise CaptureError("reading a buffer back to the host inside a capture: a replay could not repeat it")
+        stage = self.memory.readback.alloc(max(nbytes, 1))
+        if nbytes:
+            queue.copy(buf, 0, stage, 0, nbytes)
+        queue.flush()
+        return HostCopy(self.device, stage, dtype, tuple(shape))
+
     def download(self, buf: Buffer | BufferView, dtype: Any, shape: Any, offset: int = 0) -> np.ndarray:
         """A new numpy array of `buf`'s bytes from `offset`, once every recorded writer has finished."""
         dtype = np.dtype(dtype)
@@ -85,3 +103,27 @@ def _as_bytes(data: Any) -> np.ndarray:
         arr = np.ascontiguousarray(data)
         return arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
     return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+
+
+class HostCopy:
+    """A download on its way (Transfers.download_async): `result()` waits for the submission that copies it and
+    returns a new array; dropping it unread returns its readback memory once the copy completes."""
+
+    def __init__(self, device: Device | None, stage: Buffer | None, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.device, self.stage, self.dtype, self.shape = device, stage, dtype, shape
+
+    @classmethod
+    def empty(cls, dtype: Any, shape: tuple[int, ...]) -> HostCopy:
+        """The copy of an empty array: nothing to wait for."""
+        return cls(None, None, np.dtype(dtype), tuple(shape))
+
+    def result(self) -> np.ndarray:
+        if self.device is None or self.stage is None:
+            return np.zeros(self.shape, self.dtype)
+        if self.device.lost or self.device.closed:
+            self.device.check_usable()
+        nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.device.queue.wait_for(self.stage.alloc)
+        out = np.array(self.stage.alloc.host[:nbytes], dtype=np.uint8)
+        self.stage.release()
+        return out.view(self.dtype).reshape(self.shape)
