@@ -231,6 +231,19 @@ def test_two_slices_in_flight_alternate_register_sets():
     compiles(_lowered(64, 64, 16, False, matmul_coop.Config(128, 128, 32, 2, 4, 2, 2)))
 
 
+@pytest.mark.parametrize("per_row", [2, 4, 8, 16])
+def test_staged_chunks_of_eight_invocations_fall_in_distinct_banks(per_row):
+    """Every chunk of a 64-row tile is stored once, and each group of 8 invocations' 16-byte stores (one pass of
+    the banks) covers 8 distinct 16-byte bank groups of rows padded by one chunk."""
+    from vkgraph.codegen.matmul_coop import _spread
+
+    row, col = (x.replace("/", "//") for x in _spread("e", per_row, 64))
+    pos = [(eval(row, {"e": e}), eval(col, {"e": e})) for e in range(64 * per_row)]
+    assert sorted(pos) == [(r, c) for r in range(64) for c in range(per_row)]
+    for g in range(0, len(pos), 8):
+        assert len({(r * (per_row + 1) + c) % 8 for r, c in pos[g:g + 8]}) == 8
+
+
 def test_reads_of_whole_tiles_leave_out_the_bounds_checks():
     cfg = matmul_coop.Config(128, 128, 32, 2, 4)
     assert "gr < " not in _lowered(256, 256, 512, False, cfg) and "gc < " not in _lowered(256, 256, 512, True, cfg)

@@ -350,6 +350,22 @@ def _pack(compute: DType, vals: list[str]) -> str:
     return f"uvec4({', '.join(words)})"
 
 
+def _spread(e: str, per_row: int, rows: int) -> tuple[str, str]:
+    """(shared row, chunk in the row) of a tile's staged chunk e, rows of per_row 16-byte chunks padded by one.
+    Eight invocations' 16-byte stores go to the banks together: in row order, two rows of 4 chunks (four of 2)
+    would put the second row's last chunk in the first's first bank, so the chunks of every 8 rows are dealt to
+    the invocations in an order whose groups of 8 fall in 8 distinct banks (rows r and r + 4; r, r + 2, r + 4 and
+    r + 6) where the tile has whole groups of 8 rows. A row's chunks stay with neighbouring invocations, so the
+    global reads stay as contiguous."""
+    if rows % 8:
+        return f"({e}) / {per_row}", f"({e}) % {per_row}"
+    if per_row == 4:
+        return f"(({e}) >> 5) * 8 + ((({e}) >> 2) & 1) * 4 + ((({e}) >> 3) & 3)", f"({e}) & 3"
+    if per_row == 2:
+        return f"(({e}) >> 4) * 8 + ((({e}) >> 1) & 3) * 2 + ((({e}) >> 3) & 1)", f"({e}) & 1"
+    return f"({e}) / {per_row}", f"({e}) % {per_row}"
+
+
 # ---- the program ---------------------------------------------------------------------------------------------------
 
 
@@ -468,8 +484,9 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
             with r.block("if (true)"):
                 r.emit(f"int e = lid + {c * nt};")
                 # shared row `so` and chunk `si` of the tile; (gr, gc): the chunk's first element
-                r.emit(f"int so = e / {inner // vw};")
-                r.emit(f"int si = (e % {inner // vw}) * {vw};")
+                row, col = _spread("e", inner // vw, outer)
+                r.emit(f"int so = {row};")
+                r.emit(f"int si = ({col}) * {vw};")
                 r.emit(f"int gr = {tile_r0} + {'si' if op.col_major else 'so'};")
                 r.emit(f"int gc = {tile_c0} + {'so' if op.col_major else 'si'};")
                 guard = ([] if (c + 1) * nt <= chunks else [f"e < {chunks}"]) + \
@@ -502,10 +519,12 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
                         r.emit(f"{regs}{c} = {_pack(compute, vals)};")
 
     def put(regs: str, per: int, chunks: int, inner: int, stride: int, at: str) -> None:
+        outer = chunks // (inner // vw)
         for c in range(per):
             e = f"(lid + {c * nt})"
             cond = "" if (c + 1) * nt <= chunks else f"if ({e} < {chunks}) "
-            r.emit(f"{cond}sm[{at} + ({e} / {inner // vw}) * {stride} + {e} % {inner // vw}] = {regs}{c};")
+            row, col = _spread(e, inner // vw, outer)
+            r.emit(f"{cond}sm[{at} + ({row}) * {stride} + ({col})] = {regs}{c};")
 
     base_a = base_index(opa, "a") if opa.vec else None
     base_b = base_index(opb, "b") if opb.vec else None
