@@ -235,9 +235,9 @@ def test_two_slices_in_flight_alternate_register_sets():
 def test_staged_chunks_of_eight_invocations_fall_in_distinct_banks(per_row):
     """Every chunk of a 64-row tile is stored once, and each group of 8 invocations' 16-byte stores (one pass of
     the banks) covers 8 distinct 16-byte bank groups of rows padded by one chunk."""
-    from vkgraph.codegen.matmul_coop import _spread
+    from vkgraph.codegen.matmul_coop import spread
 
-    row, col = (x.replace("/", "//") for x in _spread("e", per_row, 64))
+    row, col = (x.replace("/", "//") for x in spread("e", per_row, 64))
     pos = [(eval(row, {"e": e}), eval(col, {"e": e})) for e in range(64 * per_row)]
     assert sorted(pos) == [(r, c) for r in range(64) for c in range(per_row)]
     for g in range(0, len(pos), 8):

@@ -350,7 +350,7 @@ def _pack(compute: DType, vals: list[str]) -> str:
     return f"uvec4({', '.join(words)})"
 
 
-def _spread(e: str, per_row: int, rows: int) -> tuple[str, str]:
+def spread(e: str, per_row: int, rows: int) -> tuple[str, str]:
     """(shared row, chunk in the row) of a tile's staged chunk e, rows of per_row 16-byte chunks padded by one.
     Eight invocations' 16-byte stores go to the banks together: in row order, two rows of 4 chunks (four of 2)
     would put the second row's last chunk in the first's first bank, so the chunks of every 8 rows are dealt to
@@ -484,7 +484,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
             with r.block("if (true)"):
                 r.emit(f"int e = lid + {c * nt};")
                 # shared row `so` and chunk `si` of the tile; (gr, gc): the chunk's first element
-                row, col = _spread("e", inner // vw, outer)
+                row, col = spread("e", inner // vw, outer)
                 r.emit(f"int so = {row};")
                 r.emit(f"int si = ({col}) * {vw};")
                 r.emit(f"int gr = {tile_r0} + {'si' if op.col_major else 'so'};")
@@ -523,7 +523,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
         for c in range(per):
             e = f"(lid + {c * nt})"
             cond = "" if (c + 1) * nt <= chunks else f"if ({e} < {chunks}) "
-            row, col = _spread(e, inner // vw, outer)
+            row, col = spread(e, inner // vw, outer)
             r.emit(f"{cond}sm[{at} + ({row}) * {stride} + ({col})] = {regs}{c};")
 
     base_a = base_index(opa, "a") if opa.vec else None

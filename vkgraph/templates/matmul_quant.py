@@ -354,6 +354,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     chunks_a = bm * (bk // 8)
     per_a = math.ceil(chunks_a / nt)
     ka = bk // 8  # 8-element chunks of a row of x's slice (W's: 16-element chunks, _load_w)
+    srow, scol = matmul_coop.spread("e", ka, bm)  # x's chunk e: the stores of each 8 invocations in distinct banks
     g_m = matmul_coop.GROUP_M
     L: list[str] = []
     emit = L.append
@@ -365,9 +366,9 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         else:  # x: row-major float16, 16-byte words; zero past row M
             for c in range(per_a):
                 guard = f"e < {chunks_a} && " if (c + 1) * nt > chunks_a else ""
-                emit(f"{{ int e = lid + {c * nt}; int row = tm * {bm} + e / {ka};")
+                emit(f"{{ int e = lid + {c * nt}; int row = tm * {bm} + {srow};")
                 emit(f"  ar{c}{reg} = ({guard}row < int(pc.m)) ? "
-                     f"x[row * {k // 8} + ({k0}) / 8 + e % {ka}] : uvec4(0u); }}")
+                     f"x[row * {k // 8} + ({k0}) / 8 + ({scol})] : uvec4(0u); }}")
         _load_w(emit, n, bn, bk, nt, k0, reg)
 
     def store_slice(at: str, k0: str, reg: str) -> None:
@@ -377,7 +378,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         else:
             for c in range(per_a):
                 cond = "" if (c + 1) * nt <= chunks_a else f"if (lid + {c * nt} < {chunks_a}) "
-                emit(f"{{ int e = lid + {c * nt}; {cond}sm[{at} + (e / {ka}) * {a_stride} + e % {ka}] = "
+                emit(f"{{ int e = lid + {c * nt}; {cond}sm[{at} + ({srow}) * {a_stride} + ({scol})] = "
                      f"ar{c}{reg}; }}")
         _store_w(emit, bn, bk, nt, f"{at} + {a_size}", k0, reg)
 
