@@ -62,6 +62,20 @@ def test_programs_compile(fmt, cfg, residual):
     compiles(src)
 
 
+@pytest.mark.parametrize("kb", [2, 4, 8, 16])
+def test_staged_weight_chunks_of_eight_invocations_fall_in_distinct_banks(kb):
+    """Each chunk of W's 64-row slice (kb chunks of 16 values a row, two 16-byte words each) is staged once, each
+    8 invocations' stores land in 8 distinct 16-byte bank groups, and each warp stages the chunks it would in row
+    order (so its global reads are unchanged)."""
+    row, j = (x.replace("/", "//") for x in mq._deal("e", kb, 64))
+    pos = [(eval(row, {"e": e}), eval(j, {"e": e})) for e in range(64 * kb)]
+    assert sorted(pos) == [(r, c) for r in range(64) for c in range(kb)]
+    for g in range(0, len(pos), 8):
+        assert len({(r * (2 * kb + 1) + 2 * c) % 8 for r, c in pos[g:g + 8]}) == 8
+    for g in range(0, len(pos), 32):
+        assert sorted(pos[g:g + 32]) == [(e // kb, e % kb) for e in range(g, g + 32)]
+
+
 def mq_weights(fmt: str, n: int, k: int):
     from vkgraph.templates.matvec import weight_words
 
@@ -69,7 +83,7 @@ def mq_weights(fmt: str, n: int, k: int):
 
 
 @pytest.mark.parametrize("fmt", mq.FORMATS)
-@pytest.mark.parametrize("bn,bk,nt", [(128, 32, 256), (64, 64, 128)])
+@pytest.mark.parametrize("bn,bk,nt", [(128, 32, 256), (64, 64, 128), (64, 128, 64), (32, 256, 64)])
 def test_staging_matches_numpy(fmt, bn, bk, nt):
     """The product's staging of W (load_q, then decode_q into shared memory), run alone on any device over rows
     that are not a whole number of tiles: every value equals numpy's dequantization rounded to float16, within the

@@ -214,15 +214,30 @@ def _declare_w(emit: Any, bn: int, bk: int, nt: int, reg: str = "") -> None:
         emit(f"float bs{c}{reg};")
 
 
+def _deal(e: str, kb: int, rows: int) -> tuple[str, str]:
+    """(row of the tile, chunk j of the row) of W's staged chunk e, rows of kb chunks of 16 values (each stored as
+    two 16-byte words, rows padded by one word). Eight invocations' stores go to the banks together: in row
+    order, 2 chunks a row (BK 32) or 8 and more (BK 128, 256) put two of them in one bank, so those are dealt
+    by rows r, r + 1, r + 4, r + 5 (2 a row) or by two rows of 4 chunks each; all 8 then fall in distinct banks.
+    A warp's chunks are the same rows and chunks as in row order, so its global reads are too."""
+    if kb == 2 and rows % 8 == 0:
+        return (f"(({e}) >> 4) * 8 + ((({e}) >> 1) & 1) + ((({e}) >> 2) & 1) * 4 + ((({e}) >> 3) & 1) * 2",
+                f"({e}) & 1")
+    if kb >= 8 and rows % 2 == 0:
+        return f"(({e}) / {2 * kb}) * 2 + ((({e}) >> 2) & 1)", f"(({e}) & 3) + ((({e}) >> 3) & {kb // 4 - 1}) * 4"
+    return f"({e}) / {kb}", f"({e}) % {kb}"
+
+
 def _load_w(emit: Any, n: int, bn: int, bk: int, nt: int, k0: str, reg: str = "") -> None:
     """The raw words of every chunk of 16 values of W's slice from element k0, rows tn * bn ..: load_q into the
     registers br*, bs*; zero past row n."""
     chunks, kb = bn * (bk // 16), bk // 16
     for c in range(math.ceil(chunks / nt)):
         guard = f"e < {chunks} && " if (c + 1) * nt > chunks else ""
-        emit(f"{{ int e = lid + {c * nt}; int row = tn * {bn} + e / {kb};")
+        row, j = _deal("e", kb, bn)
+        emit(f"{{ int e = lid + {c * nt}; int row = tn * {bn} + {row};")
         r = f"br{c}{reg}"
-        emit(f"  if ({guard}row < {n}) load_q(row, ({k0}) + 16 * (e % {kb}), {r}_0, {r}_1, {r}_2, bs{c}{reg});")
+        emit(f"  if ({guard}row < {n}) load_q(row, ({k0}) + 16 * ({j}), {r}_0, {r}_1, {r}_2, bs{c}{reg});")
         emit(f"  else {{ {r}_0 = uvec4(0u); {r}_1 = uvec4(0u); {r}_2 = uvec4(0u); bs{c}{reg} = 0.0; }} }}")
 
 
@@ -232,8 +247,9 @@ def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str, reg: str = 
     chunks, kb, stride = bn * (bk // 16), bk // 16, (bk + 8) // 8
     for c in range(math.ceil(chunks / nt)):
         cond = "" if (c + 1) * nt <= chunks else f"if (lid + {c * nt} < {chunks}) "
-        emit(f"{{ int e = lid + {c * nt}; int j = e % {kb};")
-        emit(f"  {cond}{{ int at = {at} + (e / {kb}) * {stride} + 2 * j;")
+        row, j = _deal("e", kb, bn)
+        emit(f"{{ int e = lid + {c * nt}; int j = {j};")
+        emit(f"  {cond}{{ int at = {at} + ({row}) * {stride} + 2 * j;")
         r = f"br{c}{reg}"
         emit(f"    uvec4 lo, hi; decode_q(({k0}) + 16 * j, {r}_0, {r}_1, {r}_2, bs{c}{reg}, lo, hi);")
         emit("    sm[at] = lo; sm[at + 1] = hi; } }")
