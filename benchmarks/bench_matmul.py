@@ -5,6 +5,7 @@
     python benchmarks/bench_matmul.py --tune --dtypes float16 --shapes 4096x4096x4096,512x4096x14336   # some shapes
     python benchmarks/bench_matmul.py --quant Q4_0,Q8_0   # the prefill products over quantized weights
     python benchmarks/bench_matmul.py --quant Q4_0,Q8_0 --tune   # the same, each product's tiles searched first
+    python benchmarks/bench_matmul.py --quant Q4_0 --tune --shapes 512x4096x14336   # one of them
     python benchmarks/bench_matmul.py --int8          # int8 x int8 -> int32 against torch._int_mm, and float16
     python benchmarks/bench_matmul.py --int8 --tune   # the same, int8 tiles searched first
 
@@ -90,6 +91,12 @@ SHAPES = [("4096^3", 4096, 4096, 4096, False), ("prefill 512x4096 @ 4096x4096 (w
           ("prefill 512x14336 @ 14336x4096 (w.T)", 512, 14336, 4096, True)]
 
 
+def _shapes(sizes: str, shapes: list) -> list:
+    """The rows of `shapes` named by sizes ("MxKxN,..."), in that order; all of them when sizes is empty."""
+    by_size = {f"{m}x{k}x{n}": row for row in shapes for _, m, k, n, _ in [row]}
+    return [by_size[s] for s in sizes.split(",") if s in by_size] if sizes else shapes
+
+
 def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 5) -> dict:
     """Time templates.matmul_quant in every tile of matmul_coop.candidates that takes whole blocks, on QuantLinear
     lin's weights and the float16 rows x; record the fastest for the product's class (codegen.tune). Returns the
@@ -114,14 +121,14 @@ def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 5) -> dict:
     return times
 
 
-def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False) -> None:
+def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False, sizes: str = "") -> None:
     """TFLOP/s of the prefill products over quantized weights, both vkgraph paths and torch float16; with
     tune_tiles, each product's tiles are searched first (search_quant)."""
     dev = get_device()
     rng = np.random.default_rng(0)
     print(f"\n{'quantized prefill product':40s}{'coop':>8s}{'f16 copy':>10s}{'torch f16':>11s}{'ratio':>7s}  tile")
     for fmt in formats:
-        for label, m, k, n, _ in SHAPES[1:]:
+        for label, m, k, n, _ in _shapes(sizes, SHAPES[1:]):
             flop = 2 * m * n * k
             lin = QuantLinear(random_blocks(rng, fmt, n, k, d_range=(1e-3, 1e-2)))
             tx = Tensor(rng.standard_normal((m, k), dtype=np.float32)).realize()
@@ -231,7 +238,7 @@ def main() -> None:
         torch = None
     if args.quant:
         raise_clocks()
-        quant(args.quant.split(","), args.reps, torch, args.tune)
+        quant(args.quant.split(","), args.reps, torch, args.tune, args.shapes)
         return
     if args.int8:
         raise_clocks(3.0)
@@ -247,9 +254,7 @@ def main() -> None:
         npd = np.float16 if d is dtypes.float16 else ml_dtypes.bfloat16
         if matmul_coop.fragment(lim, matmul_coop.operand_type(d)) is None:
             print(f"{dname}: {dev.info.name} has no cooperative matrices for it; the tiled path is measured")
-        by_size = {f"{m}x{k}x{n}": (label, m, k, n, wt) for label, m, k, n, wt in SHAPES}
-        shapes = [by_size[s] for s in args.shapes.split(",") if s in by_size] if args.shapes else SHAPES
-        for label, m, k, n, wt in shapes:
+        for label, m, k, n, wt in _shapes(args.shapes, SHAPES):
             flop = 2 * m * n * k
             x = rng.standard_normal((m, k), dtype=np.float32).astype(npd)
             w = rng.standard_normal((n, k) if wt else (k, n), dtype=np.float32).astype(npd)
