@@ -41,6 +41,10 @@ def test_config_follows_the_device():
     deep = dataclasses.replace(lim, tuned=((cls, (128, 128, 64, 2, 4, 1)),))
     assert mq.config(deep, 512, 4096, 4096) == matmul_coop.Config(128, 128, 64, 2, 4, 1)
     assert mq.config(deep, 512, 4096, 4096 + 32).bk == 32  # K not a whole number of 64-deep slices
+    # a K split is taken where K is a whole number of its parts' slices (QuantLinear sums the planes)
+    split = dataclasses.replace(lim, tuned=((cls, (128, 128, 32, 2, 4, 2, 2, 4)),))
+    assert mq.config(split, 512, 4096, 4096) == matmul_coop.Config(128, 128, 32, 2, 4, 2, 2, 4)
+    assert mq.config(split, 512, 4096, 4096 + 32).ks == 1
     # a tile measured for the format's own products comes first
     own = dataclasses.replace(deep, tuned=deep.tuned + ((mq.shape_class("Q4_0", 512, 4096, 4096),
                                                          (64, 128, 32, 2, 4, 2)),))

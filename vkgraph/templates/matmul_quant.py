@@ -138,10 +138,12 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Co
     for c, v in lim.tuned:
         if c == cls and (cfg := matmul_coop.Config(*v)).fits(frag, lim) and _whole(cfg, k):
             return cfg
-    cfg = matmul_coop.choose(m, n, k, 1, lim, frag, dtypes.float16)
-    if not _whole(cfg, k):  # slices of whole blocks that divide K: take the default (BK 32) instead
-        cfg = matmul_coop.default_config(m, n, k, 1, lim, frag)
-    return cfg if _whole(cfg, k) and cfg.fits(frag, lim) else None
+    # the float16 product's choice where its slices are whole blocks that divide K, else the default, else BK 32
+    for cfg in (matmul_coop.choose(m, n, k, 1, lim, frag, dtypes.float16), matmul_coop.default_config(
+            m, n, k, 1, lim, frag), matmul_coop.Config(128, 128, 32, 2, 4), matmul_coop.Config(64, 64, 32, 2, 2)):
+        if _whole(cfg, k) and cfg.fits(frag, lim):
+            return cfg
+    return None
 
 
 def _whole(cfg: matmul_coop.Config, k: int) -> bool:
