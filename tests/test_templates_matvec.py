@@ -157,6 +157,23 @@ def test_matvec_int_dot_table(monkeypatch):
         assert (other.rows, other.fold, other.stage) == (mv.SG_PREFERRED[bucket][1], False, False)
 
 
+def test_matvec_auto_launch_by_rows(monkeypatch):
+    """auto keeps Q4_0's integer path on the workgroup launch up to AUTO_WORKGROUP_ROWS rows, and up to 8 where
+    K > LONG_K; other formats, the float path and past 8 rows take the subgroup one; a forced launch wins."""
+    _needs_shuffle()
+    dev = device()
+    q40, q4k = quant.FORMATS["Q4_0"], quant.FORMATS["Q4_K"]
+    monkeypatch.setitem(mv.AUTO_WORKGROUP_ROWS, "Q4_0", 4)
+    monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "auto")
+    for fmt, k, batch, int_dot, wide in ((q40, 4096, 3, True, False), (q40, 4096, 4, True, False),
+                                         (q40, 4096, 5, True, True), (q40, 14336, 8, True, False),
+                                         (q40, 14336, 9, True, True), (q40, 4096, 3, False, True),
+                                         (q4k, 4096, 3, True, True), (q40, 4096, 1, True, False)):
+        assert (mv.choose_config(dev, fmt, 512, k, batch, int_dot=int_dot).tpr > 0) == wide, (fmt.name, k, batch)
+    monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "subgroup")
+    assert mv.choose_config(dev, q40, 512, 4096, 3, int_dot=True).tpr > 0
+
+
 def test_matvec_int_dot_options_refused():
     """fold where runs do not share their scale, stage off the subgroup-rows launch, over part of a super-block or
     past the shared memory: ValueError before any GPU work."""

@@ -153,7 +153,7 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
     if int_dot is None:
         int_dot = int_dot_default(dev, fmt)
     if subgroup_rows is None:
-        subgroup_rows = subgroup_rows_default(dev, batch)
+        subgroup_rows = subgroup_rows_default(dev, batch, fmt, k, int_dot)
     bucket = 1 << (batch - 1).bit_length()
     units = k // UNIT_ELEMS[fmt.name]
     if subgroup_rows:
@@ -253,16 +253,32 @@ def sg_overrides() -> dict[int, tuple[int, int, int, int, bool, bool]]:
     return out
 
 
-def subgroup_rows_default(dev: Device, batch: int | None = None) -> bool:
+# Where VKGRAPH_MATVEC_LAUNCH=auto keeps the integer path on the workgroup launch past one activation row, by
+# format: up to this many rows at every K, and up to MAX_BATCH rows where K > LONG_K. Measured on an H200
+# (2026-12-02, bench_matvec_launch.py, Q4_0 at the 8B products qkv/o/gate_up/down, GB/s): 2 rows, workgroup
+# 1351/1189/2687/1615 against subgroup 1348/863/2504/1508; 4 rows 1210/979/1884/1632 against 1024/858/1861/1140;
+# 8 rows down (K = 14336) 1078 against 929, the K = 4096 products within 5% either way (744/637/1114 against
+# 782/663/1138). Formats not measured yet keep the subgroup launch past one row.
+AUTO_WORKGROUP_ROWS = {"Q4_0": 4}
+
+
+def subgroup_rows_default(dev: Device, batch: int | None = None, fmt: QuantFormat | None = None, k: int = 0,
+                          int_dot: bool = False) -> bool:
     """Whether choose_config takes the subgroup-rows launch for `batch` activation rows (None: some number of
-    rows above one): VKGRAPH_MATVEC_LAUNCH=subgroup, or auto where the device shuffles within subgroups and the
-    call has more than one row; workgroup never. On the H200 (2026-12-02) the workgroup launch was faster at one
-    row for every 8B product (e.g. down 2486 against 1375 GB/s) and the subgroup one faster end to end at 8 and 32."""
+    rows above one) of width `k` in format `fmt`: VKGRAPH_MATVEC_LAUNCH=subgroup, or auto where the device
+    shuffles within subgroups and the call has more than one row, except where AUTO_WORKGROUP_ROWS keeps the
+    integer path on the workgroup launch; workgroup never. On the H200 (2026-12-02) the workgroup launch was
+    faster at one row for every 8B product (e.g. down 2486 against 1375 GB/s) and the subgroup one faster end to
+    end at 8 and 32."""
     setting = flag("VKGRAPH_MATVEC_LAUNCH")
     if setting not in ("auto", "subgroup", "workgroup"):
         raise ValueError(f"VKGRAPH_MATVEC_LAUNCH must be auto, subgroup or workgroup, got {setting!r}")
     if setting == "auto" and batch == 1:
         return False
+    if setting == "auto" and batch and int_dot and fmt is not None and batch <= MAX_BATCH:
+        rows = AUTO_WORKGROUP_ROWS.get(fmt.name, 0)
+        if batch <= rows or (rows and k > LONG_K):
+            return False
     return setting != "workgroup" and "shuffle" in dev.info.subgroup_ops
 
 
