@@ -1,0 +1,108 @@
+"""A decode step's attention of one layer, its two routes side by side, device timestamps.
+
+    python benchmarks/bench_decode_attn.py [--batches 1,8,32] [--contexts 32,512,2048] [--reps 200]
+
+The Llama-3-8B layer's shape (32 query heads on 8 KV heads of 128, float16 cache, the output as the output
+product's int8 rows): `two` is kv_write (keys and queries rotated from the q/k/v rows, keys and values written)
+then paged_decode over the rotated queries; `one` is paged_decode writing the new tokens itself (NewTokens), as a
+fused decode step runs it. Each route runs `reps` times after warm-up, every call writing the same cache slots and
+output, so a barrier orders each pair of dependent dispatches as in a step. Printed per batch and context: the
+median microseconds inside each kernel and the span of the whole chain per call (kernels plus barriers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections import defaultdict
+
+os.environ["VKGRAPH_PROFILE"] = "1"
+os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
+
+import numpy as np  # noqa: E402
+from common import raise_clocks  # noqa: E402
+
+from vkgraph.runtime import get_device  # noqa: E402
+from vkgraph.templates import paged_attention as pa  # noqa: E402
+from vkgraph.templates.matvec import Q8Acts  # noqa: E402
+
+HQ, HKV, HEAD, BLOCK = 32, 8, 128, 16
+
+
+def chain(dev, run, reps: int) -> tuple[dict[str, float], float]:
+    """({kernel: median us}, chain us per call) of `reps` consecutive calls of `run`."""
+    for _ in range(10):
+        run()
+    dev.synchronize()
+    prof = dev.queue.profiler
+    prof.events.clear()
+    for _ in range(reps):
+        run()
+    dev.synchronize()
+    ev = list(prof.events)
+    prof.events.clear()  # no table at exit
+    if not ev:
+        raise RuntimeError("no timestamps on this device")
+    per: dict[str, list[float]] = defaultdict(list)
+    for name, t0, t1 in ev:
+        per[name].append((t1 - t0) / 1e3)
+    return {k: statistics.median(v) for k, v in per.items()}, (ev[-1][2] - ev[0][1]) / 1e3 / reps
+
+
+def case(dev, rng, b: int, ctx: int, reps: int) -> None:
+    blocks = -(-ctx // BLOCK)
+    cache = pa.PagedKVCache.create(dev, b * blocks, HKV, HEAD, BLOCK, "f16")
+    for buf in (cache.key, cache.value):
+        dev.upload(buf, rng.standard_normal(buf.size // 2).astype(np.float16))
+    tables = rng.permutation(b * blocks).astype(np.int32).reshape(b, blocks)
+    slots = (tables[:, (ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK).astype(np.int32)
+    width = (HQ + 2 * HKV) * HEAD
+    ang = rng.random((b, HEAD // 2))
+    bufs = {}
+    for name, arr in [("rows", rng.standard_normal((b, width)).astype(np.float32)), ("tables", tables),
+                      ("lens", np.full(b, ctx, np.int32)), ("slots", slots),
+                      ("cos", np.cos(ang).astype(np.float32)), ("sin", np.sin(ang).astype(np.float32))]:
+        bufs[name] = dev.alloc(arr.nbytes)
+        dev.upload(bufs[name], arr)
+    rope = (bufs["cos"], bufs["sin"])
+    q = dev.alloc(b * HQ * HEAD * 4)
+    out = dev.alloc(Q8Acts.layout(b, HQ * HEAD)[0])
+    kw = dict(num_seqs=b, num_heads=HQ, max_blocks_per_seq=blocks, max_context_len=ctx, out=out, int8=True)
+
+    def two() -> None:
+        pa.write_kv(dev, cache, bufs["rows"], bufs["rows"], bufs["slots"], b, src_stride=width, k_off=HQ * HEAD,
+                    v_off=(HQ + HKV) * HEAD, rope=rope, q_out=q, q_heads=HQ)
+        pa.paged_decode(dev, cache, q, bufs["tables"], bufs["lens"], **kw)
+
+    def one() -> None:
+        pa.paged_decode(dev, cache, bufs["rows"], bufs["tables"], bufs["lens"], **kw,
+                        new_tokens=pa.NewTokens(bufs["slots"], width, 0, HQ * HEAD, (HQ + HKV) * HEAD, rope=rope))
+
+    split = pa.choose_partition(dev, b, HKV, ctx, pa._choose_tile(dev, HQ // HKV, HEAD, "f16"))
+    for route, run in (("two", two), ("one", one)):
+        kernels, per_call = chain(dev, run, reps)
+        inside = "  ".join(f"{k} {v:.1f}" for k, v in sorted(kernels.items()))
+        print(f"{b:5d} {ctx:6d} {split or 'off':>5} {route:>5s} {per_call:9.1f}   {inside}", flush=True)
+    for buf in (cache.key, cache.value, q, out, *bufs.values()):
+        buf.release()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--contexts", default="32,512,2048")
+    ap.add_argument("--reps", type=int, default=200, help="timed calls per route and case (after 10 untimed)")
+    a = ap.parse_args()
+    dev = get_device()
+    raise_clocks()
+    rng = np.random.default_rng(0)
+    print(f"{dev.info.name}: one layer's decode attention, {HQ} q / {HKV} kv heads of {HEAD}, float16 cache, int8 out")
+    print(f"{'batch':>5s} {'ctx':>6s} {'split':>5s} {'route':>5s} {'chain us':>9s}   kernel us (median inside each)")
+    for b in (int(x) for x in a.batches.split(",")):
+        for ctx in (int(x) for x in a.contexts.split(",")):
+            case(dev, rng, b, ctx, a.reps)
+
+
+if __name__ == "__main__":
+    main()
