@@ -408,6 +408,7 @@ def test_paged_decode_writes_new_tokens(data, d, dtype, hkv, group, bs, seed):
 @pytest.mark.parametrize("part", [0, 32])
 def test_paged_decode_writes_new_tokens_int8(part):
     """The new tokens written by the attention that writes the output product's int8 rows, split or not; a row of
-    no context with a slot (written, attending nothing) beside a padding row."""
+    no context with a slot (written, attending nothing) beside a padding row, and a row of slot -1 that attends the
+    cache as it is."""
     _new_token_case(np.random.default_rng(11), [70, 1, 33, 0, 0], 2, 2, 64, 16, "f16", 0, part, rope=True, int8=True,
-                    moved=(4,))
+                    stale=(1,), moved=(4,))

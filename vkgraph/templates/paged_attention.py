@@ -74,16 +74,14 @@ def _defines(dev: Device, head_size: int, dtype: str, **extra: int) -> dict[str,
     return d
 
 
-def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str, new_kv: bool = False) -> int:
-    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl); with new_kv, one more
-    # token's key and value (unpadded)
-    token = head_size * KV_DTYPES[dtype]
-    return rows * head_size * 4 + 2 * tile * (token + 16) + rows * tile * 4 + 3 * rows * 4 + 2 * token * new_kv
+def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str) -> int:
+    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl)
+    return rows * head_size * 4 + 2 * tile * (head_size * KV_DTYPES[dtype] + 16) + rows * tile * 4 + 3 * rows * 4
 
 
-def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str, new_kv: bool = False) -> int:
+def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str) -> int:
     for tile in TILES:
-        if _shared_bytes(rows, tile, head_size, dtype, new_kv) <= dev.info.max_shared_memory:
+        if _shared_bytes(rows, tile, head_size, dtype) <= dev.info.max_shared_memory:
             return tile
     raise ValueError(f"{rows} query rows of head size {head_size} do not fit the device's shared memory")
 
@@ -291,7 +289,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     check_buffer("out", out, nbytes)
     # the int8 parts, or `out` bound where the float output is written
     acts = Q8Acts.in_buffer(out, num_seqs, num_heads * d) if int8 else Q8Acts(out, out, out)
-    tile = _choose_tile(dev, group, d, cache.dtype, new is not None)
+    tile = _choose_tile(dev, group, d, cache.dtype)
     if part_tokens is None:
         part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, tile)
     if part_tokens < 0 or part_tokens % tile:

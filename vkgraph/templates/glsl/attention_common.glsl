@@ -19,9 +19,11 @@
 //   uint kv_word(uint pos)              index of token pos's first uvec4 in the K/V buffers
 //   bool visible(uint row, uint pos)    whether row may attend to key position pos
 // then calls attend(begin, end) and reads acc[], sM[] and sL[].
-// With -DNEW_KV the token at position new_pos comes from sNewK/sNewV (words as the K/V buffers hold them), which
-// the including file fills (and makes visible with a barrier) before attend, in place of the K/V buffers: a token
-// that the same dispatch writes, which other workgroups of it may not see in memory.
+// With -DNEW_KV the including file sets new_pos before attend and defines
+//   void new_token()   sets new_k/new_v in invocations below WORDS_PER_TOKEN: word w = invocation of position
+//                      new_pos's key and value, as the K/V buffers hold them
+// which attend calls once its first tile's loads are in flight; tiles take that position's words from new_k/new_v
+// in place of the K/V buffers (a token that the same dispatch writes, which other workgroups of it may not see).
 #include "common.glsl"
 
 #ifdef KV_F16
@@ -49,8 +51,9 @@ shared uvec4 sV[TILE * TOKEN_STRIDE];
 shared vec4 sP[ROWS * TILE / 4];   // TILE is a multiple of 4
 shared float sM[ROWS], sL[ROWS], sAlpha[ROWS];
 #ifdef NEW_KV
-shared uvec4 sNewK[WORDS_PER_TOKEN], sNewV[WORDS_PER_TOKEN];
 uint new_pos = 0xFFFFFFFFu;   // none
+uvec4 new_k = uvec4(0), new_v = uvec4(0);
+void new_token();
 #endif
 
 vec4 acc[ACC_N];
@@ -80,13 +83,10 @@ void load_tile(uint t0, uint end) {   // the tile at t0 into nextK/nextV (zeros 
         const uint pos = t0 + i / WORDS_PER_TOKEN;
         nextK[j] = uvec4(0);   // a zero weight times garbage could be NaN
         nextV[j] = uvec4(0);
-        if (i < TILE * WORDS_PER_TOKEN && pos < end) {
 #ifdef NEW_KV
-            if (pos == new_pos) {
-                nextK[j] = sNewK[i % WORDS_PER_TOKEN];
-                nextV[j] = sNewV[i % WORDS_PER_TOKEN];
-                continue;
-            }
+        if (i < TILE * WORDS_PER_TOKEN && pos < end && pos != new_pos) {   // new_pos: from new_k/new_v
+#else
+        if (i < TILE * WORDS_PER_TOKEN && pos < end) {
 #endif
             const uint g = kv_word(pos) + i % WORDS_PER_TOKEN;
             nextK[j] = kc[g];
@@ -107,17 +107,33 @@ void attend(uint begin, uint end) {
         lsum[j] = 0.0;
     }
     if (begin < end) load_tile(begin, end);
+#ifdef NEW_KV
+    new_token();   // its loads overlap the first tile's
+#endif
 
     for (uint t0 = begin; t0 < end; t0 += TILE) {
         barrier();   // the previous tile is consumed; sQ/sM are written
+#ifdef NEW_KV
+        const bool has_new = new_pos - t0 < TILE && new_pos < end;   // the new token is in this tile
+#endif
         [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
             const uint i = tid + j * WG;
+#ifdef NEW_KV
+            if (i < TILE * WORDS_PER_TOKEN && !(has_new && t0 + i / WORDS_PER_TOKEN == new_pos)) {
+#else
             if (i < TILE * WORDS_PER_TOKEN) {
+#endif
                 const uint at = (i / WORDS_PER_TOKEN) * TOKEN_STRIDE + i % WORDS_PER_TOKEN;
                 sK[at] = nextK[j];
                 sV[at] = nextV[j];
             }
         }
+#ifdef NEW_KV
+        if (has_new && tid < WORDS_PER_TOKEN) {
+            sK[(new_pos - t0) * TOKEN_STRIDE + tid] = new_k;
+            sV[(new_pos - t0) * TOKEN_STRIDE + tid] = new_v;
+        }
+#endif
         barrier();
         if (t0 + TILE < end) load_tile(t0 + TILE, end);
         [[unroll]] for (uint j = 0; j < SCORE_N; j++) {

@@ -13,10 +13,10 @@
 // kv_write.comp. `q` is then the rows [B, src_stride] of the fused q/k/v product: queries from column q_off, the
 // new key from k_off, its value from v_off; -DROPE rotates queries and key as kv_write.comp does (rotate-half,
 // cos/sin [B, HEAD_SIZE / 2] per sequence). The new key and value, as the cache will hold them (float16 rounded
-// to nearest even, or float32), are attended at position ctx - 1 from shared memory, never read back from the
-// cache, and the workgroup of the partition that covers ctx - 1 (partition 0 where ctx is 0) writes them at
-// block slot_mapping[seq] / block_size, offset slot_mapping[seq] % block_size: one writer per cache word. A
-// negative slot (padding) writes nothing and attends the cache as it is. The slot must be the one the block
+// to nearest even, or float32), are attended at position ctx - 1 from registers, never read back from the cache,
+// and the workgroup of the partition that covers ctx - 1 (partition 0 where ctx is 0) writes them at block
+// slot_mapping[seq] / block_size, offset slot_mapping[seq] % block_size: one writer per cache word. A negative
+// slot (padding) writes nothing and attends the cache as it is. The slot must be the one the block
 // table gives position ctx - 1, and no other sequence of the dispatch may read it.
 #define ROWS GROUP
 layout(set = 0, binding = 0) readonly buffer Q { float q[]; };  // [B, Hq, D] float32; -DNEW_KV: [B, src_stride]
@@ -96,25 +96,29 @@ uvec4 cache_word(uint base, uint e, bool rope) {   // dimensions e... of the hea
 #endif
 }
 
-// The new token's key and value words to sNewK/sNewV (attention_common.glsl), and from the owning partition's
-// workgroup into the cache.
-void new_token(uint ctx, uint part) {
+// new_k/new_v (attention_common.glsl): word w (this invocation) of the new token's key and value, written by the
+// owning partition's workgroup into the cache; where the slot is negative, the cache's own words at position ctx - 1.
+void new_token() {
+    const uint w = gl_LocalInvocationID.x, ctx = new_pos + 1;   // new_pos is ctx - 1 (0xFFFFFFFF where ctx is 0)
+    if (w >= WORDS_PER_TOKEN) return;
     const int slot = slot_mapping[seq_id()];
-    if (slot < 0) return;   // uniform: one sequence per workgroup
-    new_pos = ctx - 1;      // ctx 0: 0xFFFFFFFF, no position
-    const uint owner = pc.part_tokens > 0 && ctx > 0 ? min((ctx - 1) / pc.part_tokens, pc.max_parts - 1) : 0;
-    const uint row = seq_id() * pc.src_stride, kb = row + pc.k_off + kv_head() * HEAD_SIZE;
-    const uint vb = row + pc.v_off + kv_head() * HEAD_SIZE;
-    const uint dst = ((uint(slot) / pc.block_size * pc.num_kv_heads + kv_head()) * pc.block_size
-                      + uint(slot) % pc.block_size) * WORDS_PER_TOKEN;
-    for (uint w = gl_LocalInvocationID.x; w < WORDS_PER_TOKEN; w += WG) {
-        const uvec4 k = cache_word(kb, w * KV_PER_WORD, true), v = cache_word(vb, w * KV_PER_WORD, false);
-        sNewK[w] = k;
-        sNewV[w] = v;
-        if (part == owner) {
-            kw[dst + w] = k;
-            vw[dst + w] = v;
+    if (slot < 0) {
+        if (ctx > 0) {
+            const uint g = kv_word(new_pos) + w;
+            new_k = kc[g];
+            new_v = vc[g];
         }
+        return;
+    }
+    const uint row = seq_id() * pc.src_stride;
+    new_k = cache_word(row + pc.k_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, true);
+    new_v = cache_word(row + pc.v_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, false);
+    const uint owner = pc.part_tokens > 0 && ctx > 0 ? min(new_pos / pc.part_tokens, pc.max_parts - 1) : 0;
+    if (gl_WorkGroupID.x == owner) {
+        const uint dst = ((uint(slot) / pc.block_size * pc.num_kv_heads + kv_head()) * pc.block_size
+                          + uint(slot) % pc.block_size) * WORDS_PER_TOKEN + w;
+        kw[dst] = new_k;
+        vw[dst] = new_v;
     }
 }
 #endif
@@ -139,8 +143,7 @@ void main() {
     }
     if (pc.window > 0 && ctx > pc.window) begin = max(begin, ctx - pc.window);
 #ifdef NEW_KV
-    new_token(ctx, part);
-    barrier();   // sNewK/sNewV before attend's first loads
+    new_pos = ctx - 1;   // attend takes it from new_token(), not the cache
 #endif
     attend(begin, max(begin, end));
 
