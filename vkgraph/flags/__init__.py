@@ -64,6 +64,9 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_DECODE_FUSION", int, 1, "0 builds model layers unfused: norms write floats that the matvec "
              "quantizes, keys are rotated and copied by generated kernels before the KV write (to measure the "
              "fused templates against)"),
+        Flag("VKGRAPH_NORM_FOLD", int, 1, "0 keeps the RMSNorm after a quantized product (the o and down products "
+             "of a decode step) a kernel of its own (rmsnorm_q8) instead of writing it from the product's epilogue "
+             "(templates.matvec.NormFold; to measure the fold against); off with VKGRAPH_DECODE_FUSION=0 too"),
         Flag("VKGRAPH_QUANT_COOP", int, 1, "0 runs quantized prefill products through a float16 copy of the weights "
              "and the generated matmul instead of the kernel that dequantizes into shared memory (to measure them)"),
         Flag("VKGRAPH_DECODE_MM_ROWS", int, 16, "from this many activation rows (up to 63) quantized products run "
