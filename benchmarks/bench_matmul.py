@@ -72,13 +72,14 @@ def search(m: int, n: int, k: int, dname: str, reps: int = 5, wt: bool = False) 
     kern = Kernel(mm, realize.allocate(mm.dtype, mm.numel), ShapeTracker.contiguous(mm.shape))
     times = {}
     for cfg in matmul_coop.candidates(m, n, k, 1, lim, frag, compute):
+        print(f"  {dname} {m}x{k}x{n} {cfg.label()}: ", end="", flush=True)  # named before it runs
         lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, compute)
         for ref in lowered.scratch:  # a K split's partial planes
             ref.buf = dev.alloc(ref.nbytes)
         steps = [(dev.pipeline(p.src, name=p.name), [ref.buf for ref, _, _ in p.bindings], p.groups, p.push or None)
                  for p in lowered.programs]
         times[cfg] = replay_us(dev, lambda steps=steps: [dev.dispatch(*st) for st in steps], reps, per_graph=10)
-        print(f"  {dname} {m}x{k}x{n} {cfg.label()}: {2 * m * n * k / times[cfg] / 1e6:.1f} TFLOP/s", flush=True)
+        print(f"{2 * m * n * k / times[cfg] / 1e6:.1f} TFLOP/s", flush=True)
         for ref in lowered.scratch:
             ref.buf.release()
     best = min(times, key=times.get)
@@ -112,8 +113,10 @@ def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 5) -> dict:
     for cfg in matmul_coop.candidates(m, n, k, 1, lim, frag, dtypes.float16):
         if cfg.bk % mq.BLOCK or k % (cfg.bk * cfg.ks):
             continue
+        print(f"  {lin.format} {m}x{k}x{n} {cfg.label()}: ", end="", flush=True)
         times[cfg] = replay_us(dev, partial(mq.matmul_quant, dev, lim, lin.weights, x, m, cfg, out=out), reps,
                                per_graph=10)
+        print(f"{2 * m * n * k / times[cfg] / 1e6:.1f} TFLOP/s", flush=True)
     best = min(times, key=times.get)
     tune.record(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device), mq.shape_class(lin.format, m, n, k), best)
     realize.forget_limits()

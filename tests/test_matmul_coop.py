@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import ml_dtypes
 import numpy as np
@@ -194,6 +195,14 @@ def test_every_tile_configuration_compiles(d):
         shape = (512, 256, 512, i % 2 == 1) if i % 3 == 0 or cfg.ks > 1 else (200, 136, 300, i % 2 == 0)
         for prog in _lowered(*shape, cfg, d, first=False).programs:
             compiles(prog.src)
+            # within the device's shared memory, the epilogue's staging included (a driver may take more and
+            # lose the device when it runs)
+            declared = re.search(r"shared uvec4 sm\[(\d+)\]", prog.src)
+            assert declared is None or int(declared[1]) * 16 <= lim.max_shared, cfg
+    wide = matmul_coop.Config(128, 256, 16, 4, 4, 2, 2)  # 16 subgroups of 64 columns: 69632 bytes to stage them
+    assert wide.shared_bytes() <= lim.max_shared < wide.epilogue_bytes(frag[0]) and not wide.fits(frag, lim)
+    with pytest.raises(ValueError, match="shared memory"):
+        _lowered(512, 512, 512, False, wide)
 
 
 def test_the_search_splits_k_only_for_outputs_of_few_tiles():
