@@ -237,6 +237,11 @@ def test_attention_bad_input():
         with pytest.raises(ValueError, match=match):
             pa.paged_decode(dev, cache, rows, ints, ints, num_seqs=seqs, num_heads=4, max_blocks_per_seq=1,
                             max_context_len=16, new_tokens=new)
+    wide = pa.PagedKVCache.create(dev, 1, 1, 1024, 16, "f32")  # 256 words a token, one invocation each
+    rows = upload(dev, np.zeros(3 * 1024, np.float32))
+    with pytest.raises(ValueError, match="more words"):
+        pa.paged_decode(dev, wide, rows, ints, ints, num_seqs=1, num_heads=1, max_blocks_per_seq=1,
+                        max_context_len=16, new_tokens=pa.NewTokens(ints, 3 * 1024, 0, 1024, 2048))
 
 
 @pytest.mark.parametrize("dtype", ["f16", "f32"])

@@ -278,6 +278,9 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
         _check_rows("q", q, num_seqs, new.src_stride, {"queries": (new.q_off, num_heads * d),
                                                       "keys": (new.k_off, hkv * d), "values": (new.v_off, hkv * d)})
         check_buffer("slot_mapping", new.slot_mapping, num_seqs * 4)
+        if d * KV_DTYPES[cache.dtype] // 16 > ATTN_WG:  # one invocation builds each 16-byte word of the new token
+            raise ValueError(f"new tokens of head size {d} ({cache.dtype}) have more words than a workgroup has "
+                             f"invocations ({ATTN_WG})")
         for name, buf in zip(("cos", "sin"), new.rope or ()):
             check_buffer(name, buf, num_seqs * d // 2 * 4)
     check_buffer("block_tables", block_tables, num_seqs * max_blocks_per_seq * 4)
