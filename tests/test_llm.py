@@ -138,6 +138,24 @@ def test_greedy_generation_matches_reference_token_by_token(models, kind):
     assert got == [ref.greedy(p, 10) for p in PROMPTS]
 
 
+def test_engine_with_folded_norms_generates_what_it_does_without(models, monkeypatch):
+    """The engine's captured, replayed decode steps (decode ahead on) on the integer path, with the norms written
+    by the products before them (VKGRAPH_NORM_FOLD=1) and without: the same greedy tokens for a batch of four."""
+    from vkgraph import templates
+    from vkgraph.runtime import get_device
+
+    if not get_device().info.integer_dot_product:
+        pytest.skip("no shaderIntegerDotProduct on this device")
+    monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
+    outs, norms = [], []
+    for fold in ("1", "0"):
+        monkeypatch.setenv("VKGRAPH_NORM_FOLD", fold)
+        before = templates.DISPATCHES["rmsnorm_q8"]
+        outs.append(run(Engine(build(models["Q4_0-head32"])[1], max_batch=4), PROMPTS, max_tokens=8))
+        norms.append(templates.DISPATCHES["rmsnorm_q8"] - before)  # recorded ones: replays dispatch no template
+    assert outs[0] == outs[1] and norms[0] < norms[1]
+
+
 def test_batch_gives_what_each_gives_alone_and_frees_every_block(models):
     _, model = build(models["Q8_0"])
     engine = Engine(model, max_batch=8, prefix_caching=False)
