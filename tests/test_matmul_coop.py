@@ -205,6 +205,22 @@ def test_every_tile_configuration_compiles(d):
         _lowered(512, 512, 512, False, wide)
 
 
+def test_default_tiles_are_the_measured_ones():
+    """Without a search: 128 x 256 x 32 in one stage where the output has at least 128 such tiles, 128 x 128 x 64
+    in one stage for outputs of fewer (a 512-token prefill's 4096 columns), smaller tiles for small outputs or
+    less shared memory; int8 as before."""
+    lim, f = fake_limits(), (16, 16, 16)
+    assert matmul_coop.default_config(4096, 4096, 4096, 1, lim, f) == matmul_coop.Config(128, 256, 32, 2, 4, 1)
+    assert matmul_coop.default_config(512, 14336, 4096, 1, lim, f) == matmul_coop.Config(128, 256, 32, 2, 4, 1)
+    assert matmul_coop.default_config(512, 4096, 4096, 1, lim, f) == matmul_coop.Config(128, 128, 64, 4, 2, 1)
+    assert matmul_coop.default_config(512, 4096, 14336, 1, lim, f) == matmul_coop.Config(128, 128, 64, 4, 2, 1)
+    assert matmul_coop.default_config(300, 200, 64, 1, lim, f).bm * 2 <= 128
+    small = fake_limits(max_shared=32768)
+    assert matmul_coop.default_config(4096, 4096, 4096, 1, small, f).fits(f, small)
+    assert matmul_coop.default_config(4096, 4096, 4096, 1, fake_limits(coop=COOP_I8), (16, 16, 32), dtypes.int8) \
+        == matmul_coop.Config(128, 128, 64, 2, 4)
+
+
 def test_the_search_splits_k_only_for_outputs_of_few_tiles():
     lim, frag = fake_limits(), (16, 16, 16)
     big = matmul_coop.candidates(4096, 4096, 4096, 1, lim, frag, dtypes.float16)

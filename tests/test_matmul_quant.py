@@ -29,27 +29,29 @@ from vkgraph.tensor import Tensor
 
 def test_config_follows_the_device():
     lim = fake_limits()
-    cfg = mq.config(lim, 512, 4096, 4096)
-    assert cfg is not None and cfg.bk % mq.BLOCK == 0 and cfg.fits((16, 16, 16), lim)
+    assert mq.config(lim, 512, 4096, 4096) == mq.DEFAULT and mq.DEFAULT.bk % mq.BLOCK == 0
     assert mq.config(fake_limits(coop=()), 512, 4096, 4096) is None
     assert mq.config(fake_limits(min_subgroup=32, max_subgroup=64), 512, 4096, 4096) is None
     assert mq.config(lim, 512, 4096, 48) is None  # K not whole blocks
-    # a tuned tile whose slices are not whole blocks (BK 16) gives way to the default
-    cls = matmul_coop.shape_class(512, 4096, 4096, 1, template_ops.dtypes.float16)
-    tuned = dataclasses.replace(lim, tuned=((cls, (128, 256, 16, 2, 4, 2)),))
-    assert mq.config(tuned, 512, 4096, 4096).bk == 32
-    deep = dataclasses.replace(lim, tuned=((cls, (128, 128, 64, 2, 4, 1)),))
-    assert mq.config(deep, 512, 4096, 4096) == matmul_coop.Config(128, 128, 64, 2, 4, 1)
-    assert mq.config(deep, 512, 4096, 4096 + 32).bk == 32  # K not a whole number of 64-deep slices
-    # a K split is taken where K is a whole number of its parts' slices (QuantLinear sums the planes)
-    split = dataclasses.replace(lim, tuned=((cls, (128, 128, 32, 2, 4, 2, 2, 4)),))
-    assert mq.config(split, 512, 4096, 4096) == matmul_coop.Config(128, 128, 32, 2, 4, 2, 2, 4)
-    assert mq.config(split, 512, 4096, 4096 + 32).ks == 1
-    # a tile measured for the format's own products comes first
-    own = dataclasses.replace(deep, tuned=deep.tuned + ((mq.shape_class("Q4_0", 512, 4096, 4096),
-                                                         (64, 128, 32, 2, 4, 2)),))
+    assert mq.config(fake_limits(max_shared=32768), 512, 4096, 4096) == matmul_coop.Config(64, 64, 32, 2, 2)
+    # the float16 product's measured tiles (another staging) are not taken, nor its default
+    f16 = matmul_coop.shape_class(512, 4096, 4096, 1, template_ops.dtypes.float16)
+    assert mq.config(dataclasses.replace(lim, tuned=((f16, (128, 256, 32, 2, 4, 1)),)), 512, 4096, 4096) == mq.DEFAULT
+    assert matmul_coop.default_config(512, 4096, 14336, 1, lim, (16, 16, 16)) != mq.DEFAULT
+    # a tile measured for the format's own products is taken where its slices are whole blocks dividing K
+    q4 = mq.shape_class("Q4_0", 512, 4096, 4096)
+    own = dataclasses.replace(lim, tuned=((q4, (64, 128, 32, 2, 4, 2)),))
     assert mq.config(own, 512, 4096, 4096, "Q4_0") == matmul_coop.Config(64, 128, 32, 2, 4, 2)
-    assert mq.config(own, 512, 4096, 4096, "Q8_0") == matmul_coop.Config(128, 128, 64, 2, 4, 1)
+    assert mq.config(own, 512, 4096, 4096, "Q8_0") == mq.DEFAULT
+    shallow = dataclasses.replace(lim, tuned=((q4, (128, 256, 16, 2, 4, 2)),))
+    assert mq.config(shallow, 512, 4096, 4096, "Q4_0") == mq.DEFAULT  # BK 16: not whole blocks
+    deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 512, 4096, 4096 + 64), (128, 128, 64, 2, 4, 1)),))
+    assert mq.config(deep, 512, 4096, 4096 + 64, "Q4_0").bk == 64
+    deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 512, 4096, 4096 + 32), (128, 128, 64, 2, 4, 1)),))
+    assert mq.config(deep, 512, 4096, 4096 + 32, "Q4_0") == mq.DEFAULT  # K not a whole number of 64-deep slices
+    # a K split is taken where K is a whole number of its parts' slices (QuantLinear sums the planes)
+    split = dataclasses.replace(lim, tuned=((q4, (128, 128, 32, 2, 4, 2, 2, 4)),))
+    assert mq.config(split, 512, 4096, 4096, "Q4_0") == matmul_coop.Config(128, 128, 32, 2, 4, 2, 2, 4)
 
 
 @pytest.mark.parametrize("fmt,cfg,residual", [("Q8_0", matmul_coop.Config(128, 128, 32, 2, 4), False),

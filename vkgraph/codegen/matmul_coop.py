@@ -250,12 +250,19 @@ def compute_type(mm: Node, lim: Limits) -> DType | None:
 
 def default_config(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[int, int, int],
                    compute: DType = dtypes.float16) -> Config:
-    """The largest tile that still gives a device of ~128 multiprocessors a workgroup each: 128 x 128 with 8
-    subgroups of 64 x 32 where the output has at least 128 such tiles (fastest of the measured ones on an H200,
-    benchmarks/RESULTS.md), smaller tiles for smaller outputs; int8 slices twice as deep (the same bytes)."""
+    """The largest tile that still gives a device of ~128 multiprocessors a workgroup each. 16-bit operands (the
+    fastest of the search on an H200, benchmarks/RESULTS.md, 2026-12-02): 128 x 256 x 32 in one stage with 8
+    subgroups of 64 x 64 where the output has at least 128 such tiles (4096^3: 263 TFLOP/s, where 128 x 128 x 32
+    in two stages gave 191), else 128 x 128 x 64 in one stage with 8 subgroups of 32 x 64 (512 x 4096 x 4096: 196,
+    against 125), smaller tiles for smaller outputs. 8-bit ones (not searched again): 128 x 128 x 64 in two
+    stages with subgroups of 64 x 32."""
     size = compute.itemsize
-    bk = 64 // size  # 64 bytes of K per staged row
-    for c in (Config(128, 128, bk, 2, 4), Config(64, 128, bk, 2, 4), Config(64, 64, bk, 2, 2)):
+    if size == 1:
+        tiles = (Config(128, 128, 64, 2, 4), Config(64, 128, 64, 2, 4), Config(64, 64, 64, 2, 2))
+    else:
+        tiles = (Config(128, 256, 32, 2, 4, 1), Config(128, 128, 64, 4, 2, 1), Config(64, 128, 32, 2, 4),
+                 Config(64, 64, 32, 2, 2))
+    for c in tiles:
         if c.fits(frag, lim, size) and batch * math.ceil(m / c.bm) * math.ceil(n / c.bn) >= 128:
             return c
     fitting = [c for c in configs(compute) if c.fits(frag, lim, size)]

@@ -125,10 +125,17 @@ def shape_class(fmt: str, m: int, n: int, k: int) -> str:
     return f"{fmt}:{matmul_coop.shape_class(m, n, k, 1, dtypes.float16)}"
 
 
+# The prefill product's tile where none was measured for the format's class: the float16 product's fastest tiles
+# (one stage, 64 x 64 per subgroup) ran the dequantizing staging at 30-60 TFLOP/s on an H200 (2026-12-02, Q4_0
+# 512 x 4096 x 14336) where this one ran at 126
+DEFAULT = matmul_coop.Config(128, 128, 32, 2, 4)
+
+
 def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Config | None:
     """The tile configuration for an m x n product over K = k on this device, or None where the device has no
     fitting float16 cooperative matrices (or k is not a whole number of blocks): the one measured for fmt's
-    products of this class (benchmarks/bench_matmul.py --quant --tune), else the float16 product's choice."""
+    products of this class (benchmarks/bench_matmul.py --quant --tune), else DEFAULT (else 64 x 64 where DEFAULT
+    does not fit). The float16 product's choices are not taken: its staging is another program's."""
     if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1 or k % BLOCK or m < 1 or n < 1:
         return None
     frag = matmul_coop.fragment(lim, "float16")
@@ -138,9 +145,7 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Co
     for c, v in lim.tuned:
         if c == cls and (cfg := matmul_coop.Config(*v)).fits(frag, lim) and _whole(cfg, k):
             return cfg
-    # the float16 product's choice where its slices are whole blocks that divide K, else the default, else BK 32
-    for cfg in (matmul_coop.choose(m, n, k, 1, lim, frag, dtypes.float16), matmul_coop.default_config(
-            m, n, k, 1, lim, frag), matmul_coop.Config(128, 128, 32, 2, 4), matmul_coop.Config(64, 64, 32, 2, 2)):
+    for cfg in (DEFAULT, matmul_coop.Config(64, 64, 32, 2, 2)):
         if _whole(cfg, k) and cfg.fits(frag, lim):
             return cfg
     return None
