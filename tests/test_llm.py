@@ -140,7 +140,8 @@ def test_greedy_generation_matches_reference_token_by_token(models, kind):
 
 def test_engine_with_folded_norms_generates_what_it_does_without(models, monkeypatch):
     """The engine's captured, replayed decode steps (decode ahead on) on the integer path, with the norms written
-    by the products before them (VKGRAPH_NORM_FOLD=1) and without: the same greedy tokens for a batch of four."""
+    by the products before them (VKGRAPH_NORM_FOLD=32: up to 32 rows) and without: the same greedy tokens for a batch
+    of four."""
     from vkgraph import templates
     from vkgraph.runtime import get_device
 
@@ -148,7 +149,7 @@ def test_engine_with_folded_norms_generates_what_it_does_without(models, monkeyp
         pytest.skip("no shaderIntegerDotProduct on this device")
     monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
     outs, norms = [], []
-    for fold in ("1", "0"):
+    for fold in ("32", "0"):
         monkeypatch.setenv("VKGRAPH_NORM_FOLD", fold)
         before = templates.DISPATCHES["rmsnorm_q8"]
         outs.append(run(Engine(build(models["Q4_0-head32"])[1], max_batch=4), PROMPTS, max_tokens=8))
@@ -710,7 +711,7 @@ def test_logprobs_equal_numpy_log_softmax_of_the_reference_logits(models):
 @pytest.mark.parametrize("kind,seqs", [("Q4_0-head32", 1), ("Q4_0-head32", 3), ("Q4_0", 2)])
 def test_decode_step_folds_norms_into_products(models, kind, seqs, monkeypatch):
     """Decode steps of 1-3 sequences on the integer path with the norms after the o and down products written by
-    those products' epilogues (VKGRAPH_NORM_FOLD=1) against today's fused route (0) on the same model and cache:
+    those products' epilogues (VKGRAPH_NORM_FOLD=32) against today's fused route (0) on the same model and cache:
     logits within the integer path's tolerance; rmsnorm_q8 runs only before the first block, so the step has one
     dispatch fewer per norm folded (two per block, the final norm's where the LM head takes int8 activations).
     Three steps each way, the folds' counters reused from step to step."""
@@ -743,7 +744,7 @@ def test_decode_step_folds_norms_into_products(models, kind, seqs, monkeypatch):
     head = model.lm_head.takes_folded(seqs)
     for pos in range(n, n + 3):
         today, today_kernels, today_norms = decode(pos, "0")  # the same position again: rewrites the same slot
-        folded, folded_kernels, folded_norms = decode(pos, "1")
+        folded, folded_kernels, folded_norms = decode(pos, "32")
         assert today_norms == 2 * layers + head and folded_norms == 1
         assert folded_kernels == today_kernels - 2 * layers + 1 - head
         assert nerr(folded, today) < 1e-2

@@ -157,9 +157,9 @@ class QuantLinear:
 
     def folds_norm(self, rows: int) -> bool:
         """Whether the epilogue of this product over `rows` rows may write a norm of its output as the next
-        product's int8 activations (with_norm): the matvec route, up to FOLD_ROWS rows, N % 32 == 0, fusion and
-        VKGRAPH_NORM_FOLD on."""
-        return (decode_fusion() and bool(flag("VKGRAPH_NORM_FOLD")) and 1 <= rows <= mv.FOLD_ROWS
+        product's int8 activations (with_norm): the matvec route, up to VKGRAPH_NORM_FOLD rows (and FOLD_ROWS),
+        N % 32 == 0, fusion on."""
+        return (decode_fusion() and 1 <= rows <= min(flag("VKGRAPH_NORM_FOLD"), mv.FOLD_ROWS)
                 and self.out_features % 32 == 0 and self.decode_tile(rows) is None)
 
     def with_norm(self, x: Tensor | Int8Activations, residual: Tensor | None, weight: Tensor, eps: float
