@@ -715,6 +715,8 @@ def test_decode_step_folds_norms_into_products(models, kind, seqs, monkeypatch):
     logits within the integer path's tolerance; rmsnorm_q8 runs only before the first block, so the step has one
     dispatch fewer per norm folded (two per block, the final norm's where the LM head takes int8 activations).
     Three steps each way, the folds' counters reused from step to step."""
+    from collections import Counter
+
     from vkgraph import templates
     from vkgraph.realize import count_kernels
     from vkgraph.runtime import get_device
@@ -729,19 +731,22 @@ def test_decode_step_folds_norms_into_products(models, kind, seqs, monkeypatch):
             Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32) + 2 * s * BLOCK),
             cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)).numpy()
     tables = np.array([[2 * s, 2 * s + 1, 40, 41, 42, 43] for s in range(seqs)], np.int32)
+    layers = len(model.layers)
+    head = model.lm_head.takes_folded(seqs)
 
     def decode(pos: int, fold: str) -> tuple[np.ndarray, int, int]:
         monkeypatch.setenv("VKGRAPH_NORM_FOLD", fold)
         slots = np.arange(seqs, dtype=np.int32) * 2 * BLOCK + pos
         step = StepInputs(Tensor(np.full(seqs, pos, np.int32)), Tensor(slots),
                           block_tables=Tensor(tables), context_lens=Tensor(np.full(seqs, pos + 1, np.int32)))
-        norms = templates.DISPATCHES["rmsnorm_q8"]
+        before = Counter(templates.DISPATCHES)
         with count_kernels() as c:
             got = model(Tensor(np.arange(seqs, dtype=np.int32) * 7 + pos), step).numpy()
-        return got, c.count, templates.DISPATCHES["rmsnorm_q8"] - norms
+        ran = templates.DISPATCHES - before
+        folds = [sum(n for name, n in ran.items() if name.endswith(end)) for end in ("+norm", "+inv")]
+        assert folds[0] == folds[1] == (0 if fold == "0" else 2 * layers - 1 + head)  # producers and consumers
+        return got, c.count, ran["rmsnorm_q8"]
 
-    layers = len(model.layers)
-    head = model.lm_head.takes_folded(seqs)
     for pos in range(n, n + 3):
         today, today_kernels, today_norms = decode(pos, "0")  # the same position again: rewrites the same slot
         folded, folded_kernels, folded_norms = decode(pos, "32")

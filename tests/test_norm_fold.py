@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_templates_common import check, device, snapshot, upload, weights
 
-from vkgraph import quant
+from vkgraph import quant, templates
 from vkgraph.templates import matvec as mv
 from vkgraph.templates import norms
 
@@ -89,6 +89,7 @@ def test_folded_norm_matches_numpy(blocks, kblocks, batch, launch, zero_row, see
         assert (s == q.reshape(-1, 16).sum(1)).all()
         np.testing.assert_allclose(inv, inv_ref, rtol=1e-5)
         check(q.astype(np.float64), q_ref.astype(np.float64), since, tol=2e-2)
+        assert (templates.DISPATCHES - since)["matvec_q4_0+norm"] == 1
         if zero_row and call == 1:
             assert (q[-1] == 0).all() and (d.reshape(batch, -1)[-1] == 0).all()
         nblk = n // 32
@@ -165,6 +166,7 @@ def test_product_of_folded_activations_equals_rmsnorm_q8(fmt):
         mv.matvec(dev, consumer, acts.rows(r0, b, n), b, bias=bias, out=got.view(r0 * m * 4, b * m * 4))
     check(dev.download(got, np.float32, (rows, m)), dev.download(want, np.float32, (rows, m)).astype(np.float64),
           since, tol=3e-3)
+    assert (templates.DISPATCHES - since)[mv.TEMPLATE[fmt] + "+inv"] == 2  # the consumer's variant, once per call
 
 
 def test_folded_norm_bad_input():

@@ -368,8 +368,10 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             defines["W_BF16"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
                 "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
+        # the fold's producers and consumers counted and profiled apart from the plain products
+        label = TEMPLATE[weights.format.name] + ("+norm" if norm else "") + ("+inv" if x_inv else "")
         kern = weights.pipelines[key] = catalog.compile(dev, TEMPLATE[weights.format.name], spec=spec,
-                                                      defines=defines)
+                                                      defines=defines, label=label)
     return kern
 
 
