@@ -308,31 +308,38 @@ def _int8_acts(rows: int, k: int) -> template_ops.Int8Activations:
 
 
 def test_decode_rows_take_the_kernel_from_the_threshold(monkeypatch):
-    """With cooperative matrices, from VKGRAPH_DECODE_MM_ROWS rows up to DEQUANT_ROWS - 1 the products take
-    matmul_quant's small tiles, int8 activations as they come (takes_int8 says so); fewer rows, the flag at 0 or
-    a device without them keep the matvec. A K split sums its planes in a generated kernel with the residual."""
+    """With cooperative matrices, from VKGRAPH_DECODE_MM_ROWS rows up to DEQUANT_ROWS - 1 a decode step's products
+    take matmul_quant's small tiles, int8 activations as they come (takes_int8 says so); fewer rows, the flag at
+    0, a device without them or a prefill keep the matvec. A K split sums its planes in a generated kernel with the
+    residual."""
     monkeypatch.setattr(template_ops, "limits", lambda: fake_limits())
     monkeypatch.setattr(template_ops, "has_dtype", lambda d: True)
     lin = QuantLinear(random_blocks(np.random.default_rng(0), "Q4_0", 96, 512))
     monkeypatch.delenv("VKGRAPH_DECODE_MM_ROWS", raising=False)  # the default: where the tile won on an H200
-    assert lin.decode_tile(8) is None and lin.decode_tile(15) is None and lin.decode_tile(16) is not None
-    monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "8")
-    for rows in (8, 32, template_ops.DEQUANT_ROWS - 1):
-        assert lin.decode_tile(rows) is not None and lin.takes_int8(rows)
-        r = Tensor(np.zeros((rows, 96), np.float32))
-        assert _graph_names(lin(_int8_acts(rows, 512), residual=r)) == {"matmul_quant_Q4_0", "rmsnorm_q8"}
-        assert _graph_names(lin(Tensor(np.zeros((rows, 512), np.float32)))) == {"matmul_quant_Q4_0"}
-    assert lin.decode_tile(7) is None and _graph_names(lin(Tensor(np.zeros((7, 512), np.float32)))) == {"matvec_Q4_0"}
-    assert lin.decode_tile(template_ops.DEQUANT_ROWS) is None
-    monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "0")
-    assert lin.decode_tile(8) is None
-    assert _graph_names(lin(Tensor(np.zeros((8, 512), np.float32)))) == {"matvec_Q4_0"}
-    monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "8")
-    monkeypatch.setattr(template_ops, "limits", lambda: fake_limits(coop=()))
-    assert lin.decode_tile(8) is None and lin.takes_int8(8) == template_ops.mv.takes_int8(lin.weights.format, 8, 512)
-    monkeypatch.setattr(template_ops, "limits", lambda: fake_limits())
-    monkeypatch.setenv("VKGRAPH_DECODE_FUSION", "0")
-    assert not lin.takes_int8(8)
+    # a prefill's rows keep the matvec whatever their count: its logits do not depend on its padding
+    assert lin.decode_tile(16) is None and not lin.takes_int8(16)
+    assert _graph_names(lin(Tensor(np.zeros((16, 512), np.float32)))) == {"matvec_Q4_0"}
+    with template_ops.decoding():
+        assert lin.decode_tile(8) is None and lin.decode_tile(15) is None and lin.decode_tile(16) is not None
+        monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "8")
+        for rows in (8, 32, template_ops.DEQUANT_ROWS - 1):
+            assert lin.decode_tile(rows) is not None and lin.takes_int8(rows)
+            r = Tensor(np.zeros((rows, 96), np.float32))
+            assert _graph_names(lin(_int8_acts(rows, 512), residual=r)) == {"matmul_quant_Q4_0", "rmsnorm_q8"}
+            assert _graph_names(lin(Tensor(np.zeros((rows, 512), np.float32)))) == {"matmul_quant_Q4_0"}
+        assert lin.decode_tile(7) is None
+        assert _graph_names(lin(Tensor(np.zeros((7, 512), np.float32)))) == {"matvec_Q4_0"}
+        assert lin.decode_tile(template_ops.DEQUANT_ROWS) is None
+        monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "0")
+        assert lin.decode_tile(8) is None
+        assert _graph_names(lin(Tensor(np.zeros((8, 512), np.float32)))) == {"matvec_Q4_0"}
+        monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", "8")
+        monkeypatch.setattr(template_ops, "limits", lambda: fake_limits(coop=()))
+        assert lin.decode_tile(8) is None
+        assert lin.takes_int8(8) == template_ops.mv.takes_int8(lin.weights.format, 8, 512)
+        monkeypatch.setattr(template_ops, "limits", lambda: fake_limits())
+        monkeypatch.setenv("VKGRAPH_DECODE_FUSION", "0")
+        assert not lin.takes_int8(8)
 
 
 def _decode_case(fmt: str, m: int, n: int, k: int, cfg: mq.Tile, residual: bool, int8: bool, seed: int) -> None:

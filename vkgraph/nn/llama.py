@@ -14,7 +14,7 @@ import numpy as np
 from ..tensor import Tensor, realize_all
 from .config import ModelConfig
 from .layers import MLP, Attention, Embedding, Linear, MoE, RMSNorm, RotaryEmbedding, StepInputs, Then
-from .template_ops import Int8Activations, KVCache
+from .template_ops import Int8Activations, KVCache, decoding
 from .weights import LayerWeights, ModelWeights
 
 
@@ -90,6 +90,10 @@ class LlamaModel:
         had built and recorded most of it. Only where a layer ends in a template's output (a buffer in any
         schedule: the quantized products take the residual), so the kernels and results are those of one graph;
         layers after the first share one cached plan."""
+        with decoding(step.decode):
+            return self._forward(tokens, step, logit_rows, stream_layers)
+
+    def _forward(self, tokens: Tensor, step: StepInputs, logit_rows: Tensor | None, stream_layers: bool) -> Tensor:
         x = self.embed(tokens)
         if self.config.is_gemma:  # Gemma scales its embeddings by sqrt(dim), rounded to float32 as HF does
             x = x * float(np.float32(np.sqrt(self.config.dim)))

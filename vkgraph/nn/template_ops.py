@@ -8,7 +8,10 @@ templates' layout, the paged KV cache as two Tensors): model code never allocate
 
 from __future__ import annotations
 
+import contextvars
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +30,21 @@ from ..templates import paged_attention as pa
 from ..templates.common import decode_fusion
 from ..tensor import Tensor, custom, realize_all
 from .weights import DeviceMatrix
+
+_DECODING = contextvars.ContextVar("vkgraph_decoding", default=False)
+
+
+@contextmanager
+def decoding(on: bool = True) -> Iterator[None]:
+    """Within it the model computes a decode step (one new token per sequence): products of
+    VKGRAPH_DECODE_MM_ROWS to DEQUANT_ROWS - 1 rows then take matmul_quant's small-row tiles (int8 or float16
+    activations). A prefill's products of as many rows keep the matvec's float32 or integer arithmetic, so a
+    prompt's logits do not depend on how many rows its batch was padded to."""
+    token = _DECODING.set(on)
+    try:
+        yield
+    finally:
+        _DECODING.reset(token)
 
 # From this many activation rows on, QuantLinear expands W to a float16 temporary and runs the generated matmul,
 # which reads W once per 64-row tile, instead of the matvec, which reads all of W once per 8 rows. An estimate:
@@ -177,11 +195,12 @@ class QuantLinear:
 
     def decode_tile(self, rows: int) -> Any:
         """The small-row tile of templates.matmul_quant for `rows` (VKGRAPH_DECODE_MM_ROWS .. DEQUANT_ROWS - 1)
-        activation rows, or None where they take the matvec (fewer rows, flag 0, another format, no cooperative
-        matrices): a batched decode step's products stream W once for all rows on cooperative matrices, where the
-        matvec's cost per weight byte grows with the rows."""
+        activation rows of a decode step (inside `decoding()`), or None where they take the matvec (a prefill,
+        fewer rows, flag 0, another format, no cooperative matrices): a batched decode step's products stream W
+        once for all rows on cooperative matrices, where the matvec's cost per weight byte grows with the rows."""
         least = flag("VKGRAPH_DECODE_MM_ROWS")
-        if not least or not least <= rows < DEQUANT_ROWS or self.in_features % 32 or not self._quant_coop():
+        if (not _DECODING.get() or not least or not least <= rows < DEQUANT_ROWS or self.in_features % 32
+                or not self._quant_coop()):
             return None
         return mq.decode_config(limits(), rows, self.out_features, self.in_features)
 
