@@ -138,25 +138,6 @@ def test_greedy_generation_matches_reference_token_by_token(models, kind):
     assert got == [ref.greedy(p, 10) for p in PROMPTS]
 
 
-def test_engine_with_folded_norms_generates_what_it_does_without(models, monkeypatch):
-    """The engine's captured, replayed decode steps (decode ahead on) on the integer path, with the norms written
-    by the products before them (VKGRAPH_NORM_FOLD=32: up to 32 rows) and without: the same greedy tokens for a batch
-    of four."""
-    from vkgraph import templates
-    from vkgraph.runtime import get_device
-
-    if not get_device().info.integer_dot_product:
-        pytest.skip("no shaderIntegerDotProduct on this device")
-    monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
-    outs, norms = [], []
-    for fold in ("32", "0"):
-        monkeypatch.setenv("VKGRAPH_NORM_FOLD", fold)
-        before = templates.DISPATCHES["rmsnorm_q8"]
-        outs.append(run(Engine(build(models["Q4_0-head32"])[1], max_batch=4), PROMPTS, max_tokens=8))
-        norms.append(templates.DISPATCHES["rmsnorm_q8"] - before)  # recorded ones: replays dispatch no template
-    assert outs[0] == outs[1] and norms[0] < norms[1]
-
-
 def test_batch_gives_what_each_gives_alone_and_frees_every_block(models):
     _, model = build(models["Q8_0"])
     engine = Engine(model, max_batch=8, prefix_caching=False)
@@ -706,50 +687,3 @@ def test_logprobs_equal_numpy_log_softmax_of_the_reference_logits(models):
             np.testing.assert_allclose([v for _, v in ev.logprobs.top], np.sort(want[j])[::-1][:k], atol=1e-4)
     with pytest.raises(ValueError, match="logprobs"):
         eng.add_request([5], logprobs=21)
-
-
-@pytest.mark.parametrize("kind,seqs", [("Q4_0-head32", 1), ("Q4_0-head32", 3), ("Q4_0", 2)])
-def test_decode_step_folds_norms_into_products(models, kind, seqs, monkeypatch):
-    """Decode steps of 1-3 sequences on the integer path with the norms after the o and down products written by
-    those products' epilogues (VKGRAPH_NORM_FOLD=32) against today's fused route (0) on the same model and cache:
-    logits within the integer path's tolerance; rmsnorm_q8 runs only before the first block, so the step has one
-    dispatch fewer per norm folded (two per block, the final norm's where the LM head takes int8 activations).
-    Three steps each way, the folds' counters reused from step to step."""
-    from collections import Counter
-
-    from vkgraph import templates
-    from vkgraph.realize import count_kernels
-    from vkgraph.runtime import get_device
-
-    if not get_device().info.integer_dot_product:
-        pytest.skip("no shaderIntegerDotProduct on this device")
-    monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
-    w, model = build(models[kind])
-    n = 5
-    for s in range(seqs):  # each sequence's prompt in blocks 2s, 2s + 1
-        model(Tensor(np.arange(3 + s, 3 + s + n, dtype=np.int32)), StepInputs(
-            Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32) + 2 * s * BLOCK),
-            cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)).numpy()
-    tables = np.array([[2 * s, 2 * s + 1, 40, 41, 42, 43] for s in range(seqs)], np.int32)
-    layers = len(model.layers)
-    head = model.lm_head.takes_folded(seqs)
-
-    def decode(pos: int, fold: str) -> tuple[np.ndarray, int, int]:
-        monkeypatch.setenv("VKGRAPH_NORM_FOLD", fold)
-        slots = np.arange(seqs, dtype=np.int32) * 2 * BLOCK + pos
-        step = StepInputs(Tensor(np.full(seqs, pos, np.int32)), Tensor(slots),
-                          block_tables=Tensor(tables), context_lens=Tensor(np.full(seqs, pos + 1, np.int32)))
-        before = Counter(templates.DISPATCHES)
-        with count_kernels() as c:
-            got = model(Tensor(np.arange(seqs, dtype=np.int32) * 7 + pos), step).numpy()
-        ran = templates.DISPATCHES - before
-        folds = [sum(n for name, n in ran.items() if name.endswith(end)) for end in ("+norm", "+inv")]
-        assert folds[0] == folds[1] == (0 if fold == "0" else 2 * layers - 1 + head)  # producers and consumers
-        return got, c.count, ran["rmsnorm_q8"]
-
-    for pos in range(n, n + 3):
-        today, today_kernels, today_norms = decode(pos, "0")  # the same position again: rewrites the same slot
-        folded, folded_kernels, folded_norms = decode(pos, "32")
-        assert today_norms == 2 * layers + head and folded_norms == 1
-        assert folded_kernels == today_kernels - 2 * layers + 1 - head
-        assert nerr(folded, today) < 1e-2

@@ -64,11 +64,6 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_DECODE_FUSION", int, 1, "0 builds model layers unfused: norms write floats that the matvec "
              "quantizes, keys are rotated and copied by generated kernels before the KV write (to measure the "
              "fused templates against)"),
-        Flag("VKGRAPH_NORM_FOLD", int, 1, "up to this many activation rows (at most 32) the RMSNorm after a "
-             "quantized product (the o and down products of a decode step) is written by the product's epilogue "
-             "(templates.matvec.NormFold) instead of a kernel of its own (rmsnorm_q8); 0 never; off with "
-             "VKGRAPH_DECODE_FUSION=0 too. 1: on an H200 (2026-12-02, Llama-3-8B Q4_0) the fold took 0.57 ms of GPU "
-             "time off a batch-1 step's 3.25 and added 0.8 ms to a batch-8 step's 5.23 (cause not found yet)"),
         Flag("VKGRAPH_QUANT_COOP", int, 1, "0 runs quantized prefill products through a float16 copy of the weights "
              "and the generated matmul instead of the kernel that dequantizes into shared memory (to measure them)"),
         Flag("VKGRAPH_DECODE_MM_ROWS", int, 16, "from this many activation rows (up to 63) quantized products run "

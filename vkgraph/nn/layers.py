@@ -59,23 +59,6 @@ class Linear:
         """Whether `rows` rows of input may come as Int8Activations (see QuantLinear.takes_int8)."""
         return self.quant is not None and self.quant.takes_int8(rows)
 
-    def takes_folded(self, rows: int) -> bool:
-        """Whether `rows` rows of input may come as a folded norm's Int8Activations (QuantLinear.takes_folded)."""
-        return self.quant is not None and self.quant.takes_folded(rows)
-
-    def with_norm(self, x: Tensor | Int8Activations, residual: Tensor | None, then: Then
-                  ) -> tuple[Tensor, Tensor | Int8Activations]:
-        """(y, norm(y, into=into)) for y = self(x, residual) and then = (norm, into): the norm written by this
-        product's epilogue (QuantLinear.with_norm: no kernel of its own) where this product folds it and `into`
-        takes the result, else as two ops."""
-        norm, into = then
-        rows = math.prod(x.shape[:-1])
-        if (into is not None and self.quant is not None and self.bias is None and self.quant.folds_norm(rows)
-                and into.takes_folded(rows) and norm.weight.shape == (self.out_features,)):
-            return self.quant.with_norm(x, residual, norm.weight, norm.eps)
-        y = self(x, residual)
-        return y, norm(y, into=into)
-
     def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
         if self.quant is not None:
             y = self.quant(x, residual=residual if self.bias is None else None)
@@ -101,10 +84,6 @@ class RMSNorm:
         if into is not None and into.takes_int8(math.prod(x.shape[:-1])):
             return rms_norm_q8(x, self.weight, self.eps)
         return x.rms_norm(self.weight, self.eps)
-
-
-# a norm and the product it feeds (None: a float consumer), to be applied to a product's output (Linear.with_norm)
-Then = tuple[RMSNorm, "Linear | ParallelLinear | None"]
 
 
 class Embedding:
@@ -200,11 +179,6 @@ class ParallelLinear:
         """Whether `rows` rows of input may come as Int8Activations: one stacked product that takes them."""
         return len(self.parts) == 1 and self.parts[0].takes_int8(rows)
 
-    def takes_folded(self, rows: int) -> bool:
-        """Whether `rows` rows of input may come as a folded norm's Int8Activations: one stacked product that
-        takes them."""
-        return len(self.parts) == 1 and self.parts[0].takes_folded(rows)
-
     def stacked(self, x: Tensor | Int8Activations) -> Tensor | None:
         """The one stacked product's output [..., sum of the widths], or None where the parts run apart."""
         return self.parts[0](x) if len(self.parts) == 1 else None
@@ -235,10 +209,7 @@ class Attention:
         self.o = Linear(wo, float_dtype=float_dtype)
 
     def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None, rope: tuple[Tensor, Tensor],
-                 cache: KVCache, step: StepInputs, then: Then | None = None
-                 ) -> Tensor | tuple[Tensor, Tensor | Int8Activations]:
-        """The output product's result (+ residual); with `then` (norm, into), also that norm of it as
-        Linear.with_norm gives it."""
+                 cache: KVCache, step: StepInputs) -> Tensor:
         t = x.shape[0]
         fused = self.qkv.stacked(x) if decode_fusion() else None
         # the attention's last kernel writes the output product's int8 input where that product takes one
@@ -253,7 +224,7 @@ class Attention:
                                     v_off=q_width + kv_width,
                                     max_context_len=step.block_tables.shape[1] * cache.block_size, int8=int8,
                                     **self.scores)
-            return self._out(att if int8 else att.reshape(t, q_width), residual, then)
+            return self.o(att if int8 else att.reshape(t, q_width), residual=residual)
         q, k, v = self.qkv(x) if fused is None else self.qkv.split(fused)
         q = q.reshape(t, self.n_heads, self.head_dim)
         k = k.reshape(t, self.n_kv_heads, self.head_dim)
@@ -281,12 +252,8 @@ class Attention:
             att = paged_decode(cache, q, step.block_tables, step.context_lens, written, max_context_len=max_context,
                                int8=int8, **self.scores)
             if int8:
-                return self._out(att, residual, then)
-        return self._out(att.reshape(t, q_width), residual, then)
-
-    def _out(self, att: Tensor | Int8Activations, residual: Tensor | None, then: Then | None
-             ) -> Tensor | tuple[Tensor, Tensor | Int8Activations]:
-        return self.o(att, residual=residual) if then is None else self.o.with_norm(att, residual, then)
+                return self.o(att, residual=residual)
+        return self.o(att.reshape(t, q_width), residual=residual)
 
 
 class MLP:
@@ -297,18 +264,14 @@ class MLP:
         self.down = Linear(w_down, float_dtype=float_dtype)
         self.gelu = gelu
 
-    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None, then: Then | None = None
-                 ) -> Tensor | tuple[Tensor, Tensor | Int8Activations]:
-        """down(...) (+ residual); with `then` (norm, into), also that norm of it as Linear.with_norm gives it."""
-        h = None
+    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
         if self.gelu in (None, "tanh") and self.down.takes_int8(math.prod(x.shape[:-1])):
             stacked = self.gate_up.stacked(x)
             if stacked is not None:  # one kernel: the gated unit, written as the down product's int8 input
-                h = glu_q8(stacked, gelu_tanh=self.gelu == "tanh")
-        if h is None:
-            gate, up = self.gate_up(x)
-            h = (gate.silu() if self.gelu is None else gate.gelu(self.gelu)) * up
-        return self.down(h, residual=residual) if then is None else self.down.with_norm(h, residual, then)
+                return self.down(glu_q8(stacked, gelu_tanh=self.gelu == "tanh"), residual=residual)
+        gate, up = self.gate_up(x)
+        act = gate.silu() if self.gelu is None else gate.gelu(self.gelu)
+        return self.down(act * up, residual=residual)
 
 
 class MoE:

@@ -13,8 +13,8 @@ import numpy as np
 
 from ..tensor import Tensor, realize_all
 from .config import ModelConfig
-from .layers import MLP, Attention, Embedding, Linear, MoE, RMSNorm, RotaryEmbedding, StepInputs, Then
-from .template_ops import Int8Activations, KVCache, decoding
+from .layers import MLP, Attention, Embedding, Linear, MoE, RMSNorm, RotaryEmbedding, StepInputs
+from .template_ops import KVCache, decoding
 from .weights import LayerWeights, ModelWeights
 
 
@@ -32,30 +32,14 @@ class TransformerBlock:
                                                                  RMSNorm(w.post_ffn_norm, cfg.norm_eps))
 
     def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, step: StepInputs) -> Tensor:
-        return self.forward(x, rope, cache, step)[0]
-
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, step: StepInputs,
-                normed: Tensor | Int8Activations | None = None, then: Then | None = None
-                ) -> tuple[Tensor, Tensor | Int8Activations | None]:
-        """The block's output and, with `then` (norm, into: the next block's attention norm and q/k/v product, or
-        the final norm and the LM head), that norm of it (None without). `normed`: this block's attention input,
-        attn_norm(x) as the product before wrote it. Each norm names the product it feeds, so it can write that
-        product's int8 activations itself; a norm after a quantized product is written by that product's
-        epilogue where it can (Linear.with_norm): no kernel of its own."""
+        # each norm names the product it feeds, so it can write that product's int8 activations itself
         gate_up = self.ffn.gate_up if isinstance(self.ffn, MLP) else None
-        h = normed if normed is not None else self.attn_norm(x, into=self.attn.qkv)
         if self.post_norms is not None:
             post_attn, post_ffn = self.post_norms
-            x = x + post_attn(self.attn(h, None, rope, cache, step))
-            x = x + post_ffn(self.ffn(self.ffn_norm(x, into=gate_up)))
-        elif isinstance(self.ffn, MLP):
-            x, h = self.attn(h, x, rope, cache, step, then=(self.ffn_norm, gate_up))
-            out = self.ffn(h, residual=x, then=then)
-            return out if then is not None else (out, None)
-        else:
-            x = self.attn(h, x, rope, cache, step)
-            x = self.ffn(self.ffn_norm(x, into=None), residual=x)
-        return x, then[0](x, into=then[1]) if then is not None else None
+            x = x + post_attn(self.attn(self.attn_norm(x, into=self.attn.qkv), None, rope, cache, step))
+            return x + post_ffn(self.ffn(self.ffn_norm(x, into=gate_up)))
+        x = self.attn(self.attn_norm(x, into=self.attn.qkv), x, rope, cache, step)
+        return self.ffn(self.ffn_norm(x, into=gate_up), residual=x)
 
 
 class LlamaModel:
@@ -98,22 +82,12 @@ class LlamaModel:
         if self.config.is_gemma:  # Gemma scales its embeddings by sqrt(dim), rounded to float32 as HF does
             x = x * float(np.float32(np.sqrt(self.config.dim)))
         rope = self.rope.tables(step.positions)
-        normed = None  # the next block's attention input where the block before wrote it
-        for i, (layer, cache) in enumerate(zip(self.layers, self.caches)):
-            # the norm after each block, for its last product to write (Linear.with_norm); not where layers stream:
-            # a norm built before its input is realized would compute that input again
-            then = None
-            if stream_layers:
-                pass
-            elif i + 1 < len(self.layers):
-                then = (self.layers[i + 1].attn_norm, self.layers[i + 1].attn.qkv)
-            elif logit_rows is None:  # the final norm, where the LM head reads every row
-                then = (self.norm, self.lm_head)
-            x, normed = layer.forward(x, rope, cache, step, normed, then)
+        for layer, cache in zip(self.layers, self.caches):
+            x = layer(x, rope, cache, step)
             if stream_layers and x.ends_kernel():  # the position tables with the first layer: computed once
                 realize_all(x, *rope)
         if logit_rows is not None:
             x = x.take(logit_rows, 0)
-        logits = self.lm_head(normed if normed is not None else self.norm(x, into=self.lm_head))
+        logits = self.lm_head(self.norm(x, into=self.lm_head))
         cap = self.config.final_softcap
         return logits if not cap else (logits / cap).tanh() * cap

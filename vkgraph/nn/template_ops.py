@@ -12,7 +12,7 @@ import contextvars
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,17 +56,11 @@ DEQUANT_ROWS = 64
 class Int8Activations:
     """Activations [*lead, K] already quantized for the integer matvec (int8 blocks of 32, their scales and
     half-block sums: templates.matvec.Q8Acts), all in the uint32 Tensor `words`: what `rms_norm_q8` makes and
-    QuantLinear takes in place of float activations, so no quantization kernel runs between the two.
-
-    `folded`: `words` is the state of a norm folded into the epilogue of the product before (QuantLinear.with_norm,
-    templates.matvec.NormFold): the int8 blocks there and a factor per row (the norm's 1 / rms) that the consumer
-    applies; `after` is that product's output, which the consumer takes as an input only to follow it."""
+    QuantLinear takes in place of float activations, so no quantization kernel runs between the two."""
 
     words: Tensor
     lead: tuple[int, ...]
     k: int
-    folded: bool = False
-    after: Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -106,23 +100,16 @@ def glu_q8(gate_up: Tensor, gelu_tanh: bool = False) -> Int8Activations:
 
 
 def _matvec_calls(dev: Any, w: mv.DeviceWeights, x: Any, rows_of: Any, rows: int, out: Any,
-                  residual: Any | None, norm: mv.NormFold | None = None) -> None:
+                  residual: Any | None) -> None:
     """The matvec of `rows` activation rows x into out (+ residual): more rows than one template call takes run
-    as calls of up to rows_per_call rows, each on rows_of(r0, count) of x and into its slice of out (and of the
-    folded norm's rows)."""
+    as calls of up to rows_per_call rows, each on rows_of(r0, count) of x and into its slice of out."""
     n = w.shape[0]
     per_call = mv.rows_per_call(dev)
     for r0 in range(0, rows, per_call):
         b = min(per_call, rows - r0)
         res = residual.view(r0 * n * 4, b * n * 4) if residual is not None else None
         o = out.view(r0 * n * 4, b * n * 4) if rows > b else out
-        mv.matvec(dev, w, rows_of(r0, b) if rows > b else x, b, out=o, residual=res,
-                  norm=replace(norm, r0=r0) if norm is not None else None)
-
-
-def _norm_fold(ins: list[Any], at: int, rows: int, norm: tuple[Tensor, Tensor, float] | None) -> mv.NormFold | None:
-    """The NormFold of a matvec node whose inputs from `at` are the norm's weight and the fold state, or None."""
-    return None if norm is None else mv.NormFold(ins[at], ins[at + 1], rows, norm[2])
+        mv.matvec(dev, w, rows_of(r0, b) if rows > b else x, b, out=o, residual=res)
 
 
 class QuantLinear:
@@ -158,7 +145,6 @@ class QuantLinear:
             dq.dequantize_f16(dev, weights, out=out)
 
         self._dequantize = dequantize  # one function for every call, so a graph shares one W_f16 node
-        self._fold_state: Tensor | None = None  # with_norm's state, made at its first call
 
     def takes_int8(self, rows: int) -> bool:
         """Whether `rows` rows of activations may come as Int8Activations (they would take the integer matvec, or
@@ -168,30 +154,6 @@ class QuantLinear:
         if self.decode_tile(rows) is not None:
             return decode_fusion()
         return mv.takes_int8(self.weights.format, rows, self.in_features)
-
-    def takes_folded(self, rows: int) -> bool:
-        """Whether `rows` rows of input may come as a folded norm's Int8Activations (they take the integer matvec)."""
-        return rows <= mv.FOLD_ROWS and self.takes_int8(rows) and self.decode_tile(rows) is None
-
-    def folds_norm(self, rows: int) -> bool:
-        """Whether the epilogue of this product over `rows` rows may write a norm of its output as the next
-        product's int8 activations (with_norm): the matvec route, up to VKGRAPH_NORM_FOLD rows (and FOLD_ROWS),
-        N % 32 == 0, fusion on."""
-        return (decode_fusion() and 1 <= rows <= min(flag("VKGRAPH_NORM_FOLD"), mv.FOLD_ROWS)
-                and self.out_features % 32 == 0 and self.decode_tile(rows) is None)
-
-    def with_norm(self, x: Tensor | Int8Activations, residual: Tensor | None, weight: Tensor, eps: float
-                  ) -> tuple[Tensor, Int8Activations]:
-        """(self(x, residual), x.rms_norm(weight, eps) of that as int8 activations), both from this product's one
-        kernel (templates.matvec.NormFold) where folds_norm; the activations feed a product that takes_folded."""
-        rows = self._rows(x, residual)
-        if not self.folds_norm(rows) or weight.shape != (self.out_features,):
-            raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}) folds no norm of "
-                             f"weight {weight.shape} over {rows} rows here (see folds_norm)")
-        if self._fold_state is None:  # zeroed once: every call leaves its counters zero
-            self._fold_state = Tensor(np.zeros(mv.fold_layout(self.out_features)[0] // 4, np.uint32)).realize()
-        y = self._product(x, rows, residual, (weight.float(), self._fold_state, eps))
-        return y, Int8Activations(self._fold_state, tuple(x.shape[:-1]), self.out_features, folded=True, after=y)
 
     def decode_tile(self, rows: int) -> Any:
         """The small-row tile of templates.matmul_quant for `rows` (VKGRAPH_DECODE_MM_ROWS .. DEQUANT_ROWS - 1)
@@ -207,25 +169,17 @@ class QuantLinear:
     def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
         """x [..., in_features] float32, or Int8Activations where takes_int8 -> [..., out_features] float32
         (+ residual, fused)."""
-        return self._product(x, self._rows(x, residual), residual, None)
-
-    def _rows(self, x: Tensor | Int8Activations, residual: Tensor | None) -> int:
-        """The activation rows of x, checking x's and the residual's shapes."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}): input's last "
                              f"dimension is {x.shape[-1]}")
-        out_shape = (*x.shape[:-1], self.out_features)
+        lead = x.shape[:-1]
+        rows = math.prod(lead)
+        out_shape = (*lead, self.out_features)
         if residual is not None and residual.shape != out_shape:
             raise ValueError(f"QuantLinear residual has shape {residual.shape}, expected {out_shape}")
-        return math.prod(x.shape[:-1])
-
-    def _product(self, x: Tensor | Int8Activations, rows: int, residual: Tensor | None,
-                 norm: tuple[Tensor, Tensor, float] | None) -> Tensor:
-        """The product by its route; `norm` (weight, fold state, eps): folded into the matvec (with_norm)."""
         w, n, k = self.weights, self.out_features, self.in_features
-        out_shape = (*x.shape[:-1], n)
         if isinstance(x, Int8Activations):
-            return self._from_int8(x, rows, residual, norm)
+            return self._from_int8(x, rows, residual)
         if (cfg := self.coop_tile(rows) if rows >= DEQUANT_ROWS else self.decode_tile(rows)) is not None:
             return self._coop(x, rows, cfg, residual)
         if rows >= DEQUANT_ROWS and self.can_dequantize:
@@ -239,22 +193,14 @@ class QuantLinear:
                 y = y + residual.reshape(rows, n).float()
             return y.reshape(out_shape)
         acts = [x.float()] + ([residual.float()] if residual is not None else [])
-        at = len(acts) + len(self.tensors)
 
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
-            _bind(dev, w, ins[len(acts):at])
+            _bind(dev, w, ins[len(acts):])
             _matvec_calls(dev, w, ins[0], lambda r0, b: ins[0].view(r0 * k * 4, b * k * 4), rows, out,
-                          ins[1] if residual is not None else None, _norm_fold(ins, at, rows, norm))
+                          ins[1] if residual is not None else None)
 
-        return self._matvec_node(run, acts, out_shape, norm)
-
-    def _matvec_node(self, run: Any, acts: list[Tensor], out_shape: tuple[int, ...],
-                     norm: tuple[Tensor, Tensor, float] | None) -> Tensor:
-        """The matvec's graph node over acts, the weights and, with `norm`, its weight and the fold state (which
-        the kernel writes: the consumer follows this node through Int8Activations.after)."""
-        extra = [] if norm is None else [norm[0], norm[1]]
-        return custom(run, acts + self.tensors + extra, out_shape, dtypes.float32,
-                      key=(id(self),) if norm is None else (id(self), norm[2]), name=f"matvec_{self.format}")
+        return custom(run, acts + self.tensors, out_shape, dtypes.float32, key=(id(self),),
+                      name=f"matvec_{self.format}")
 
     def coop_tile(self, rows: int) -> Any:
         """The tile configuration of templates.matmul_quant for `rows` activation rows, or None where this weight
@@ -273,8 +219,6 @@ class QuantLinear:
         w, n, k = self.weights, self.out_features, self.in_features
         lim = limits()
         int8 = isinstance(x, Int8Activations)
-        if int8 and x.folded:
-            raise ValueError("matmul_quant takes no folded norm's activations (see QuantLinear.takes_folded)")
         ks = getattr(cfg, "ks", 1)
         fused = residual if ks == 1 else None
         ins = [x.words if int8 else x.reshape(rows, k).cast(dtypes.float16), *self.tensors]
@@ -297,27 +241,23 @@ class QuantLinear:
                 y = y + residual.reshape(rows, n).float()
         return y.reshape(*x.shape[:-1], n)
 
-    def _from_int8(self, x: Int8Activations, rows: int, residual: Tensor | None,
-                   norm: tuple[Tensor, Tensor, float] | None) -> Tensor:
-        if not (self.takes_folded(rows) if x.folded else self.takes_int8(rows)):
-            raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}) takes no "
-                             f"{'folded ' if x.folded else ''}int8 activations for {rows} rows here (see takes_int8, "
-                             "takes_folded)")
+    def _from_int8(self, x: Int8Activations, rows: int, residual: Tensor | None) -> Tensor:
+        if not self.takes_int8(rows):
+            raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}) takes no int8 "
+                             f"activations for {rows} rows here (see takes_int8)")
         if (cfg := self.decode_tile(rows)) is not None:
             return self._coop(x, rows, cfg, residual)
         w, n, k = self.weights, self.out_features, self.in_features
-        # a folded norm's state, and its producer's output only to follow it
-        acts = [x.words] + ([x.after] if x.after is not None else []) + ([residual.float()] if residual is not None
-                                                                         else [])
-        at = len(acts) + len(self.tensors)
+        acts = [x.words] + ([residual.float()] if residual is not None else [])
 
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
-            _bind(dev, w, ins[len(acts):at])
-            q8 = mv.fold_acts(ins[0], rows, k) if x.folded else mv.Q8Acts.in_buffer(ins[0], rows, k)
+            _bind(dev, w, ins[len(acts):])
+            q8 = mv.Q8Acts.in_buffer(ins[0], rows, k)
             _matvec_calls(dev, w, q8, lambda r0, b: q8.rows(r0, b, k), rows, out,
-                          ins[len(acts) - 1] if residual is not None else None, _norm_fold(ins, at, rows, norm))
+                          ins[1] if residual is not None else None)
 
-        return self._matvec_node(run, acts, (*x.lead, n), norm)
+        return custom(run, acts + self.tensors, (*x.lead, n), dtypes.float32, key=(id(self),),
+                      name=f"matvec_{self.format}")
 
 
 class ExpertLinear:

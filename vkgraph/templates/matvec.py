@@ -329,17 +329,12 @@ def _check_act_dtype(act_dtype: str) -> int:
 
 
 def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, act_dtype: str, *,
-            has_bias: bool = False, has_residual: bool = False, expert_ids: bool = False, norm: bool = False,
-            x_inv: bool = False) -> Any:
+            has_bias: bool = False, has_residual: bool = False, expert_ids: bool = False) -> Any:
     """The format's template compiled for this launch variant, cached on `weights`."""
-    key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids, norm, x_inv)
+    key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids)
     kern = weights.pipelines.get(key)
     if kern is None:
         defines = {}
-        if norm:
-            defines["NORM_Q8"] = 1
-        if x_inv:
-            defines["X_INV"] = 1
         if cfg.tpr:
             if expert_ids:
                 raise ValueError("matvec_id takes the workgroup launch (tpr=0)")
@@ -368,24 +363,20 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             defines["W_BF16"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
                 "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
-        # the fold's producers and consumers counted and profiled apart from the plain products
-        label = TEMPLATE[weights.format.name] + ("+norm" if norm else "") + ("+inv" if x_inv else "")
         kern = weights.pipelines[key] = catalog.compile(dev, TEMPLATE[weights.format.name], spec=spec,
-                                                      defines=defines, label=label)
+                                                      defines=defines)
     return kern
 
 
 def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_dtype: str = "f32",
            out: Any | None = None, bias: Any | None = None, residual: Any | None = None,
-           config: MatvecConfig | None = None, norm: NormFold | None = None) -> Any:
+           config: MatvecConfig | None = None) -> Any:
     """y[b, n] = sum_k W[n, k] x[b, k] (+ bias[n]) (+ residual[b, n]) for b < batch; returns y [batch, N].
 
     x holds `batch` rows of K activations (float32, or float16 with act_dtype="f16"), or is a `Q8Acts`: the
     rows already quantized for the integer path (e.g. by norms.rmsnorm_q8), which then needs no quantization
-    kernel; a Q8Acts with `inv` (a NormFold's output) has each row's results scaled by its inv. bias is
-    float32 [N], residual float32 [batch, N] (it may be `out` itself); y is float32. `norm`: the epilogue also
-    writes RMSNorm(y) as the next integer-path product's activations (see NormFold). Records the dispatch; does
-    not wait.
+    kernel. bias is float32 [N], residual float32 [batch, N] (it may be `out` itself); y is float32. Records
+    the dispatch; does not wait.
     """
     n, k = weights.shape
     act_bytes = _check_act_dtype(act_dtype)
@@ -409,39 +400,29 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     if residual is not None:
         check_buffer("residual", residual, batch * n * 4)
     cfg = config or choose_config(dev, weights.format, n, k, batch)
-    if norm is not None:
-        norm.check(n, batch)
-    x_inv = isinstance(x, Q8Acts) and x.inv is not None
     kern = _kernel(dev, weights, cfg, batch, act_dtype, has_bias=bias is not None,
-                   has_residual=residual is not None, norm=norm is not None, x_inv=x_inv)
+                   has_residual=residual is not None)
     _launch(dev, weights, cfg, kern, x, batch, act_dtype, out, grid_2d(dev, -(-n // cfg.rows_per_workgroup)), bias=bias,
-            residual=residual, norm=norm)
+            residual=residual)
     return out
 
 
 def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x: Any, x_rows: int, act_dtype: str,
             out: Any, groups: tuple[int, int, int], *, bias: Any = None, residual: Any = None, ids: Any = None,
-            n_pairs: int = 0, x_div: int = 1, n_experts: int = 1, norm: NormFold | None = None) -> None:
-    """Dispatch a compiled matvec template (unused bindings get the weights, the fold's state `out`: a binding
-    the kernel writes anyway); with cfg.int_dot the x_rows activation rows are quantized to int8 first, and the
-    copies released once the matvec is recorded."""
+            n_pairs: int = 0, x_div: int = 1, n_experts: int = 1) -> None:
+    """Dispatch a compiled matvec template (unused bindings get the weights); with cfg.int_dot the x_rows
+    activation rows are quantized to int8 first, and the copies released once the matvec is recorded."""
     w = weights.body
     acts = [x, w, w]
     quantized = cfg.int_dot and not isinstance(x, Q8Acts)
-    x_inv, inv0 = w, 0
     if isinstance(x, Q8Acts):
         acts = [x.xq, x.xd, x.xs]
-        if x.inv is not None:
-            x_inv, inv0 = x.inv, x.inv0
     elif cfg.int_dot:
         acts = list(quantize_activations(dev, x, x_rows, weights.shape[1], act_dtype))
-    folds = norm.push(weights.shape[0]) if norm is not None else dict.fromkeys(FOLD_PUSH, 0)
-    catalog.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:],
-                                 norm.weight if norm else w, norm.state if norm else out, x_inv],
+    catalog.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:]],
                      groups, push={"n_rows": weights.shape[0] // n_experts, "k": weights.shape[1],
                                    "w_stride": weights.w_stride, "s_stride": weights.s_stride, "groups_x": groups[0],
-                                   "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts, **folds,
-                                   "eps": norm.eps if norm else 0.0, "inv0": inv0})
+                                   "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
     if quantized:
         for buf in acts:
             buf.release()
@@ -477,15 +458,11 @@ Q8_ALIGN = 256  # bytes: each part of a Q8Acts buffer starts on this boundary (a
 @dataclass(frozen=True)
 class Q8Acts:
     """Activations [rows, K] quantized for the integer dot-product path, as quantize_activations returns them:
-    xq (int8 [rows, K]), xd (float32 per block of 32), xs (int32 per 16 values), each a buffer or view. With
-    `inv` (a NormFold's output, `fold_acts`): the activations are these values times inv[inv0 + row] (float32),
-    which the consumer applies to its results."""
+    xq (int8 [rows, K]), xd (float32 per block of 32), xs (int32 per 16 values), each a buffer or view."""
 
     xq: Any
     xd: Any
     xs: Any
-    inv: Any | None = None
-    inv0: int = 0
 
     @staticmethod
     def layout(rows: int, k: int) -> tuple[int, tuple[int, int, int]]:
@@ -507,7 +484,7 @@ class Q8Acts:
     def rows(self, r0: int, count: int, k: int) -> Q8Acts:
         """Rows r0 .. r0 + count (views: their offsets keep the device's storage alignment where K % 256 == 0)."""
         return Q8Acts(self.xq.view(r0 * k, count * k), self.xd.view(r0 * k // 8, count * k // 8),
-                      self.xs.view(r0 * k // 4, count * k // 4), self.inv, self.inv0 + r0)
+                      self.xs.view(r0 * k // 4, count * k // 4))
 
     def check(self, rows: int, k: int) -> None:
         if k % 32:
@@ -515,63 +492,6 @@ class Q8Acts:
         for name, buf, nbytes in (("xq", self.xq, rows * k), ("xd", self.xd, rows * k // 8),
                                   ("xs", self.xs, rows * k // 4)):
             check_buffer(name, buf, nbytes)
-
-
-# NormFold: activation rows one fold state holds (a decode step's rows; the subgroup-rows launch's most)
-FOLD_ROWS = MAX_BATCH_SUBGROUP
-FOLD_PUSH = ("f_cnt", "f_row", "f_ssq", "f_q", "f_d", "f_s", "f_inv")
-
-
-def fold_layout(n: int) -> tuple[int, int, int]:
-    """(bytes, offset of the int8 activations, offset of inv) of a NormFold state for outputs of width n: uint32
-    counters per (activation row, block of 32) and per activation row, the blocks' float32 sums of squares (of
-    the values and of the values times 2^-80, for rows whose squares overflow), then
-    Q8Acts.layout of up to FOLD_ROWS rows and FOLD_ROWS float32 inv, each part on a Q8_ALIGN boundary. The
-    counters must be zero before the first call (each call leaves them zero)."""
-    nblk = n // 32
-    head = -(-(3 * FOLD_ROWS * nblk + FOLD_ROWS) * 4 // Q8_ALIGN) * Q8_ALIGN
-    inv = head + Q8Acts.layout(FOLD_ROWS, n)[0]
-    return inv + -(-FOLD_ROWS * 4 // Q8_ALIGN) * Q8_ALIGN, head, inv
-
-
-def fold_acts(state: Any, rows: int, n: int) -> Q8Acts:
-    """The activations a NormFold of `rows` rows wrote into `state`: Q8Acts with their inv."""
-    _, q, inv = fold_layout(n)
-    acts = Q8Acts.in_buffer(state.view(q, Q8Acts.layout(rows, n)[0]), rows, n)
-    return replace(acts, inv=state.view(inv, FOLD_ROWS * 4))
-
-
-@dataclass(frozen=True)
-class NormFold:
-    """An RMSNorm of a matvec's output y [rows, N] folded into its epilogue (-DNORM_Q8): the matvec also writes
-    y / sqrt(mean(y^2) + eps) * weight for the next integer-path product into `state` (fold_layout(N), zeroed
-    once), as norms.rmsnorm_q8 would write it (int8 blocks of y * weight and their scales) except that the
-    norm's factor per row goes to a vector of its own, which that product applies (fold_acts); no dispatch of
-    its own. `rows`: activation rows of the whole product (calls of fewer rows take r0, their first)."""
-
-    weight: Any  # float32 [N]
-    state: Any
-    rows: int
-    eps: float
-    r0: int = 0
-
-    def check(self, n: int, batch: int) -> None:
-        if n % 32:
-            raise ValueError(f"a folded norm quantizes blocks of 32: N % 32 == 0 needed, got N={n}")
-        if not 1 <= self.rows <= FOLD_ROWS or not 0 <= self.r0 or self.r0 + batch > self.rows:
-            raise ValueError(f"a folded norm takes 1..{FOLD_ROWS} rows, got rows {self.r0}..{self.r0 + batch} of "
-                             f"{self.rows}")
-        check_buffer("norm weight", self.weight, n * 4)
-        check_buffer("fold state", self.state, fold_layout(n)[0])
-
-    def push(self, n: int) -> dict[str, int]:
-        """The template's word offsets into the state for this call's first row."""
-        nblk, r0 = n // 32, self.r0
-        _, q, inv = fold_layout(n)
-        _, (oq, od, os) = Q8Acts.layout(self.rows, n)
-        return {"f_cnt": r0 * nblk, "f_row": FOLD_ROWS * nblk + r0, "f_ssq": FOLD_ROWS * (nblk + 1) + 2 * r0 * nblk,
-                "f_q": (q + oq) // 4 + r0 * n // 4, "f_d": (q + od) // 4 + r0 * nblk,
-                "f_s": (q + os) // 4 + 2 * r0 * nblk, "f_inv": inv // 4 + r0}
 
 
 def upload_experts(dev: Device, experts: list[QuantizedTensor]) -> DeviceWeights:

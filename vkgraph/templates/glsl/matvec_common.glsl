@@ -35,16 +35,6 @@
 // -DFOLD (UNIT_COEFFS formats) sums a unit's runs as integers before its one scale, and -DSTAGE_X (subgroup-rows
 // launch) reads the activations from a copy in shared memory (both described where they are used).
 //
-// -DNORM_Q8 (an RMSNorm folded into the epilogue): besides y, the product writes RMSNorm(y) * norm_w quantized for the
-// next integer-path product, as rmsnorm_q8.comp would from y, without its dispatch. The norm's one scalar per
-// activation row, inv = 1 / sqrt(mean(y^2) + eps), leaves each block's int8 values and half sums unchanged and
-// only scales its scale, so a block is quantized from y * norm_w as soon as its 32 rows of y exist (scale
-// max |y * norm_w| / 127), with its sum of squares; inv goes to a vector of its own that the consumer applies in
-// its epilogue (-DX_INV). A block's rows come from several workgroups: each counts the rows it stored on a
-// per-(activation row, block) counter, and the one completing the block quantizes it (fold_norm, below).
-// -DX_INV: the activations are such folded ones: every result of activation row b is multiplied by xinv[inv0 + b]
-// (before bias and residual).
-//
 // -DEXPERT_IDS (mul_mat_id): `w` holds n_experts matrices of n_rows rows each, stacked; pair p of n_pairs
 // computes y[p] = W[ids[p]] x[p / x_div] (NB = 1, no bias or residual). The weight row and its scale row are
 // offset by ids[p] * n_rows through the row passed to load_unit, so every format gets it. The binding and
@@ -74,16 +64,12 @@ layout(constant_id = 6) const uint SUBGROUP = 32;     // the device's subgroup s
 layout(set = 0, binding = 0) readonly buffer Weights { uvec4 w[]; };
 layout(set = 0, binding = 1) readonly buffer Scales { uint s[]; };
 layout(set = 0, binding = 2) readonly buffer X { XVEC x[]; };
-layout(set = 0, binding = 3) coherent buffer Y { float y[]; };   // coherent: NORM_Q8 reads other workgroups' rows
+layout(set = 0, binding = 3) buffer Y { float y[]; };
 layout(set = 0, binding = 4) readonly buffer Bias { float bias[]; };
 layout(set = 0, binding = 5) readonly buffer Residual { float res[]; };
 layout(set = 0, binding = 6) readonly buffer Ids { uint ids[]; };
 layout(set = 0, binding = 7) readonly buffer XD { float xd[]; };   // INT_DOT: activation block scales
 layout(set = 0, binding = 8) readonly buffer XSum { int xsum[]; }; // INT_DOT: int8 sums per 16 activations
-layout(set = 0, binding = 9) readonly buffer NormW { float norm_w[]; };   // NORM_Q8: the norm's weight [N]
-// NORM_Q8: the fold's state (matvec.fold_layout): counters, the blocks' sums of squares, the int8 activations, inv
-layout(set = 0, binding = 10) coherent buffer Fold { uint fs[]; };
-layout(set = 0, binding = 11) readonly buffer XInv { float xinv[]; };   // X_INV: a factor per activation row
 
 layout(push_constant) uniform Push {
     uint n_rows;      // N
@@ -94,15 +80,6 @@ layout(push_constant) uniform Push {
     uint n_pairs;     // EXPERT_IDS: (token, slot) pairs
     uint x_div;       // EXPERT_IDS: pairs per activation row (a token's k slots share its x; 1: x per pair)
     uint n_experts;   // EXPERT_IDS: matrices stacked in `w` (ids are clamped to them)
-    uint f_cnt;       // NORM_Q8, words into fs: the (activation row, block) counters of this call's first row
-    uint f_row;       // ... the per-activation-row counters of finished blocks
-    uint f_ssq;       // ... the blocks' sums of squares, of the values and of the values * 2^-80 (float bits)
-    uint f_q;         // ... the int8 values (four per word)
-    uint f_d;         // ... the blocks' scales (float bits)
-    uint f_s;         // ... the half blocks' int8 sums
-    uint f_inv;       // ... inv per activation row (float bits)
-    float eps;        // NORM_Q8: the norm's epsilon
-    uint inv0;        // X_INV: xinv's entry of this call's first activation row
 } pc;
 
 #ifdef EXPERT_IDS
@@ -147,9 +124,6 @@ vec4 x_factor(uint j);
 void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r * NB + b
     const uint b = i % NB, row = row0 + i / NB;
     if (row >= pc.n_rows) return;
-#ifdef X_INV
-    v *= xinv[pc.inv0 + X_ROW(b)];
-#endif
     if (HAS_BIAS) v += bias[row];
     if (HAS_RESIDUAL) v += res[b * pc.n_rows + row];
     y[Y_ROW(b) * pc.n_rows + row] = v;
@@ -306,103 +280,6 @@ void accumulate(uint base, uint u) {
 #endif
 }
 
-#ifdef NORM_Q8
-#if defined(EXPERT_IDS)
-#error "NORM_Q8 folds a norm over the rows of one product, not of expert pairs"
-#endif
-const float FOLD_DOWN = 1.0 / 1208925819614629174706176.0;   // 2^-80, as rmsnorm_q8.comp
-shared vec2 fold_red[WG];
-shared uint fold_done[NB];   // activation rows whose last block this workgroup quantized
-
-vec2 fold_wg_sum(vec2 v) {   // the sum over the workgroup (a shared-memory tree; WG is a power of two)
-    const uint tid = gl_LocalInvocationID.x;
-    fold_red[tid] = v;
-    barrier();
-    for (uint s = WG / 2; s > 0; s >>= 1) {
-        if (tid < s) fold_red[tid] += fold_red[tid + s];
-        barrier();
-    }
-    return fold_red[0];
-}
-
-// the 32 rows of block blk of activation row b are in y: quantize y * norm_w there as q8_store.glsl does (scale
-// max |y * norm_w| / 127), keep its sum of squares, and count it on the row: whether it was the row's last
-bool fold_block(uint b, uint blk) {
-    const uint nblk = pc.n_rows / 32, e0 = b * pc.n_rows + blk * 32, slot = b * nblk + blk;
-    vec4 v[8];
-    float amax = 0.0, ss = 0.0, ss_down = 0.0;
-    [[unroll]] for (uint i = 0; i < 8; i++) {
-        const uint e = e0 + 4 * i, c = blk * 32 + 4 * i;
-        const vec4 x4 = vec4(y[e], y[e + 1], y[e + 2], y[e + 3]);
-        ss += dot(x4, x4);
-        ss_down += dot(x4 * FOLD_DOWN, x4 * FOLD_DOWN);
-        v[i] = x4 * vec4(norm_w[c], norm_w[c + 1], norm_w[c + 2], norm_w[c + 3]);
-        const vec4 a = abs(v[i]);
-        amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
-    }
-    const float d = amax / 127.0;
-    const float id = d > 0.0 ? 1.0 / d : 0.0;
-    int sum[2] = int[2](0, 0);
-    [[unroll]] for (uint i = 0; i < 8; i++) {
-        const ivec4 q = clamp(ivec4(roundEven(v[i] * id)), -127, 127);
-        sum[i / 4] += (q.x + q.y) + (q.z + q.w);
-        const uvec4 c = uvec4(q) & 0xFFu;
-        fs[pc.f_q + e0 / 4 + i] = c.x | (c.y << 8) | (c.z << 16) | (c.w << 24);
-    }
-    fs[pc.f_d + slot] = floatBitsToUint(d);
-    fs[pc.f_s + 2 * slot] = uint(sum[0]);
-    fs[pc.f_s + 2 * slot + 1] = uint(sum[1]);
-    fs[pc.f_ssq + 2 * slot] = floatBitsToUint(ss);
-    fs[pc.f_ssq + 2 * slot + 1] = floatBitsToUint(ss_down);
-    fs[pc.f_cnt + slot] = 0u;   // zero again for the next call (no one else counts this block in this call)
-    memoryBarrierBuffer();   // the block's writes before its count
-    return atomicAdd(fs[pc.f_row + b], 1u) == nblk - 1u;
-}
-
-// The last-arriver pattern: this workgroup stored rows [first, first + count) (those below N) of every activation
-// row; their stores are made visible device-wide before one count per (activation row, block) it touched adds
-// them, and the count that reaches 32 reads the block back (coherent) and quantizes it. The workgroup that
-// quantized a row's last block sums the row's sums of squares together and writes inv (as rmsnorm_q8.comp: where
-// the squares overflow float32, again over the row scaled down, where eps drops out). Whole workgroups call it.
-void fold_norm(uint first, uint count) {
-    const uint tid = gl_LocalInvocationID.x;
-    for (uint b = tid; b < NB; b += WG) fold_done[b] = 0u;
-    memoryBarrierBuffer();
-    barrier();
-    const uint end = min(first + count, pc.n_rows);
-    if (first >= end) return;   // uniform: a workgroup of the grid's padding
-    const uint nblk = pc.n_rows / 32, b0 = first / 32, touched = (end - 1) / 32 - b0 + 1;
-    for (uint p = tid; p < touched * NB; p += WG) {
-        const uint b = p % NB, blk = b0 + p / NB;
-        const uint mine = min(end, blk * 32 + 32) - max(first, blk * 32);
-        if (atomicAdd(fs[pc.f_cnt + b * nblk + blk], mine) + mine == 32u) {
-            memoryBarrierBuffer();   // the other workgroups' rows of the block are visible after their counts
-            if (fold_block(b, blk)) fold_done[b] = 1u;
-        }
-    }
-    barrier();
-    // the rows whose last block this workgroup quantized: inv from the row's sums of squares, summed by the whole
-    // workgroup (as rmsnorm_q8.comp: where the squares overflow float32, the sums of the row scaled down, where
-    // eps drops out)
-    for (uint b = 0; b < NB; b++) {
-        if (fold_done[b] == 0u) continue;   // uniform: read from shared memory after the barrier
-        memoryBarrierBuffer();   // every block's writes are visible after the row's count
-        vec2 s = vec2(0.0);
-        for (uint i = tid; i < nblk; i += WG) {
-            const uint at = pc.f_ssq + 2 * (b * nblk + i);
-            s += vec2(uintBitsToFloat(fs[at]), uintBitsToFloat(fs[at + 1]));
-        }
-        const vec2 total = fold_wg_sum(s);
-        if (tid == 0) {
-            fs[pc.f_inv + b] = floatBitsToUint(isinf(total.x) ? inversesqrt(total.y / float(pc.n_rows)) * FOLD_DOWN
-                                                              : inversesqrt(total.x / float(pc.n_rows) + pc.eps));
-            fs[pc.f_row + b] = 0u;   // zero again for the next call
-        }
-        barrier();   // fold_red read by all before the next row's sum writes it
-    }
-}
-#endif
-
 void main() {
 #ifdef IQ4_TABLE
     iq4_init_tables();  // a barrier: before the grid padding's return
@@ -504,12 +381,5 @@ void main() {
         }
         for (uint i = tid; i < ROWS * NB; i += WG) store(row0, i, red[i * WG]);
     }
-#endif
-#ifdef NORM_Q8
-#ifdef SG_ROWS
-    fold_norm(wg_linear * (WG / TPR) * ROWS, (WG / TPR) * ROWS);
-#else
-    fold_norm(row0, ROWS);
-#endif
 #endif
 }
