@@ -183,6 +183,7 @@ SPECIALS = ["normal", "zeros", "huge", "tiny", "negative"]
 @example(rows=1, blocks=128, kind="normal", wg=None, shuffle=True, seed=0)
 @example(rows=32, blocks=137, kind="huge", wg=None, shuffle=False, seed=1)
 @example(rows=32, blocks=256, kind="zeros", wg=None, shuffle=True, seed=2)
+@example(rows=3, blocks=128, kind="huge", wg=None, shuffle=True, seed=3)
 def test_rmsnorm_q8_drawn(rows, blocks, kind, wg, shuffle, seed):
     """rmsnorm_q8 at decode's rows (1..32) and widths (multiples of 32 to 8192), either exchange path, special
     rows included: all zeros (scale 0), values whose squares overflow float32, tiny and all-negative ones."""

@@ -47,10 +47,11 @@ void main() {
     float inv;
     if (isinf(total)) {
         // the squares overflowed float32 where numpy's float64 does not: again on the row scaled down, whose
-        // mean square is so far above eps * 2^-160 (below float32's range) that eps drops out
-        float s = 0.0;
+        // mean square is so far above eps * 2^-160 (below float32's range) that eps drops out. `precise`: a
+        // compiler may not fold the scale out of the squares (DOWN^2 is 0 in float32)
+        precise float s = 0.0;
         [[unroll]] for (uint j = 0; j < VPI; j++) {
-            const vec4 t = v[j] * DOWN;
+            precise const vec4 t = v[j] * DOWN;
             s += dot(t, t);
         }
         inv = inversesqrt(wg_sum(s) / float(pc.n)) * DOWN;
