@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from reference_llama import RefCache, ReferenceLlama
+from test_matmul_coop import emulate_coop
 
 from vkgraph.nn import tiny_model
 from vkgraph.nn.config import RopeScaling
@@ -79,32 +80,11 @@ def test_logits_match_reference_for_prefill_and_every_decode_step(models, kind):
         tok = int(np.argmax(want[-1]))
 
 
-def _emulate_coop(monkeypatch) -> None:
-    """Let the quantized products take their cooperative-matrix kernels (matmul_quant's prefill and small-row tiles)
-    on any device with a fixed subgroup size dividing 16, their matrix operations emulated (test_matmul_coop):
-    the model-level routing that only a GPU with cooperative matrices takes runs in every test run."""
-    import dataclasses
-
-    from test_matmul_coop import COOP, emulated
-
-    from vkgraph import realize as realize_mod
-    from vkgraph.runtime import get_device
-
-    dev = get_device()
-    lim = dataclasses.replace(realize_mod.limits(), coop=COOP)
-    if lim.subgroup < 1 or 16 % lim.subgroup or lim.min_subgroup != lim.max_subgroup:
-        pytest.skip("the emulation needs a fixed subgroup size that divides 16")
-    monkeypatch.setitem(realize_mod._limits, dev, lim)
-    get = dev.pipelines.get
-    monkeypatch.setattr(dev.pipelines, "get",
-                        lambda src, **kw: get(emulated(src, lim.subgroup) if "coopMat" in src else src, **kw))
-
-
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
 def test_reference_logits_and_batches_with_cooperative_matrices(models, kind, monkeypatch):
     """With cooperative matrices (emulated) a prefill of 18 rows keeps the reference's precision (the small-row
     tiles on int8 activations are a decode step's only), and a batch gives what each request gives alone."""
-    _emulate_coop(monkeypatch)
+    emulate_coop(monkeypatch)
     test_logits_match_reference_for_prefill_and_every_decode_step(models, kind)
     if kind == "Q8_0":
         test_batch_gives_what_each_gives_alone_and_frees_every_block(models)

@@ -496,6 +496,20 @@ def _emulated_product(m: int, n: int, k: int, tb: bool, cfgs: list) -> None:
         _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)
 
 
+def emulate_coop(monkeypatch) -> None:
+    """Let a device without cooperative matrices run the float16 programs that need them, emulated (`emulated`),
+    for the rest of a test: the limits say it has COOP and every pipeline built from coopMat source is emulated.
+    Skips where the device's subgroup size is not fixed or does not divide 16."""
+    dev = get_device()
+    lim = dataclasses.replace(realize_mod.limits(), coop=COOP)
+    if lim.subgroup < 1 or 16 % lim.subgroup or lim.min_subgroup != lim.max_subgroup:
+        pytest.skip("the emulation needs a fixed subgroup size that divides 16")
+    monkeypatch.setitem(realize_mod._limits, dev, lim)
+    get = dev.pipelines.get
+    monkeypatch.setattr(dev.pipelines, "get",
+                        lambda src, **kw: get(emulated(src, lim.subgroup) if "coopMat" in src else src, **kw))
+
+
 def test_pipelined_split_product_emulated_matches_numpy():
     """Two slices in flight and K split in four, ragged M and N, B read transposed."""
     _emulated_product(130, 72, 256, True, [matmul_coop.Config(64, 64, 16, 2, 2, 2, 2, 4)])

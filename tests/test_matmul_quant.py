@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_matmul_coop import compiles, fake_limits, needs_f16
+from test_matmul_coop import _has, compiles, emulate_coop, fake_limits, needs_f16
 
 import vkgraph.realize as realize_mod
 from vkgraph.codegen import matmul_coop
@@ -389,7 +389,6 @@ def test_decode_products_match_numpy(fmt, m, n, kb, residual, int8, seed):
     _decode_case(fmt, m, n, k, cfg, residual, int8, seed)
 
 
-@needs_f16
 def test_decode_step_batch8_matches_the_matvec_route(tmp_path, monkeypatch):
     """A batch-8 decode step of a Q4_0 model (norms, attention and GLU writing int8 blocks) through matmul_quant's
     small tiles gives the matvec route's logits within the int8 activations' reach: the float16 staging's
@@ -401,6 +400,8 @@ def test_decode_step_batch8_matches_the_matvec_route(tmp_path, monkeypatch):
     from vkgraph.nn.llama import LlamaModel
     from vkgraph.nn.weights import load_weights
 
+    if not _has("float16"):
+        emulate_coop(monkeypatch)  # the same routing, its matrix operations emulated
     path = tiny_model.write_model(tmp_path, tiny_model.tiny_config(n_heads=2, n_kv_heads=1, head_dim=32),
                                   gguf_types=("Q4_0",), safetensors=False)["Q4_0"]
     model = LlamaModel(load_weights(path, progress=False), num_blocks=16, block_size=16, kv_dtype="f32",
@@ -409,7 +410,7 @@ def test_decode_step_batch8_matches_the_matvec_route(tmp_path, monkeypatch):
     tokens = Tensor(np.array([5, 17, 42, 99, 7, 3, 250, 11], np.int32))
     step = StepInputs(Tensor(np.zeros(b, np.int32)), Tensor(np.arange(b, dtype=np.int32) * 32),
                       block_tables=Tensor(np.arange(2 * b, dtype=np.int32).reshape(b, 2)),
-                      context_lens=Tensor(np.ones(b, np.int32)))
+                      context_lens=Tensor(np.ones(b, np.int32)), decode=True)
     got = {}
     for rows in ("8", "0"):
         monkeypatch.setenv("VKGRAPH_DECODE_MM_ROWS", rows)
