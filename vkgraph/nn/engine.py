@@ -18,6 +18,7 @@ import numpy as np
 
 from ..flags import flag
 from ..jit import jit
+from ..templates.common import pow2_ceil
 from ..tensor import Tensor, manual_seed
 from .kv_cache import KVCacheManager, OutOfKVBlocks
 from .kv_tiers import BlockCopier, PrefixStore
@@ -332,7 +333,7 @@ class Engine:
         (slot -1) and are never read."""
         ids = [r.id for r in reqs]
         real = sum(self.kv.context_len(i) - self.kv.num_computed(i) for i in ids)
-        rows = _pow2(max(real, 16))
+        rows = pow2_ceil(max(real, 16))
         meta = self.kv.batch(ids, width=self.model.max_blocks_per_seq, pad_tokens=rows)
         qsl = meta.query_start_loc
         if not continue_cached:
@@ -639,11 +640,6 @@ def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
                default=0)
 
 
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n."""
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
 def _bucket(n: int, cap: int) -> int:
     """Batch rows padded to a power of two, so a handful of captured steps serve every batch size."""
-    return min(_pow2(n), max(cap, n))
+    return min(pow2_ceil(n), max(cap, n))

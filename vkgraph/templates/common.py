@@ -38,6 +38,7 @@ def pow2_floor(n: int) -> int:
 
 
 def pow2_ceil(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << (max(n, 1) - 1).bit_length()
 
 
