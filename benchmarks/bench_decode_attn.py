@@ -21,7 +21,7 @@ os.environ["VKGRAPH_PROFILE"] = "1"
 os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
 
 import numpy as np  # noqa: E402
-from common import raise_clocks  # noqa: E402
+from common import device_events, raise_clocks  # noqa: E402
 
 from vkgraph.runtime import get_device  # noqa: E402
 from vkgraph.templates import paged_attention as pa  # noqa: E402
@@ -32,16 +32,7 @@ HQ, HKV, HEAD, BLOCK = 32, 8, 128, 16
 
 def chain(dev, run, reps: int) -> tuple[dict[str, float], float]:
     """({kernel: median us}, chain us per call) of `reps` consecutive calls of `run`."""
-    for _ in range(10):
-        run()
-    dev.synchronize()
-    prof = dev.queue.profiler
-    prof.events.clear()
-    for _ in range(reps):
-        run()
-    dev.synchronize()
-    ev = list(prof.events)
-    prof.events.clear()  # no table at exit
+    ev = device_events(dev, run, reps)
     if not ev:
         raise RuntimeError("no timestamps on this device")
     per: dict[str, list[float]] = defaultdict(list)

@@ -23,7 +23,7 @@ os.environ["VKGRAPH_PROFILE"] = "1"
 os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
 
 import numpy as np  # noqa: E402
-from common import raise_clocks  # noqa: E402
+from common import device_events, raise_clocks  # noqa: E402
 
 import vkgraph  # noqa: E402
 from vkgraph.runtime import get_device  # noqa: E402
@@ -38,16 +38,7 @@ GLU_WGS = [32, 64, 128, 256]
 
 def timed(dev, name: str, run, reps: int) -> tuple[float, float]:
     """(median kernel microseconds, chain microseconds per call) of `reps` dependent calls of `run`."""
-    for _ in range(10):
-        run()
-    dev.synchronize()
-    prof = dev.queue.profiler
-    prof.events.clear()
-    for _ in range(reps):
-        run()
-    dev.synchronize()
-    ev = [(t0, t1) for n, t0, t1 in prof.events if n == name]
-    prof.events.clear()  # no table at exit
+    ev = [(t0, t1) for n, t0, t1 in device_events(dev, run, reps) if n == name]
     if len(ev) != reps:
         raise RuntimeError(f"expected {reps} timestamps of {name}, got {len(ev)} (no timestamps on this device?)")
     kernel = statistics.median((t1 - t0) / 1e3 for t0, t1 in ev)

@@ -1,5 +1,5 @@
 """Helpers the benchmark scripts share: host wall-clock medians, GPU time per call through a replayed command
-graph, PyTorch-with-CUDA detection and timing."""
+graph or the device profiler's timestamps, PyTorch-with-CUDA detection and timing."""
 
 from __future__ import annotations
 
@@ -45,6 +45,23 @@ def replay_us(dev: Any, run: Callable[[], object], reps: int, per_graph: int = 1
         return statistics.median(times[1:]) / per_graph * 1e6
     finally:
         graph.destroy()
+
+
+def device_events(dev: Any, run: Callable[[], object], reps: int, warmup: int = 10) -> list[tuple[str, float, float]]:
+    """The device profiler's (kernel name, start ns, end ns) of `reps` consecutive calls of `run`, after `warmup`
+    untimed ones; empty where the device takes no timestamps. The process must set VKGRAPH_PROFILE=1 before the
+    device starts. The profiler is left empty, so that no table prints at exit."""
+    for _ in range(warmup):
+        run()
+    dev.synchronize()
+    prof = dev.queue.profiler
+    prof.events.clear()
+    for _ in range(reps):
+        run()
+    dev.synchronize()
+    ev = list(prof.events)
+    prof.events.clear()
+    return ev
 
 
 def cuda_torch() -> Any:
