@@ -10,9 +10,9 @@ steps.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -475,24 +475,21 @@ class Engine:
         params = [r.params for r in reqs]
         key = ("sampling", rows, tuple((p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
                                        for p in params))
-        st = self._step_constants.get(key)
-        if st is None:
-            st = SamplingTensors.build(params, rows, self.vocab)
-            self._keep_step_constant(key, st)
-        return st
-
-    def _keep_step_constant(self, key: tuple, value: SamplingTensors | Tensor) -> None:
-        if len(self._step_constants) >= _STEP_CONSTANTS:  # batches come and go: start afresh now and then
-            self._step_constants.clear()
-        self._step_constants[key] = value
+        return self._step_constant(key, lambda: SamplingTensors.build(params, rows, self.vocab))
 
     def _zero_column(self, rows: int) -> Tensor:
         """A (rows, 1) float32 zero column, the placeholder of an unused noise or presence input."""
-        col = self._step_constants.get(("zeros", rows))
-        if col is None:
-            col = Tensor(np.zeros((rows, 1), np.float32))
-            self._keep_step_constant(("zeros", rows), col)
-        return col
+        return self._step_constant(("zeros", rows), lambda: Tensor(np.zeros((rows, 1), np.float32)))
+
+    def _step_constant(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """The step input kept under `key`, made (and kept) on first use; batches come and go, so the whole set
+        starts afresh once it holds _STEP_CONSTANTS."""
+        value = self._step_constants.get(key)
+        if value is None:
+            if len(self._step_constants) >= _STEP_CONSTANTS:
+                self._step_constants.clear()
+            value = self._step_constants[key] = make()
+        return value
 
     def _noise(self, st: SamplingTensors, reqs: list[Request], rows: int) -> Tensor:
         """Uniform noise for the Gumbel draw; a (rows, 1) placeholder when every row is greedy (no vocabulary-
