@@ -58,8 +58,7 @@ class Transfers:
             raise ValueError(f"download_async of {nbytes} bytes from a buffer of {buf.size} bytes (at most "
                              f"{STAGING_CHUNK} bytes at a time)")
         queue = self.device.queue
-        if queue.capture is not None and queue.capture.thread == threading.get_ident():
-            raise CaptureError("reading a buffer back to the host inside a capture: a replay could not repeat it")
+        _refuse_in_capture(queue)
         stage = self.memory.readback.alloc(max(nbytes, 1))
         if nbytes:
             queue.copy(buf, 0, stage, 0, nbytes)
@@ -81,9 +80,7 @@ class Transfers:
         if nbytes:
             alloc, base = buf.alloc, buf.offset + offset
             queue = self.device.queue
-            if queue.capture is not None and queue.capture.thread == threading.get_ident():
-                raise CaptureError("reading a buffer back to the host inside a capture: a replay could not repeat "
-                                   "it (in a jit-compiled function, call .numpy()/.item() on its outputs instead)")
+            _refuse_in_capture(queue)
             if alloc.host is not None:
                 queue.wait_for(alloc)
                 out[:] = alloc.host[base:base + nbytes]
@@ -96,6 +93,14 @@ class Transfers:
                     out[start:start + n] = stage.alloc.host[:n]
                     stage.release()
         return out.view(dtype).reshape(shape)
+
+
+def _refuse_in_capture(queue: Any) -> None:
+    """A read back to the host cannot be part of a capture (a replay could not repeat it): raise in the capturing
+    thread."""
+    if queue.capture is not None and queue.capture.thread == threading.get_ident():
+        raise CaptureError("reading a buffer back to the host inside a capture: a replay could not repeat it (in a "
+                           "jit-compiled function, call .numpy()/.item() on its outputs instead)")
 
 
 def _as_bytes(data: Any) -> np.ndarray:
