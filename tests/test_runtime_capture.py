@@ -1,3 +1,5 @@
+import gc
+
 import numpy as np
 import pytest
 from glsl_samples import AXPB
@@ -110,6 +112,7 @@ def test_no_leaks_over_10000_replays(dev):
         return (s.live_bytes, s.idle_bytes, dev.memory.allocation_count, dev.queue.object_counts()["command_buffers"],
                 dev.queue.object_counts()["descriptor_sets"], len(dev.pipelines.cached))
 
+    gc.collect()  # buffers of earlier tests' garbage (a dropped jit's captures) are freed now, not mid-loop
     start = snapshot()
     for i in range(10_000):
         pos.value = i % 7
