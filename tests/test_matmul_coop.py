@@ -467,33 +467,52 @@ def emulated(src: str, sg: int) -> str:
     return re.sub(r"(shared uvec4 sm\[\d+\];)", lambda m: m[1] + "\n" + consts + _EMULATION, src)
 
 
-def _emulated_product(m: int, n: int, k: int, tb: bool, cfgs: list) -> None:
-    """Each tile configuration's float16 product, emulated, against numpy (NaN-poisoned output)."""
+def _float16_product(m: int, n: int, k: int, tb: bool, seed: int):
+    """A float16 (m, k) @ (k, n) product kernel over random operands uploaded to the device, B stored (n, k) and
+    read transposed when tb: (kern, mm, out, a, b), b as numpy multiplies it."""
     from vkgraph import graph
     from vkgraph.schedule import Kernel
     from vkgraph.view import ShapeTracker
 
-    dev, d = get_device(), dtypes.float16
-    lim = dataclasses.replace(realize_mod.limits(), coop=COOP)
-    if lim.subgroup < 1 or 16 % lim.subgroup or lim.min_subgroup != lim.max_subgroup:
-        pytest.skip("the emulation needs a fixed subgroup size that divides 16")
-    a, b = _arr((m, k), 21, np.float16), _arr((n, k) if tb else (k, n), 22, np.float16)
+    d = dtypes.float16
+    a, b = _arr((m, k), seed, np.float16), _arr((n, k) if tb else (k, n), seed + 1, np.float16)
     na = graph.buffer(realize_mod.upload(a, d), 0, d, a.shape)
     nb = graph.buffer(realize_mod.upload(b, d), 0, d, b.shape)
     if tb:
         nb = graph.movement(nb, lambda s: s.permute((1, 0)))
     mm = graph.matmul(na, nb, d)
     out = realize_mod.allocate(d, mm.numel)
-    kern = Kernel(mm, out, ShapeTracker.contiguous(mm.shape))
+    return Kernel(mm, out, ShapeTracker.contiguous(mm.shape)), mm, out, a, b.T if tb else b
+
+
+def _run_poisoned(dev, lowered, out, a: np.ndarray, b: np.ndarray) -> None:
+    """Run a lowered float16 product over a NaN-poisoned output (every element must be written); check a @ b."""
+    m, n = a.shape[0], b.shape[1]
+    dev.upload(out.buf, np.full(m * n, np.nan, np.float16).view(np.uint8))
+    run_lowered(dev, lowered)
+    _check(realize_mod.download(out, (m, n)), a, b, 2.0**-11)
+
+
+def _emulation_limits():
+    """The device's limits with COOP listed; skips where its subgroup size is not fixed or does not divide 16."""
+    lim = dataclasses.replace(realize_mod.limits(), coop=COOP)
+    if lim.subgroup < 1 or 16 % lim.subgroup or lim.min_subgroup != lim.max_subgroup:
+        pytest.skip("the emulation needs a fixed subgroup size that divides 16")
+    return lim
+
+
+def _emulated_product(m: int, n: int, k: int, tb: bool, cfgs: list) -> None:
+    """Each tile configuration's float16 product, emulated, against numpy (NaN-poisoned output)."""
+    dev = get_device()
+    lim = _emulation_limits()
+    kern, mm, out, a, b = _float16_product(m, n, k, tb, 21)
     for cfg in cfgs:
         lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg)
         assert len(lowered.programs) == (2 if cfg.ks > 1 and k % (cfg.bk * cfg.ks) == 0 else 1), cfg
         for p in lowered.programs:
             if p.name.startswith("MC_"):
                 p.src = emulated(p.src, lim.subgroup)
-        dev.upload(out.buf, np.full(m * n, np.nan, np.float16).view(np.uint8))
-        run_lowered(dev, lowered)
-        _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)
+        _run_poisoned(dev, lowered, out, a, b)
 
 
 def emulate_coop(monkeypatch) -> None:
@@ -501,9 +520,7 @@ def emulate_coop(monkeypatch) -> None:
     for the rest of a test: the limits say it has COOP and every pipeline built from coopMat source is emulated.
     Skips where the device's subgroup size is not fixed or does not divide 16."""
     dev = get_device()
-    lim = dataclasses.replace(realize_mod.limits(), coop=COOP)
-    if lim.subgroup < 1 or 16 % lim.subgroup or lim.min_subgroup != lim.max_subgroup:
-        pytest.skip("the emulation needs a fixed subgroup size that divides 16")
+    lim = _emulation_limits()
     monkeypatch.setitem(realize_mod._limits, dev, lim)
     get = dev.pipelines.get
     monkeypatch.setattr(dev.pipelines, "get",
@@ -639,57 +656,28 @@ def test_float32_products_stay_exact_unless_asked(monkeypatch):
 @pytest.mark.parametrize("tb", [False, True])
 def test_every_tile_configuration_matches_numpy(tb):
     """Any configuration the search may pick computes the same product (odd sizes, both B layouts)."""
-    from vkgraph import graph
-    from vkgraph.schedule import Kernel
-    from vkgraph.view import ShapeTracker
-
-    dev, lim, d = get_device(), realize_mod.limits(), dtypes.float16
-    m, n, k = 200, 136, 300
-    a, b = _arr((m, k), 11, np.float16), _arr((n, k) if tb else (k, n), 12, np.float16)
-    na = graph.buffer(realize_mod.upload(a, d), 0, d, a.shape)
-    nb = graph.buffer(realize_mod.upload(b, d), 0, d, b.shape)
-    if tb:
-        nb = graph.movement(nb, lambda s: s.permute((1, 0)))
-    mm = graph.matmul(na, nb, d)
-    out = realize_mod.allocate(d, mm.numel)
-    kern = Kernel(mm, out, ShapeTracker.contiguous(mm.shape))
+    dev, lim = get_device(), realize_mod.limits()
+    kern, mm, out, a, b = _float16_product(200, 136, 300, tb, 11)
     frag = matmul_coop.fragment(lim, "float16")
     for cfg in matmul_coop.CONFIGS:
         if not cfg.fits(frag, lim):
             continue
-        lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg)
-        dev.upload(out.buf, np.full(m * n, np.nan, np.float16).view(np.uint8))  # poison: every element is written
-        run_lowered(dev, lowered)
-        _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)
+        _run_poisoned(dev, matmul_coop.lower_coop(kern, mm, lim, {}, cfg), out, a, b)
 
 
 @needs_f16
 @pytest.mark.parametrize("tb", [False, True])
 def test_every_split_configuration_matches_numpy(tb):
     """Configurations that split K (partial planes, then their sum) on a K they divide, B in both layouts."""
-    from vkgraph import graph
-    from vkgraph.schedule import Kernel
-    from vkgraph.view import ShapeTracker
-
-    dev, lim, d = get_device(), realize_mod.limits(), dtypes.float16
-    m, n, k = 200, 136, 512
-    a, b = _arr((m, k), 13, np.float16), _arr((n, k) if tb else (k, n), 14, np.float16)
-    na = graph.buffer(realize_mod.upload(a, d), 0, d, a.shape)
-    nb = graph.buffer(realize_mod.upload(b, d), 0, d, b.shape)
-    if tb:
-        nb = graph.movement(nb, lambda s: s.permute((1, 0)))
-    mm = graph.matmul(na, nb, d)
-    out = realize_mod.allocate(d, mm.numel)
-    kern = Kernel(mm, out, ShapeTracker.contiguous(mm.shape))
+    dev, lim = get_device(), realize_mod.limits()
+    kern, mm, out, a, b = _float16_product(200, 136, 512, tb, 13)
     frag = matmul_coop.fragment(lim, "float16")
     for cfg in matmul_coop.CONFIGS:
         if cfg.ks == 1 or not cfg.fits(frag, lim):
             continue
         lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg)
         assert len(lowered.programs) >= 2 and lowered.scratch, cfg
-        dev.upload(out.buf, np.full(m * n, np.nan, np.float16).view(np.uint8))
-        run_lowered(dev, lowered)
-        _check(realize_mod.download(out, (m, n)), a, b.T if tb else b, 2.0**-11)
+        _run_poisoned(dev, lowered, out, a, b)
 
 
 @needs_f16
