@@ -515,16 +515,17 @@ def _emulated_product(m: int, n: int, k: int, tb: bool, cfgs: list) -> None:
         _run_poisoned(dev, lowered, out, a, b)
 
 
-def emulate_coop(monkeypatch) -> None:
+def emulate_coop(monkeypatch) -> Limits:
     """Let a device without cooperative matrices run the float16 programs that need them, emulated (`emulated`),
     for the rest of a test: the limits say it has COOP and every pipeline built from coopMat source is emulated.
-    Skips where the device's subgroup size is not fixed or does not divide 16."""
+    Returns those limits. Skips where the device's subgroup size is not fixed or does not divide 16."""
     dev = get_device()
     lim = _emulation_limits()
     monkeypatch.setitem(realize_mod._limits, dev, lim)
     get = dev.pipelines.get
     monkeypatch.setattr(dev.pipelines, "get",
                         lambda src, **kw: get(emulated(src, lim.subgroup) if "coopMat" in src else src, **kw))
+    return lim
 
 
 def test_pipelined_split_product_emulated_matches_numpy():

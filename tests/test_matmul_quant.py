@@ -145,15 +145,8 @@ def test_quant_linear_takes_the_kernel_where_the_device_has_cooperative_matrices
 def test_prefill_tiles_emulated_match_numpy(fmt, cfg, monkeypatch):
     """The prefill product with two slices in flight and with K split (partial planes), its cooperative matrices
     emulated (test_matmul_coop.emulated), on any device with a fixed subgroup size dividing 16."""
-    from test_matmul_coop import COOP, emulated
-
-    lim = dataclasses.replace(realize_mod.limits(), coop=COOP)
-    if lim.subgroup < 1 or 16 % lim.subgroup or lim.min_subgroup != lim.max_subgroup:
-        pytest.skip("the emulation needs a fixed subgroup size that divides 16")
+    lim = emulate_coop(monkeypatch)
     dev = get_device()
-    get = dev.pipelines.get
-    monkeypatch.setattr(dev.pipelines, "get",
-                        lambda src, **kw: get(emulated(src, lim.subgroup) if "coopMat" in src else src, **kw))
     m, n, k = 70, 100, 512
     qt, weights, x, xb, r, rb = _operands(dev, fmt, m, n, k, np.float16, 3)
     out = mq.matmul_quant(dev, lim, weights, xb, m, cfg, residual=rb if cfg.ks == 1 else None)
