@@ -145,13 +145,7 @@ def test_quant_linear_takes_the_kernel_where_the_device_has_cooperative_matrices
 def test_prefill_tiles_emulated_match_numpy(fmt, cfg, monkeypatch):
     """The prefill product with two slices in flight and with K split (partial planes), its cooperative matrices
     emulated (test_matmul_coop.emulated), on any device with a fixed subgroup size dividing 16."""
-    lim = emulate_coop(monkeypatch)
-    dev = get_device()
-    m, n, k = 70, 100, 512
-    qt, weights, x, xb, r, rb = _operands(dev, fmt, m, n, k, np.float16, 3)
-    out = mq.matmul_quant(dev, lim, weights, xb, m, cfg, residual=rb if cfg.ks == 1 else None)
-    got = dev.download(out, np.float32, (cfg.ks, m, n)).sum(0, dtype=np.float32)
-    _check(got, x, dequantize(qt).astype(np.float16), r if cfg.ks == 1 else 0.0)
+    _prefill_tile_case(emulate_coop(monkeypatch), fmt, cfg, 70, 100, 512)
 
 
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
@@ -188,6 +182,16 @@ def _operands(dev, fmt: str, m: int, n: int, k: int, x_dtype, seed: int) -> tupl
     return qt, upload_weights(dev, qt), x, xb, r, rb
 
 
+def _prefill_tile_case(lim, fmt: str, cfg: matmul_coop.Config, m: int, n: int, k: int) -> None:
+    """One prefill product in tile cfg against numpy, its residual added where it writes y itself; a K split's
+    partial planes summed here."""
+    dev = get_device()
+    qt, weights, x, xb, r, rb = _operands(dev, fmt, m, n, k, np.float16, 3)
+    out = mq.matmul_quant(dev, lim, weights, xb, m, cfg, residual=rb if cfg.ks == 1 else None)
+    got = dev.download(out, np.float32, (cfg.ks, m, n)).sum(0, dtype=np.float32)
+    _check(got, x, dequantize(qt).astype(np.float16), r if cfg.ks == 1 else 0.0)
+
+
 @needs_f16
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fmt=st.sampled_from(mq.FORMATS), m=st.integers(1, 300), n=st.integers(1, 300), kb=st.integers(1, 8),
@@ -213,12 +217,7 @@ def test_every_prefill_tile_matches_numpy(cfg):
     lim = realize_mod.limits()
     if not cfg.fits(matmul_coop.fragment(lim, "float16"), lim):
         pytest.skip(f"{cfg} does not fit this device")
-    dev = get_device()
-    m, n, k = 200, 136, 3 * cfg.bk * cfg.ks
-    qt, weights, x, xb, r, rb = _operands(dev, "Q4_0", m, n, k, np.float16, 3)
-    out = mq.matmul_quant(dev, lim, weights, xb, m, cfg, residual=rb if cfg.ks == 1 else None)
-    got = dev.download(out, np.float32, (cfg.ks, m, n)).sum(0, dtype=np.float32)
-    _check(got, x, dequantize(qt).astype(np.float16), r if cfg.ks == 1 else 0.0)
+    _prefill_tile_case(lim, "Q4_0", cfg, 200, 136, 3 * cfg.bk * cfg.ks)
 
 
 @needs_f16
