@@ -62,3 +62,13 @@ def weights(x: np.ndarray, fmt: str, seed: int = 0) -> quant.QuantizedTensor:
     if fmt in quant.QUANTIZERS:
         return quant.quantize(x, fmt)
     return quant.random_blocks(np.random.default_rng(seed), fmt, *x.shape)
+
+
+def quantize_q8_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """numpy model of the int8 activation blocks (quantize_q8.comp, q8_store.glsl, q8_lanes.glsl) in float32:
+    int8 values of x's shape and scales per block of 32."""
+    xb = x.astype(np.float32).reshape(-1, 32)
+    d = (np.abs(xb).max(1) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.rint(xb * inv[:, None]), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), d

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_templates_common import check, device, snapshot, upload, weights
+from test_templates_common import check, device, quantize_q8_ref, snapshot, upload, weights
 
 from vkgraph import quant
 from vkgraph.templates import matvec as mv
@@ -339,15 +339,6 @@ def test_matvec_id_bad_input():
 
 # ---- the integer dot-product path (int8-quantized activations) ----
 
-def _quantize_q8_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """numpy model of quantize_q8.comp in float32: int8 values [rows, K] and scales per block of 32."""
-    xb = x.astype(np.float32).reshape(-1, 32)
-    d = (np.abs(xb).max(1) / np.float32(127)).astype(np.float32)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
-    q = np.clip(np.rint(xb * inv[:, None]), -127, 127).astype(np.int8)
-    return q.reshape(x.shape), d
-
-
 def _device_quantized(dev, x: np.ndarray) -> np.ndarray:
     """x as the integer path sees it (float64): quantized by quantize_q8 itself, whose rounding may differ
     from numpy's by one step where the device's reciprocal is not correctly rounded (checked on its own in
@@ -422,7 +413,7 @@ def test_quantize_activations_matches_numpy():
     q = dev.download(xq, np.int8, (3, 320))
     d = dev.download(xd, np.float32, (30,))
     s = dev.download(xs, np.int32, (60,))
-    q_ref, d_ref = _quantize_q8_ref(x)
+    q_ref, d_ref = quantize_q8_ref(x)
     assert np.abs(q.astype(int) - q_ref).max() <= 1 and (q != q_ref).mean() < 0.01
     np.testing.assert_allclose(d, d_ref, rtol=1e-6)
     assert (s == q.reshape(-1, 16).astype(np.int32).sum(1)).all() and d[11] == 0 and (q[1, 32:64] == 0).all()
@@ -490,7 +481,7 @@ def test_rmsnorm_q8_matches_numpy(rows, k):
     s = dev.download(acts.xs, np.int32, (rows * k // 16,))
     x64 = x.astype(np.float64)
     y = (x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * w).astype(np.float32)
-    q_ref, d_ref = _quantize_q8_ref(y)
+    q_ref, d_ref = quantize_q8_ref(y)
     assert np.abs(q.astype(int) - q_ref).max() <= 1 and (q != q_ref).mean() < 0.01
     np.testing.assert_allclose(d, d_ref, rtol=1e-5)
     assert (s == q.reshape(-1, 16).astype(np.int32).sum(1)).all()
@@ -538,7 +529,7 @@ def test_glu_q8_matches_numpy(gelu, rows, f):
     s = dev.download(acts.xs, np.int32, (rows * f // 16,))
     g, u = gu[:, :f].astype(np.float64), gu[:, f:].astype(np.float64)
     a = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if gelu else g / (1 + np.exp(-g))
-    q_ref, d_ref = _quantize_q8_ref((a * u).astype(np.float32))
+    q_ref, d_ref = quantize_q8_ref((a * u).astype(np.float32))
     assert np.abs(q.astype(int) - q_ref).max() <= 1 and (q != q_ref).mean() < 0.02
     np.testing.assert_allclose(d, d_ref, rtol=1e-5)
     assert (s == q.reshape(-1, 16).astype(np.int32).sum(1)).all() and (d.reshape(rows, -1)[:, 0] == 0).all()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_templates_common import check, device, snapshot, upload
+from test_templates_common import check, device, quantize_q8_ref, snapshot, upload
 
 from vkgraph.templates import norms
 from vkgraph.templates.matvec import Q8Acts
@@ -135,14 +135,6 @@ def test_row_reductions_either_path(shuffle, n):
     check(dev.download(y, np.float32, x.shape), e / e.sum(1, keepdims=True), since)
 
 
-def _quantize_q8_ref(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """numpy model of q8_store.glsl in float32: int8 values and scales per block of 32."""
-    yb = y.astype(np.float32).reshape(-1, 32)
-    d = (np.abs(yb).max(1) / np.float32(127)).astype(np.float32)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
-    return np.clip(np.rint(yb * inv[:, None]), -127, 127).astype(np.int8).reshape(y.shape), d
-
-
 def _check_q8(dev, buf, y: np.ndarray, since) -> None:
     """The int8 blocks in `buf` against numpy's quantization of y [rows, n] (float32): values within one rounding
     step, rarely off (the kernel's float32 y may differ from y in the last bit), scales to float32 rounding,
@@ -152,7 +144,7 @@ def _check_q8(dev, buf, y: np.ndarray, since) -> None:
     q = dev.download(acts.xq, np.int8, (rows, n))
     d = dev.download(acts.xd, np.float32, (rows * n // 32,))
     s = dev.download(acts.xs, np.int32, (rows * n // 16,))
-    q_ref, d_ref = _quantize_q8_ref(y)
+    q_ref, d_ref = quantize_q8_ref(y)
     off = q.astype(int) - q_ref
     assert np.abs(off).max() <= 1 and np.count_nonzero(off) <= 2 + q.size // 100
     np.testing.assert_allclose(d, d_ref, rtol=1e-5, atol=0)
