@@ -109,6 +109,32 @@ def test_staging_matches_numpy(fmt, bn, bk, nt):
     assert np.all(np.abs(got - want) <= np.maximum(np.abs(want) * 2.0**-10, 2.0**-24))
 
 
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+def test_staging_is_numpy_rounded_to_float16(fmt):
+    """Q8_0 and Q4_0 are staged in float16 arithmetic (each level 1024 + q from its bits, the offset taken off,
+    one multiply by the scale): every value is numpy's dequantization rounded to float16 (round to nearest even),
+    bit for bit, over scales that make subnormal, huge, infinite, zero, negative and NaN products."""
+    n, k = 64, 256
+    qt = random_blocks(np.random.default_rng(4), fmt, n, k)
+    blocks = qt.data.reshape(-1, qt.format.type_size)
+    special = np.array([2.0**-24, 3 * 2.0**-24, 2.0**-14, 1e-4, 0.0, -0.0, -0.02, 1.0, 4097.0, 65504.0, np.inf,
+                        -np.inf, np.nan], np.float16)
+    d = np.resize(special, len(blocks))
+    np.random.default_rng(5).shuffle(d)
+    blocks[:, :2] = d.view(np.uint8).reshape(-1, 2)
+    dev = get_device()
+    weights = upload_weights(dev, qt)
+    out = dev.alloc(n * k * 2)
+    kern = dev.pipeline(mq.stage_source(fmt, n, k, weights.w_stride, weights.s_stride, 32, 32, 64), name="stage")
+    dev.dispatch(kern, [weights.body, weights.scales, out], (n // 32, k // 32, 1))
+    got = dev.download(out, np.float16, (n, k))
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = dequantize(qt).astype(np.float16)
+    assert np.isnan(want).any() and np.isinf(want).any() and (np.abs(want) < 2.0**-14).any()
+    assert np.array_equal(got, want, equal_nan=True)
+    assert np.array_equal(np.signbit(got[~np.isnan(got)]), np.signbit(want[~np.isnan(want)]))
+
+
 def _graph_names(t: Tensor) -> set[str]:
     seen, stack, names = set(), [t.node], set()
     while stack:
