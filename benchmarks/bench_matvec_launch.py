@@ -1,7 +1,8 @@
 """The matvec launches side by side on a decode step's shapes: GB/s of weight bytes, PyTorch's float16 beside.
 
     python benchmarks/bench_matvec_launch.py [--formats Q4_0,Q8_0,Q4_K] [--batches 1,8,32] [--shapes 8b,1b]
-                                             [--products o,gate_up] [--sweep] [--nb-sweep] [--mm-sweep]
+                                             [--products o,gate_up] [--sweep] [--nb-sweep] [--wg-sweep]
+                                             [--mm-sweep]
                                              [--reps 10] [--budget 8]
 
 For each format, shape (the products of a Llama-3-8B or Llama-3.2-1B layer and the head) and batch, the product
@@ -18,7 +19,12 @@ width) and prints the best three. --nb-sweep times the integer path's candidates
 (matvec.SG_INT_DOT_PREFERRED's entries): rows per group and units in flight, each with and without fold (a
 unit's runs summed as integers first) and stage (a round's activations staged in shared memory per workgroup),
 and the workgroup launch with and without fold; it prints the chosen configuration's figure, the best of each
-(fold, stage) pair and the ten fastest, at most --budget seconds per product and batch.
+(fold, stage) pair and the ten fastest, at most --budget seconds per product and batch. --wg-sweep times the
+workgroup launch (the one a single activation row takes) around its chosen configuration: invocations per
+workgroup, rows per workgroup and rounds of units in flight per invocation (`unroll`), then fold on the three
+fastest where the format takes it; it prints the chosen configuration's figure (timed first and again last, so
+drift shows), the ten fastest, at most --budget seconds per product and batch, and a floor: the chosen
+configuration on 264 rows of the same K (copies within the L2), the fixed cost of a dependent product.
 On a device with float16 cooperative matrices, "mm" times templates.matmul_quant's small-row tile
 (decode_config) on the same int8 activations, as a decode step from VKGRAPH_DECODE_MM_ROWS rows runs it: the
 product's kernel alone (a tile that splits K over ks workgroups writes ks partial planes; the decode step sums
@@ -162,6 +168,59 @@ def nb_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, old: mv.Matvec
                                        for c in sorted(gbs, key=gbs.get, reverse=True)[:10]), flush=True)
 
 
+# --wg-sweep: invocations per workgroup, rows per workgroup, rounds of units in flight
+WG_SWEEP = [(wg, rows, unroll) for wg in (128, 64, 256, 32, 512) for rows in (2, 4, 1, 8) for unroll in (1, 2, 4)]
+
+
+FLOOR_ROWS = 264  # --wg-sweep's floor: two rows for each of an H200's 132 multiprocessors
+
+
+def _wg_configs(dev, f, base: mv.MatvecConfig, k: int, batch: int) -> list[mv.MatvecConfig]:
+    """--wg-sweep's candidates in WG_SWEEP's order (most likely first): workgroups no wider than a row's units
+    and at least a subgroup, no more rounds in flight than the row has, at most 16 loads in flight and 32 sums
+    per invocation."""
+    span = 1 << (max(k // mv.UNIT_ELEMS[f.name], 1) - 1).bit_length()  # a row's units, to a power of two
+    found = []
+    for wg, rows, unroll in WG_SWEEP:
+        if wg > max(span, dev.info.max_subgroup_size) or wg < dev.info.max_subgroup_size or wg * unroll > max(
+                span, wg) or rows * unroll > 16 or rows * batch > 32 or wg > dev.info.max_workgroup_invocations:
+            continue
+        found.append(replace(base, wg=wg, rows=rows, unroll=unroll, fold=False))
+    return [c for c in dict.fromkeys(found) if c != base]
+
+
+def _wg_name(c: mv.MatvecConfig) -> str:
+    return f"wg{c.wg} r{c.rows} u{c.unroll}" + (" fold" if c.fold else "")
+
+
+def wg_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, reps: int, budget: float) -> None:
+    """Time _wg_configs for --budget seconds at most (fold on the three fastest), print what --wg-sweep promises."""
+    n, k = ws[0].shape
+    nbytes = n * f.row_bytes(k)
+    start, times = time.perf_counter(), {base: product_us(dev, ws, x, y, batch, base, reps)}
+    for cfg in _wg_configs(dev, f, base, k, batch):
+        if time.perf_counter() - start > budget:
+            print(f"      wg: budget spent after {len(times)} configurations", flush=True)
+            break
+        times[cfg] = product_us(dev, ws, x, y, batch, cfg, reps)
+    if base.int_dot and f.name in mv.FOLD_FORMATS:
+        for cfg in sorted(times, key=times.get)[:3]:
+            folded = replace(cfg, fold=True)
+            if folded not in times:
+                times[folded] = product_us(dev, ws, x, y, batch, folded, reps)
+    again = product_us(dev, ws, x, y, batch, base, reps)
+    small = _weight_copies(dev, np.random.default_rng(1), f.name, FLOOR_ROWS, k)
+    y_small = dev.alloc(batch * FLOOR_ROWS * 4)
+    floor = product_us(dev, small, x, y_small, batch, base, reps)
+    _release_weights(small)
+    y_small.release()
+    gbs = {c: nbytes / t / 1e3 for c, t in times.items()}
+    print(f"      wg chosen: {_wg_name(base)} {gbs[base]:.0f} (again at the end {nbytes / again / 1e3:.0f}; "
+          f"{FLOOR_ROWS} rows {floor:.1f} us); "
+          f"{len(times)} timed; top: " + ", ".join(f"{_wg_name(c)} {gbs[c]:.0f}"
+                                                    for c in sorted(gbs, key=gbs.get, reverse=True)[:10]), flush=True)
+
+
 def _cell(nbytes: int, us: float) -> str:
     return f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
 
@@ -175,6 +234,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep subgroup-launch configurations")
     ap.add_argument("--nb-sweep", action="store_true",
                     help="also time the integer path's candidates for 2-16 rows (fold, stage, rows, units in flight)")
+    ap.add_argument("--wg-sweep", action="store_true",
+                    help="also time workgroup-launch configurations (workgroup size, rows, units in flight, fold)")
     ap.add_argument("--mm-sweep", action="store_true", help="also sweep matmul_quant's small-row tiles")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--budget", type=float, default=8.0, help="--nb-sweep's seconds per product and batch")
@@ -225,6 +286,8 @@ def main() -> None:
                                 buf.release()
                     if a.nb_sweep and new.int_dot:
                         nb_sweep(dev, f, ws, x, y, batch, new, old, max(3, a.reps // 2), a.budget)
+                    if a.wg_sweep and batch <= mv.MAX_BATCH:
+                        wg_sweep(dev, f, ws, x, y, batch, old, max(3, a.reps // 2), a.budget)
                     if a.sweep:
                         found = {}
                         for wg, rows, unroll, tpr_div in SWEEP:

@@ -64,6 +64,19 @@ def test_matvec_launch_configs(fmt, config):
     _run(fmt, 29, _k_for(fmt, 3), 2, "f32", False, True, config=config)
 
 
+# The workgroup launch with rounds of units in flight (unroll), in workgroups of one subgroup (the sums meet
+# without shared memory) and of two: K short of one round, a round cut off, several rounds (40 Q4_0 units against
+# rounds of 16 or 48; Q4_K's 3 super-blocks are 24 units), rows past the last full workgroup.
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "F16"])
+@pytest.mark.parametrize("subgroups,rows,unroll", [(1, 3, 2), (2, 2, 3)])
+def test_matvec_workgroup_unroll(fmt, subgroups, rows, unroll):
+    if "arithmetic" not in device().info.subgroup_ops:
+        pytest.skip("no subgroup arithmetic on this device")
+    cfg = mv.MatvecConfig(subgroups * device().info.min_subgroup_size, rows, True, unroll=unroll)
+    blocks = 3 if quant.FORMATS[fmt].block_size == 256 else 40
+    _run(fmt, 29, _k_for(fmt, blocks), 2, "f32", True, False, config=cfg)
+
+
 def _needs_shuffle():
     if "shuffle" not in device().info.subgroup_ops:
         pytest.skip("no subgroup shuffles on this device")
@@ -157,6 +170,29 @@ def test_matvec_int_dot_table(monkeypatch):
         assert (other.rows, other.fold, other.stage) == (mv.SG_PREFERRED[bucket][1], False, False)
 
 
+def test_matvec_int_dot_one_row_table(monkeypatch):
+    """INT_DOT_ONE_ROW's first entry that holds the shape sets one activation row's workgroup launch on the integer
+    path: rounds in flight cut to those the row has, fold only where the format takes it; more rows, the float
+    path and larger shapes keep INT_DOT_PREFERRED's."""
+    dev = device()
+    monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "auto")
+    q40, q4k = quant.FORMATS["Q4_0"], quant.FORMATS["Q4_K"]
+    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_0", [(4096, 4096, (64, 4, 2, True)), (8192, 16384, (128, 8, 4, False))])
+    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_K", [(4096, 4096, (64, 4, 2, True))])
+    sg = dev.info.subgroup_size
+    pick = mv.choose_config(dev, q40, 4096, 4096, 1, int_dot=True)
+    assert (pick.wg, pick.rows, pick.unroll, pick.fold, pick.tpr) == (max(64, sg), 4, 2 if sg <= 64 else 1, True, 0)
+    pick = mv.choose_config(dev, q40, 6144, 4096, 1, int_dot=True)  # the second entry; K = 4096 has one round
+    assert (pick.wg, pick.rows, pick.unroll, pick.fold) == (max(128, sg), 8, 1, False)
+    assert mv.choose_config(dev, q40, 4096, 14336, 1, int_dot=True).unroll == 4  # 448 units: four rounds of 128
+    assert mv.choose_config(dev, q40, 512, 64, 1, int_dot=True).unroll == 1  # 2 units: one round
+    assert not mv.choose_config(dev, q4k, 4096, 4096, 1, int_dot=True).fold
+    for cfg, rows in ((mv.choose_config(dev, q40, 4096, 4096, 2, int_dot=True), mv.INT_DOT_PREFERRED["Q4_0"][2][2]),
+                      (mv.choose_config(dev, q40, 16384, 4096, 1, int_dot=True), mv.INT_DOT_PREFERRED["Q4_0"][1][2]),
+                      (mv.choose_config(dev, q40, 4096, 4096, 1, int_dot=False), mv.PREFERRED["Q4_0"][2])):
+        assert (cfg.rows, cfg.unroll, cfg.fold) == (rows, 1, False)
+
+
 def test_matvec_auto_launch_by_rows(monkeypatch):
     """auto keeps Q4_0's integer path on the workgroup launch up to AUTO_WORKGROUP_ROWS rows, and up to 8 where
     K > LONG_K; other formats, the float path and past 8 rows take the subgroup one; a forced launch wins."""
@@ -172,6 +208,28 @@ def test_matvec_auto_launch_by_rows(monkeypatch):
         assert (mv.choose_config(dev, fmt, 512, k, batch, int_dot=int_dot).tpr > 0) == wide, (fmt.name, k, batch)
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "subgroup")
     assert mv.choose_config(dev, q40, 512, 4096, 3, int_dot=True).tpr > 0
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("batch,subgroups,rows,unroll,fold", [(1, 1, 4, 3, True), (1, 2, 2, 2, False),
+                                                              (3, 1, 1, 2, False)])
+def test_matvec_int_dot_workgroup_unroll(fmt, batch, subgroups, rows, unroll, fold):
+    """The integer path on the workgroup launch with units in flight (one activation row: the decode step's
+    products), one or two subgroups a workgroup, fold where the format takes it."""
+    _needs_int_dot()
+    if "arithmetic" not in device().info.subgroup_ops:
+        pytest.skip("no subgroup arithmetic on this device")
+    dev = device()
+    rng = np.random.default_rng(batch + unroll)
+    n, k = 27, 25 * 32 if fmt != "Q4_K" else 768
+    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, 5)
+    x = rng.standard_normal((batch, k)).astype(np.float32)
+    ref = _device_quantized(dev, x) @ qt.dequantize().astype(np.float64).T
+    cfg = mv.MatvecConfig(subgroups * dev.info.min_subgroup_size, rows, True, True, unroll=unroll,
+                          fold=fold and fmt in mv.FOLD_FORMATS)
+    since = snapshot()
+    y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), batch, config=cfg)
+    check(dev.download(y, np.float32, (batch, n)), ref, since)
 
 
 def test_matvec_int_dot_options_refused():
@@ -203,7 +261,7 @@ def test_matvec_subgroup_rows_bad_config():
     sg = dev.info.min_subgroup_size
     for cfg in (mv.MatvecConfig(64, 1, True, tpr=3), mv.MatvecConfig(64, 1, True, tpr=2 * sg),
                 mv.MatvecConfig(dev.info.max_subgroup_size + 1, 1, True, tpr=1),
-                mv.MatvecConfig(64, 1, True, tpr=1, unroll=17)):
+                mv.MatvecConfig(64, 1, True, tpr=1, unroll=17), mv.MatvecConfig(64, 1, True, unroll=0)):
         with pytest.raises(ValueError):
             mv.matvec(dev, dw, x, config=cfg)
     with pytest.raises(ValueError, match="workgroup launch"):
@@ -308,6 +366,11 @@ def test_matvec_id_fuzz(fmt, n_experts, n, blocks, tokens, slots, per_pair, act,
 def test_matvec_id_launch_configs(fmt):
     """The shared-memory reduction and odd rows per workgroup, with rows past the last full workgroup."""
     _run_id(fmt, 3, 29, _k_for(fmt, 3), 5, 2, False, config=mv.MatvecConfig(32, 3, False))
+
+
+def test_matvec_id_unroll():
+    """Units in flight with expert-indexed rows: K past one round and short of the second."""
+    _run_id("Q4_0", 3, 13, _k_for("Q4_0", 24), 4, 2, True, config=mv.MatvecConfig(16, 2, False, unroll=2))
 
 
 def test_matvec_id_2d_grid(monkeypatch):

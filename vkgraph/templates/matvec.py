@@ -70,7 +70,8 @@ class MatvecConfig:
     int_dot: bool = False
     # the subgroup-rows launch (-DSG_ROWS) when > 0: groups of `tpr` invocations (a power of two within the
     # device's smallest subgroup) own `rows` rows each, WG / tpr groups per workgroup, each invocation keeping
-    # `unroll` units of every row in flight; 0: the workgroup launch (a workgroup owns `rows` rows)
+    # `unroll` units of every row in flight; 0: the workgroup launch (a workgroup owns `rows` rows, and each
+    # invocation keeps `unroll` rounds of WG units of every row in flight)
     tpr: int = 0
     unroll: int = 1
     # integer path, FOLD_FORMATS: a unit's runs summed as integers before its one scale (-DFOLD)
@@ -141,11 +142,17 @@ INT_DOT_PREFERRED = {"Q4_0": {1: (128, 128, 2), 2: (32, 64, 2), 4: (32, 32, 2), 
 for _f, _like in (("Q4_1", "Q4_0"), ("Q5_0", "Q4_0"), ("Q5_1", "Q4_0"), ("IQ4_NL", "Q4_0"), ("IQ4_XS", "Q4_0"),
                   ("Q5_K", "Q4_K"), ("Q2_K", "Q6_K"), ("Q3_K", "Q6_K")):  # not measured yet: as PREFERRED does
     INT_DOT_PREFERRED[_f] = INT_DOT_PREFERRED[_like]
+# The integer path at one activation row by product shape, where other parameters of the workgroup launch
+# measured faster than INT_DOT_PREFERRED's (`bench_matvec_launch.py --wg-sweep`): by format, entries (largest N,
+# largest K, (invocations per workgroup, rows per workgroup, rounds of units in flight, fold)), the first entry
+# that holds the product's N and K taken.
+INT_DOT_ONE_ROW: dict[str, list[tuple[int, int, tuple[int, int, int, bool]]]] = {}
 
 
 def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
                   int_dot: bool | None = None, subgroup_rows: bool | None = None) -> MatvecConfig:
-    """Launch parameters from the device and the shape (see PREFERRED, INT_DOT_PREFERRED and SG_PREFERRED).
+    """Launch parameters from the device and the shape (see PREFERRED, INT_DOT_PREFERRED, INT_DOT_ONE_ROW and
+    SG_PREFERRED).
     `int_dot`: take the integer dot-product path or not; None leaves it to `int_dot_default`. `subgroup_rows`:
     the subgroup-rows launch or the workgroup one; None leaves it to `subgroup_rows_default`."""
     info = dev.info
@@ -160,7 +167,12 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
         return _subgroup_rows_config(dev, fmt, n, units, bucket, int_dot)
     if batch > MAX_BATCH:
         raise ValueError(f"the workgroup launch takes 1..{MAX_BATCH} activation rows, got {batch}")
-    if int_dot:
+    unroll, fold = 1, False
+    shaped = [c for big_n, big_k, c in INT_DOT_ONE_ROW.get(fmt.name, ()) if n <= big_n and k <= big_k]
+    if int_dot and batch == 1 and shaped:
+        wg_short, rows, unroll, fold = shaped[0]
+        wg_long = wg_short
+    elif int_dot:
         wg_short, wg_long, rows = INT_DOT_PREFERRED[fmt.name][bucket]
     else:
         wg_short, wg_long, rows = PREFERRED[fmt.name]
@@ -172,7 +184,8 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
     # no wider than the row needs, at least a subgroup, within the device's limit
     wg = min(wg, max(sg, 32, 1 << (max(units, 1) - 1).bit_length()), pow2_floor(info.max_workgroup_invocations))
     use_subgroup = "arithmetic" in info.subgroup_ops and wg % sg == 0
-    return MatvecConfig(wg, rows, use_subgroup, int_dot)
+    unroll = max(1, min(unroll, -(-units // wg)))  # no more rounds in flight than the row has
+    return MatvecConfig(wg, rows, use_subgroup, int_dot, unroll=unroll, fold=fold and fmt.name in FOLD_FORMATS)
 
 
 # The subgroup-rows launch: (invocations per workgroup, rows per group, units in flight per row) by activation
@@ -292,6 +305,10 @@ def _check_subgroup_rows(dev: Device, cfg: MatvecConfig) -> None:
     if cfg.wg % max(cfg.tpr, info.max_subgroup_size) or cfg.wg > info.max_workgroup_invocations:
         raise ValueError(f"wg must be a multiple of the subgroup size ({info.max_subgroup_size}) and of tpr, "
                          f"within the device's {info.max_workgroup_invocations}, got {cfg.wg}")
+    _check_unroll(cfg)
+
+
+def _check_unroll(cfg: MatvecConfig) -> None:
     if not 1 <= cfg.unroll <= 16:
         raise ValueError(f"unroll must be 1..16, got {cfg.unroll}")
 
@@ -340,6 +357,10 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
                 raise ValueError("matvec_id takes the workgroup launch (tpr=0)")
             _check_subgroup_rows(dev, cfg)
             defines.update(SG_ROWS=1, TPR=cfg.tpr, UNROLL=cfg.unroll)
+        else:
+            _check_unroll(cfg)
+            if cfg.unroll > 1:
+                defines["UNROLL"] = cfg.unroll
         if cfg.int_dot:
             _check_int_dot(dev, weights.format)
             defines["INT_DOT"] = 1

@@ -10,7 +10,9 @@
 // once and then used for every activation row: decoding is most of the work, and redoing it per activation
 // row made a batch of 8 cost nearly 8 batches of 1. Each run contributes c * dot(levels, x) + m * sum(x):
 // the format folds its offsets (-8d for Q4_0, ...) into m instead of subtracting them per element.
-// The per-invocation sums are reduced with subgroupAdd (USE_SUBGROUP) or a shared-memory tree.
+// With UNROLL > 1 an invocation issues the loads of UNROLL rounds of WG units (of all ROWS rows) before decoding
+// any, where a row is long enough to have them. The per-invocation sums are reduced with subgroupAdd
+// (USE_SUBGROUP; a workgroup of one subgroup then needs no shared memory and no barrier) or a shared-memory tree.
 //
 // The format file defines RUN, RUNS, UNIT_ELEMS, HAS_OFFSET, HAS_MIN (INT_DOT, below), IQ4_TABLE where it looks
 // levels up in common.glsl's shared tables, UNIT_COEFFS where every run of a unit has the same (c, m) and lies in
@@ -350,15 +352,30 @@ void main() {
         if (lane == i % TPR) store(row0, i, v);
     }
 #else
-    for (uint u = tid; u < units; u += WG) {
-        [[unroll]] for (uint r = 0; r < ROWS; r++) {
-            q[r] = load_unit(wrow0 + min(row0 + r, pc.n_rows - 1), u);  // clamped: out-of-range rows compute, never store
+    // UNROLL rounds of WG units at once: the loads of all of them (UNROLL * ROWS words) are issued before any is
+    // decoded, so an invocation keeps that many in flight where a row has units for them (K past WG units)
+    for (uint u0 = tid; u0 < units; u0 += WG * UNROLL) {
+        [[unroll]] for (uint t = 0; t < UNROLL; t++) {
+            const uint u = min(u0 + t * WG, units - 1);   // past the row's end: a repeat, loaded but not added
+            [[unroll]] for (uint r = 0; r < ROWS; r++) {
+                // clamped: out-of-range rows compute, never store
+                q[t * ROWS + r] = load_unit(wrow0 + min(row0 + r, pc.n_rows - 1), u);
+            }
         }
-        accumulate(0, u);
+        [[unroll]] for (uint t = 0; t < UNROLL; t++) {
+            if (u0 + t * WG < units) accumulate(t * ROWS, u0 + t * WG);
+        }
     }
 
     // workgroup reduction of the ROWS * NB partial sums
-    if (USE_SUBGROUP) {
+    if (USE_SUBGROUP && gl_NumSubgroups == 1) {
+        // the workgroup is one subgroup (WG within the device's subgroup size): no shared memory, no barrier;
+        // the branch is uniform, so the other one's barriers stay legal
+        [[unroll]] for (uint i = 0; i < ROWS * NB; i++) {
+            const float v = subgroupAdd(acc[i]);
+            if (tid == i % WG) store(row0, i, v);
+        }
+    } else if (USE_SUBGROUP) {
         const uint nsg = (WG + SUBGROUP - 1) / SUBGROUP;
         [[unroll]] for (uint i = 0; i < ROWS * NB; i++) {
             float v = subgroupAdd(acc[i]);
