@@ -24,7 +24,7 @@ import statistics
 import time
 
 import numpy as np
-from common import cuda_torch
+from common import cuda_torch, raise_clocks, raise_torch_clocks
 
 from vkgraph.nn.config import ModelConfig, RopeScaling
 from vkgraph.nn.engine import Engine
@@ -84,6 +84,7 @@ def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt
         for _ in range(3):  # the first decode steps capture the graph
             engine.step()
         get_device().synchronize()
+        raise_clocks()  # an idle H200 sits at 345 MHz: short timed runs after loading read 2-4x slow
         times = []
         for _ in range(decode_steps):
             t = time.perf_counter()
@@ -96,6 +97,7 @@ def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt
     vocab = w.config.vocab_size
     engine.add_request([i % vocab for i in range(prompt_len)], max_tokens=1, stop_token_ids=[])
     engine.step()
+    raise_clocks()
     times = []
     for r in range(1, 4):  # the median of three prefills (and their first tokens) of new prompts
         engine.add_request([(i + r) % vocab for i in range(prompt_len)], max_tokens=1, stop_token_ids=[])
@@ -150,7 +152,7 @@ def bench_torch(cfg: ModelConfig, batches: list[int], decode_steps: int, prompt_
             tok = torch.zeros(b, 1, dtype=torch.long, device=dev)
             for i in range(3):
                 forward(tok, caches, 16 + i)
-            torch.cuda.synchronize()
+            raise_torch_clocks(torch)
             times = []
             for i in range(decode_steps):
                 t = time.perf_counter()
@@ -163,7 +165,7 @@ def bench_torch(cfg: ModelConfig, batches: list[int], decode_steps: int, prompt_
                    torch.zeros(1, hkv, max_len, hd, device=dev, dtype=dt)) for _ in layers]
         prompt = torch.arange(prompt_len, device=dev).view(1, -1)
         forward(prompt, caches, 0)
-        torch.cuda.synchronize()
+        raise_torch_clocks(torch)
         times = []
         for _ in range(3):
             t = time.perf_counter()

@@ -109,3 +109,13 @@ def raise_clocks(seconds: float = 1.5) -> None:
         for _ in range(20):
             (w @ w).realize()
         dev.synchronize()
+
+
+def raise_torch_clocks(torch: Any, seconds: float = 1.5) -> None:
+    """`raise_clocks` for a PyTorch reference: float16 4096^3 products on the CUDA device for about `seconds`."""
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            w @ w
+        torch.cuda.synchronize()

@@ -34,6 +34,7 @@ os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
 
 from bench_llm import SHAPES, random_model, weight_bytes  # noqa: E402
 from bench_runtime import bench_copy_kernel  # noqa: E402
+from common import raise_clocks  # noqa: E402
 
 from vkgraph.flags import flag  # noqa: E402
 from vkgraph.nn.config import ModelConfig  # noqa: E402
@@ -85,6 +86,7 @@ def profile(dev, model, vocab: int, batch: int, steps: int) -> tuple[float, floa
     for _ in range(4):  # prefill, then the JIT's eager call, capture and first replay
         engine.step()
     dev.synchronize()
+    raise_clocks()  # loading and capture left the GPU idle, its clocks low: short timed runs read 2-4x slow
     walls = []
     for _ in range(steps):
         t = time.perf_counter()
