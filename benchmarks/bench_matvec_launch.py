@@ -24,7 +24,8 @@ workgroup launch (the one a single activation row takes) around its chosen confi
 workgroup, rows per workgroup and rounds of units in flight per invocation (`unroll`), then fold on the three
 fastest where the format takes it; it prints the chosen configuration's figure (timed first and again last, so
 drift shows), the ten fastest, at most --budget seconds per product and batch, and a floor: the chosen
-configuration on 264 rows of the same K (copies within the L2), the fixed cost of a dependent product.
+and the fastest configurations on 264 rows of the same K (copies within the L2): the fixed cost of a dependent
+product.
 On a device with float16 cooperative matrices, "mm" times templates.matmul_quant's small-row tile
 (decode_config) on the same int8 activations, as a decode step from VKGRAPH_DECODE_MM_ROWS rows runs it: the
 product's kernel alone (a tile that splits K over ks workgroups writes ks partial planes; the decode step sums
@@ -211,12 +212,13 @@ def wg_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, reps: int, bud
     again = product_us(dev, ws, x, y, batch, base, reps)
     small = _weight_copies(dev, np.random.default_rng(1), f.name, FLOOR_ROWS, k)
     y_small = dev.alloc(batch * FLOOR_ROWS * 4)
-    floor = product_us(dev, small, x, y_small, batch, base, reps)
+    best = min(times, key=times.get)
+    floors = [product_us(dev, small, x, y_small, batch, c, reps) for c in (base, best)]
     _release_weights(small)
     y_small.release()
     gbs = {c: nbytes / t / 1e3 for c, t in times.items()}
     print(f"      wg chosen: {_wg_name(base)} {gbs[base]:.0f} (again at the end {nbytes / again / 1e3:.0f}; "
-          f"{FLOOR_ROWS} rows {floor:.1f} us); "
+          f"{FLOOR_ROWS} rows {floors[0]:.1f} us, the fastest's {floors[1]:.1f} us); "
           f"{len(times)} timed; top: " + ", ".join(f"{_wg_name(c)} {gbs[c]:.0f}"
                                                     for c in sorted(gbs, key=gbs.get, reverse=True)[:10]), flush=True)
 
