@@ -21,11 +21,12 @@ unit's runs summed as integers first) and stage (a round's activations staged in
 and the workgroup launch with and without fold; it prints the chosen configuration's figure, the best of each
 (fold, stage) pair and the ten fastest, at most --budget seconds per product and batch. --wg-sweep times the
 workgroup launch (the one a single activation row takes) around its chosen configuration: invocations per
-workgroup, rows per workgroup and rounds of units in flight per invocation (`unroll`), then fold on the three
-fastest where the format takes it; it prints the chosen configuration's figure (timed first and again last, so
-drift shows), the ten fastest, at most --budget seconds per product and batch, and a floor: the chosen
-and the fastest configurations on 264 rows of the same K (copies within the L2): the fixed cost of a dependent
-product.
+workgroup, rows per workgroup and rounds of units in flight per invocation (`unroll`), all compiled and captured
+first (at most --budget seconds per product and batch), then replayed in turn --reps times after the clocks are
+raised; it prints the chosen configuration's figure and the ten fastest, then the finals: the three fastest, each
+with fold where the format takes it, and the chosen one timed against each other once more, with a floor (the
+chosen and the fastest configuration on 264 rows of the same K, copies within the L2: the fixed cost of a
+dependent product).
 On a device with float16 cooperative matrices, "mm" times templates.matmul_quant's small-row tile
 (decode_config) on the same int8 activations, as a decode step from VKGRAPH_DECODE_MM_ROWS rows runs it: the
 product's kernel alone (a tile that splits K over ks workgroups writes ks partial planes; the decode step sums
@@ -38,11 +39,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 from bench_kernels import _release_weights, _torch_matvec, _weight_copies
-from common import replay_us
+from common import capture_graph, raise_clocks, replay_many_us, replay_us
 
 from vkgraph.quant import FORMATS
 from vkgraph.realize import limits
@@ -81,6 +83,11 @@ def _rows(x, r0: int, count: int, k: int):
 
 def product_us(dev, ws, x, y, batch: int, cfg: mv.MatvecConfig, reps: int) -> float:
     """GPU microseconds of one product of `batch` rows: one call, or calls of 8 rows for the workgroup launch."""
+    return replay_us(dev, product_run(dev, ws, x, y, batch, cfg), reps)
+
+
+def product_run(dev, ws, x, y, batch: int, cfg: mv.MatvecConfig) -> Callable[[], None]:
+    """One product of `batch` rows as product_us times it, each call on the next of the weight copies `ws`."""
     n, k = ws[0].shape
     per_call = mv.MAX_BATCH_SUBGROUP if cfg.tpr else mv.MAX_BATCH
     calls = itertools.count()
@@ -92,7 +99,7 @@ def product_us(dev, ws, x, y, batch: int, cfg: mv.MatvecConfig, reps: int) -> fl
             xin = _rows(x, r0, b, k) if batch > b else x
             mv.matvec(dev, w, xin, b, out=y.view(r0 * n * 4, b * n * 4) if batch > b else y, config=cfg)
 
-    return replay_us(dev, run, reps)
+    return run
 
 
 def mm_us(dev, ws, x, y, batch: int, cfg: mq.Tile, reps: int) -> float:
@@ -194,33 +201,46 @@ def _wg_name(c: mv.MatvecConfig) -> str:
     return f"wg{c.wg} r{c.rows} u{c.unroll}" + (" fold" if c.fold else "")
 
 
-def wg_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, reps: int, budget: float) -> None:
-    """Time _wg_configs for --budget seconds at most (fold on the three fastest), print what --wg-sweep promises."""
+def wg_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, rounds: int, budget: float) -> None:
+    """What --wg-sweep promises. Every candidate is compiled and captured first (for --budget seconds at most),
+    then all are replayed in turn after the clocks are raised, so the host's compiles leave no idle gap between
+    timings; the three fastest, fold on each where the format takes it, and the chosen one are then timed against
+    each other once more, with the floors."""
     n, k = ws[0].shape
     nbytes = n * f.row_bytes(k)
-    start, times = time.perf_counter(), {base: product_us(dev, ws, x, y, batch, base, reps)}
-    for cfg in _wg_configs(dev, f, base, k, batch):
-        if time.perf_counter() - start > budget:
-            print(f"      wg: budget spent after {len(times)} configurations", flush=True)
-            break
-        times[cfg] = product_us(dev, ws, x, y, batch, cfg, reps)
-    if base.int_dot and f.name in mv.FOLD_FORMATS:
-        for cfg in sorted(times, key=times.get)[:3]:
-            folded = replace(cfg, fold=True)
-            if folded not in times:
-                times[folded] = product_us(dev, ws, x, y, batch, folded, reps)
-    again = product_us(dev, ws, x, y, batch, base, reps)
+    start, graphs, finals = time.perf_counter(), {}, {}
     small = _weight_copies(dev, np.random.default_rng(1), f.name, FLOOR_ROWS, k)
     y_small = dev.alloc(batch * FLOOR_ROWS * 4)
-    best = min(times, key=times.get)
-    floors = [product_us(dev, small, x, y_small, batch, c, reps) for c in (base, best)]
-    _release_weights(small)
-    y_small.release()
-    gbs = {c: nbytes / t / 1e3 for c, t in times.items()}
-    print(f"      wg chosen: {_wg_name(base)} {gbs[base]:.0f} (again at the end {nbytes / again / 1e3:.0f}; "
-          f"{FLOOR_ROWS} rows {floors[0]:.1f} us, the fastest's {floors[1]:.1f} us); "
-          f"{len(times)} timed; top: " + ", ".join(f"{_wg_name(c)} {gbs[c]:.0f}"
-                                                    for c in sorted(gbs, key=gbs.get, reverse=True)[:10]), flush=True)
+    try:
+        for cfg in [base, *_wg_configs(dev, f, base, k, batch)]:
+            if time.perf_counter() - start > budget:
+                print(f"      wg: budget spent after {len(graphs)} configurations", flush=True)
+                break
+            graphs[cfg] = capture_graph(dev, product_run(dev, ws, x, y, batch, cfg))
+        raise_clocks(1.0)
+        first = replay_many_us(dev, graphs, rounds)
+        top = sorted(first, key=first.get)[:3]
+        for cfg in dict.fromkeys([*top, base]):
+            finals[cfg] = graphs[cfg]
+            folded = replace(cfg, fold=True)
+            if cfg.int_dot and f.name in mv.FOLD_FORMATS and not cfg.fold and cfg != base:
+                finals[folded] = capture_graph(dev, product_run(dev, ws, x, y, batch, folded))
+        for cfg in (base, top[0]):
+            finals[("floor", cfg)] = capture_graph(dev, product_run(dev, small, x, y_small, batch, cfg))
+        raise_clocks(0.5)
+        last = replay_many_us(dev, finals, rounds)
+    finally:
+        for graph in {id(g): g for g in (*graphs.values(), *finals.values())}.values():
+            graph.destroy()
+        _release_weights(small)
+        y_small.release()
+    gbs = {c: nbytes / t / 1e3 for c, t in first.items()}
+    print(f"      wg chosen: {_wg_name(base)} {gbs[base]:.0f}; {len(first)} timed; top: " + ", ".join(
+        f"{_wg_name(c)} {gbs[c]:.0f}" for c in sorted(gbs, key=gbs.get, reverse=True)[:10]), flush=True)
+    ranked = sorted((c for c in last if isinstance(c, mv.MatvecConfig)), key=last.get)
+    print("      wg finals: " + ", ".join(f"{_wg_name(c)} {nbytes / last[c] / 1e3:.0f}" for c in ranked)
+          + f"; {FLOOR_ROWS} rows: chosen {last[('floor', base)]:.1f} us, fastest {last[('floor', top[0])]:.1f} us",
+          flush=True)
 
 
 def _cell(nbytes: int, us: float) -> str:
@@ -289,7 +309,7 @@ def main() -> None:
                     if a.nb_sweep and new.int_dot:
                         nb_sweep(dev, f, ws, x, y, batch, new, old, max(3, a.reps // 2), a.budget)
                     if a.wg_sweep and batch <= mv.MAX_BATCH:
-                        wg_sweep(dev, f, ws, x, y, batch, old, max(3, a.reps // 2), a.budget)
+                        wg_sweep(dev, f, ws, x, y, batch, old, a.reps, a.budget)
                     if a.sweep:
                         found = {}
                         for wg, rows, unroll, tpr_div in SWEEP:

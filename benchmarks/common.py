@@ -23,7 +23,17 @@ def replay_us(dev: Any, run: Callable[[], object], reps: int, per_graph: int = 1
     """Median GPU microseconds per call of `run`, free of host cost: `per_graph` calls are captured into one
     command graph (with the barriers their buffers need, as in a decode step), which is replayed `reps` times
     with a wait each; the submit and wait (tens of microseconds) are shared by all `per_graph` calls."""
-    for _ in range(3):  # compile and warm up outside the capture
+    graph = capture_graph(dev, run, per_graph)
+    try:
+        return replay_many_us(dev, {0: graph}, reps, per_graph)[0]
+    finally:
+        graph.destroy()
+
+
+def capture_graph(dev: Any, run: Callable[[], object], per_graph: int = 100) -> Any:
+    """`per_graph` calls of `run` captured into one command graph, after three uncaptured calls that compile and
+    warm up; the caller destroys it."""
+    for _ in range(3):
         run()
     dev.synchronize()
     q = dev.queue
@@ -36,15 +46,21 @@ def replay_us(dev: Any, run: Callable[[], object], reps: int, per_graph: int = 1
         raise
     graph = q.end_capture()
     dev.synchronize()
-    try:
-        times = []
-        for _ in range(reps + 1):  # the first replay is a warm-up
+    return graph
+
+
+def replay_many_us(dev: Any, graphs: dict, rounds: int, per_graph: int = 100) -> dict:
+    """Median microseconds per call of each graph of `per_graph` calls (capture_graph), by key: the graphs are
+    replayed in turn, a wait each, `rounds` times after a round of warm-up, so that drift of the clocks between
+    them falls on all alike."""
+    q = dev.queue
+    times: dict = {key: [] for key in graphs}
+    for _ in range(rounds + 1):
+        for key, graph in graphs.items():
             t = time.perf_counter()
             q.wait(graph.replay())
-            times.append(time.perf_counter() - t)
-        return statistics.median(times[1:]) / per_graph * 1e6
-    finally:
-        graph.destroy()
+            times[key].append(time.perf_counter() - t)
+    return {key: statistics.median(ts[1:]) / per_graph * 1e6 for key, ts in times.items()}
 
 
 def device_events(dev: Any, run: Callable[[], object], reps: int, warmup: int = 10) -> list[tuple[str, float, float]]:
