@@ -223,7 +223,7 @@ def wg_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, rounds: int, b
         for cfg in dict.fromkeys([*top, base]):
             finals[cfg] = graphs[cfg]
             folded = replace(cfg, fold=True)
-            if cfg.int_dot and f.name in mv.FOLD_FORMATS and not cfg.fold and cfg != base:
+            if cfg.int_dot and f.name in mv.FOLD_FORMATS and not cfg.fold:
                 finals[folded] = capture_graph(dev, product_run(dev, ws, x, y, batch, folded))
         for cfg in (base, top[0]):
             finals[("floor", cfg)] = capture_graph(dev, product_run(dev, small, x, y_small, batch, cfg))
