@@ -51,6 +51,7 @@ from vkgraph.realize import limits
 from vkgraph.runtime import get_device
 from vkgraph.templates import matmul_quant as mq
 from vkgraph.templates import matvec as mv
+from vkgraph.templates.common import pow2_floor
 
 SHAPES = {"8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                  ("head", 128256, 4096)],
@@ -178,6 +179,8 @@ def nb_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, old: mv.Matvec
 
 # --wg-sweep: invocations per workgroup, rows per workgroup, rounds of units in flight
 WG_SWEEP = [(wg, rows, unroll) for wg in (128, 64, 256, 32, 512) for rows in (2, 4, 1, 8) for unroll in (1, 2, 4)]
+# ... and the subgroup-rows launch's (workgroup size, rows per group, units in flight) for comparison, last
+WG_SWEEP_SUBGROUP = [(128, 2, 4), (128, 1, 4), (256, 1, 2), (128, 2, 2)]
 
 
 FLOOR_ROWS = 264  # --wg-sweep's floor: two rows for each of an H200's 132 multiprocessors
@@ -186,7 +189,7 @@ FLOOR_ROWS = 264  # --wg-sweep's floor: two rows for each of an H200's 132 multi
 def _wg_configs(dev, f, base: mv.MatvecConfig, k: int, batch: int) -> list[mv.MatvecConfig]:
     """--wg-sweep's candidates in WG_SWEEP's order (most likely first): workgroups no wider than a row's units
     and at least a subgroup, no more rounds in flight than the row has, at most 16 loads in flight and 32 sums
-    per invocation."""
+    per invocation; then WG_SWEEP_SUBGROUP's, with the group as wide as choose_config makes it."""
     span = 1 << (max(k // mv.UNIT_ELEMS[f.name], 1) - 1).bit_length()  # a row's units, to a power of two
     found = []
     for wg, rows, unroll in WG_SWEEP:
@@ -194,11 +197,17 @@ def _wg_configs(dev, f, base: mv.MatvecConfig, k: int, batch: int) -> list[mv.Ma
                 span, wg) or rows * unroll > 16 or rows * batch > 32 or wg > dev.info.max_workgroup_invocations:
             continue
         found.append(replace(base, wg=wg, rows=rows, unroll=unroll, fold=False))
+    if "shuffle" in dev.info.subgroup_ops:  # the subgroup-rows launch beside them, as its table would take it
+        units = k // mv.UNIT_ELEMS[f.name]
+        for wg, rows, unroll in WG_SWEEP_SUBGROUP:
+            tpr = max(1, min(dev.info.min_subgroup_size, 32, pow2_floor(max(units // unroll, 1))))
+            if wg >= dev.info.max_subgroup_size and wg % tpr == 0 and wg <= dev.info.max_workgroup_invocations:
+                found.append(replace(base, wg=wg, rows=rows, unroll=unroll, tpr=tpr, fold=False))
     return [c for c in dict.fromkeys(found) if c != base]
 
 
 def _wg_name(c: mv.MatvecConfig) -> str:
-    return f"wg{c.wg} r{c.rows} u{c.unroll}" + (" fold" if c.fold else "")
+    return ("sg " if c.tpr else "") + f"wg{c.wg} r{c.rows} u{c.unroll}" + (" fold" if c.fold else "")
 
 
 def wg_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, rounds: int, budget: float) -> None:
