@@ -16,8 +16,9 @@ The last column is the fraction of the dense float16/bfloat16 peak, PEAK_TFLOPS 
 With --quant, the prefill products run through QuantLinear over random blocks of the formats given (float32
 activations in, float32 out): the kernel that dequantizes into shared memory (templates.matmul_quant), and the
 float16 copy of the weights with the generated matmul (VKGRAPH_QUANT_COOP=0), beside torch.matmul in float16 on
-the same shape. With --int8, `x.matmul(w.T, dtype=int32)` of int8 operands (int8 cooperative matrices, int32
-accumulation) against torch._int_mm, beside the float16 product of the same shape, in TOPS (checked exact).
+the same shape; the first in the tile measured for its class (--tune) and in matmul_quant.DEFAULT. With --int8,
+`x.matmul(w.T, dtype=int32)` of int8 operands (int8 cooperative matrices, int32 accumulation) against
+torch._int_mm, beside the float16 product of the same shape, in TOPS (checked exact).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from functools import partial
 from typing import Any
 
 import ml_dtypes
@@ -98,31 +98,35 @@ def _shapes(sizes: str, shapes: list) -> list:
     return [by_size[s] for s in sizes.split(",") if s in by_size] if sizes else shapes
 
 
+QUANT_PER_GRAPH = 10
+
+
 def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 5) -> dict:
-    """Time templates.matmul_quant in every tile of matmul_coop.candidates that takes whole blocks, on QuantLinear
-    lin's weights and the float16 rows x; record the fastest for the product's class (codegen.tune). Returns the
-    microseconds of each."""
+    """Time templates.matmul_quant in every tile of its search (matmul_quant.candidates), on QuantLinear lin's
+    weights and the float16 rows x; record the fastest for the product's class (codegen.tune). Each of the
+    QUANT_PER_GRAPH products of a replayed graph writes its own output, as QuantLinear's calls do (so no barrier
+    orders them). Returns the microseconds of each."""
     dev = get_device()
     lim = realize.limits()
     n, k = lin.out_features, lin.in_features
-    frag = matmul_coop.fragment(lim, "float16")
     bufs = [t.realize().node.arg[0].buf for t in lin.tensors]  # the weight Tensors' device buffers
     lin.weights.bind(dev, bufs[0], bufs[1])
-    out = dev.alloc(max(c.ks for c in matmul_coop.CONFIGS) * m * n * 4)  # a K split writes a plane per part
+    tiles = mq.candidates(lim, m, n, k)
+    outs = [dev.alloc(max(c.ks for c in tiles) * m * n * 4) for _ in range(QUANT_PER_GRAPH)]  # a K split: planes
     times = {}
-    for cfg in matmul_coop.candidates(m, n, k, 1, lim, frag, dtypes.float16):
-        # 16 subgroups: 128 TFLOP/s here but 63 through QuantLinear on an H200 (RESULTS.md, ninth session), left
-        # out until that is understood
-        if cfg.bk % mq.BLOCK or k % (cfg.bk * cfg.ks) or cfg.wm * cfg.wn > 8:
-            continue
+    for cfg in tiles:
         print(f"  {lin.format} {m}x{k}x{n} {cfg.label()}: ", end="", flush=True)
-        times[cfg] = replay_us(dev, partial(mq.matmul_quant, dev, lim, lin.weights, x, m, cfg, out=out), reps,
-                               per_graph=10)
+        calls = iter(range(1 << 30))
+
+        def run(cfg=cfg, calls=calls) -> None:
+            mq.matmul_quant(dev, lim, lin.weights, x, m, cfg, out=outs[next(calls) % QUANT_PER_GRAPH])
+        times[cfg] = replay_us(dev, run, reps, per_graph=QUANT_PER_GRAPH)
         print(f"{2 * m * n * k / times[cfg] / 1e6:.1f} TFLOP/s", flush=True)
     best = min(times, key=times.get)
     tune.record(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device), mq.shape_class(lin.format, m, n, k), best)
     realize.forget_limits()
-    out.release()
+    for o in outs:
+        o.release()
     return times
 
 
@@ -131,7 +135,8 @@ def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False, s
     tune_tiles, each product's tiles are searched first (search_quant)."""
     dev = get_device()
     rng = np.random.default_rng(0)
-    print(f"\n{'quantized prefill product':40s}{'coop':>8s}{'f16 copy':>10s}{'torch f16':>11s}{'ratio':>7s}  tile")
+    print(f"\n{'quantized prefill product':40s}{'coop':>8s}{'default':>9s}{'f16 copy':>10s}{'torch f16':>11s}"
+          f"{'ratio':>7s}  tile (coop: tuned where measured; default: matmul_quant.DEFAULT)")
     for fmt in formats:
         for label, m, k, n, _ in _shapes(sizes, SHAPES[1:]):
             flop = 2 * m * n * k
@@ -144,11 +149,15 @@ def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False, s
                     f"{c.label()} {flop / t / 1e6:.0f}"
                     for c, t in sorted(times.items(), key=lambda kv: kv[1])), flush=True)
             cells = []
-            for coop in ("1", "0"):
+            for coop, tuned in (("1", "1"), ("1", "0"), ("0", "1")):
                 os.environ["VKGRAPH_QUANT_COOP"] = coop  # read when the graph is built
+                os.environ["VKGRAPH_MATMUL_TUNE"] = tuned  # read with the device's limits
+                realize.forget_limits()
                 us = replay_us(dev, lambda lin=lin, tx=tx: lin(tx).realize(), reps, per_graph=20)
                 cells.append(flop / us / 1e6)
             os.environ.pop("VKGRAPH_QUANT_COOP")
+            os.environ.pop("VKGRAPH_MATMUL_TUNE")
+            realize.forget_limits()
             pt = float("nan")
             if torch is not None:
                 txx = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -156,8 +165,8 @@ def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False, s
                 pt = flop / torch_time_us(torch, lambda txx=txx, tww=tww: txx @ tww.T, 20) / 1e6
             cfg = lin.coop_tile(m)
             tile = cfg.label() if cfg else "none"
-            print(f"{fmt + ' ' + label:40s}{cells[0]:8.1f}{cells[1]:10.1f}{pt:11.1f}{cells[0] / pt:7.2f}  {tile}",
-                  flush=True)
+            print(f"{fmt + ' ' + label:40s}{cells[0]:8.1f}{cells[1]:9.1f}{cells[2]:10.1f}{pt:11.1f}"
+                  f"{cells[0] / pt:7.2f}  {tile}", flush=True)
 
 
 # 4096^3 in both layouts of B: cuBLASLt's int8 kernels take B column-major (w stored (N, K), read as w.T); with B

@@ -33,7 +33,7 @@ def test_config_follows_the_device():
     assert mq.config(fake_limits(coop=()), 512, 4096, 4096) is None
     assert mq.config(fake_limits(min_subgroup=32, max_subgroup=64), 512, 4096, 4096) is None
     assert mq.config(lim, 512, 4096, 48) is None  # K not whole blocks
-    assert mq.config(fake_limits(max_shared=32768), 512, 4096, 4096) == matmul_coop.Config(64, 64, 32, 2, 2)
+    assert mq.config(fake_limits(max_shared=32768), 512, 4096, 4096) == mq.Prefill(64, 64, 32, 2, 2)
     # the float16 product's measured tiles (another staging) are not taken, nor its default
     f16 = matmul_coop.shape_class(512, 4096, 4096, 1, template_ops.dtypes.float16)
     assert mq.config(dataclasses.replace(lim, tuned=((f16, (128, 256, 32, 2, 4, 1)),)), 512, 4096, 4096) == mq.DEFAULT
@@ -41,7 +41,7 @@ def test_config_follows_the_device():
     # a tile measured for the format's own products is taken where its slices are whole blocks dividing K
     q4 = mq.shape_class("Q4_0", 512, 4096, 4096)
     own = dataclasses.replace(lim, tuned=((q4, (64, 128, 32, 2, 4, 2)),))
-    assert mq.config(own, 512, 4096, 4096, "Q4_0") == matmul_coop.Config(64, 128, 32, 2, 4, 2)
+    assert mq.config(own, 512, 4096, 4096, "Q4_0") == mq.Prefill(64, 128, 32, 2, 4, 2)
     assert mq.config(own, 512, 4096, 4096, "Q8_0") == mq.DEFAULT
     shallow = dataclasses.replace(lim, tuned=((q4, (128, 256, 16, 2, 4, 2)),))
     assert mq.config(shallow, 512, 4096, 4096, "Q4_0") == mq.DEFAULT  # BK 16: not whole blocks
@@ -51,7 +51,29 @@ def test_config_follows_the_device():
     assert mq.config(deep, 512, 4096, 4096 + 32, "Q4_0") == mq.DEFAULT  # K not a whole number of 64-deep slices
     # a K split is taken where K is a whole number of its parts' slices (QuantLinear sums the planes)
     split = dataclasses.replace(lim, tuned=((q4, (128, 128, 32, 2, 4, 2, 2, 4)),))
-    assert mq.config(split, 512, 4096, 4096, "Q4_0") == matmul_coop.Config(128, 128, 32, 2, 4, 2, 2, 4)
+    assert mq.config(split, 512, 4096, 4096, "Q4_0") == mq.Prefill(128, 128, 32, 2, 4, 2, 2, 4)
+    # the ninth number is the order of decoding and products; an order other than 0 needs two stages
+    spread = dataclasses.replace(lim, tuned=((q4, (128, 128, 32, 2, 4, 2, 2, 1, 2)),))
+    assert mq.config(spread, 512, 4096, 4096, "Q4_0").order == 2
+    one = dataclasses.replace(lim, tuned=((q4, (128, 128, 64, 2, 4, 1, 1, 1, 2)),))
+    assert mq.config(one, 512, 4096, 4096, "Q4_0") == mq.DEFAULT
+
+
+def test_search_candidates():
+    """The tiles the search measures fit the device, take whole blocks of K, decode out of order only with two
+    stages, and split K only for outputs of few tiles; the default is among them."""
+    lim = fake_limits()
+    frag = (16, 16, 16)
+    assert mq.DEFAULT in mq.CANDIDATES and len(set(mq.CANDIDATES)) == len(mq.CANDIDATES)
+    wide = mq.candidates(lim, 512, 14336, 4096)
+    few = mq.candidates(lim, 512, 4096, 14336)
+    assert {c.order for c in wide} == {0, 1, 2} and all(c.ks == 1 for c in wide) and any(c.ks > 1 for c in few)
+    for c in few:
+        assert c.fits(frag, lim) and c.bk % mq.BLOCK == 0 and 14336 % (c.bk * c.ks) == 0
+        assert c.order == 0 or c.stages == 2
+    assert not mq.Prefill(128, 128, 64, 2, 4, 1, 1, 1, 1).fits(frag, lim)
+    assert mq.candidates(lim, 512, 4096, 48) == [] and mq.candidates(fake_limits(coop=()), 512, 4096, 4096) == []
+    assert mq.DEFAULT not in mq.candidates(fake_limits(max_shared=32768), 512, 4096, 4096)  # 40 KiB
 
 
 @pytest.mark.parametrize("fmt,cfg,residual", [("Q8_0", matmul_coop.Config(128, 128, 32, 2, 4), False),
@@ -59,7 +81,9 @@ def test_config_follows_the_device():
                                               ("Q4_K", matmul_coop.Config(64, 128, 32, 2, 4), True),
                                               ("Q6_K", matmul_coop.Config(128, 256, 32, 2, 4, 1), False),
                                               ("Q4_0", matmul_coop.Config(128, 128, 32, 2, 4, 2, 2), True),
-                                              ("Q4_K", matmul_coop.Config(128, 128, 64, 4, 2, 1, 2), False)])
+                                              ("Q4_K", matmul_coop.Config(128, 128, 64, 4, 2, 1, 2), False),
+                                              ("Q8_0", mq.Prefill(128, 128, 32, 2, 4, 2, 1, 1, 1), True),
+                                              ("Q4_0", mq.Prefill(128, 128, 32, 4, 2, 2, 2, 2, 2), False)])
 def test_programs_compile(fmt, cfg, residual):
     n, k = 200, 512
     weights = mq_weights(fmt, n, k)
@@ -166,12 +190,22 @@ def test_quant_linear_takes_the_kernel_where_the_device_has_cooperative_matrices
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,cfg", [("Q4_0", matmul_coop.Config(64, 64, 32, 2, 2, 2, 2, 1)),
                                      ("Q4_K", matmul_coop.Config(64, 64, 32, 2, 2, 1, 2, 2)),
-                                     ("Q8_0", matmul_coop.Config(64, 64, 64, 2, 2, 1, 1, 2))],
-                         ids=["Q4_0-p2", "Q4_K-s1-p2-k2", "Q8_0-s1-k2"])
+                                     ("Q8_0", matmul_coop.Config(64, 64, 64, 2, 2, 1, 1, 2)),
+                                     ("Q8_0", mq.Prefill(64, 64, 32, 2, 2, 2, 1, 2, 1)),
+                                     ("Q4_K", mq.Prefill(64, 64, 32, 2, 2, 2, 2, 1, 1))],
+                         ids=["Q4_0-p2", "Q4_K-s1-p2-k2", "Q8_0-s1-k2", "Q8_0-before-k2", "Q4_K-before-p2"])
 def test_prefill_tiles_emulated_match_numpy(fmt, cfg, monkeypatch):
-    """The prefill product with two slices in flight and with K split (partial planes), its cooperative matrices
-    emulated (test_matmul_coop.emulated), on any device with a fixed subgroup size dividing 16."""
+    """The prefill product with two slices in flight, with K split (partial planes) and decoding before the
+    products, its cooperative matrices emulated (test_matmul_coop.emulated), on any device with a fixed subgroup
+    size dividing 16."""
     _prefill_tile_case(emulate_coop(monkeypatch), fmt, cfg, 70, 100, 512)
+
+
+@pytest.mark.parametrize("n,k", [(128, 512), (100, 96)])
+def test_decoding_between_the_products_emulated_matches_numpy(n, k, monkeypatch):
+    """Each slice decoded between the products of the one before (order 2, two slices in flight), emulated: over
+    whole column tiles (W read without bounds tests) and ragged ones, an even and an odd number of slices."""
+    _prefill_tile_case(emulate_coop(monkeypatch), "Q4_0", mq.Prefill(64, 64, 32, 2, 2, 2, 2, 1, 2), 70, n, k)
 
 
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
@@ -191,7 +225,7 @@ def _check(got: np.ndarray, x16: np.ndarray, w: np.ndarray, extra: np.ndarray | 
     assert not bad.any(), f"{bad.sum()} of {bad.size} off; worst {np.max(np.abs(got - ref) / tol)} x tolerance"
 
 
-_DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.BLOCK == 0]
+_DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.BLOCK == 0] + [c for c in mq.CANDIDATES if c.order]
 _WHOLE = [c for c in _DEEP if c.ks == 1]  # tiles that write y itself (a K split writes partial planes)
 
 

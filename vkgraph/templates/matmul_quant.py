@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ..codegen import matmul_coop
@@ -143,13 +144,56 @@ def shape_class(fmt: str, m: int, n: int, k: int) -> str:
     return f"{fmt}:{matmul_coop.shape_class(m, n, k, 1, dtypes.float16)}"
 
 
+@dataclass(frozen=True)
+class Prefill(matmul_coop.Config):
+    """A prefill tile: matmul_coop's Config plus ORDER, where each step of two stages decodes the next slice into
+    shared memory: 0 after the current slice's products (behind a branch: the products, then the decoding), 1
+    before them, 2 between their 16-deep steps (see `source`). With one stage the next slice can only be stored
+    once every subgroup is done with the current one: order 0."""
+
+    order: int = 0
+
+    def key(self) -> list[int]:
+        return [*super().key(), self.order]
+
+    def label(self) -> str:
+        return super().label() + (f"/o{self.order}" if self.order else "")
+
+    def fits(self, frag: tuple[int, int, int], lim: Limits, itemsize: int = 2) -> bool:
+        return (super().fits(frag, lim, itemsize) and self.order in (0, 1, 2)
+                and (self.order == 0 or self.stages == 2))
+
+
 # The prefill product's tile where none was measured for the format's class: the float16 product's fastest tiles
 # (one stage, 64 x 64 per subgroup) ran the dequantizing staging at 30-60 TFLOP/s on an H200 (2026-12-02, Q4_0
 # 512 x 4096 x 14336) where this one ran at 126
-DEFAULT = matmul_coop.Config(128, 128, 32, 2, 4)
+DEFAULT = Prefill(128, 128, 32, 2, 4)
+# The tiles `bench_matmul.py --quant --tune` measures (those that fit the device, take whole blocks and, with K
+# split, split an output of few tiles): at 48 KiB of shared memory only 128 x 128 x 32 (and smaller) fits two
+# stages, the only tiles whose decoding can overlap the products in a workgroup, so most are that tile with each
+# order, prefetch depth and subgroup layout; beside them the one-stage tiles of deeper slices or 64 x 64 per
+# subgroup (the float16 product's fastest), and a K split for outputs of few tiles (N = 4096 at 512 rows: 128 of
+# 128 x 128). 16 subgroups are left out: 128 TFLOP/s in the search but 63 through QuantLinear on an H200 (RESULTS.md,
+# ninth session), not understood.
+CANDIDATES = (*(Prefill(128, 128, 32, wm, wn, 2, pf, 1, order) for wm, wn in ((2, 4), (4, 2)) for pf in (1, 2)
+                for order in (0, 1, 2)),
+              Prefill(128, 128, 32, 2, 2, 2, 2, 1, 0), Prefill(128, 128, 32, 2, 2, 2, 2, 1, 2),
+              Prefill(64, 128, 32, 2, 4, 2, 2, 1, 0), Prefill(64, 128, 32, 2, 4, 2, 2, 1, 2),
+              Prefill(128, 128, 64, 2, 4, 1), Prefill(128, 128, 64, 2, 4, 1, 2), Prefill(128, 256, 32, 2, 4, 1),
+              Prefill(256, 128, 32, 4, 2, 1), Prefill(128, 128, 32, 2, 4, 2, 2, 2, 0),
+              Prefill(128, 128, 32, 2, 4, 2, 2, 2, 2), Prefill(128, 128, 32, 2, 4, 2, 1, 2, 1))
 
 
-def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Config | None:
+def candidates(lim: Limits, m: int, n: int, k: int) -> list[Prefill]:
+    """The tiles of CANDIDATES a search measures for an m x n product over K = k on this device."""
+    frag = matmul_coop.fragment(lim, "float16")
+    if frag is None or k % BLOCK:
+        return []
+    return [c for c in CANDIDATES if c.fits(frag, lim) and _whole(c, k) and (
+        c.ks == 1 or math.ceil(m / c.bm) * math.ceil(n / c.bn) < matmul_coop.SPLIT_TILES)]
+
+
+def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> Prefill | None:
     """The tile configuration for an m x n product over K = k on this device, or None where the device has no
     fitting float16 cooperative matrices (or k is not a whole number of blocks): the one measured for fmt's
     products of this class (benchmarks/bench_matmul.py --quant --tune), else DEFAULT (else 64 x 64 where DEFAULT
@@ -161,9 +205,9 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> matmul_coop.Co
         return None
     cls = shape_class(fmt, m, n, k)
     for c, v in lim.tuned:
-        if c == cls and (cfg := matmul_coop.Config(*v)).fits(frag, lim) and _whole(cfg, k):
+        if c == cls and (cfg := Prefill(*v)).fits(frag, lim) and _whole(cfg, k):
             return cfg
-    for cfg in (DEFAULT, matmul_coop.Config(64, 64, 32, 2, 2)):
+    for cfg in (DEFAULT, Prefill(64, 64, 32, 2, 2)):
         if _whole(cfg, k) and cfg.fits(frag, lim):
             return cfg
     return None
@@ -235,8 +279,8 @@ def decode_config(lim: Limits, m: int, n: int, k: int) -> Tile | None:
 
 def _declare_w(emit: Any, bn: int, bk: int, nt: int, reg: str = "") -> None:
     for c in range(math.ceil(bn * (bk // 16) / nt)):
-        emit(f"uvec4 br{c}{reg}_0, br{c}{reg}_1, br{c}{reg}_2;")
-        emit(f"float bs{c}{reg};")
+        emit(f"uvec4 br{c}{reg}_0 = uvec4(0u), br{c}{reg}_1 = uvec4(0u), br{c}{reg}_2 = uvec4(0u);")
+        emit(f"float bs{c}{reg} = 0.0;")
 
 
 def _deal(e: str, kb: int, rows: int) -> tuple[str, str]:
@@ -255,22 +299,26 @@ def _deal(e: str, kb: int, rows: int) -> tuple[str, str]:
 
 def _load_w(emit: Any, n: int, bn: int, bk: int, nt: int, k0: str, reg: str = "") -> None:
     """The raw words of every chunk of 16 values of W's slice from element k0, rows tn * bn ..: load_q into the
-    registers br*, bs*; zero past row n."""
+    registers br*, bs*; zero past row n (no test where N is whole tiles and the chunks whole rounds of nt)."""
     chunks, kb = bn * (bk // 16), bk // 16
     for c in range(math.ceil(chunks / nt)):
         guard = f"e < {chunks} && " if (c + 1) * nt > chunks else ""
         row, j = _deal("e", kb, bn)
         emit(f"{{ int e = lid + {c * nt}; int row = tn * {bn} + {row};")
         r = f"br{c}{reg}"
-        emit(f"  if ({guard}row < {n}) load_q(row, ({k0}) + 16 * ({j}), {r}_0, {r}_1, {r}_2, bs{c}{reg});")
+        load = f"load_q(row, ({k0}) + 16 * ({j}), {r}_0, {r}_1, {r}_2, bs{c}{reg});"
+        if not guard and n % bn == 0:
+            emit(f"  {load} }}")
+            continue
+        emit(f"  if ({guard}row < {n}) {load}")
         emit(f"  else {{ {r}_0 = uvec4(0u); {r}_1 = uvec4(0u); {r}_2 = uvec4(0u); bs{c}{reg} = 0.0; }} }}")
 
 
-def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str, reg: str = "") -> None:
+def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str, reg: str = "", only: int | None = None) -> None:
     """The registers' chunks decoded (decode_q) into shared memory from `at`: bn rows of bk float16 values, rows
-    padded by 8 values."""
+    padded by 8 values; with `only`, that round of chunks alone."""
     chunks, kb, stride = bn * (bk // 16), bk // 16, (bk + 8) // 8
-    for c in range(math.ceil(chunks / nt)):
+    for c in range(math.ceil(chunks / nt)) if only is None else (only,):
         cond = "" if (c + 1) * nt <= chunks else f"if (lid + {c * nt} < {chunks}) "
         row, j = _deal("e", kb, bn)
         emit(f"{{ int e = lid + {c * nt}; int j = {j};")
@@ -380,6 +428,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     fm, fn, fk = frag
     bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
     wk, ks, pf = _splits(cfg)
+    order = cfg.order if isinstance(cfg, Prefill) else 0
     if residual and ks > 1:
         raise ValueError("matmul_quant: a product split over K writes partial planes; add the residual to their sum")
     nt = wm * wn * wk * subgroup
@@ -413,16 +462,23 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
                      f"x[row * {k // 8} + ({k0}) / 8 + ({scol})] : uvec4(0u); }}")
         _load_w(emit, n, bn, bk, nt, k0, reg)
 
-    def store_slice(at: str, k0: str, reg: str) -> None:
+    def store_parts(at: str, k0: str, reg: str) -> list[Any]:
+        """The staging of a slice into shared memory from `at` as parts that may be emitted apart: W's rounds of
+        chunks first (the decoding), then x's."""
         k0 = f"kz0 + {k0}"
+        parts: list[Any] = [partial(_store_w, emit, bn, bk, nt, f"{at} + {a_size}", k0, reg, only=c)
+                            for c in range(math.ceil(bn * (bk // 16) / nt))]
         if int8:
-            _store_x8(emit, bm, bk, nt, at, reg)
-        else:
-            for c in range(per_a):
-                cond = "" if (c + 1) * nt <= chunks_a else f"if (lid + {c * nt} < {chunks_a}) "
-                emit(f"{{ int e = lid + {c * nt}; {cond}sm[{at} + ({srow}) * {a_stride} + ({scol})] = "
-                     f"ar{c}{reg}; }}")
-        _store_w(emit, bn, bk, nt, f"{at} + {a_size}", k0, reg)
+            return [*parts, partial(_store_x8, emit, bm, bk, nt, at, reg)]
+
+        def store_x(c: int) -> None:
+            cond = "" if (c + 1) * nt <= chunks_a else f"if (lid + {c * nt} < {chunks_a}) "
+            emit(f"{{ int e = lid + {c * nt}; {cond}sm[{at} + ({srow}) * {a_stride} + ({scol})] = ar{c}{reg}; }}")
+        return parts + [partial(store_x, c) for c in range(per_a)]
+
+    def store_slice(at: str, k0: str, reg: str) -> None:
+        for part in store_parts(at, k0, reg):
+            part()
 
     acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
     a_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
@@ -452,7 +508,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         if int8:
             _declare_x8(emit, bm, bk, nt, reg)
         else:
-            emit(f"uvec4 {', '.join(f'ar{c}{reg}' for c in range(per_a))};")
+            emit(f"uvec4 {', '.join(f'ar{c}{reg} = uvec4(0u)' for c in range(per_a))};")
         _declare_w(emit, bn, bk, nt, reg)
     load_slice("0", "")
     store_slice("0", "0", "")
@@ -461,15 +517,23 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     emit("barrier();")
 
     def step(kt: str, load_reg: str, store_reg: str) -> None:
-        """Slice kt multiplied from shared memory while slice kt + pf is read into registers load_reg; then slice
-        kt + 1 (read pf - 1 steps earlier, in store_reg) is decoded into shared memory."""
+        """Slice kt multiplied from shared memory while slice kt + pf is read into registers load_reg; slice
+        kt + 1 (read pf - 1 steps earlier, in store_reg) is decoded into shared memory: after the products (order
+        0), or, in the other stage, before them (1) or between their 16-deep steps (2), unconditionally (past the
+        last slice it fills the stage no one reads again), so that the step's products and decoding are one
+        stretch of code the compiler can interleave."""
         emit(f"int cur = (({kt}) & 1) * {stage};" if cfg.stages == 2 else "int cur = 0;")
         emit(f"if (({kt}) + {pf} < {nk}) {{")
         load_slice(f"(({kt}) + {pf}) * {bk}", load_reg)
         emit("}")
+        parts = store_parts(f"{stage} - cur", f"(({kt}) + 1) * {bk}", store_reg) if order else []
+        if order == 1:
+            for part in parts:
+                part()
         emit(f"{a_t} fa[{ffm}];")
         emit(f"{b_t} fb[{ffn}];")
-        for kk in range(0, bk // wk, fk):
+        ksteps = range(0, bk // wk, fk)
+        for s_, kk in enumerate(ksteps):
             for i in range(ffm):
                 emit(f"coopMatLoad(fa[{i}], sm, cur + (arow + {i * fm}) * {a_stride} + kb8 + {kk // 8}, "
                      f"{a_stride}, gl_CooperativeMatrixLayoutRowMajor);")
@@ -479,6 +543,13 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
             for i in range(ffm):
                 for j in range(ffn):
                     emit(f"acc{i}_{j} = coopMatMulAdd(fa[{i}], fb[{j}], acc{i}_{j});")
+            if order == 2:  # part p after the 16-deep step p * steps // parts
+                for p_, part in enumerate(parts):
+                    if p_ * len(ksteps) // len(parts) == s_:
+                        part()
+        if order:
+            emit("barrier();")
+            return
         if cfg.stages == 1:
             emit("barrier();")  # every subgroup is done with the slice before it is overwritten
         emit(f"if (({kt}) + 1 < {nk}) {{")
