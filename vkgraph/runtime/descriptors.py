@@ -2,8 +2,9 @@
 creation. A set is freed when a VkBuffer it names is destroyed (only after its last use completed), or evicted,
 least recently used first, among those the GPU is done with. Eviction runs before a new set is inserted: a new
 set's last use is not yet recorded, so it would look idle and be freed before its own bind (NVIDIA's driver
-answered that with a segfault). The queue and captured graphs both take their sets from here; a graph pins its
-sets (last use = infinity) while it lives.
+answered that with a segfault). The queue and captured graphs both take their sets from here; a graph pins the
+sets its recorded command buffers bind (a count: one set may serve several graphs, or several of one graph's
+command buffers), and a pinned set is never evicted whatever its last use.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
 
 CAPACITY = 8192
 SETS_PER_POOL = 1024
-PINNED = float("inf")  # the last use of a pinned set: never evicted
 
 
 def foreign_buffer(what: str, alloc: Any, device: Any) -> KernelInterfaceError:
@@ -32,7 +32,7 @@ def foreign_buffer(what: str, alloc: Any, device: Any) -> KernelInterfaceError:
 
 
 class DescriptorSets:
-    """The cache: `sets` maps a key to [VkDescriptorSet array, its pool, sequence number of its last use]."""
+    """The cache: `sets` maps a key to [VkDescriptorSet array, its pool, sequence number of its last use, pins]."""
 
     def __init__(self, device: Device) -> None:
         self.device = device
@@ -78,7 +78,7 @@ class DescriptorSets:
         # evict before inserting: the new set's last use is not yet recorded, so it would look idle
         if len(self.sets) >= CAPACITY:
             self._evict(completed)
-        entry = [ds, pool, 0]
+        entry = [ds, pool, 0, 0]
         self.sets[key] = entry
         for a in allocs:
             self.by_buffer.setdefault(a.handle, set()).add(key)
@@ -112,7 +112,8 @@ class DescriptorSets:
     def _evict(self, completed: int) -> None:
         # least recently used first, among those the GPU is done with
         over = len(self.sets) - CAPACITY // 2
-        idle = sorted((key for key, e in self.sets.items() if e[2] <= completed), key=lambda key: self.sets[key][2])
+        idle = sorted((key for key, e in self.sets.items() if e[2] <= completed and not e[3]),
+                      key=lambda key: self.sets[key][2])
         for key in idle[:max(over, 0)]:
             self._free(key)
 
@@ -135,12 +136,14 @@ class DescriptorSets:
 
     @staticmethod
     def pin(entry: list) -> None:
-        """Never evicted until unpinned (a captured graph's sets, while it lives)."""
-        entry[2] = PINNED
+        """Never evicted until unpinned as many times (a set a captured graph's command buffer binds)."""
+        entry[3] += 1
 
     @staticmethod
-    def unpin(entry: list, completed: int) -> None:
-        entry[2] = completed
+    def unpin(entry: list, last_use: int) -> None:
+        """One pin less; `last_use`: the last submission of the pinning command buffer (evictable once done)."""
+        entry[3] -= 1
+        entry[2] = max(entry[2], last_use)
 
     def counts(self) -> dict[str, int]:
         return {"descriptor_sets": len(self.sets), "descriptor_pools": len(self.pools)}
