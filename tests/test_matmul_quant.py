@@ -6,6 +6,7 @@ residuals. The staging of W's slices (the formats' decoders) runs alone on every
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ from vkgraph.tensor import Tensor
 
 def test_config_follows_the_device():
     lim = fake_limits()
-    assert mq.config(lim, 512, 4096, 4096) == mq.DEFAULT and mq.DEFAULT.bk % mq.BLOCK == 0
+    assert mq.config(lim, 512, 4096, 4096) == mq.DEFAULT and mq.DEFAULT.bk % mq.CHUNK == 0
     assert mq.config(fake_limits(coop=()), 512, 4096, 4096) is None
     assert mq.config(fake_limits(min_subgroup=32, max_subgroup=64), 512, 4096, 4096) is None
     assert mq.config(lim, 512, 4096, 48) is None  # K not whole blocks
@@ -44,7 +45,9 @@ def test_config_follows_the_device():
     assert mq.config(own, 512, 4096, 4096, "Q4_0") == mq.Prefill(64, 128, 32, 2, 4, 2)
     assert mq.config(own, 512, 4096, 4096, "Q8_0") == mq.DEFAULT
     shallow = dataclasses.replace(lim, tuned=((q4, (128, 256, 16, 2, 4, 2)),))
-    assert mq.config(shallow, 512, 4096, 4096, "Q4_0") == mq.DEFAULT  # BK 16: not whole blocks
+    assert mq.config(shallow, 512, 4096, 4096, "Q4_0").bk == 16  # half blocks: W's chunks
+    shallow = dataclasses.replace(lim, tuned=((q4, (128, 256, 8, 2, 4, 2)),))
+    assert mq.config(shallow, 512, 4096, 4096, "Q4_0") == mq.DEFAULT  # BK 8: not whole chunks
     deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 512, 4096, 4096 + 64), (128, 128, 64, 2, 4, 1)),))
     assert mq.config(deep, 512, 4096, 4096 + 64, "Q4_0").bk == 64
     deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 512, 4096, 4096 + 32), (128, 128, 64, 2, 4, 1)),))
@@ -69,7 +72,7 @@ def test_search_candidates():
     few = mq.candidates(lim, 512, 4096, 14336)
     assert {c.order for c in wide} == {0, 1, 2} and all(c.ks == 1 for c in wide) and any(c.ks > 1 for c in few)
     for c in few:
-        assert c.fits(frag, lim) and c.bk % mq.BLOCK == 0 and 14336 % (c.bk * c.ks) == 0
+        assert c.fits(frag, lim) and c.bk % mq.CHUNK == 0 and 14336 % (c.bk * c.ks) == 0
         assert c.order == 0 or c.stages == 2
     assert not mq.Prefill(128, 128, 64, 2, 4, 1, 1, 1, 1).fits(frag, lim)
     assert mq.candidates(lim, 512, 4096, 48) == [] and mq.candidates(fake_limits(coop=()), 512, 4096, 4096) == []
@@ -113,7 +116,7 @@ def mq_weights(fmt: str, n: int, k: int):
 
 
 @pytest.mark.parametrize("fmt", mq.FORMATS)
-@pytest.mark.parametrize("bn,bk,nt", [(128, 32, 256), (64, 64, 128), (64, 128, 64), (32, 256, 64)])
+@pytest.mark.parametrize("bn,bk,nt", [(128, 32, 256), (64, 64, 128), (64, 128, 64), (32, 256, 64), (64, 16, 32)])
 def test_staging_matches_numpy(fmt, bn, bk, nt):
     """The product's staging of W (load_q, then decode_q into shared memory), run alone on any device over rows
     that are not a whole number of tiles: every value equals numpy's dequantization rounded to float16, within the
@@ -204,8 +207,11 @@ def test_prefill_tiles_emulated_match_numpy(fmt, cfg, monkeypatch):
 @pytest.mark.parametrize("n,k", [(128, 512), (100, 96)])
 def test_decoding_between_the_products_emulated_matches_numpy(n, k, monkeypatch):
     """Each slice decoded between the products of the one before (order 2, two slices in flight), emulated: over
-    whole column tiles (W read without bounds tests) and ragged ones, an even and an odd number of slices."""
-    _prefill_tile_case(emulate_coop(monkeypatch), "Q4_0", mq.Prefill(64, 64, 32, 2, 2, 2, 2, 1, 2), 70, n, k)
+    whole column tiles (W read without bounds tests) and ragged ones, an even and an odd number of slices; then
+    16-deep slices (half blocks) decoded before the products."""
+    lim = emulate_coop(monkeypatch)
+    _prefill_tile_case(lim, "Q4_0", mq.Prefill(64, 64, 32, 2, 2, 2, 2, 1, 2), 70, n, k)
+    _prefill_tile_case(lim, "Q8_0", mq.Prefill(64, 64, 16, 2, 2, 2, 2, 1, 1), 70, n, k)
 
 
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
@@ -225,7 +231,7 @@ def _check(got: np.ndarray, x16: np.ndarray, w: np.ndarray, extra: np.ndarray | 
     assert not bad.any(), f"{bad.sum()} of {bad.size} off; worst {np.max(np.abs(got - ref) / tol)} x tolerance"
 
 
-_DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.BLOCK == 0] + [c for c in mq.CANDIDATES if c.order]
+_DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.CHUNK == 0] + [c for c in mq.CANDIDATES if c.order or c.bk == 16]
 _WHOLE = [c for c in _DEEP if c.ks == 1]  # tiles that write y itself (a K split writes partial planes)
 
 
@@ -257,7 +263,8 @@ def _prefill_tile_case(lim, fmt: str, cfg: matmul_coop.Config, m: int, n: int, k
 @given(fmt=st.sampled_from(mq.FORMATS), m=st.integers(1, 300), n=st.integers(1, 300), kb=st.integers(1, 8),
        cfg=st.sampled_from(_WHOLE), residual=st.booleans(), seed=st.integers(0, 2**16))
 def test_products_match_numpy(fmt, m, n, kb, cfg, residual, seed):
-    k = cfg.bk * kb if fmt in ("Q8_0", "Q4_0") else 256 * (1 + kb % 3)  # whole slices (K-quants: super-blocks)
+    # whole slices of whole blocks (K-quants: super-blocks)
+    k = math.lcm(cfg.bk, mq.BLOCK) * kb if fmt in ("Q8_0", "Q4_0") else 256 * (1 + kb % 3)
     lim = realize_mod.limits()
     if not cfg.fits(matmul_coop.fragment(lim, "float16"), lim):
         cfg = mq.config(dataclasses.replace(lim, tuned=()), m, n, k)  # the default: y itself, no K split
@@ -277,7 +284,7 @@ def test_every_prefill_tile_matches_numpy(cfg):
     lim = realize_mod.limits()
     if not cfg.fits(matmul_coop.fragment(lim, "float16"), lim):
         pytest.skip(f"{cfg} does not fit this device")
-    _prefill_tile_case(lim, "Q4_0", cfg, 200, 136, 3 * cfg.bk * cfg.ks)
+    _prefill_tile_case(lim, "Q4_0", cfg, 200, 136, 3 * math.lcm(cfg.bk * cfg.ks, mq.BLOCK))
 
 
 @needs_f16

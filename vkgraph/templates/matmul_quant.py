@@ -37,7 +37,8 @@ from ..runtime import Device
 from .common import check_binding_range, check_buffer, grid_2d
 from .matvec import DeviceWeights, Q8Acts
 
-BLOCK = 32  # a slice is a whole number of 32-element (sub-)blocks deep
+BLOCK = 32  # K is a whole number of 32-element (sub-)blocks
+CHUNK = 16  # W is staged in chunks of 16 values (half a Q8_0/Q4_0 block), so a prefill slice is a multiple of 16 deep
 _HALF = "float half_at(uint i) { return unpackHalf2x16(s[i >> 1] >> (16u * (i & 1u))).x; }"
 # Q8_0's and Q4_0's values are small integers times a float16 scale: each byte b goes into a float16's low mantissa
 # bits (0x6400 | b is 1024 + b exactly), the offset (1024 plus the format's zero) comes off exactly, and one float16
@@ -168,19 +169,22 @@ class Prefill(matmul_coop.Config):
 # (one stage, 64 x 64 per subgroup) ran the dequantizing staging at 30-60 TFLOP/s on an H200 (2026-12-02, Q4_0
 # 512 x 4096 x 14336) where this one ran at 126
 DEFAULT = Prefill(128, 128, 32, 2, 4)
-# The tiles `bench_matmul.py --quant --tune` measures (those that fit the device, take whole blocks and, with K
-# split, split an output of few tiles): at 48 KiB of shared memory only 128 x 128 x 32 (and smaller) fits two
-# stages, the only tiles whose decoding can overlap the products in a workgroup, so most are that tile with each
-# order, prefetch depth and subgroup layout; beside them the one-stage tiles of deeper slices or 64 x 64 per
-# subgroup (the float16 product's fastest), and a K split for outputs of few tiles (N = 4096 at 512 rows: 128 of
-# 128 x 128). 16 subgroups are left out: 128 TFLOP/s in the search but 63 through QuantLinear on an H200 (RESULTS.md,
-# ninth session), not understood.
+# The tiles `bench_matmul.py --quant --tune` measures (those that fit the device, take whole slices of K and, with
+# K split, split an output of few tiles): at 48 KiB of shared memory 128 x 128 x 32 is the largest 32-deep tile with
+# two stages, the only tiles whose decoding can overlap the products in a workgroup, so most are that tile with each
+# order, prefetch depth and subgroup layout; then 16-deep slices, which fit two stages of 128 x 256 or 256 x 128
+# (64 x 64 per subgroup: the fewest fragment loads per product; 256 rows also decode W once for twice the rows); the
+# one-stage tiles of deeper slices or 64 x 64 per subgroup (the float16 product's fastest), and a K split for outputs
+# of few tiles (N = 4096 at 512 rows: 128 of 128 x 128). 16 subgroups are left out: 128 TFLOP/s in the search but
+# 63 through QuantLinear on an H200 (RESULTS.md, ninth session), not understood.
 CANDIDATES = (*(Prefill(128, 128, 32, wm, wn, 2, pf, 1, order) for wm, wn in ((2, 4), (4, 2)) for pf in (1, 2)
                 for order in (0, 1, 2)),
               Prefill(128, 128, 32, 2, 2, 2, 2, 1, 0), Prefill(128, 128, 32, 2, 2, 2, 2, 1, 2),
               Prefill(64, 128, 32, 2, 4, 2, 2, 1, 0), Prefill(64, 128, 32, 2, 4, 2, 2, 1, 2),
               Prefill(128, 128, 64, 2, 4, 1), Prefill(128, 128, 64, 2, 4, 1, 2), Prefill(128, 256, 32, 2, 4, 1),
-              Prefill(256, 128, 32, 4, 2, 1), Prefill(128, 128, 32, 2, 4, 2, 2, 2, 0),
+              Prefill(256, 128, 32, 4, 2, 1),
+              *(Prefill(bm, bn, 16, wm, wn, 2, 2, 1, order) for bm, bn, wm, wn in ((128, 256, 2, 4), (256, 128, 4, 2))
+                for order in (0, 1)), Prefill(128, 128, 32, 2, 4, 2, 2, 2, 0),
               Prefill(128, 128, 32, 2, 4, 2, 2, 2, 2), Prefill(128, 128, 32, 2, 4, 2, 1, 2, 1))
 
 
@@ -214,8 +218,8 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> Prefill | None
 
 
 def _whole(cfg: matmul_coop.Config, k: int) -> bool:
-    """Whether cfg's slices are whole blocks and K a whole number of slices in each of its KS parts."""
-    return cfg.bk % BLOCK == 0 and k % (cfg.bk * cfg.ks) == 0
+    """Whether cfg's slices are whole chunks and K a whole number of slices in each of its KS parts."""
+    return cfg.bk % CHUNK == 0 and k % (cfg.bk * cfg.ks) == 0
 
 
 @dataclass(frozen=True)
@@ -636,9 +640,9 @@ def matmul_quant(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: in
     _check_format(fmt)
     n, k = weights.shape
     wk, ks, _ = _splits(cfg)
-    if k % (cfg.bk * ks) or cfg.bk % BLOCK:
-        raise ValueError(f"matmul_quant: K={k} is not a whole number of {cfg.bk}-deep slices of {BLOCK}-blocks "
-                         f"in each of {ks} parts")
+    if k % (cfg.bk * ks) or cfg.bk % CHUNK or k % BLOCK:
+        raise ValueError(f"matmul_quant: K={k} is not a whole number of {BLOCK}-blocks and of {cfg.bk}-deep slices "
+                         f"({CHUNK}-value chunks) in each of {ks} parts")
     if m < 1:
         raise ValueError(f"matmul_quant: no rows (m={m})")
     if residual is not None and ks > 1:
