@@ -86,7 +86,8 @@ def test_search_candidates():
                                               ("Q4_0", matmul_coop.Config(128, 128, 32, 2, 4, 2, 2), True),
                                               ("Q4_K", matmul_coop.Config(128, 128, 64, 4, 2, 1, 2), False),
                                               ("Q8_0", mq.Prefill(128, 128, 32, 2, 4, 2, 1, 1, 1), True),
-                                              ("Q4_0", mq.Prefill(128, 128, 32, 4, 2, 2, 2, 2, 2), False)])
+                                              ("Q4_0", mq.Prefill(128, 128, 32, 4, 2, 2, 2, 2, 2), False),
+                                              ("Q6_K", mq.Prefill(256, 128, 16, 4, 2, 2, 2, 1, 1), True)])
 def test_programs_compile(fmt, cfg, residual):
     n, k = 200, 512
     weights = mq_weights(fmt, n, k)

@@ -175,8 +175,8 @@ DEFAULT = Prefill(128, 128, 32, 2, 4)
 # order, prefetch depth and subgroup layout; then 16-deep slices, which fit two stages of 128 x 256 or 256 x 128
 # (64 x 64 per subgroup: the fewest fragment loads per product; 256 rows also decode W once for twice the rows); the
 # one-stage tiles of deeper slices or 64 x 64 per subgroup (the float16 product's fastest), and a K split for outputs
-# of few tiles (N = 4096 at 512 rows: 128 of 128 x 128). 16 subgroups are left out: 128 TFLOP/s in the search but
-# 63 through QuantLinear on an H200 (RESULTS.md, ninth session), not understood.
+# of few tiles (N = 4096 at 512 rows: 128 of 128 x 128). 16 subgroups too (the ninth session read one at 128 TFLOP/s
+# in its search and 63 through QuantLinear, both while the clocks fell between compiles: bench_matmul.search_quant).
 CANDIDATES = (*(Prefill(128, 128, 32, wm, wn, 2, pf, 1, order) for wm, wn in ((2, 4), (4, 2)) for pf in (1, 2)
                 for order in (0, 1, 2)),
               Prefill(128, 128, 32, 2, 2, 2, 2, 1, 0), Prefill(128, 128, 32, 2, 2, 2, 2, 1, 2),
@@ -185,7 +185,8 @@ CANDIDATES = (*(Prefill(128, 128, 32, wm, wn, 2, pf, 1, order) for wm, wn in ((2
               Prefill(256, 128, 32, 4, 2, 1),
               *(Prefill(bm, bn, 16, wm, wn, 2, 2, 1, order) for bm, bn, wm, wn in ((128, 256, 2, 4), (256, 128, 4, 2))
                 for order in (0, 1)), Prefill(128, 128, 32, 2, 4, 2, 2, 2, 0),
-              Prefill(128, 128, 32, 2, 4, 2, 2, 2, 2), Prefill(128, 128, 32, 2, 4, 2, 1, 2, 1))
+              Prefill(128, 128, 32, 2, 4, 2, 2, 2, 2), Prefill(128, 128, 32, 2, 4, 2, 1, 2, 1),
+              Prefill(128, 128, 32, 4, 4, 2, 1, 1, 0), Prefill(128, 128, 32, 4, 4, 2, 1, 1, 2))
 
 
 def candidates(lim: Limits, m: int, n: int, k: int) -> list[Prefill]:
