@@ -70,7 +70,10 @@ def test_search_candidates():
     assert mq.DEFAULT in mq.CANDIDATES and len(set(mq.CANDIDATES)) == len(mq.CANDIDATES)
     wide = mq.candidates(lim, 512, 14336, 4096)
     few = mq.candidates(lim, 512, 4096, 14336)
-    assert {c.order for c in wide} == {0, 1, 2} and all(c.ks == 1 for c in wide) and any(c.ks > 1 for c in few)
+    assert {c.order for c in wide} == {0, 1, 2} and any(c.ks > 1 for c in few)
+    assert all(c.ks == 1 or -(-512 // c.bm) * -(-14336 // c.bn) < matmul_coop.SPLIT_TILES for c in wide)
+    assert any(c.ks == 1 and c.bm * c.bn == 128 * 128 and c in few for c in wide)
+    assert [c for c in wide if c.ks > 1 and c.bm * c.bn == 128 * 128] == []  # 448 tiles: no split
     for c in few:
         assert c.fits(frag, lim) and c.bk % mq.CHUNK == 0 and 14336 % (c.bk * c.ks) == 0
         assert c.order == 0 or c.stages == 2
