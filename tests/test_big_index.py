@@ -200,6 +200,50 @@ def test_split_reductions_split_again(narrow_4096, monkeypatch):
     assert (a - b).max().numpy() == (u - v).max()
 
 
+@pytest.mark.parametrize("wide", [False, True])
+def test_split_argmax_and_argmin_match_numpy(monkeypatch, request, wide):
+    """Few long rows split their argmax/argmin into chunks (value and index each), then pick the chunk with the
+    first best value: the first index of the maximum, a NaN counting as the largest, as numpy; ties and NaNs
+    are placed across chunk boundaries (SPLIT_ROW lowered so that small rows split into many chunks); `wide`:
+    indices past 4095 are 64-bit (narrow_4096)."""
+    if wide:
+        request.getfixturevalue("narrow_4096")
+    monkeypatch.setattr(lower_mod, "SERIAL", 4)
+    monkeypatch.setattr(lower_mod, "SPLIT_ROW", 256)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 5000)).astype(np.float32)
+    x[0, [17, 2100, 4999]] = 9.0  # a tie in three chunks: the first wins
+    x[1, 3333] = np.nan  # NaN beats everything, then the first NaN
+    x[1, 4000] = np.nan
+    x[2, :] = -1.0  # all equal: index 0
+    t = Tensor(x)
+    with count_kernels() as c:
+        got = t.argmax(1).numpy()
+    assert c.count >= 2  # split: partials, then their reduction
+    np.testing.assert_array_equal(got, x.argmax(1))
+    np.testing.assert_array_equal(t.argmin(1).numpy(), x.argmin(1))
+    np.testing.assert_array_equal((t * -2.0 + 1.0).argmax(1, keepdim=True).numpy(),
+                                  (x * -2.0 + 1.0).argmax(1)[:, None])
+    np.testing.assert_array_equal((t.argmax(1) + 1).numpy(), x.argmax(1) + 1)
+    np.testing.assert_array_equal(t.reshape(-1).argmax().numpy(), x.reshape(-1).argmax())
+    h = x.astype(np.float16)
+    np.testing.assert_array_equal(Tensor(h).argmax(1).numpy(), h.argmax(1))
+    ints = rng.integers(-5, 5, (2, 3000)).astype(np.int32)
+    np.testing.assert_array_equal(Tensor(ints).argmin(1).numpy(), ints.argmin(1))
+    flags = np.zeros((2, 3000), bool)
+    flags[0, 2999] = flags[1, 700] = flags[1, 701] = True
+    np.testing.assert_array_equal(Tensor(flags).argmax(1).numpy(), flags.argmax(1))
+
+
+def test_vocabulary_argmax_splits_at_the_default_thresholds():
+    x = np.random.default_rng(6).standard_normal((2, 128256)).astype(np.float32)
+    x[1, 128255] = 50.0
+    with count_kernels() as c:
+        got = Tensor(x).argmax(-1).numpy()
+    assert c.count == 2
+    np.testing.assert_array_equal(got, x.argmax(-1))
+
+
 def test_a_device_without_int64_raises_before_gpu_work(narrow_4096, monkeypatch):
     lim = dataclasses.replace(limits(), int64=False)
     monkeypatch.setattr(realize_mod, "limits", lambda: lim)

@@ -33,6 +33,9 @@ from ..graph import (
     ReduceOp,
     argkey,
     buffer,
+    const,
+    gather,
+    iota,
     movement,
     reduce,
     runtime_values,
@@ -515,6 +518,7 @@ class _Reduction:
                                                  r.need), "red")
         if self.scale > 1 and self.rop is ReduceOp.PROD and self.d.kind != "b":
             res = self._power(res, self.scale)
+        self.value, self.index = res, res_i
         if res_i is not None:
             return r.define(self.node.dtype.glsl, glsl.cast(res_i, dtypes.int32, self.node.dtype, r.need), "red")
         if self.node.dtype is not self.d:
@@ -660,12 +664,13 @@ def _reduce_plan(k: Kernel, reds: list[Node], lim: Limits, axes: tuple[int, ...]
     full = reds[0].srcs[0].shape
     rows = prod(reds[0].shape)
     rlen = prod(full[a] for a in axes)
-    split = (k.root.numel == rows and len(reds) == 1 and reds[0].arg[0] not in _ARG
+    split = (k.root.numel == rows and len(reds) == 1
              and (rlen >= SPLIT_ROW and rows < 64 or rlen > SERIAL_SPLIT))
     grouped = rlen >= 128 or rows < 256
     # few long rows (a norm over a decode batch's hidden states; sampling's fused reductions over a vocabulary,
-    # which cannot split) take the widest workgroup the device allows: one workgroup per row is all the
-    # parallelism there is, and fewer serial loads per invocation cut the latency (11 us -> ~3 us for 4096)
+    # several in one kernel, which do not split) take the widest workgroup the device allows: one workgroup per
+    # row is all the parallelism there is, and fewer serial loads per invocation cut the latency (11 us -> ~3 us
+    # for 4096)
     wg = (_wg(lim, 1024) if rows <= 32 and rlen >= 2048 else _wg(lim)) if grouped else 1
     return split, grouped, wg, wg if grouped else _wg(lim, 64)
 
@@ -762,8 +767,10 @@ def _split(k: Kernel, red: Node, lim: Limits, params: dict[int, int], axes: tupl
     parts = math.ceil(rlen / chunk)
     last = rlen - (parts - 1) * chunk
     groups = rows * parts
-    acc_d = _acc_dtype(red.srcs[0].dtype)
+    arg = red.arg[0] in _ARG
+    acc_d = red.srcs[0].dtype if arg else _acc_dtype(red.srcs[0].dtype)  # an argmax compares, it sums nothing
     scratch = BufferRef(acc_d, groups)
+    index_scratch = BufferRef(dtypes.int32, groups) if arg else None
     r = _renderer(lim, params)
     shared: list[str] = []
     gwide = _group_index(r, groups)
@@ -789,21 +796,36 @@ def _split(k: Kernel, red: Node, lim: Limits, params: dict[int, int], axes: tupl
         cv = Var("c", 0, max(chunk - 1 - (UNROLL - 1) * wg, 0), cwide)  # the loop test keeps c + 3 * wg in range
         vals = [r.value(src, _full_coords(oc, unravel(part * chunk + cv + j * wg, rshape), axes))
                 for j in range(UNROLL)]
-        for v in vals:
-            acc.add(v, "c")
+        for j, v in enumerate(vals):
+            acc.add(v, f"c + {j * wg}" if j else "c")
     with r.block(f"for (; c < clen; c += {wg})"):
         cv = Var("c", 0, chunk - 1, cwide)
         acc.add(r.value(src, _full_coords(oc, unravel(part * chunk + cv, rshape), axes)), "c")
     res = acc.finish()
+    gvar = (Var("grp", 0, groups - 1, gwide),)
     with r.block("if (lid == 0)"):
-        r.store(scratch, acc_d, ShapeTracker.contiguous((groups,)), (Var("grp", 0, groups - 1, gwide),), res)
+        if arg:
+            r.store(scratch, acc_d, ShapeTracker.contiguous((groups,)), gvar, acc.value)
+            r.store(index_scratch, dtypes.int32, ShapeTracker.contiguous((groups,)), gvar,
+                    f"int({part.render()}) * {chunk} + {acc.index}")  # rlen < 2^31: _reduce checked
+        else:
+            r.store(scratch, acc_d, ShapeTracker.contiguous((groups,)), gvar, res)
     first = _finish(r, f"P_{rows}_{rlen}_{parts}", wg, groups, lim, shared)
     pnode = buffer(scratch, 0, acc_d, out_shape + (parts,))
-    total = movement(reduce(pnode, red.arg[0], (len(out_shape),)), lambda st: st.reshape(out_shape))
+    total = reduce(pnode, red.arg[0], (len(out_shape),), dtypes.int32 if arg else None)
+    if arg:
+        # the chunk holding the first best value (chunks in order, so ties and NaNs resolve as over the whole
+        # row), then the row's index that chunk found
+        row = movement(iota(rows), lambda st: st.reshape(out_shape + (1,)))
+        at = alu_node(Op.ADD, dtypes.int32, alu_node(Op.MUL, dtypes.int32, row, const(parts, dtypes.int32,
+                                                                                        row.shape)), total)
+        flat = buffer(index_scratch, 0, dtypes.int32, (groups,))
+        total = gather(flat, movement(at, lambda st: st.reshape((rows,))), 0)
+    total = movement(total, lambda st: st.reshape(out_shape))
     if total.dtype is not red.dtype:
         total = alu_node(Op.CAST, red.dtype, total)
     second = _reduce(Kernel(substitute(k.root, {red: total}), k.out, k.st), lim, params)
-    return Lowered([first] + second.programs, [scratch] + second.scratch)
+    return Lowered([first] + second.programs, [scratch, *([index_scratch] if arg else []), *second.scratch])
 
 
 # ---- matmul -----------------------------------------------------------------------------------------------------
