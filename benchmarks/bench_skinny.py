@@ -1,0 +1,118 @@
+"""The streaming small-row product (templates.matmul_skinny) beside the matvec and matmul_quant's small-row tile,
+on a decode step's products: GB/s of weight bytes and GPU microseconds per product.
+
+    python benchmarks/bench_skinny.py [--formats Q4_0] [--rows 1,8,16,32] [--products qkv,o,gate_up,down]
+                                      [--sweep] [--sweep-rows 8,32] [--reps 10]
+
+For each format, product of a Llama-3-8B layer and number of activation rows, the product alone is timed
+(benchmarks/common.replay_us after common.raise_clocks: 100 calls captured into one command graph and replayed;
+weights cycled through copies past the L2, bench_kernels._weight_copies):
+- matvec: the matvec the decode step runs (matvec.choose_config, subgroup-rows launch), on int8 activations where
+  the integer path runs (quantized beforehand, as the fused decode step feeds it);
+- tile: matmul_quant's small-row tile (decode_config) on the same int8 activations; a tile that splits K writes
+  partial planes that the decode step sums in one more kernel, not in this time;
+- skinny: matmul_skinny's default configuration (config) on float16 activations.
+--sweep also times matmul_skinny's configurations around the default at --sweep-rows rows and prints the five
+fastest, each as sg (subgroups per workgroup) / bk (slice depth) / depth (register sets) / frags (16-row
+fragments of W per workgroup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import numpy as np
+from bench_kernels import _release_weights, _weight_copies
+from bench_matvec_launch import _acts, mm_us, product_us
+from common import raise_clocks, replay_us
+
+from vkgraph.quant import FORMATS
+from vkgraph.realize import limits
+from vkgraph.runtime import get_device
+from vkgraph.templates import matmul_quant as mq
+from vkgraph.templates import matmul_skinny as ms
+from vkgraph.templates import matvec as mv
+
+PRODUCTS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+SWEEP = [ms.Skinny(sg, bk, depth, frags) for sg in (1, 2, 4, 8) for bk in (128, 256) for depth in (2, 3, 4)
+         for frags in (1, 2)]
+
+
+def skinny_us(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int) -> float:
+    """GPU microseconds of one matmul_skinny product of `rows` float16 rows with cfg, on the next weight copy."""
+    lim, calls = limits(), itertools.count()
+
+    def run() -> None:
+        ms.matmul_skinny(dev, lim, ws[next(calls) % len(ws)], x, rows, cfg, out=y)
+
+    return replay_us(dev, run, reps)
+
+
+def _label(c: ms.Skinny) -> str:
+    return f"sg{c.sg}/bk{c.bk}/d{c.depth}/f{c.frags}"
+
+
+def _cell(nbytes: int, us: float | None) -> str:
+    return "-" if us is None else f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default="Q4_0")
+    ap.add_argument("--rows", default="1,8,16,32")
+    ap.add_argument("--products", default="", help="only these products, e.g. o,gate_up (default: all)")
+    ap.add_argument("--sweep", action="store_true", help="also time matmul_skinny's configurations")
+    ap.add_argument("--sweep-rows", default="8,32")
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    dev = get_device()
+    lim = limits()
+    frag = ms.fragment(lim)
+    rng = np.random.default_rng(0)
+    raise_clocks()
+    print(f"{dev.info.name}: GB/s of weight bytes and us per product; fragment {frag}, subgroup {lim.subgroup}")
+    print(f"{'fmt':>5s} {'product':>8s} {'N x K':>13s} {'rows':>4s} {'matvec GB/s us':>15s} {'tile GB/s us':>15s} "
+          f"{'skinny GB/s us':>15s}  skinny config")
+    for fmt in a.formats.split(","):
+        f = FORMATS[fmt]
+        for name, n, k in PRODUCTS:
+            if a.products and name not in a.products.split(","):
+                continue
+            nbytes = n * f.row_bytes(k)
+            ws = _weight_copies(dev, rng, fmt, n, k)
+            for rows in (int(r) for r in a.rows.split(",")):
+                cfg_mv = mv.choose_config(dev, f, n, k, rows, subgroup_rows=True)
+                x, bufs = _acts(dev, rng, rows, k, cfg_mv.int_dot)
+                y = dev.alloc(8 * rows * n * 4)  # room for the tile's partial planes
+                t_mv = product_us(dev, ws, x, y, rows, cfg_mv, a.reps)
+                tile = mq.decode_config(lim, rows, n, k) if fmt in mq.FORMATS else None
+                t_tile = None
+                if tile is not None:
+                    q8 = x if isinstance(x, mv.Q8Acts) else mv.Q8Acts(*mv.quantize_activations(dev, x, rows, k))
+                    t_tile = mm_us(dev, ws, q8, y, rows, tile, a.reps)
+                    if q8 is not x:
+                        bufs += [q8.xq, q8.xd, q8.xs]
+                cfg = ms.config(lim, rows, n, k) if fmt in ms.FORMATS else None
+                t_sk, xh = None, None
+                if cfg is not None:
+                    mb = ms.x_rows(frag, rows)
+                    xh = dev.alloc(mb * k * 2)
+                    dev.upload(xh, rng.standard_normal((mb, k)).astype(np.float16))
+                    t_sk = skinny_us(dev, ws, xh, y, rows, cfg, a.reps)
+                print(f"{fmt:>5s} {name:>8s} {n:>6d}x{k:<6d} {rows:>4d} {_cell(nbytes, t_mv):>15s} "
+                      f"{_cell(nbytes, t_tile):>15s} {_cell(nbytes, t_sk):>15s}  {_label(cfg) if cfg else '-'}",
+                      flush=True)
+                if a.sweep and cfg is not None and str(rows) in a.sweep_rows.split(","):
+                    times = {c: skinny_us(dev, ws, xh, y, rows, c, 3) for c in SWEEP
+                             if c.fits(frag, lim, k, ms.x_rows(frag, rows))}
+                    best = sorted(times, key=times.get)[:5]
+                    print("      skinny, fastest first (GB/s us): " + ", ".join(
+                        f"{_label(c)} {_cell(nbytes, times[c])}" for c in best), flush=True)
+                for buf in (*bufs, y, *([xh] if xh is not None else [])):
+                    buf.release()
+            _release_weights(ws)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Products of few rows over quantized weights (templates.matmul_skinny): the configuration follows the device's
+limits, every program compiles, and results match numpy in float64, on devices without cooperative matrices
+with the matrix operations emulated (`emulated`), on a device that has them as they are."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+from test_matmul_coop import COOP, F16, compiles, fake_limits, needs_f16
+from test_matmul_quant import _check
+
+import vkgraph.realize as realize_mod
+from vkgraph.quant import dequantize, random_blocks
+from vkgraph.runtime import get_device
+from vkgraph.templates import matmul_skinny as ms
+from vkgraph.templates.matvec import upload_weights
+
+# the fragments of an emulated program: A and B are (offset, stride, column-major, in x) where they lie in shared
+# memory or in x (read when multiplied: the program decodes no slice between a fragment's load and its products);
+# lane l of a subgroup holds rows l, l + SG, .. of each accumulator
+_EMULATION = """
+float h_sm(int i) { return unpackHalf2x16(sm[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }
+float h_x(int i) { return unpackHalf2x16(x[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }
+float f_at(ivec4 f, int r, int c) {
+    int i = f.z != 0 ? (f.x + c * f.y) * 8 + r : (f.x + r * f.y) * 8 + c;
+    return f.w != 0 ? h_x(i) : h_sm(i);
+}
+void m_zero(out float m[AR * FN]) { for (int i = 0; i < AR * FN; i++) m[i] = 0.0; }
+void m_store(float m[AR * FN], int off, int stride) {
+    int l = int(gl_SubgroupInvocationID);
+    for (int i = 0; i < AR; i++) for (int c = 0; c < FN; c++)
+        sm[off + (l + i * SG) * stride + (c >> 2)][c & 3] = floatBitsToUint(m[i * FN + c]);
+}
+void m_mma(ivec4 a, ivec4 b, inout float m[AR * FN]) {
+    int l = int(gl_SubgroupInvocationID);
+    [[dont_unroll]] for (int i = 0; i < AR; i++) [[dont_unroll]] for (int c = 0; c < FN; c++) {
+        float t = m[i * FN + c];
+        [[dont_unroll]] for (int k = 0; k < FK; k++) t += f_at(a, l + i * SG, k) * f_at(b, k, c);
+        m[i * FN + c] = t;
+    }
+}
+"""
+_COOPMAT = r"coopmat<[^>]*>"
+
+
+def emulated(src: str, sg: int) -> str:
+    """A matmul_skinny program with its cooperative matrices emulated, for a device of fixed subgroup size sg."""
+    fm, fn, fk = _dims(src)
+    # the matrix operations' loops kept rolled: the emulated programs otherwise take lavapipe tens of seconds to build
+    src = src.replace("#extension GL_KHR_cooperative_matrix : require",
+                      "#extension GL_EXT_control_flow_attributes : require")
+    src = re.sub(rf"{_COOPMAT} (\w+) = {_COOPMAT}\(0\.0\);", r"float \1[AR * FN]; m_zero(\1);", src)
+    src = re.sub(rf"{_COOPMAT} (\w+)\[(\d+)\];", r"ivec4 \1[\2];", src)
+    src = re.sub(r"coopMatLoad\(([^,]+), (sm|x), (.+), (\d+), gl_CooperativeMatrixLayout(Row|Column)Major\);",
+                 lambda m: f"{m[1]} = ivec4({m[3]}, {m[4]}, {int(m[5] == 'Column')}, {int(m[2] == 'x')});", src)
+    src = re.sub(r"(\w+) = coopMatMulAdd\(([^,]+), ([^,]+), \1\);", r"m_mma(\2, \3, \1);", src)
+    src = re.sub(r"coopMatStore\((\w+), sm, (.+), (\d+), gl_CooperativeMatrixLayoutRowMajor\);",
+                 r"m_store(\1, \2, \3);", src)
+    assert "coopMat" not in src and "coopmat" not in src
+    consts = f"const int SG = {sg}, FM = {fm}, FN = {fn}, FK = {fk}, AR = {fm // sg};"
+    return re.sub(r"(shared uvec4 sm\[\d+\];)", lambda m: m[1] + "\n" + consts + _EMULATION, src)
+
+
+def _dims(src: str) -> tuple[int, int, int]:
+    fm, fn = (int(v) for v in re.search(r"(\d+), (\d+), gl_MatrixUseAccumulator", src).groups())
+    fk = int(re.search(r"(\d+), \d+, gl_MatrixUseB", src).group(1))
+    return fm, fn, fk
+
+
+def _emulate(monkeypatch, coop=COOP):
+    """Limits listing `coop` for this device, and its pipelines built from coopMat source emulated."""
+    dev = get_device()
+    lim = dataclasses.replace(realize_mod.limits(), coop=coop)
+    if lim.subgroup < 1 or 16 % lim.subgroup or lim.min_subgroup != lim.max_subgroup:
+        pytest.skip("the emulation needs a fixed subgroup size that divides 16")
+    get = dev.pipelines.get
+    monkeypatch.setattr(dev.pipelines, "get",
+                        lambda src, **kw: get(emulated(src, lim.subgroup) if "coopMat" in src else src, **kw))
+    return lim
+
+
+def _case(lim, fmt: str, m: int, n: int, k: int, cfg: ms.Skinny | None = None, seed: int = 0) -> None:
+    """One product against numpy in float64, over a NaN-poisoned output (every element must be written)."""
+    dev = get_device()
+    rng = np.random.default_rng(seed)
+    qt = random_blocks(rng, fmt, n, k)
+    cfg = cfg or ms.config(lim, m, n, k)
+    assert cfg is not None
+    mb = ms.x_rows(ms.fragment(lim), m)
+    x = rng.standard_normal((mb, k)).astype(np.float16)
+    x[m:] = np.inf  # rows past m are read; their products must not reach y
+    xb, out = dev.alloc(x.nbytes), dev.alloc(m * n * 4)
+    dev.upload(xb, x)
+    dev.upload(out, np.full(m * n, np.nan, np.float32))
+    weights = upload_weights(dev, qt)
+    ms.matmul_skinny(dev, lim, weights, xb, m, cfg, out=out)
+    got = dev.download(out, np.float32, (m, n))
+    for buf in (xb, out, weights.body, *([weights.scales] if weights.scales is not None else [])):
+        buf.release()
+    _check(got, x[:m], dequantize(qt).reshape(n, k))
+
+
+def test_config_follows_the_device():
+    lim = fake_limits()
+    assert ms.fragment(lim) == (16, 8, 16)  # the narrowest listed: eight rows of x need no padding
+    assert ms.fragment(fake_limits(coop=((16, 16, 16) + F16,))) == (16, 16, 16)
+    assert ms.fragment(fake_limits(coop=())) is None
+    cfg = ms.config(lim, 8, 4096, 4096)
+    assert cfg is not None and cfg.fits((16, 8, 16), lim, 4096, 8) and cfg.bk == 256
+    assert ms.config(lim, 8, 4096, 4096 + 128).bk == 128  # the deepest slice that divides K
+    assert ms.config(lim, 33, 4096, 4096) is None and ms.config(lim, 0, 4096, 4096) is None
+    assert ms.config(lim, 8, 4096, 48) is None  # K not whole blocks
+    assert ms.config(fake_limits(coop=()), 8, 4096, 4096) is None
+    assert ms.config(fake_limits(min_subgroup=32, max_subgroup=64), 8, 4096, 4096) is None
+    # shared memory bounds the subgroups a workgroup has at 256-deep slices (each decodes its own)
+    assert not ms.Skinny(8, 256).fits((16, 8, 16), lim, 4096)
+    assert ms.x_rows((16, 8, 16), 1) == 8 and ms.x_rows((16, 8, 16), 17) == 24 and ms.x_rows((16, 16, 16), 17) == 32
+
+
+@pytest.mark.parametrize("fmt", ms.FORMATS)
+def test_programs_compile(fmt):
+    lim = fake_limits()
+    for cfg, mb in ((ms.Skinny(4, 256, 3), 8), (ms.Skinny(2, 128, 2, 2), 32)):
+        compiles(ms.source(fmt, 4096, 4096, 4096 // 32, 4096 // 32, cfg, (16, 8, 16), lim.subgroup, mb))
+
+
+def test_errors_before_any_gpu_work(monkeypatch):
+    lim = _emulate(monkeypatch)
+    dev = get_device()
+    qt = random_blocks(np.random.default_rng(0), "Q4_0", 32, 256)
+    weights = upload_weights(dev, qt)
+    x = dev.alloc(8 * 256 * 2)
+    cfg = ms.Skinny(2, 64, 2)
+    with pytest.raises(ValueError, match="rows"):
+        ms.matmul_skinny(dev, lim, weights, x, 33, cfg)
+    with pytest.raises(ValueError, match="smaller"):  # 9 rows read 16
+        ms.matmul_skinny(dev, lim, weights, x, 9, cfg)
+    with pytest.raises(ValueError, match="slices"):
+        ms.matmul_skinny(dev, lim, weights, x, 8, ms.Skinny(2, 96, 2))
+    x.release()
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 32])
+def test_q4_0_emulated_matches_numpy(m, monkeypatch):
+    """Ragged N (a last workgroup of fewer rows), 14 slices over 2 subgroups (7 each, the last trip of 3 register
+    sets cut short), and rows of x past m full of infinities."""
+    _case(_emulate(monkeypatch), "Q4_0", m, 40, 448, ms.Skinny(2, 32, 3), seed=m)
+
+
+@pytest.mark.parametrize("fmt,cfg", [("Q8_0", ms.Skinny(2, 32, 2, 2)), ("Q4_K", ms.Skinny(3, 64, 1)),
+                                     ("Q6_K", ms.Skinny(1, 32, 4))])
+def test_formats_emulated_match_numpy(fmt, cfg, monkeypatch):
+    """Two fragments of W rows a workgroup; 8 slices over 3 subgroups (3, 3 and 2) with no slice in flight; 16 over
+    one subgroup with three in flight."""
+    _case(_emulate(monkeypatch), fmt, 5, 48, 512, cfg, seed=1)
+
+
+def test_square_fragments_emulated_match_numpy(monkeypatch):
+    """A device listing 16 x 16 x 16 alone: x in fragments of 16 rows."""
+    _case(_emulate(monkeypatch, ((16, 16, 16) + F16,)), "Q4_0", 20, 40, 256, ms.Skinny(2, 32, 2), seed=3)
+
+
+@needs_f16
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 32])
+def test_on_device_matches_numpy(m):
+    """The default configuration on the Llama-3-8B o product's shape (Q4_0), and on a ragged one in each format."""
+    lim = realize_mod.limits()
+    _case(lim, "Q4_0", m, 4096, 4096, seed=m)
+    for fmt in ms.FORMATS:
+        _case(lim, fmt, m, 200, 1024 + 256, seed=m + 1)
+
+
+@needs_f16
+@pytest.mark.parametrize("cfg", [ms.Skinny(sg, bk, depth, frags) for sg in (1, 2, 4) for bk in (128, 256)
+                                 for depth in (2, 4) for frags in (1, 2)])
+def test_configurations_on_device_match_numpy(cfg):
+    lim = realize_mod.limits()
+    if not cfg.fits(ms.fragment(lim), lim, 2048, 32):
+        pytest.skip(f"{cfg} does not fit this device")
+    _case(lim, "Q4_0", 32, 96, 2048, cfg, seed=5)

@@ -1,0 +1,282 @@
+"""Products of few activation rows over GGUF weights (a batched decode step), streaming W at bandwidth on
+cooperative matrices: y [m, N] float32 = x [m, K] @ W.T, W stored quantized in the matvec layout
+(vkgraph.templates.matvec), x float16 rows, m from 1 to MAX_ROWS.
+
+At 8-32 rows the tensor cores make the arithmetic free; what bounds the product is how many of W's bytes are in
+flight. matmul_quant's small-row tile holds about a kilobyte of W in flight per workgroup and streams 0.3-0.8 TB/s
+on an H200, where keeping its ~3.9 TB/s busy takes ~30 KB in flight per multiprocessor. Here each subgroup streams
+its own part of W with no workgroup barrier on the way:
+
+- A workgroup owns ROWS = FRAGS x FM rows of W (the A operand: FM x FK fragments of W rows by K) and all m rows of
+  x (the B operand: FK x FN fragments, m rounded up to whole FN). Its SG subgroups split K: subgroup s takes the
+  BK-deep slices s, s + SG, s + 2 SG, .. and keeps its own accumulators; at the end they are summed through
+  shared memory into y, so no second kernel sums K's parts.
+- A subgroup reads its slice's blocks (32 values of one row each, the format's words and scale) into one of DEPTH
+  register sets, DEPTH - 1 slices ahead of the one it decodes: each invocation has (DEPTH - 1) x ROWS x BK / 32 /
+  subgroup-size blocks' loads in flight. It decodes the oldest set into its own region of shared memory
+  (float16, rows padded to an odd number of 16-byte words, so that eight invocations storing the same block of
+  eight rows fall in distinct banks), then multiplies: A fragments from shared memory, B fragments read straight
+  from x in device memory (column-major: x's rows are B's columns), which every workgroup shares through the
+  caches. Only subgroup barriers separate the decoding from the products.
+- x's rows past m are read (their products discarded): the x buffer holds whole FN rows (`x_rows`).
+
+The fragment shape is the device's (`fragment`): the narrowest float16 shape with float32 accumulation, 16 x 8 x 16
+on NVIDIA (eight activation rows need no padding). The formats' decoding is matmul_quant's (`load_q`, `decode_q`:
+each value rounded to float16 as dequant_f16.comp rounds it); accumulation is float32. Only devices with float16
+cooperative matrices and a fixed subgroup size run it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..codegen.lower import Limits
+from ..runtime import Device
+from .common import check_binding_range, check_buffer, grid_2d
+from .matmul_quant import BLOCK, FORMATS, _check_format, _codec
+from .matvec import DeviceWeights
+
+MAX_ROWS = 32  # activation rows: accumulators grow with them (m / FN fragments per fragment of W rows)
+# formats whose two 16-value halves of a block come from one load (Q4_0: low and high nibbles of one word); the
+# others load each half (their own words)
+_ONE_LOAD = ("Q4_0",)
+TARGET_SUBGROUPS = 2048  # subgroups a product aims for: ~16 per multiprocessor of an H200, each with loads in flight
+
+
+def fragment(lim: Limits) -> tuple[int, int, int] | None:
+    """The fragment shape (M, N, K) of float16 operands with float32 accumulation at subgroup scope the device lists
+    that pads the fewest activation rows: the smallest N, then the deepest K, then M = 16; M a multiple of 8, N of
+    8 and K of 16 (whole 16-byte words of shared memory and of x). None where the device lists none."""
+    shapes = [(m, n, k) for m, n, k, a, b, c, res in lim.coop
+              if a == b == "float16" and c == res == "float32" and m % 8 == 0 and n % 8 == 0 and k % 16 == 0]
+    if not shapes:
+        return None
+    return min(shapes, key=lambda s: (s[1], -s[2], abs(s[0] - 16)))
+
+
+@dataclass(frozen=True)
+class Skinny:
+    """sg: subgroups per workgroup, splitting K by slices; bk: slice depth (whole 32-value blocks); depth: register
+    sets (depth - 1 slices in flight while one is decoded); frags: fragments of W rows per workgroup."""
+
+    sg: int = 4
+    bk: int = 256
+    depth: int = 3
+    frags: int = 1
+
+    def rows(self, frag: tuple[int, int, int]) -> int:
+        return self.frags * frag[0]
+
+    def shared_words(self, frag: tuple[int, int, int], mb: int) -> int:
+        """16-byte words of shared memory: each subgroup's decoded slice, or (reusing it) its accumulators."""
+        rows = self.rows(frag)
+        return self.sg * rows * max(self.bk // 8 + 1, mb // 4 + 1)
+
+    def fits(self, frag: tuple[int, int, int], lim: Limits, k: int, mb: int = MAX_ROWS) -> bool:
+        """Whether the device runs it for K = k and mb rows of x: whole blocks a slice, K whole slices, whole
+        blocks for each invocation of a subgroup, and the threads and shared memory the device has."""
+        rows = self.rows(frag)
+        return (self.sg >= 1 and self.depth >= 1 and self.frags >= 1 and self.bk % BLOCK == 0
+                and self.bk % frag[2] == 0 and k % self.bk == 0 and lim.subgroup >= 1
+                and (rows * self.bk // BLOCK) % lim.subgroup == 0 and self.sg * lim.subgroup <= lim.max_invocations
+                and self.shared_words(frag, mb) * 16 <= lim.max_shared)
+
+
+def x_rows(frag: tuple[int, int, int], m: int) -> int:
+    """Rows the x buffer of an m-row product holds (m rounded up to whole fragments; rows past m are read)."""
+    return frag[1] * math.ceil(m / frag[1])
+
+
+def config(lim: Limits, m: int, n: int, k: int) -> Skinny | None:
+    """The configuration for an m x n product over K = k, or None where the device has no fitting float16
+    cooperative matrices or fixed subgroup size, or m is past MAX_ROWS: 256-deep slices (else the deepest whole
+    slice) and enough subgroups per workgroup that the product has about TARGET_SUBGROUPS of them."""
+    if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1 or not 1 <= m <= MAX_ROWS:
+        return None
+    frag = fragment(lim)
+    if frag is None or k % BLOCK or n < 1:
+        return None
+    mb = x_rows(frag, m)
+    groups = math.ceil(n / frag[0])
+    want = 1 << max(1, min(3, math.ceil(math.log2(max(1, TARGET_SUBGROUPS / groups)))))
+    for bk in (256, 128, 64, 32):
+        for sg in sorted({want, 4, 2, 1}, key=lambda s: abs(s - want)):
+            cfg = Skinny(sg, bk, 3)
+            if cfg.fits(frag, lim, k, mb):
+                return cfg
+    return None
+
+
+def _declare(emit: Any, units: int, halves: int, reg: str) -> None:
+    for c in range(units):
+        for h in range(halves):
+            emit(f"uvec4 w{reg}_{c}_{h}_0 = uvec4(0u), w{reg}_{c}_{h}_1 = uvec4(0u), w{reg}_{c}_{h}_2 = uvec4(0u);")
+            emit(f"float s{reg}_{c}_{h} = 0.0;")
+
+
+def _load(emit: Any, n: int, rows: int, units: int, halves: int, sgs: int, k0: str, reg: str) -> None:
+    """Register set `reg` <- the raw words of the subgroup's blocks of the slice from element k0: block u (lane +
+    c * subgroup size) is row u % rows of the workgroup's, 32 values from k0 + 32 * (u / rows); zero past row n."""
+    for c in range(units):
+        emit(f"{{ int u = lane + {c * sgs}; int row = tn * {rows} + u % {rows}; int e0 = ({k0}) + 32 * (u / {rows});")
+        loads = " ".join(f"load_q(row, e0 + {16 * h}, w{reg}_{c}_{h}_0, w{reg}_{c}_{h}_1, w{reg}_{c}_{h}_2, "
+                         f"s{reg}_{c}_{h});" for h in range(halves))
+        if n % rows == 0:
+            emit(f"  {loads} }}")
+        else:
+            zero = " ".join(f"w{reg}_{c}_{h}_0 = uvec4(0u); w{reg}_{c}_{h}_1 = uvec4(0u); w{reg}_{c}_{h}_2 = uvec4(0u);"
+                            f" s{reg}_{c}_{h} = 0.0;" for h in range(halves))
+            emit(f"  if (row < {n}) {{ {loads} }} else {{ {zero} }} }}")
+
+
+def _store(emit: Any, rows: int, units: int, halves: int, sgs: int, stride: int, k0: str, reg: str) -> None:
+    """Register set `reg` decoded into the subgroup's region of shared memory (from wb): row r's 32 values of
+    block u at words r * stride + 4 * (u / rows) .. + 3."""
+    for c in range(units):
+        emit(f"{{ int u = lane + {c * sgs}; int e0 = ({k0}) + 32 * (u / {rows});")
+        emit(f"  int at = wb + (u % {rows}) * {stride} + 4 * (u / {rows}); uvec4 q0, q1, q2, q3;")
+        hi = halves - 1
+        emit(f"  decode_q(e0, w{reg}_{c}_0_0, w{reg}_{c}_0_1, w{reg}_{c}_0_2, s{reg}_{c}_0, q0, q1);")
+        emit(f"  decode_q(e0 + 16, w{reg}_{c}_{hi}_0, w{reg}_{c}_{hi}_1, w{reg}_{c}_{hi}_2, s{reg}_{c}_{hi}, q2, q3);")
+        emit("  sm[at] = q0; sm[at + 1] = q1; sm[at + 2] = q2; sm[at + 3] = q3; }")
+
+
+def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, frag: tuple[int, int, int],
+           subgroup: int, mb: int) -> str:
+    """The GLSL of the product for format fmt, W [n, k] with the given strides, configuration cfg, the device's
+    fragment shape and subgroup size, and mb rows of x (whole fragments; m itself is a push constant)."""
+    _check_format(fmt)
+    fm, fn, fk = frag
+    sg, bk, depth, frags = cfg.sg, cfg.bk, cfg.depth, cfg.frags
+    rows = frags * fm
+    nt = sg * subgroup
+    units = rows * bk // BLOCK // subgroup  # blocks per invocation per slice
+    halves = 1 if fmt in _ONE_LOAD else 2
+    stride = bk // 8 + 1  # 16-byte words per decoded row: odd, so eight rows' same block fall in distinct banks
+    region = rows * stride
+    c_stride = mb // 4 + 1  # 16-byte words per row of a subgroup's accumulators (float32), odd likewise
+    slices = k // bk
+    mj = mb // fn
+    acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
+    a_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
+    b_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fk}, {fn}, gl_MatrixUseB>"
+    L = ["#version 450",
+         "#extension GL_KHR_cooperative_matrix : require",
+         "#extension GL_KHR_memory_scope_semantics : require",
+         "#extension GL_KHR_shader_subgroup_basic : require",
+         "#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require",
+         f"// y = x @ W.T, W {fmt} [{n}, {k}], x float16 [{mb} rows]; {rows} rows of W a workgroup, {sg} subgroups "
+         f"splitting K by {bk}-deep slices, {depth} register sets",
+         f"layout(local_size_x = {nt}) in;",
+         "layout(set = 0, binding = 0) readonly buffer X { uvec4 x[]; };",
+         "layout(set = 0, binding = 1) readonly buffer W { uvec4 w[]; };",
+         "layout(set = 0, binding = 2) readonly buffer S { uint s[]; };",
+         "layout(set = 0, binding = 3) writeonly buffer Y { float y[]; };",
+         "layout(push_constant) uniform Push { uint m; uint groups_x; } pc;",
+         f"shared uvec4 sm[{cfg.shared_words(frag, mb)}];",
+         *_codec(fmt, w_stride, s_stride),
+         "void main() {"]
+    emit = L.append
+    emit("int tn = int(gl_WorkGroupID.x + pc.groups_x * gl_WorkGroupID.y);")
+    emit(f"if (tn >= {math.ceil(n / rows)}) return;")
+    emit("int tid = int(gl_LocalInvocationID.x), lane = int(gl_SubgroupInvocationID), sgid = int(gl_SubgroupID);")
+    emit(f"int wb = sgid * {region};")
+    # one declaration per statement: NVIDIA's 580 driver crashed creating pipelines declaring several at once
+    for f in range(frags):
+        for j in range(mj):
+            emit(f"{acc_t} acc{f}_{j} = {acc_t}(0.0);")
+    for d in range(depth):
+        _declare(emit, units, halves, f"r{d}")
+
+    def compute(reg: str, t: str) -> None:
+        emit(f"{{ int k0 = ({t}) * {bk};")
+        _store(emit, rows, units, halves, subgroup, stride, "k0", reg)
+        emit("subgroupMemoryBarrierShared();")
+        emit("subgroupBarrier();")
+        emit(f"{a_t} fa[{frags}];")
+        emit(f"{b_t} fb[{mj}];")
+        for kk in range(0, bk, fk):
+            for f in range(frags):
+                emit(f"coopMatLoad(fa[{f}], sm, wb + {f * fm * stride + kk // 8}, {stride}, "
+                     "gl_CooperativeMatrixLayoutRowMajor);")
+            for j in range(mj):
+                emit(f"coopMatLoad(fb[{j}], x, {j * fn * k // 8 + kk // 8} + k0 / 8, {k // 8}, "
+                     "gl_CooperativeMatrixLayoutColumnMajor);")
+            for f in range(frags):
+                for j in range(mj):
+                    emit(f"acc{f}_{j} = coopMatMulAdd(fa[{f}], fb[{j}], acc{f}_{j});")
+        emit("subgroupBarrier();")  # every lane's fragments read before the next slice is decoded over them
+        emit("}")
+
+    # subgroup sgid takes slices sgid, sgid + sg, ..: set d holds the slice of trip position d (of depth)
+    for d in range(depth - 1):
+        emit(f"if (sgid + {d * sg} < {slices}) {{")
+        _load(emit, n, rows, units, halves, subgroup, f"(sgid + {d * sg}) * {bk}", f"r{d}")
+        emit("}")
+    emit(f"for (int t = sgid; t < {slices}; t += {depth * sg}) {{")
+    for d in range(depth):
+        emit(f"if (t + {d * sg} >= {slices}) break;")
+        ahead = d + depth - 1  # the slice read now, decoded depth - 1 slices later
+        emit(f"if (t + {ahead * sg} < {slices}) {{")
+        _load(emit, n, rows, units, halves, subgroup, f"(t + {ahead * sg}) * {bk}", f"r{ahead % depth}")
+        emit("}")
+        compute(f"r{d}", f"t + {d * sg}")
+    emit("}")
+    # the subgroups' accumulators summed through shared memory (over the decoded slices: after a barrier)
+    emit("barrier();")
+    emit(f"int cb = sgid * {rows * c_stride};")
+    for f in range(frags):
+        for j in range(mj):
+            emit(f"coopMatStore(acc{f}_{j}, sm, cb + {f * fm * c_stride + j * fn // 4}, {c_stride}, "
+                 "gl_CooperativeMatrixLayoutRowMajor);")
+    emit("barrier();")
+    emit(f"for (int e = tid; e < {rows * mb}; e += {nt}) {{")
+    emit(f"  int r = e / {rows}, c = e % {rows}, col = tn * {rows} + c;")
+    total = " + ".join(f"uintBitsToFloat(sm[{q * rows * c_stride} + c * {c_stride} + (r >> 2)][r & 3])"
+                       for q in range(sg))
+    emit(f"  if (r < int(pc.m) && col < {n}) y[r * {n} + col] = {total};")
+    emit("}")
+    emit("}")
+    emit("")
+    return "\n".join(L)
+
+
+def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: int, cfg: Skinny,
+                  out: Any | None = None) -> Any:
+    """y [m, N] float32 = x [m, K] @ W.T into `out` or a new buffer; returns it. x: float16 rows (row-major) in a
+    buffer of x_rows(fragment(lim), m) rows (those past m are read, their products discarded). Records the dispatch;
+    does not wait. cfg: from `config` (not None)."""
+    fmt = weights.format.name
+    _check_format(fmt)
+    n, k = weights.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"matmul_skinny: {m} rows; it takes 1 to {MAX_ROWS}")
+    frag = fragment(lim)
+    if frag is None:
+        raise ValueError("matmul_skinny: the device has no float16 cooperative matrices with float32 accumulation")
+    mb = x_rows(frag, m)
+    if not cfg.fits(frag, lim, k, mb):
+        raise ValueError(f"matmul_skinny: {cfg} does not fit this device or K={k} (whole {cfg.bk}-deep slices)")
+    check_buffer(f"x (float16, {mb} rows of {k})", x, mb * k * 2)
+    check_buffer("weights.body", weights.body, n * weights.w_stride * 16)
+    if weights.scales is not None:
+        check_buffer("weights.scales", weights.scales, (n * weights.s_stride + 1) // 2 * 4)
+    nbytes = m * n * 4
+    check_binding_range(dev, f"matmul_skinny output [{m}, {n}]", nbytes)
+    if out is None:
+        out = dev.alloc(nbytes)
+    check_buffer("out", out, nbytes)
+    key = ("skinny", k, cfg, mb)
+    kern = weights.pipelines.get(key)
+    if kern is None:
+        src = source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, frag, lim.subgroup, mb)
+        kern = weights.pipelines[key] = dev.pipeline(src, name=f"matmul_skinny_{fmt.lower()}")
+    groups = grid_2d(dev, math.ceil(n / cfg.rows(frag)))
+    scales = weights.scales if weights.scales is not None else weights.body  # Q4_K: bound, never read
+    dev.dispatch(kern, [x, weights.body, scales, out], groups, push={"m": m, "groups_x": groups[0]})
+    return out
+
+
+__all__ = ["FORMATS", "MAX_ROWS", "Skinny", "config", "fragment", "matmul_skinny", "source", "x_rows"]
