@@ -241,6 +241,49 @@ def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_
     return 0 if part >= max_context_len else part
 
 
+@dataclass(frozen=True)
+class DecodeForm:
+    """How paged_decode's kernel walks the context. "tiles" (attention_common.glsl): tiles of keys and values
+    through shared memory, the workgroup's invocations split over the query rows. "lanes" (decode_lanes.glsl):
+    keys and values straight into registers, clusters of `lanes` invocations (0: chosen for the device) each
+    taking one token at a time, `unroll` tokens of each cluster loaded a step ahead; `wg` invocations."""
+
+    kind: str = "tiles"
+    wg: int = ATTN_WG
+    unroll: int = 4
+    lanes: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> DecodeForm:
+        """"tiles", "lanes" or "lanes:WGxUNROLL" (e.g. lanes:256x4), as the benchmark takes them."""
+        kind, _, rest = text.partition(":")
+        if kind not in ("tiles", "lanes") or (rest and kind != "lanes"):
+            raise ValueError(f"decode form {text!r}: tiles, lanes or lanes:WGxUNROLL")
+        if not rest:
+            return cls(kind)
+        wg, _, unroll = rest.partition("x")
+        return cls(kind, int(wg), int(unroll or 4))
+
+
+def _lanes(dev: Device, form: DecodeForm, group: int, head_size: int, dtype: str) -> int:
+    """Invocations per token of the "lanes" form, or 0 where the device or the shape does not suit it: a power of
+    two of at most 16 (a token's 16-byte words spread over them), the smallest subgroup and the token's words,
+    with its query and output slices (group x the dimensions an invocation holds, each) at most 64 floats."""
+    info = dev.info
+    words = head_size * KV_DTYPES[dtype] // 16
+    lanes = form.lanes or 1 << (min(16, info.min_subgroup_size, words).bit_length() - 1)
+    if "shuffle" not in info.subgroup_ops or lanes > min(info.min_subgroup_size, words) or lanes & (lanes - 1):
+        return 0
+    per_lane = -(-words // lanes) * (16 // KV_DTYPES[dtype])
+    if group * per_lane > 64 or form.wg % info.max_subgroup_size or form.wg > info.max_workgroup_invocations:
+        return 0
+    shared = group * head_size * 4 + form.wg // lanes * group * 8 + group * 8
+    return lanes if shared <= info.max_shared_memory else 0
+
+
+DEFAULT_FORM = DecodeForm()
+
+
 def _softcap(cap: float) -> float:
     if not (math.isfinite(cap) and cap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0: none), got {cap}")
@@ -250,7 +293,8 @@ def _softcap(cap: float) -> float:
 def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, context_lens: Any, *,
                  num_seqs: int, num_heads: int, max_blocks_per_seq: int, max_context_len: int,
                  scale: float | None = None, window: int = 0, softcap: float = 0.0, part_tokens: int | None = None,
-                 out: Any | None = None, int8: bool = False, new_tokens: NewTokens | None = None) -> Any:
+                 out: Any | None = None, int8: bool = False, new_tokens: NewTokens | None = None,
+                 form: DecodeForm | None = None) -> Any:
     """Attention of one query token per sequence over its cached context; returns out [B, num_heads, D].
 
     q: float32 [num_seqs, num_heads, D]; block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens:
@@ -260,7 +304,8 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     holds the rows [B, num_heads * D] as the integer matvec's input (matvec.Q8Acts.layout), written by the kernel
     that finishes the output instead of float32; D % 32 == 0. new_tokens: the same dispatch writes each sequence's
     new key and value into the cache and attends them from registers (see NewTokens; `q` is then the q/k/v rows),
-    where write_kv would run before it.
+    where write_kv would run before it. form: the kernel's walk of the context (DecodeForm; None: the default,
+    "lanes" falls back to "tiles" where the device or the shape does not suit it).
     """
     d, hkv = cache.head_size, cache.num_kv_heads
     if num_heads % hkv:
@@ -318,8 +363,15 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
             flags["ROPE"] = 1
         extra = [new.slot_mapping, *(new.rope or (context_lens, context_lens)), cache.key, cache.value]
         push.update(src_stride=new.src_stride, q_off=new.q_off, k_off=new.k_off, v_off=new.v_off)
-    kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
-                           defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile, **flags))
+    form = form or DEFAULT_FORM
+    lanes = _lanes(dev, form, group, d, cache.dtype) if form.kind == "lanes" else 0
+    if lanes:
+        kern = catalog.compile(dev, "paged_decode", spec={"WG": form.wg},
+                               defines=_defines(dev, d, cache.dtype, GROUP=group, LANES=lanes, UNROLL=form.unroll,
+                                                **flags))
+    else:
+        kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
+                               defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile, **flags))
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
                                  acts.xq, acts.xd, acts.xs, *extra], (parts, hkv, num_seqs), push=push)
     if part_tokens:

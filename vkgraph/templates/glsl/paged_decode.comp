@@ -1,7 +1,10 @@
 #version 450
 // Decode attention over a paged KV cache: one new query token per sequence, sequences of different lengths.
 // A workgroup serves one (partition, KV head, sequence) and all GROUP query heads that share the KV head
-// (grouped-query attention), so each key and value is read once per KV head.
+// (grouped-query attention), so each key and value is read once per KV head. Two walks of the context: tiles of
+// keys and values through shared memory, the invocations split over the query rows (attention_common.glsl), or
+// with -DLANES keys and values straight into registers, the context split between clusters of LANES invocations
+// (decode_lanes.glsl); the epilogue below takes either's result.
 //
 // Cache layout (k and v alike): [num_blocks, num_kv_heads, block_size, HEAD_SIZE], float16 (-DKV_F16) or
 // float32. block_tables[seq, i] is the physical block of the sequence's tokens i*block_size...; any block
@@ -55,16 +58,25 @@ layout(push_constant) uniform Push {
     uint v_off;
 } pc;
 
+// -DLANES: keys and values straight into registers, the context split between clusters of invocations; else
+// tiles of keys and values through shared memory, the query rows split between the invocations
+#ifdef LANES
+#include "decode_lanes.glsl"
+#else
 #include "attention_common.glsl"
+#endif
 #include "q8_store.glsl"
 
 uint seq_id() { return gl_WorkGroupID.z; }
 uint kv_head() { return gl_WorkGroupID.y; }
 
-uint kv_word(uint pos) {
-    const uint block = uint(block_tables[seq_id() * pc.max_blocks + pos / pc.block_size]);
+uint kv_block(uint pos) { return uint(block_tables[seq_id() * pc.max_blocks + pos / pc.block_size]); }
+
+uint kv_at(uint block, uint pos) {
     return ((block * pc.num_kv_heads + kv_head()) * pc.block_size + pos % pc.block_size) * WORDS_PER_TOKEN;
 }
+
+uint kv_word(uint pos) { return kv_at(kv_block(pos), pos); }
 
 bool visible(uint row, uint pos) { return true; }   // the window is applied through the range
 
@@ -96,31 +108,40 @@ uvec4 cache_word(uint base, uint e, bool rope) {   // dimensions e... of the hea
 #endif
 }
 
-// new_k/new_v (attention_common.glsl): word w (this invocation) of the new token's key and value, written by the
-// owning partition's workgroup into the cache; where the slot is negative, the cache's own words at position ctx - 1.
-void new_token() {
-    const uint w = gl_LocalInvocationID.x, ctx = new_pos + 1;   // new_pos is ctx - 1 (0xFFFFFFFF where ctx is 0)
-    if (w >= WORDS_PER_TOKEN) return;
+// Word w of the new token's key and value as the cache will hold them, false where the slot is negative (padding:
+// nothing written, the cache's words at position ctx - 1 attended). With `writer`, this invocation writes the word
+// into the cache if this workgroup's partition covers ctx - 1 (partition 0 where ctx is 0): one writer per word.
+bool new_words(uint w, bool writer, out uvec4 k, out uvec4 v) {
+    k = uvec4(0);
+    v = uvec4(0);
     const int slot = slot_mapping[seq_id()];
-    if (slot < 0) {
-        if (ctx > 0) {
-            const uint g = kv_word(new_pos) + w;
-            new_k = kc[g];
-            new_v = vc[g];
-        }
-        return;
-    }
-    const uint row = seq_id() * pc.src_stride;
-    new_k = cache_word(row + pc.k_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, true);
-    new_v = cache_word(row + pc.v_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, false);
+    if (slot < 0) return false;
+    const uint row = seq_id() * pc.src_stride, ctx = new_pos + 1;   // new_pos is ctx - 1 (0xFFFFFFFF where ctx is 0)
+    k = cache_word(row + pc.k_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, true);
+    v = cache_word(row + pc.v_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, false);
     const uint owner = pc.part_tokens > 0 && ctx > 0 ? min(new_pos / pc.part_tokens, pc.max_parts - 1) : 0;
-    if (gl_WorkGroupID.x == owner) {
+    if (writer && gl_WorkGroupID.x == owner) {
         const uint dst = ((uint(slot) / pc.block_size * pc.num_kv_heads + kv_head()) * pc.block_size
                           + uint(slot) % pc.block_size) * WORDS_PER_TOKEN + w;
-        kw[dst] = new_k;
-        vw[dst] = new_v;
+        kw[dst] = k;
+        vw[dst] = v;
+    }
+    return true;
+}
+
+#ifndef LANES
+// new_k/new_v (attention_common.glsl): word w (this invocation) of the new token's key and value, as new_words
+// makes them; where the slot is negative, the cache's own words at position ctx - 1.
+void new_token() {
+    const uint w = gl_LocalInvocationID.x;
+    if (w >= WORDS_PER_TOKEN) return;
+    if (!new_words(w, true, new_k, new_v) && new_pos != 0xFFFFFFFFu) {
+        const uint g = kv_word(new_pos) + w;
+        new_k = kc[g];
+        new_v = vc[g];
     }
 }
+#endif
 #endif
 
 vec4 q_at(uint row, uint e) {
