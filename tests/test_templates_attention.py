@@ -87,22 +87,25 @@ def test_paged_decode_fuzz(data, d, dtype, hkv, group, bs, seed):
                  form=data.draw(st.sampled_from(FORMS)))
 
 
-# the kernel's two walks of the context; "lanes" also with clusters smaller than a subgroup (several per subgroup,
-# as 16 invocations of a 32-wide subgroup), a longer unroll and a wider workgroup
-FORMS = [pa.DecodeForm(), pa.DecodeForm("lanes"), pa.DecodeForm("lanes", 64, 2, lanes=4),
-         pa.DecodeForm("lanes", 256, 8, lanes=2)]
+# the kernel's two walks of the context (DecodeForm), "lanes" with and without xpose; LANE_FORMS: "lanes" with
+# clusters smaller than a subgroup (several per subgroup, as 16 invocations of a 32-wide one), an odd unroll, a
+# wider and a narrower workgroup
+FORMS = [pa.DecodeForm(), pa.DecodeForm("lanes"), pa.DecodeForm("lanes", xpose=True)]
+LANE_FORMS = [pa.DecodeForm("lanes", 64, 2, lanes=4), pa.DecodeForm("lanes", 64, 2, lanes=4, xpose=True),
+              pa.DecodeForm("lanes", 256, 3, xpose=True)]
 
 
-@pytest.mark.parametrize("form", FORMS[1:])
+@pytest.mark.parametrize("form", LANE_FORMS)
 def test_paged_decode_lanes(form):
     """The "lanes" form where the device suits it (lavapipe does), over GQA, float16 and float32 caches, head sizes
-    whose words do not fill the clusters, a window, a soft cap, split and unsplit, and a context of more steps."""
+    whose words do not fill the clusters, a window, a soft cap, split and unsplit, and the new tokens written."""
     dev = device()
     assert pa._lanes(dev, form, 1, 64, "f16")
-    rng = np.random.default_rng(form.wg + form.lanes)
+    rng = np.random.default_rng(form.wg + form.lanes + form.xpose)
     _decode_case(rng, [150, 7, 90], 2, 4, 64, 16, "f16", 0, 0, form=form)
     _decode_case(rng, [300, 1, 33], 1, 2, 80, 8, "f32", 40, None, softcap=1.5, form=form)
-    _decode_case(rng, [1100, 17], 2, 1, 96, 16, "f16", 0, 64, form=form)
+    _new_token_case(rng, [70, 1, 33, 0, 0, 200], 2, 4, 64, 16, "f16", 0, 32, rope=True, stale=(1,), moved=(4,),
+                    form=form)
 
 
 @pytest.mark.parametrize("part", [None, 0, 32])
@@ -434,7 +437,7 @@ def test_paged_decode_writes_new_tokens(data, d, dtype, hkv, group, bs, seed):
 
 
 @pytest.mark.parametrize("part", [0, 32])
-@pytest.mark.parametrize("form", FORMS[:2])
+@pytest.mark.parametrize("form", FORMS)
 def test_paged_decode_writes_new_tokens_int8(part, form):
     """The new tokens written by the attention that writes the output product's int8 rows, split or not; a row of
     no context with a slot (written, attending nothing) beside a padding row, and a row of slot -1 that attends the

@@ -246,23 +246,29 @@ class DecodeForm:
     """How paged_decode's kernel walks the context. "tiles" (attention_common.glsl): tiles of keys and values
     through shared memory, the workgroup's invocations split over the query rows. "lanes" (decode_lanes.glsl):
     keys and values straight into registers, clusters of `lanes` invocations (0: chosen for the device) each
-    taking one token at a time, `unroll` tokens of each cluster loaded a step ahead; `wg` invocations."""
+    taking one token at a time, `unroll` tokens of each cluster loaded a step ahead; `wg` invocations. `xpose`
+    (lanes, where the group of query heads is a power of two of at most `lanes`): the cluster's sums of the
+    scores leave each invocation one row, whose softmax runs there alone (fewer shuffles and exponentials)."""
 
     kind: str = "tiles"
     wg: int = ATTN_WG
     unroll: int = 4
     lanes: int = 0
+    xpose: bool = False
 
     @classmethod
     def parse(cls, text: str) -> DecodeForm:
-        """"tiles", "lanes" or "lanes:WGxUNROLL" (e.g. lanes:256x4), as the benchmark takes them."""
+        """"tiles", "lanes", "lanesx" (xpose) or either with ":WGxUNROLL" (e.g. lanes:256x4), as the benchmark
+        takes them."""
         kind, _, rest = text.partition(":")
-        if kind not in ("tiles", "lanes") or (rest and kind != "lanes"):
-            raise ValueError(f"decode form {text!r}: tiles, lanes or lanes:WGxUNROLL")
+        if kind not in ("tiles", "lanes", "lanesx") or (rest and kind == "tiles"):
+            raise ValueError(f"decode form {text!r}: tiles, lanes, lanesx or lanes[x]:WGxUNROLL")
+        xpose = kind == "lanesx"
+        kind = "lanes" if xpose else kind
         if not rest:
-            return cls(kind)
+            return cls(kind, xpose=xpose)
         wg, _, unroll = rest.partition("x")
-        return cls(kind, int(wg), int(unroll or 4))
+        return cls(kind, int(wg), int(unroll or 4), xpose=xpose)
 
 
 def _lanes(dev: Device, form: DecodeForm, group: int, head_size: int, dtype: str) -> int:
@@ -277,7 +283,7 @@ def _lanes(dev: Device, form: DecodeForm, group: int, head_size: int, dtype: str
     per_lane = -(-words // lanes) * (16 // KV_DTYPES[dtype])
     if group * per_lane > 64 or form.wg % info.max_subgroup_size or form.wg > info.max_workgroup_invocations:
         return 0
-    shared = group * head_size * 4 + form.wg // lanes * group * 8 + group * 8
+    shared = group * head_size * 4 + form.wg // lanes * group * (8 + 4 * (form.unroll + 1)) + group * 8
     return lanes if shared <= info.max_shared_memory else 0
 
 
@@ -349,7 +355,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     else:
         part_o = part_ml = out  # bound but never written
     flags = {"Q8_OUT": 1} if int8 and not part_tokens else {}  # split: paged_reduce writes the output
-    push = {"num_kv_heads": hkv, "block_size": cache.block_size, "max_blocks": max_blocks_per_seq,
+    push = {"num_kv_heads": hkv, "max_blocks": max_blocks_per_seq,
             "scale": 1.0 / math.sqrt(d) if scale is None else scale, "window": window,
             "part_tokens": part_tokens, "max_parts": parts, "softcap": _softcap(softcap), "src_stride": 0,
             "q_off": 0, "k_off": 0, "v_off": 0}
@@ -366,12 +372,14 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     form = form or DEFAULT_FORM
     lanes = _lanes(dev, form, group, d, cache.dtype) if form.kind == "lanes" else 0
     if lanes:
+        xpose = {"XPOSE": 1} if form.xpose and group & (group - 1) == 0 and group <= lanes else {}
         kern = catalog.compile(dev, "paged_decode", spec={"WG": form.wg},
                                defines=_defines(dev, d, cache.dtype, GROUP=group, LANES=lanes, UNROLL=form.unroll,
-                                                **flags))
+                                                BLOCK_SIZE=cache.block_size, **flags, **xpose))
     else:
         kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
-                               defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile, **flags))
+                               defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile,
+                                                BLOCK_SIZE=cache.block_size, **flags))
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
                                  acts.xq, acts.xd, acts.xs, *extra], (parts, hkv, num_seqs), push=push)
     if part_tokens:

@@ -7,7 +7,8 @@
 // (decode_lanes.glsl); the epilogue below takes either's result.
 //
 // Cache layout (k and v alike): [num_blocks, num_kv_heads, block_size, HEAD_SIZE], float16 (-DKV_F16) or
-// float32. block_tables[seq, i] is the physical block of the sequence's tokens i*block_size...; any block
+// float32, block_size = -DBLOCK_SIZE (a constant, so that positions split into block and offset without a
+// division). block_tables[seq, i] is the physical block of the sequence's tokens i*block_size...; any block
 // may be shared or in any order. Optional sliding window: only the last `window` positions are visible.
 // Split-K: with part_tokens > 0, partition p covers positions [p*part_tokens, (p+1)*part_tokens) and writes
 // its unnormalised output and (max, sum) to the partial buffers for paged_reduce; else the output directly.
@@ -45,7 +46,6 @@ layout(set = 0, binding = 15) writeonly buffer VW { uvec4 vw[]; };            //
 
 layout(push_constant) uniform Push {
     uint num_kv_heads;
-    uint block_size;
     uint max_blocks;     // block table row length
     float scale;         // softmax scale, usually 1/sqrt(HEAD_SIZE)
     uint window;         // 0: no sliding window
@@ -70,10 +70,10 @@ layout(push_constant) uniform Push {
 uint seq_id() { return gl_WorkGroupID.z; }
 uint kv_head() { return gl_WorkGroupID.y; }
 
-uint kv_block(uint pos) { return uint(block_tables[seq_id() * pc.max_blocks + pos / pc.block_size]); }
+uint kv_block(uint pos) { return uint(block_tables[seq_id() * pc.max_blocks + pos / BLOCK_SIZE]); }
 
 uint kv_at(uint block, uint pos) {
-    return ((block * pc.num_kv_heads + kv_head()) * pc.block_size + pos % pc.block_size) * WORDS_PER_TOKEN;
+    return ((block * pc.num_kv_heads + kv_head()) * BLOCK_SIZE + pos % BLOCK_SIZE) * WORDS_PER_TOKEN;
 }
 
 uint kv_word(uint pos) { return kv_at(kv_block(pos), pos); }
@@ -121,8 +121,8 @@ bool new_words(uint w, bool writer, out uvec4 k, out uvec4 v) {
     v = cache_word(row + pc.v_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, false);
     const uint owner = pc.part_tokens > 0 && ctx > 0 ? min(new_pos / pc.part_tokens, pc.max_parts - 1) : 0;
     if (writer && gl_WorkGroupID.x == owner) {
-        const uint dst = ((uint(slot) / pc.block_size * pc.num_kv_heads + kv_head()) * pc.block_size
-                          + uint(slot) % pc.block_size) * WORDS_PER_TOKEN + w;
+        const uint dst = ((uint(slot) / BLOCK_SIZE * pc.num_kv_heads + kv_head()) * BLOCK_SIZE
+                          + uint(slot) % BLOCK_SIZE) * WORDS_PER_TOKEN + w;
         kw[dst] = k;
         vw[dst] = v;
     }
