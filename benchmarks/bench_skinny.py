@@ -35,7 +35,7 @@ from vkgraph.templates import matmul_skinny as ms
 from vkgraph.templates import matvec as mv
 
 PRODUCTS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-SWEEP = [ms.Skinny(sg, bk, depth, frags) for sg in (1, 2, 4, 8) for bk in (128, 256) for depth in (2, 3, 4)
+SWEEP = [ms.Skinny(sg, bk, depth, frags) for sg in (2, 4, 8) for bk in (128, 256) for depth in (2, 4)
          for frags in (1, 2)]
 
 
