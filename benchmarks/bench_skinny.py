@@ -13,8 +13,8 @@ weights cycled through copies past the L2, bench_kernels._weight_copies):
   partial planes that the decode step sums in one more kernel, not in this time;
 - skinny: matmul_skinny's default configuration (config) on float16 activations.
 --sweep also times matmul_skinny's configurations around the default at --sweep-rows rows and prints the five
-fastest, each as sg (subgroups per workgroup) / bk (slice depth) / depth (register sets) / frags (16-row
-fragments of W per workgroup).
+fastest, each as sg (subgroups per workgroup) / bk (slice depth) / d (register sets) / f (16-row fragments of W
+per workgroup) / ks (workgroups splitting K, where more than one).
 """
 
 from __future__ import annotations
@@ -35,26 +35,39 @@ from vkgraph.templates import matmul_skinny as ms
 from vkgraph.templates import matvec as mv
 
 PRODUCTS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-SWEEP = [ms.Skinny(sg, bk, depth, frags) for sg in (2, 4, 8) for bk in (128, 256) for depth in (2, 4)
-         for frags in (1, 2)]
+# subgroups, slice depth, register sets and fragments of W rows per workgroup (those that fit 48 KiB), then more
+# W rows per workgroup (fewer reads of x per weight byte) and K split over workgroups (more of them)
+SWEEP = ([ms.Skinny(sg, bk, depth, frags) for sg in (2, 4, 8) for bk in (128, 256) for depth in (2, 4)
+          for frags in (1, 2)]
+         + [ms.Skinny(1, 128, 2, 4), ms.Skinny(2, 128, 2, 4), ms.Skinny(2, 128, 3, 4)]
+         + [ms.Skinny(sg, 128, 3, frags, ks) for sg, frags, ks in ((2, 2, 2), (2, 2, 4), (2, 4, 4), (4, 2, 2),
+                                                                  (1, 4, 8))] + [ms.Skinny(4, 256, 3, 1, 2)])
 
 
-def skinny_us(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int) -> float:
+def skinny_us(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch | None = None) -> float:
     """GPU microseconds of one matmul_skinny product of `rows` float16 rows with cfg, on the next weight copy."""
     lim, calls = limits(), itertools.count()
 
     def run() -> None:
-        ms.matmul_skinny(dev, lim, ws[next(calls) % len(ws)], x, rows, cfg, out=y)
+        ms.matmul_skinny(dev, lim, ws[next(calls) % len(ws)], x, rows, cfg, out=y, scratch=sc)
 
     return replay_us(dev, run, reps)
 
 
+def _timed(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch) -> float | str:
+    """skinny_us, or the error a configuration raised (printed in its place, so that the others still run)."""
+    try:
+        return skinny_us(dev, ws, x, y, rows, cfg, reps, sc)
+    except Exception as e:  # a pipeline the driver refuses: report it, time the rest
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
 def _label(c: ms.Skinny) -> str:
-    return f"sg{c.sg}/bk{c.bk}/d{c.depth}/f{c.frags}"
+    return f"sg{c.sg}/bk{c.bk}/d{c.depth}/f{c.frags}" + (f"/ks{c.ks}" if c.ks > 1 else "")
 
 
-def _cell(nbytes: int, us: float | None) -> str:
-    return "-" if us is None else f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
+def _cell(nbytes: int, us: float | str | None) -> str:
+    return "-" if us is None else us if isinstance(us, str) else f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
 
 
 def main() -> None:
@@ -99,16 +112,22 @@ def main() -> None:
                     mb = ms.x_rows(frag, rows)
                     xh = dev.alloc(mb * k * 2)
                     dev.upload(xh, rng.standard_normal((mb, k)).astype(np.float16))
-                    t_sk = skinny_us(dev, ws, xh, y, rows, cfg, a.reps)
+                    sc = ms.scratch(dev, ms.Skinny(ks=max(c.ks for c in SWEEP)), frag, rows, n)
+                    bufs += [sc.partial, sc.counters]
+                    t_sk = _timed(dev, ws, xh, y, rows, cfg, a.reps, sc)
                 print(f"{fmt:>5s} {name:>8s} {n:>6d}x{k:<6d} {rows:>4d} {_cell(nbytes, t_mv):>15s} "
                       f"{_cell(nbytes, t_tile):>15s} {_cell(nbytes, t_sk):>15s}  {_label(cfg) if cfg else '-'}",
                       flush=True)
                 if a.sweep and cfg is not None and str(rows) in a.sweep_rows.split(","):
-                    times = {c: skinny_us(dev, ws, xh, y, rows, c, 3) for c in SWEEP
+                    found = {c: _timed(dev, ws, xh, y, rows, c, 3, sc) for c in SWEEP
                              if c.fits(frag, lim, k, ms.x_rows(frag, rows))}
-                    best = sorted(times, key=times.get)[:5]
+                    times = {c: t for c, t in found.items() if not isinstance(t, str)}
+                    best = sorted(times, key=times.get)
                     print("      skinny, fastest first (GB/s us): " + ", ".join(
                         f"{_label(c)} {_cell(nbytes, times[c])}" for c in best), flush=True)
+                    for c, t in found.items():
+                        if isinstance(t, str):
+                            print(f"      {_label(c)}: {t}", flush=True)
                 for buf in (*bufs, y, *([xh] if xh is not None else [])):
                     buf.release()
             _release_weights(ws)

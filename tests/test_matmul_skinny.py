@@ -83,7 +83,8 @@ def _emulate(monkeypatch, coop=COOP):
 
 
 def _case(lim, fmt: str, m: int, n: int, k: int, cfg: ms.Skinny | None = None, seed: int = 0) -> None:
-    """One product against numpy in float64, over a NaN-poisoned output (every element must be written)."""
+    """One product against numpy in float64, over a NaN-poisoned output (every element must be written); with K
+    split over workgroups twice over one Scratch (its counters back at zero after each product)."""
     dev = get_device()
     rng = np.random.default_rng(seed)
     qt = random_blocks(rng, fmt, n, k)
@@ -94,13 +95,18 @@ def _case(lim, fmt: str, m: int, n: int, k: int, cfg: ms.Skinny | None = None, s
     x[m:] = np.inf  # rows past m are read; their products must not reach y
     xb, out = dev.alloc(x.nbytes), dev.alloc(m * n * 4)
     dev.upload(xb, x)
-    dev.upload(out, np.full(m * n, np.nan, np.float32))
     weights = upload_weights(dev, qt)
-    ms.matmul_skinny(dev, lim, weights, xb, m, cfg, out=out)
-    got = dev.download(out, np.float32, (m, n))
-    for buf in (xb, out, weights.body, *([weights.scales] if weights.scales is not None else [])):
+    sc = ms.scratch(dev, cfg, ms.fragment(lim), m, n) if cfg.ks > 1 else None
+    for _ in range(2 if sc else 1):
+        dev.upload(out, np.full(m * n, np.nan, np.float32))
+        ms.matmul_skinny(dev, lim, weights, xb, m, cfg, out=out, scratch=sc)
+        got = dev.download(out, np.float32, (m, n))
+        _check(got, x[:m], dequantize(qt).reshape(n, k))
+    if sc:
+        assert not dev.download(sc.counters, np.uint32).any()
+    for buf in (xb, out, weights.body, *([weights.scales] if weights.scales is not None else []),
+                *([sc.partial, sc.counters] if sc else [])):
         buf.release()
-    _check(got, x[:m], dequantize(qt).reshape(n, k))
 
 
 def test_config_follows_the_device():
@@ -140,6 +146,10 @@ def test_errors_before_any_gpu_work(monkeypatch):
         ms.matmul_skinny(dev, lim, weights, x, 9, cfg)
     with pytest.raises(ValueError, match="slices"):
         ms.matmul_skinny(dev, lim, weights, x, 8, ms.Skinny(2, 96, 2))
+    with pytest.raises(ValueError, match="slices"):  # 8 slices in 3 parts
+        ms.matmul_skinny(dev, lim, weights, x, 8, ms.Skinny(2, 32, 2, 1, 3))
+    with pytest.raises(ValueError, match="Scratch"):
+        ms.matmul_skinny(dev, lim, weights, x, 8, ms.Skinny(2, 32, 2, 1, 2))
     x.release()
 
 
@@ -148,6 +158,13 @@ def test_q4_0_emulated_matches_numpy(m, monkeypatch):
     """Ragged N (a last workgroup of fewer rows), 14 slices over 2 subgroups (7 each, the last trip of 3 register
     sets cut short), and rows of x past m full of infinities."""
     _case(_emulate(monkeypatch), "Q4_0", m, 40, 448, ms.Skinny(2, 32, 3), seed=m)
+
+
+@pytest.mark.parametrize("m,cfg", [(17, ms.Skinny(2, 32, 3, 1, 2)), (3, ms.Skinny(1, 32, 2, 2, 7))])
+def test_k_split_over_workgroups_emulated_matches_numpy(m, cfg, monkeypatch):
+    """K split in 2 parts of 7 slices (over 2 subgroups: 4 and 3) and in 7 parts of 2 slices (one subgroup, two
+    fragments of W rows), the last workgroup of each rows summing the parts."""
+    _case(_emulate(monkeypatch), "Q4_0", m, 40, 448, cfg, seed=m)
 
 
 @pytest.mark.parametrize("fmt,cfg", [("Q8_0", ms.Skinny(2, 32, 2, 2)), ("Q4_K", ms.Skinny(3, 64, 1)),
@@ -175,7 +192,8 @@ def test_on_device_matches_numpy(m):
 
 @needs_f16
 @pytest.mark.parametrize("cfg", [ms.Skinny(sg, bk, depth, frags) for sg in (1, 2, 4) for bk in (128, 256)
-                                 for depth in (2, 4) for frags in (1, 2)])
+                                 for depth in (2, 4) for frags in (1, 2)]
+                         + [ms.Skinny(2, 128, 3, 1, 4), ms.Skinny(1, 128, 2, 4, 2), ms.Skinny(4, 256, 3, 1, 2)])
 def test_configurations_on_device_match_numpy(cfg):
     lim = realize_mod.limits()
     if not cfg.fits(ms.fragment(lim), lim, 2048, 32):

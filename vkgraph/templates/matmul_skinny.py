@@ -10,7 +10,9 @@ its own part of W with no workgroup barrier on the way:
 - A workgroup owns ROWS = FRAGS x FM rows of W (the A operand: FM x FK fragments of W rows by K) and all m rows of
   x (the B operand: FK x FN fragments, m rounded up to whole FN). Its SG subgroups split K: subgroup s takes the
   BK-deep slices s, s + SG, s + 2 SG, .. and keeps its own accumulators; at the end they are summed through
-  shared memory into y, so no second kernel sums K's parts.
+  shared memory into y, so no second kernel sums K's parts. Where the rows of W alone give too few workgroups,
+  KS workgroups may split K further: each writes its part to a plane, and the last of them to finish (a counter
+  per rows of W) sums the planes in order into y (`Scratch`).
 - A subgroup reads its slice's blocks (32 values of one row each, the format's words and scale) into one of DEPTH
   register sets, DEPTH - 1 slices ahead of the one it decodes: each invocation has (DEPTH - 1) x ROWS x BK / 32 /
   subgroup-size blocks' loads in flight. It decodes the oldest set into its own region of shared memory
@@ -59,12 +61,15 @@ def fragment(lim: Limits) -> tuple[int, int, int] | None:
 @dataclass(frozen=True)
 class Skinny:
     """sg: subgroups per workgroup, splitting K by slices; bk: slice depth (whole 32-value blocks); depth: register
-    sets (depth - 1 slices in flight while one is decoded); frags: fragments of W rows per workgroup."""
+    sets (depth - 1 slices in flight while one is decoded); frags: fragments of W rows per workgroup; ks:
+    workgroups that split K per rows of W (each a whole part of K; the last of them to finish sums their partial
+    products, in the order of K, into y: see `Scratch`)."""
 
     sg: int = 4
     bk: int = 256
     depth: int = 3
     frags: int = 1
+    ks: int = 1
 
     def rows(self, frag: tuple[int, int, int]) -> int:
         return self.frags * frag[0]
@@ -78,10 +83,32 @@ class Skinny:
         """Whether the device runs it for K = k and mb rows of x: whole blocks a slice, K whole slices, whole
         blocks for each invocation of a subgroup, and the threads and shared memory the device has."""
         rows = self.rows(frag)
-        return (self.sg >= 1 and self.depth >= 1 and self.frags >= 1 and self.bk % BLOCK == 0
-                and self.bk % frag[2] == 0 and k % self.bk == 0 and lim.subgroup >= 1
+        return (self.sg >= 1 and self.depth >= 1 and self.frags >= 1 and self.ks >= 1 and self.bk % BLOCK == 0
+                and self.bk % frag[2] == 0 and k % (self.bk * self.ks) == 0 and lim.subgroup >= 1
                 and (rows * self.bk // BLOCK) % lim.subgroup == 0 and self.sg * lim.subgroup <= lim.max_invocations
                 and self.shared_words(frag, mb) * 16 <= lim.max_shared)
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """What a product that splits K over workgroups (ks > 1) needs besides y: `partial`, float32 [ks, m, N] (each
+    workgroup's part), and `counters`, a uint per rows of W (the parts finished; zero before a product, and the
+    last workgroup of each rows sets it back to zero). Products run one after another may share one."""
+
+    partial: Any
+    counters: Any
+
+    @staticmethod
+    def nbytes(cfg: Skinny, frag: tuple[int, int, int], m: int, n: int) -> tuple[int, int]:
+        return cfg.ks * m * n * 4, 4 * math.ceil(n / cfg.rows(frag))
+
+
+def scratch(dev: Device, cfg: Skinny, frag: tuple[int, int, int], m: int, n: int) -> Scratch:
+    """A Scratch for products of up to m rows and N = n with cfg: its counters zeroed."""
+    part, count = Scratch.nbytes(cfg, frag, m, n)
+    counters = dev.alloc(count)
+    dev.upload(counters, bytes(count))
+    return Scratch(dev.alloc(part), counters)
 
 
 def x_rows(frag: tuple[int, int, int], m: int) -> int:
@@ -157,7 +184,9 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
     stride = bk // 8 + 1  # 16-byte words per decoded row: odd, so eight rows' same block fall in distinct banks
     region = rows * stride
     c_stride = mb // 4 + 1  # 16-byte words per row of a subgroup's accumulators (float32), odd likewise
-    slices = k // bk
+    ks = cfg.ks
+    slices = k // bk // ks  # slices of each workgroup's part of K
+    groups_n = math.ceil(n / rows)
     mj = mb // fn
     acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
     a_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
@@ -174,13 +203,17 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
          "layout(set = 0, binding = 1) readonly buffer W { uvec4 w[]; };",
          "layout(set = 0, binding = 2) readonly buffer S { uint s[]; };",
          "layout(set = 0, binding = 3) writeonly buffer Y { float y[]; };",
+         *(["layout(set = 0, binding = 4) coherent buffer P { float part[]; };",
+            "layout(set = 0, binding = 5) coherent buffer C { uint cnt[]; };", "shared uint last;"] if ks > 1 else []),
          "layout(push_constant) uniform Push { uint m; uint groups_x; } pc;",
          f"shared uvec4 sm[{cfg.shared_words(frag, mb)}];",
          *_codec(fmt, w_stride, s_stride),
          "void main() {"]
     emit = L.append
-    emit("int tn = int(gl_WorkGroupID.x + pc.groups_x * gl_WorkGroupID.y);")
-    emit(f"if (tn >= {math.ceil(n / rows)}) return;")
+    emit("int grp = int(gl_WorkGroupID.x + pc.groups_x * gl_WorkGroupID.y);")
+    emit(f"if (grp >= {groups_n * ks}) return;")
+    # workgroup (tn, kz): rows tn * ROWS .. of W over part kz of K (slices kz * slices ..)
+    emit(f"int tn = grp % {groups_n}, kz = grp / {groups_n}, kbase = kz * {slices * bk};")
     emit("int tid = int(gl_LocalInvocationID.x), lane = int(gl_SubgroupInvocationID), sgid = int(gl_SubgroupID);")
     emit(f"int wb = sgid * {region};")
     # one declaration per statement: NVIDIA's 580 driver crashed creating pipelines declaring several at once
@@ -191,7 +224,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
         _declare(emit, units, halves, f"r{d}")
 
     def compute(reg: str, t: str) -> None:
-        emit(f"{{ int k0 = ({t}) * {bk};")
+        emit(f"{{ int k0 = kbase + ({t}) * {bk};")
         _store(emit, rows, units, halves, subgroup, stride, "k0", reg)
         emit("subgroupMemoryBarrierShared();")
         emit("subgroupBarrier();")
@@ -213,14 +246,14 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
     # subgroup sgid takes slices sgid, sgid + sg, ..: set d holds the slice of trip position d (of depth)
     for d in range(depth - 1):
         emit(f"if (sgid + {d * sg} < {slices}) {{")
-        _load(emit, n, rows, units, halves, subgroup, f"(sgid + {d * sg}) * {bk}", f"r{d}")
+        _load(emit, n, rows, units, halves, subgroup, f"kbase + (sgid + {d * sg}) * {bk}", f"r{d}")
         emit("}")
     emit(f"for (int t = sgid; t < {slices}; t += {depth * sg}) {{")
     for d in range(depth):
         emit(f"if (t + {d * sg} >= {slices}) break;")
         ahead = d + depth - 1  # the slice read now, decoded depth - 1 slices later
         emit(f"if (t + {ahead * sg} < {slices}) {{")
-        _load(emit, n, rows, units, halves, subgroup, f"(t + {ahead * sg}) * {bk}", f"r{ahead % depth}")
+        _load(emit, n, rows, units, halves, subgroup, f"kbase + (t + {ahead * sg}) * {bk}", f"r{ahead % depth}")
         emit("}")
         compute(f"r{d}", f"t + {d * sg}")
     emit("}")
@@ -236,18 +269,40 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
     emit(f"  int r = e / {rows}, c = e % {rows}, col = tn * {rows} + c;")
     total = " + ".join(f"uintBitsToFloat(sm[{q * rows * c_stride} + c * {c_stride} + (r >> 2)][r & 3])"
                        for q in range(sg))
-    emit(f"  if (r < int(pc.m) && col < {n}) y[r * {n} + col] = {total};")
-    emit("}")
+    if ks == 1:
+        emit(f"  if (r < int(pc.m) && col < {n}) y[r * {n} + col] = {total};")
+        emit("}")
+    else:
+        # this part into plane kz; the workgroup that finishes a rows' parts last sums the planes in order (the
+        # same sum whichever finishes last) and sets the rows' counter back to zero for the next product
+        emit(f"  if (r < int(pc.m) && col < {n}) part[(kz * int(pc.m) + r) * {n} + col] = {total};")
+        emit("}")
+        emit("memoryBarrierBuffer();")
+        emit("barrier();")
+        emit(f"if (tid == 0) last = atomicAdd(cnt[tn], 1u) == {ks - 1}u ? 1u : 0u;")
+        emit("barrier();")
+        emit("if (last == 0u) return;")
+        emit("memoryBarrierBuffer();")
+        emit(f"for (int e = tid; e < {rows * mb}; e += {nt}) {{")
+        emit(f"  int r = e / {rows}, col = tn * {rows} + e % {rows};")
+        emit(f"  if (r < int(pc.m) && col < {n}) {{")
+        emit("    float v = 0.0;")
+        emit(f"    for (int q = 0; q < {ks}; q++) v += part[(q * int(pc.m) + r) * {n} + col];")
+        emit(f"    y[r * {n} + col] = v;")
+        emit("  }")
+        emit("}")
+        emit("if (tid == 0) cnt[tn] = 0u;")
     emit("}")
     emit("")
     return "\n".join(L)
 
 
 def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: int, cfg: Skinny,
-                  out: Any | None = None) -> Any:
+                  out: Any | None = None, scratch: Scratch | None = None) -> Any:
     """y [m, N] float32 = x [m, K] @ W.T into `out` or a new buffer; returns it. x: float16 rows (row-major) in a
-    buffer of x_rows(fragment(lim), m) rows (those past m are read, their products discarded). Records the dispatch;
-    does not wait. cfg: from `config` (not None)."""
+    buffer of x_rows(fragment(lim), m) rows (those past m are read, their products discarded). With cfg.ks > 1
+    the product needs a Scratch (`scratch`) of at least m rows. Records the dispatch; does not wait. cfg: from
+    `config` (not None)."""
     fmt = weights.format.name
     _check_format(fmt)
     n, k = weights.shape
@@ -268,15 +323,25 @@ def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: i
     if out is None:
         out = dev.alloc(nbytes)
     check_buffer("out", out, nbytes)
+    extra = []
+    if cfg.ks > 1:
+        if scratch is None:
+            raise ValueError(f"matmul_skinny: K split over {cfg.ks} workgroups needs a Scratch (`scratch`)")
+        part, count = Scratch.nbytes(cfg, frag, m, n)
+        check_binding_range(dev, f"matmul_skinny partial products [{cfg.ks}, {m}, {n}]", part)
+        check_buffer("scratch.partial", scratch.partial, part)
+        check_buffer("scratch.counters", scratch.counters, count)
+        extra = [scratch.partial, scratch.counters]
     key = ("skinny", k, cfg, mb)
     kern = weights.pipelines.get(key)
     if kern is None:
         src = source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, frag, lim.subgroup, mb)
         kern = weights.pipelines[key] = dev.pipeline(src, name=f"matmul_skinny_{fmt.lower()}")
-    groups = grid_2d(dev, math.ceil(n / cfg.rows(frag)))
+    groups = grid_2d(dev, math.ceil(n / cfg.rows(frag)) * cfg.ks)
     scales = weights.scales if weights.scales is not None else weights.body  # Q4_K: bound, never read
-    dev.dispatch(kern, [x, weights.body, scales, out], groups, push={"m": m, "groups_x": groups[0]})
+    dev.dispatch(kern, [x, weights.body, scales, out, *extra], groups, push={"m": m, "groups_x": groups[0]})
     return out
 
 
-__all__ = ["FORMATS", "MAX_ROWS", "Skinny", "config", "fragment", "matmul_skinny", "source", "x_rows"]
+__all__ = ["FORMATS", "MAX_ROWS", "Scratch", "Skinny", "config", "fragment", "matmul_skinny", "scratch", "source",
+           "x_rows"]
