@@ -14,7 +14,8 @@ weights cycled through copies past the L2, bench_kernels._weight_copies):
 - skinny: matmul_skinny's default configuration (config) on float16 activations.
 --sweep also times matmul_skinny's configurations around the default at --sweep-rows rows and prints the five
 fastest, each as sg (subgroups per workgroup) / bk (slice depth) / d (register sets) / f (16-row fragments of W
-per workgroup) / ks (workgroups splitting K, where more than one).
+per subgroup) / ks (workgroups splitting K) / wn (subgroups on distinct rows of W), the last two where more than
+one.
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ from vkgraph.templates import matmul_skinny as ms
 from vkgraph.templates import matvec as mv
 
 PRODUCTS = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-# subgroups, slice depth, register sets and fragments of W rows per workgroup (those that fit 48 KiB), then more
-# W rows per workgroup (fewer reads of x per weight byte) and K split over workgroups (more of them)
-SWEEP = ([ms.Skinny(sg, bk, depth, frags) for sg in (2, 4, 8) for bk in (128, 256) for depth in (2, 4)
-          for frags in (1, 2)]
-         + [ms.Skinny(1, 128, 2, 4), ms.Skinny(2, 128, 2, 4), ms.Skinny(2, 128, 3, 4)]
-         + [ms.Skinny(sg, 128, 3, frags, ks) for sg, frags, ks in ((2, 2, 2), (2, 2, 4), (2, 4, 4), (4, 2, 2),
-                                                                  (1, 4, 8))] + [ms.Skinny(4, 256, 3, 1, 2)])
+# (sg, bk, depth, frags, ks, wn): subgroups splitting K, slice depth and register sets, fragments of W rows per
+# subgroup (more: fewer reads of x per weight byte), K split over workgroups (more of them), subgroups on distinct
+# rows of W walking the same slices (x read once per workgroup from the L2)
+SWEEP = [ms.Skinny(*c) for c in (
+    (2, 128, 2), (2, 128, 4), (2, 256, 2), (2, 256, 4), (2, 128, 3, 2), (2, 256, 3, 2),
+    (4, 128, 2), (4, 128, 4), (4, 256, 2), (4, 256, 4), (4, 128, 3, 2), (8, 128, 3),
+    (1, 128, 2, 4), (2, 128, 3, 4),
+    (2, 128, 3, 2, 2), (2, 128, 3, 2, 4), (2, 128, 3, 4, 4), (1, 128, 3, 4, 8), (4, 256, 3, 1, 2),
+    (1, 256, 3, 1, 4, 4), (2, 128, 3, 1, 2, 4), (1, 128, 3, 2, 4, 4), (1, 256, 3, 1, 1, 4))]
 
 
 def skinny_us(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch | None = None) -> float:
@@ -63,7 +66,8 @@ def _timed(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch) 
 
 
 def _label(c: ms.Skinny) -> str:
-    return f"sg{c.sg}/bk{c.bk}/d{c.depth}/f{c.frags}" + (f"/ks{c.ks}" if c.ks > 1 else "")
+    return (f"sg{c.sg}/bk{c.bk}/d{c.depth}/f{c.frags}" + (f"/ks{c.ks}" if c.ks > 1 else "")
+            + (f"/wn{c.wn}" if c.wn > 1 else ""))
 
 
 def _cell(nbytes: int, us: float | str | None) -> str:

@@ -129,7 +129,7 @@ def test_config_follows_the_device():
 @pytest.mark.parametrize("fmt", ms.FORMATS)
 def test_programs_compile(fmt):
     lim = fake_limits()
-    for cfg, mb in ((ms.Skinny(4, 256, 3), 8), (ms.Skinny(2, 128, 2, 2), 32)):
+    for cfg, mb in ((ms.Skinny(4, 256, 3), 8), (ms.Skinny(2, 128, 2, 2), 32), (ms.Skinny(2, 128, 3, 1, 2, 2), 24)):
         compiles(ms.source(fmt, 4096, 4096, 4096 // 32, 4096 // 32, cfg, (16, 8, 16), lim.subgroup, mb))
 
 
@@ -167,12 +167,19 @@ def test_k_split_over_workgroups_emulated_matches_numpy(m, cfg, monkeypatch):
     _case(_emulate(monkeypatch), "Q4_0", m, 40, 448, cfg, seed=m)
 
 
+@pytest.mark.parametrize("m,cfg", [(8, ms.Skinny(2, 32, 2, 1, 1, 2)), (17, ms.Skinny(1, 32, 3, 1, 2, 3))])
+def test_subgroups_on_rows_emulated_match_numpy(m, cfg, monkeypatch):
+    """Subgroups on distinct rows of W in a workgroup: 2 of them (each with 2 splitting K), the second workgroup
+    ragged; 3 of them over K split in 2 parts, one workgroup past N's 40 rows."""
+    _case(_emulate(monkeypatch), "Q4_0", m, 40, 448, cfg, seed=m + 2)
+
+
 @pytest.mark.parametrize("fmt,cfg", [("Q8_0", ms.Skinny(2, 32, 2, 2)), ("Q4_K", ms.Skinny(3, 64, 1)),
                                      ("Q6_K", ms.Skinny(1, 32, 4))])
 def test_formats_emulated_match_numpy(fmt, cfg, monkeypatch):
-    """Two fragments of W rows a workgroup; 8 slices over 3 subgroups (3, 3 and 2) with no slice in flight; 16 over
+    """Two fragments of W rows a subgroup; 4 slices over 3 subgroups (2, 1 and 1) with no slice in flight; 8 over
     one subgroup with three in flight."""
-    _case(_emulate(monkeypatch), fmt, 5, 48, 512, cfg, seed=1)
+    _case(_emulate(monkeypatch), fmt, 5, 48, 256, cfg, seed=1)
 
 
 def test_square_fragments_emulated_match_numpy(monkeypatch):
@@ -193,7 +200,8 @@ def test_on_device_matches_numpy(m):
 @needs_f16
 @pytest.mark.parametrize("cfg", [ms.Skinny(sg, bk, depth, frags) for sg in (1, 2, 4) for bk in (128, 256)
                                  for depth in (2, 4) for frags in (1, 2)]
-                         + [ms.Skinny(2, 128, 3, 1, 4), ms.Skinny(1, 128, 2, 4, 2), ms.Skinny(4, 256, 3, 1, 2)])
+                         + [ms.Skinny(2, 128, 3, 1, 4), ms.Skinny(1, 128, 2, 4, 2), ms.Skinny(4, 256, 3, 1, 2),
+                            ms.Skinny(1, 256, 3, 1, 4, 4), ms.Skinny(2, 128, 2, 2, 2, 2)])
 def test_configurations_on_device_match_numpy(cfg):
     lim = realize_mod.limits()
     if not cfg.fits(ms.fragment(lim), lim, 2048, 32):

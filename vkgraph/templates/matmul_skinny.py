@@ -7,10 +7,12 @@ flight. matmul_quant's small-row tile holds about a kilobyte of W in flight per 
 on an H200, where keeping its ~3.9 TB/s busy takes ~30 KB in flight per multiprocessor. Here each subgroup streams
 its own part of W with no workgroup barrier on the way:
 
-- A workgroup owns ROWS = FRAGS x FM rows of W (the A operand: FM x FK fragments of W rows by K) and all m rows of
-  x (the B operand: FK x FN fragments, m rounded up to whole FN). Its SG subgroups split K: subgroup s takes the
-  BK-deep slices s, s + SG, s + 2 SG, .. and keeps its own accumulators; at the end they are summed through
-  shared memory into y, so no second kernel sums K's parts. Where the rows of W alone give too few workgroups,
+- A subgroup owns FRAGS x FM rows of W (the A operand: FM x FK fragments of W rows by K) and all m rows of x (the
+  B operand: FK x FN fragments, m rounded up to whole FN); a workgroup has WN x SG subgroups: WN of them on
+  distinct rows of W walk the same slices of K at about the same time (so x's slice, read by each, is mostly
+  read once from the L2), and SG split K: subgroup s takes the BK-deep slices s, s + SG, s + 2 SG, .. and keeps
+  its own accumulators; at the end they are summed through shared memory into y, so no second kernel sums K's
+  parts. Where the rows of W alone give too few workgroups,
   KS workgroups may split K further: each writes its part to a plane, and the last of them to finish (a counter
   per rows of W) sums the planes in order into y (`Scratch`).
 - A subgroup reads its slice's blocks (32 values of one row each, the format's words and scale) into one of DEPTH
@@ -61,7 +63,8 @@ def fragment(lim: Limits) -> tuple[int, int, int] | None:
 @dataclass(frozen=True)
 class Skinny:
     """sg: subgroups per workgroup, splitting K by slices; bk: slice depth (whole 32-value blocks); depth: register
-    sets (depth - 1 slices in flight while one is decoded); frags: fragments of W rows per workgroup; ks:
+    sets (depth - 1 slices in flight while one is decoded); frags: fragments of W rows per subgroup; wn: subgroups
+    on distinct rows of W per workgroup (each with sg subgroups splitting K; wn x sg in all); ks:
     workgroups that split K per rows of W (each a whole part of K; the last of them to finish sums their partial
     products, in the order of K, into y: see `Scratch`)."""
 
@@ -70,22 +73,27 @@ class Skinny:
     depth: int = 3
     frags: int = 1
     ks: int = 1
+    wn: int = 1
 
     def rows(self, frag: tuple[int, int, int]) -> int:
-        return self.frags * frag[0]
+        """Rows of W per workgroup."""
+        return self.wn * self.frags * frag[0]
+
+    def subgroups(self) -> int:
+        return self.wn * self.sg
 
     def shared_words(self, frag: tuple[int, int, int], mb: int) -> int:
         """16-byte words of shared memory: each subgroup's decoded slice, or (reusing it) its accumulators."""
-        rows = self.rows(frag)
-        return self.sg * rows * max(self.bk // 8 + 1, mb // 4 + 1)
+        return self.sg * self.rows(frag) * max(self.bk // 8 + 1, mb // 4 + 1)
 
     def fits(self, frag: tuple[int, int, int], lim: Limits, k: int, mb: int = MAX_ROWS) -> bool:
         """Whether the device runs it for K = k and mb rows of x: whole blocks a slice, K whole slices, whole
         blocks for each invocation of a subgroup, and the threads and shared memory the device has."""
-        rows = self.rows(frag)
-        return (self.sg >= 1 and self.depth >= 1 and self.frags >= 1 and self.ks >= 1 and self.bk % BLOCK == 0
+        rows = self.frags * frag[0]  # a subgroup's
+        return (min(self.sg, self.depth, self.frags, self.ks, self.wn) >= 1 and self.bk % BLOCK == 0
                 and self.bk % frag[2] == 0 and k % (self.bk * self.ks) == 0 and lim.subgroup >= 1
-                and (rows * self.bk // BLOCK) % lim.subgroup == 0 and self.sg * lim.subgroup <= lim.max_invocations
+                and (rows * self.bk // BLOCK) % lim.subgroup == 0
+                and self.subgroups() * lim.subgroup <= lim.max_invocations
                 and self.shared_words(frag, mb) * 16 <= lim.max_shared)
 
 
@@ -143,14 +151,15 @@ def _declare(emit: Any, units: int, halves: int, reg: str) -> None:
             emit(f"float s{reg}_{c}_{h} = 0.0;")
 
 
-def _load(emit: Any, n: int, rows: int, units: int, halves: int, sgs: int, k0: str, reg: str) -> None:
+def _load(emit: Any, n: int, whole: bool, rows: int, units: int, halves: int, sgs: int, k0: str, reg: str) -> None:
     """Register set `reg` <- the raw words of the subgroup's blocks of the slice from element k0: block u (lane +
-    c * subgroup size) is row u % rows of the workgroup's, 32 values from k0 + 32 * (u / rows); zero past row n."""
+    c * subgroup size) is row rbase + u % rows, 32 values from k0 + 32 * (u / rows); zero past row n (`whole`:
+    no row is)."""
     for c in range(units):
-        emit(f"{{ int u = lane + {c * sgs}; int row = tn * {rows} + u % {rows}; int e0 = ({k0}) + 32 * (u / {rows});")
+        emit(f"{{ int u = lane + {c * sgs}; int row = rbase + u % {rows}; int e0 = ({k0}) + 32 * (u / {rows});")
         loads = " ".join(f"load_q(row, e0 + {16 * h}, w{reg}_{c}_{h}_0, w{reg}_{c}_{h}_1, w{reg}_{c}_{h}_2, "
                          f"s{reg}_{c}_{h});" for h in range(halves))
-        if n % rows == 0:
+        if whole:
             emit(f"  {loads} }}")
         else:
             zero = " ".join(f"w{reg}_{c}_{h}_0 = uvec4(0u); w{reg}_{c}_{h}_1 = uvec4(0u); w{reg}_{c}_{h}_2 = uvec4(0u);"
@@ -176,9 +185,10 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
     fragment shape and subgroup size, and mb rows of x (whole fragments; m itself is a push constant)."""
     _check_format(fmt)
     fm, fn, fk = frag
-    sg, bk, depth, frags = cfg.sg, cfg.bk, cfg.depth, cfg.frags
-    rows = frags * fm
-    nt = sg * subgroup
+    sg, bk, depth, frags, wn = cfg.sg, cfg.bk, cfg.depth, cfg.frags, cfg.wn
+    rows = frags * fm  # a subgroup's rows of W
+    wrows = wn * rows  # a workgroup's
+    nt = cfg.subgroups() * subgroup
     units = rows * bk // BLOCK // subgroup  # blocks per invocation per slice
     halves = 1 if fmt in _ONE_LOAD else 2
     stride = bk // 8 + 1  # 16-byte words per decoded row: odd, so eight rows' same block fall in distinct banks
@@ -186,7 +196,8 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
     c_stride = mb // 4 + 1  # 16-byte words per row of a subgroup's accumulators (float32), odd likewise
     ks = cfg.ks
     slices = k // bk // ks  # slices of each workgroup's part of K
-    groups_n = math.ceil(n / rows)
+    groups_n = math.ceil(n / wrows)
+    whole = n % wrows == 0
     mj = mb // fn
     acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
     a_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
@@ -196,8 +207,8 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
          "#extension GL_KHR_memory_scope_semantics : require",
          "#extension GL_KHR_shader_subgroup_basic : require",
          "#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require",
-         f"// y = x @ W.T, W {fmt} [{n}, {k}], x float16 [{mb} rows]; {rows} rows of W a workgroup, {sg} subgroups "
-         f"splitting K by {bk}-deep slices, {depth} register sets",
+         f"// y = x @ W.T, W {fmt} [{n}, {k}], x float16 [{mb} rows]; {wn} x {rows} rows of W a workgroup, {sg} "
+         f"subgroups splitting K by {bk}-deep slices, K split {ks}, {depth} register sets",
          f"layout(local_size_x = {nt}) in;",
          "layout(set = 0, binding = 0) readonly buffer X { uvec4 x[]; };",
          "layout(set = 0, binding = 1) readonly buffer W { uvec4 w[]; };",
@@ -215,6 +226,8 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
     # workgroup (tn, kz): rows tn * ROWS .. of W over part kz of K (slices kz * slices ..)
     emit(f"int tn = grp % {groups_n}, kz = grp / {groups_n}, kbase = kz * {slices * bk};")
     emit("int tid = int(gl_LocalInvocationID.x), lane = int(gl_SubgroupInvocationID), sgid = int(gl_SubgroupID);")
+    # subgroup sgid: rows sn of the workgroup's, slices sk, sk + sg, .. of its part of K
+    emit(f"int sn = sgid / {sg}, sk = sgid % {sg}, rbase = tn * {wrows} + sn * {rows};")
     emit(f"int wb = sgid * {region};")
     # one declaration per statement: NVIDIA's 580 driver crashed creating pipelines declaring several at once
     for f in range(frags):
@@ -243,17 +256,18 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
         emit("subgroupBarrier();")  # every lane's fragments read before the next slice is decoded over them
         emit("}")
 
-    # subgroup sgid takes slices sgid, sgid + sg, ..: set d holds the slice of trip position d (of depth)
+    # set d holds the slice of trip position d (of depth)
     for d in range(depth - 1):
-        emit(f"if (sgid + {d * sg} < {slices}) {{")
-        _load(emit, n, rows, units, halves, subgroup, f"kbase + (sgid + {d * sg}) * {bk}", f"r{d}")
+        emit(f"if (sk + {d * sg} < {slices}) {{")
+        _load(emit, n, whole, rows, units, halves, subgroup, f"kbase + (sk + {d * sg}) * {bk}", f"r{d}")
         emit("}")
-    emit(f"for (int t = sgid; t < {slices}; t += {depth * sg}) {{")
+    emit(f"for (int t = sk; t < {slices}; t += {depth * sg}) {{")
     for d in range(depth):
         emit(f"if (t + {d * sg} >= {slices}) break;")
         ahead = d + depth - 1  # the slice read now, decoded depth - 1 slices later
         emit(f"if (t + {ahead * sg} < {slices}) {{")
-        _load(emit, n, rows, units, halves, subgroup, f"kbase + (t + {ahead * sg}) * {bk}", f"r{ahead % depth}")
+        _load(emit, n, whole, rows, units, halves, subgroup, f"kbase + (t + {ahead * sg}) * {bk}",
+              f"r{ahead % depth}")
         emit("}")
         compute(f"r{d}", f"t + {d * sg}")
     emit("}")
@@ -265,10 +279,11 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
             emit(f"coopMatStore(acc{f}_{j}, sm, cb + {f * fm * c_stride + j * fn // 4}, {c_stride}, "
                  "gl_CooperativeMatrixLayoutRowMajor);")
     emit("barrier();")
-    emit(f"for (int e = tid; e < {rows * mb}; e += {nt}) {{")
-    emit(f"  int r = e / {rows}, c = e % {rows}, col = tn * {rows} + c;")
-    total = " + ".join(f"uintBitsToFloat(sm[{q * rows * c_stride} + c * {c_stride} + (r >> 2)][r & 3])"
-                       for q in range(sg))
+    emit(f"for (int e = tid; e < {wrows * mb}; e += {nt}) {{")
+    # row cw of the workgroup's: row cw % rows of subgroups (cw / rows) * sg + q, q < sg (rows x c_stride words each)
+    emit(f"  int r = e / {wrows}, cw = e % {wrows}, col = tn * {wrows} + cw;")
+    emit(f"  int at = (cw / {rows}) * {sg * rows * c_stride} + (cw % {rows}) * {c_stride} + (r >> 2);")
+    total = " + ".join(f"uintBitsToFloat(sm[at + {q * rows * c_stride}][r & 3])" for q in range(sg))
     if ks == 1:
         emit(f"  if (r < int(pc.m) && col < {n}) y[r * {n} + col] = {total};")
         emit("}")
@@ -283,8 +298,8 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
         emit("barrier();")
         emit("if (last == 0u) return;")
         emit("memoryBarrierBuffer();")
-        emit(f"for (int e = tid; e < {rows * mb}; e += {nt}) {{")
-        emit(f"  int r = e / {rows}, col = tn * {rows} + e % {rows};")
+        emit(f"for (int e = tid; e < {wrows * mb}; e += {nt}) {{")
+        emit(f"  int r = e / {wrows}, col = tn * {wrows} + e % {wrows};")
         emit(f"  if (r < int(pc.m) && col < {n}) {{")
         emit("    float v = 0.0;")
         emit(f"    for (int q = 0; q < {ks}; q++) v += part[(q * int(pc.m) + r) * {n} + col];")
