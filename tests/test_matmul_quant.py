@@ -55,15 +55,17 @@ def test_config_follows_the_device():
     # a K split is taken where K is a whole number of its parts' slices (QuantLinear sums the planes)
     split = dataclasses.replace(lim, tuned=((q4, (128, 128, 32, 2, 4, 2, 2, 4)),))
     assert mq.config(split, 512, 4096, 4096, "Q4_0") == mq.Prefill(128, 128, 32, 2, 4, 2, 2, 4)
-    # the ninth number is the order of decoding and products; an order other than 0 needs two stages
+    # the ninth number is the order of decoding and products
     spread = dataclasses.replace(lim, tuned=((q4, (128, 128, 32, 2, 4, 2, 2, 1, 2)),))
     assert mq.config(spread, 512, 4096, 4096, "Q4_0").order == 2
-    one = dataclasses.replace(lim, tuned=((q4, (128, 128, 64, 2, 4, 1, 1, 1, 2)),))
-    assert mq.config(one, 512, 4096, 4096, "Q4_0") == mq.DEFAULT
+    one = dataclasses.replace(lim, tuned=((q4, (128, 128, 64, 2, 4, 1, 1, 1, 1)),))
+    assert mq.config(one, 512, 4096, 4096, "Q4_0") == mq.Prefill(128, 128, 64, 2, 4, 1, 1, 1, 1)
+    bad = dataclasses.replace(lim, tuned=((q4, (128, 128, 64, 2, 4, 1, 1, 1, 3)),))
+    assert mq.config(bad, 512, 4096, 4096, "Q4_0") == mq.DEFAULT
 
 
 def test_search_candidates():
-    """The tiles the search measures fit the device, take whole blocks of K, decode out of order only with two
+    """The tiles the search measures fit the device, take whole slices of K, come in every order with one and two
     stages, and split K only for outputs of few tiles; the default is among them."""
     lim = fake_limits()
     frag = (16, 16, 16)
@@ -74,10 +76,9 @@ def test_search_candidates():
     assert all(c.ks == 1 or -(-512 // c.bm) * -(-14336 // c.bn) < matmul_coop.SPLIT_TILES for c in wide)
     assert any(c.ks == 1 and c.bm * c.bn == 128 * 128 and c in few for c in wide)
     assert [c for c in wide if c.ks > 1 and c.bm * c.bn == 128 * 128] == []  # 448 tiles: no split
+    assert {(c.stages, c.order) for c in few} == {(s, o) for s in (1, 2) for o in (0, 1, 2)}
     for c in few:
         assert c.fits(frag, lim) and c.bk % mq.CHUNK == 0 and 14336 % (c.bk * c.ks) == 0
-        assert c.order == 0 or c.stages == 2
-    assert not mq.Prefill(128, 128, 64, 2, 4, 1, 1, 1, 1).fits(frag, lim)
     assert mq.candidates(lim, 512, 4096, 48) == [] and mq.candidates(fake_limits(coop=()), 512, 4096, 4096) == []
     assert mq.DEFAULT not in mq.candidates(fake_limits(max_shared=32768), 512, 4096, 4096)  # 40 KiB
 
@@ -216,6 +217,16 @@ def test_decoding_between_the_products_emulated_matches_numpy(n, k, monkeypatch)
     lim = emulate_coop(monkeypatch)
     _prefill_tile_case(lim, "Q4_0", mq.Prefill(64, 64, 32, 2, 2, 2, 2, 1, 2), 70, n, k)
     _prefill_tile_case(lim, "Q8_0", mq.Prefill(64, 64, 16, 2, 2, 2, 2, 1, 1), 70, n, k)
+
+
+@pytest.mark.parametrize("cfg", [mq.Prefill(64, 64, 64, 2, 2, 1, 1, 1, 2), mq.Prefill(64, 64, 32, 2, 2, 1, 2, 2, 1)],
+                         ids=["between", "before-p2-k2"])
+def test_one_stage_decoding_during_the_products_emulated_matches_numpy(cfg, monkeypatch):
+    """One stage: the next slice of W decoded into registers between or before the current slice's products and
+    stored after the barrier, emulated (with two slices in flight and K split too), ragged and whole tiles."""
+    lim = emulate_coop(monkeypatch)
+    _prefill_tile_case(lim, "Q4_0", cfg, 70, 100, 512)
+    _prefill_tile_case(lim, "Q8_0", cfg, 64, 128, 256)
 
 
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------

@@ -147,10 +147,10 @@ def shape_class(fmt: str, m: int, n: int, k: int) -> str:
 
 @dataclass(frozen=True)
 class Prefill(matmul_coop.Config):
-    """A prefill tile: matmul_coop's Config plus ORDER, where each step of two stages decodes the next slice into
-    shared memory: 0 after the current slice's products (behind a branch: the products, then the decoding), 1
-    before them, 2 between their 16-deep steps (see `source`). With one stage the next slice can only be stored
-    once every subgroup is done with the current one: order 0."""
+    """A prefill tile: matmul_coop's Config plus ORDER, where each step decodes the next slice of W: 0 after the
+    current slice's products (behind a branch: the products, then the decoding), 1 before them, 2 between their
+    16-deep steps (see `source`). Two stages take the decoded slice into the other stage at once; one stage keeps
+    it in registers until every subgroup is done with the current slice."""
 
     order: int = 0
 
@@ -161,8 +161,7 @@ class Prefill(matmul_coop.Config):
         return super().label() + (f"/o{self.order}" if self.order else "")
 
     def fits(self, frag: tuple[int, int, int], lim: Limits, itemsize: int = 2) -> bool:
-        return (super().fits(frag, lim, itemsize) and self.order in (0, 1, 2)
-                and (self.order == 0 or self.stages == 2))
+        return super().fits(frag, lim, itemsize) and self.order in (0, 1, 2)
 
 
 # The prefill product's tile where none was measured for the format's class: the float16 product's fastest tiles
@@ -170,27 +169,35 @@ class Prefill(matmul_coop.Config):
 # 512 x 4096 x 14336) where this one ran at 126
 DEFAULT = Prefill(128, 128, 32, 2, 4)
 # The tiles `bench_matmul.py --quant --tune` measures (those that fit the device, take whole slices of K and, with
-# K split, split an output of few tiles): at 48 KiB of shared memory 128 x 128 x 32 is the largest 32-deep tile with
-# two stages, the only tiles whose decoding can overlap the products in a workgroup, so most are that tile with each
-# order, prefetch depth and subgroup layout; then 16-deep slices, which fit two stages of 128 x 256 or 256 x 128
-# (64 x 64 per subgroup: the fewest fragment loads per product; 256 rows also decode W once for twice the rows); the
-# one-stage tiles of deeper slices or 64 x 64 per subgroup (the float16 product's fastest), and a K split for outputs
-# of few tiles (N = 4096 at 512 rows: 128 of 128 x 128). 16 subgroups too (the ninth session read one at 128 TFLOP/s
-# in its search and 63 through QuantLinear, both while the clocks fell between compiles: bench_matmul.search_quant).
-CANDIDATES = (*(Prefill(128, 128, 32, wm, wn, 2, pf, 1, order) for wm, wn in ((2, 4), (4, 2)) for pf in (1, 2)
-                for order in (0, 1, 2)),
-              Prefill(128, 128, 32, 2, 2, 2, 2, 1, 0), Prefill(128, 128, 32, 2, 2, 2, 2, 1, 2),
-              Prefill(64, 128, 32, 2, 4, 2, 2, 1, 0), Prefill(64, 128, 32, 2, 4, 2, 2, 1, 2),
-              Prefill(128, 128, 64, 2, 4, 1), Prefill(128, 128, 64, 2, 4, 1, 2), Prefill(128, 256, 32, 2, 4, 1),
-              Prefill(256, 128, 32, 4, 2, 1),
-              *(Prefill(bm, bn, 16, wm, wn, 2, 2, 1, order) for bm, bn, wm, wn in ((128, 256, 2, 4), (256, 128, 4, 2))
-                for order in (0, 1, 2)),
-              Prefill(256, 128, 16, 4, 2, 2, 1, 1, 0), Prefill(256, 128, 16, 4, 2, 2, 1, 1, 2),
-              Prefill(256, 128, 16, 4, 2, 2, 2, 2, 1), Prefill(256, 128, 16, 4, 2, 2, 2, 4, 1),
-              Prefill(128, 256, 16, 2, 4, 2, 2, 2, 1), Prefill(128, 128, 32, 2, 4, 2, 2, 4, 2),
-              Prefill(128, 128, 32, 2, 4, 2, 2, 2, 0),
-              Prefill(128, 128, 32, 2, 4, 2, 2, 2, 2), Prefill(128, 128, 32, 2, 4, 2, 1, 2, 1),
-              Prefill(128, 128, 32, 4, 4, 2, 1, 1, 0), Prefill(128, 128, 32, 4, 4, 2, 1, 1, 2))
+# K split, split an output of few tiles), each in the orders worth timing. Two stages: at 48 KiB of shared memory
+# 128 x 128 x 32 is the largest 32-deep tile (in each prefetch depth and subgroup layout, 16 subgroups too); 16-deep
+# slices (half a Q8_0/Q4_0 block) fit 128 x 256 and 256 x 128 (64 x 64 per subgroup: the fewest fragment loads
+# per product; 256 rows also decode W once for twice the rows). One stage: the float16 product's fastest tiles
+# (128 x 128 x 64, 128 x 256 x 32, 256 x 128 x 32, RESULTS.md, ninth session). K split for outputs of few tiles
+# (N = 4096 at 512 rows: 128 of 128 x 128, 64 of 256 x 128). The ninth session read a 16-subgroup tile at 128
+# TFLOP/s in its search and 63 through QuantLinear, both while the clocks fell between compiles
+# (bench_matmul.search_quant builds every pipeline before it times any now).
+_S2, _S1 = 2, 1
+CANDIDATES = (
+    *(Prefill(128, 128, 32, 2, 4, _S2, pf, 1, o) for pf, o in ((1, 0), (1, 2), (2, 0), (2, 1), (2, 2))),
+    Prefill(128, 128, 32, 4, 2, _S2, 1, 1, 0), Prefill(128, 128, 32, 4, 2, _S2, 2, 1, 2),
+    Prefill(128, 128, 32, 2, 2, _S2, 2, 1, 0), Prefill(128, 128, 32, 2, 2, _S2, 2, 1, 2),
+    Prefill(128, 128, 32, 4, 4, _S2, 1, 1, 0), Prefill(128, 128, 32, 4, 4, _S2, 1, 1, 2),
+    Prefill(64, 128, 32, 2, 4, _S2, 2, 1, 0), Prefill(64, 128, 32, 2, 4, _S2, 2, 1, 2),
+    *(Prefill(bm, bn, 16, wm, wn, _S2, 2, 1, o) for bm, bn, wm, wn in ((128, 256, 2, 4), (256, 128, 4, 2))
+      for o in (0, 1, 2)),
+    Prefill(256, 128, 16, 4, 2, _S2, 1, 1, 0), Prefill(256, 128, 16, 4, 2, _S2, 1, 1, 2),
+    *(Prefill(128, 128, 64, 2, 4, _S1, 1, 1, o) for o in (0, 1, 2)), Prefill(128, 128, 64, 2, 4, _S1, 2),
+    Prefill(128, 128, 64, 2, 4, _S1, 2, 1, 2),
+    Prefill(128, 128, 64, 4, 2, _S1, 1, 1, 0), Prefill(128, 128, 64, 4, 2, _S1, 1, 1, 2),
+    *(Prefill(bm, bn, 32, wm, wn, _S1, 1, 1, o) for bm, bn, wm, wn in ((128, 256, 2, 4), (256, 128, 4, 2))
+      for o in (0, 2)),
+    # K split
+    Prefill(128, 128, 32, 2, 4, _S2, 2, 2, 0), Prefill(128, 128, 32, 2, 4, _S2, 2, 2, 2),
+    Prefill(128, 128, 32, 2, 4, _S2, 2, 4, 2), Prefill(256, 128, 16, 4, 2, _S2, 2, 2, 1),
+    Prefill(256, 128, 16, 4, 2, _S2, 2, 4, 1), Prefill(128, 256, 16, 2, 4, _S2, 2, 2, 1),
+    Prefill(128, 256, 32, 2, 4, _S1, 1, 2, 2), Prefill(256, 128, 32, 4, 2, _S1, 1, 2, 2),
+    Prefill(128, 128, 64, 2, 4, _S1, 1, 2, 2))
 
 
 def candidates(lim: Limits, m: int, n: int, k: int) -> list[Prefill]:
@@ -323,17 +330,27 @@ def _load_w(emit: Any, n: int, bn: int, bk: int, nt: int, k0: str, reg: str = ""
         emit(f"  else {{ {r}_0 = uvec4(0u); {r}_1 = uvec4(0u); {r}_2 = uvec4(0u); bs{c}{reg} = 0.0; }} }}")
 
 
-def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str, reg: str = "", only: int | None = None) -> None:
+def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str, reg: str = "", only: int | None = None,
+             part: str = "") -> None:
     """The registers' chunks decoded (decode_q) into shared memory from `at`: bn rows of bk float16 values, rows
-    padded by 8 values; with `only`, that round of chunks alone."""
+    padded by 8 values; with `only`, that round of chunks alone. Part "decode" only decodes round c into the
+    registers dl<c>, dh<c>, part "store" only stores them (a one-stage step decodes while it multiplies, and stores
+    once every subgroup is done with the slice)."""
     chunks, kb, stride = bn * (bk // 16), bk // 16, (bk + 8) // 8
     for c in range(math.ceil(chunks / nt)) if only is None else (only,):
-        cond = "" if (c + 1) * nt <= chunks else f"if (lid + {c * nt} < {chunks}) "
         row, j = _deal("e", kb, bn)
+        r = f"br{c}{reg}"
+        decode = f"decode_q(({k0}) + 16 * ({j}), {r}_0, {r}_1, {r}_2, bs{c}{reg}, "
+        if part == "decode":
+            emit(f"{{ int e = lid + {c * nt}; {decode}dl{c}, dh{c}); }}")
+            continue
+        cond = "" if (c + 1) * nt <= chunks else f"if (lid + {c * nt} < {chunks}) "
         emit(f"{{ int e = lid + {c * nt}; int j = {j};")
         emit(f"  {cond}{{ int at = {at} + ({row}) * {stride} + 2 * j;")
-        r = f"br{c}{reg}"
-        emit(f"    uvec4 lo, hi; decode_q(({k0}) + 16 * j, {r}_0, {r}_1, {r}_2, bs{c}{reg}, lo, hi);")
+        if part == "store":
+            emit(f"    sm[at] = dl{c}; sm[at + 1] = dh{c}; }} }}")
+            continue
+        emit(f"    uvec4 lo, hi; {decode}lo, hi);")
         emit("    sm[at] = lo; sm[at + 1] = hi; } }")
 
 
@@ -453,6 +470,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     smem = max(cfg.stages * stage, wm * wn * wk * fm * c_stride)
     chunks_a = bm * (bk // 8)
     per_a = math.ceil(chunks_a / nt)
+    rounds_w = math.ceil(bn * (bk // 16) / nt)  # W's chunks per invocation
     ka = bk // 8  # 8-element chunks of a row of x's slice (W's: 16-element chunks, _load_w)
     srow, scol = matmul_coop.spread("e", ka, bm)  # x's chunk e: the stores of each 8 invocations in distinct banks
     g_m = matmul_coop.GROUP_M
@@ -471,12 +489,15 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
                      f"x[row * {k // 8} + ({k0}) / 8 + ({scol})] : uvec4(0u); }}")
         _load_w(emit, n, bn, bk, nt, k0, reg)
 
-    def store_parts(at: str, k0: str, reg: str) -> list[Any]:
+    def store_parts(at: str, k0: str, reg: str, part: str = "") -> list[Any]:
         """The staging of a slice into shared memory from `at` as parts that may be emitted apart: W's rounds of
-        chunks first (the decoding), then x's."""
+        chunks first (the decoding), then x's; with part "decode" W's decoding into registers alone, with part
+        "store" the rest (see _store_w)."""
         k0 = f"kz0 + {k0}"
-        parts: list[Any] = [partial(_store_w, emit, bn, bk, nt, f"{at} + {a_size}", k0, reg, only=c)
-                            for c in range(math.ceil(bn * (bk // 16) / nt))]
+        parts: list[Any] = [partial(_store_w, emit, bn, bk, nt, f"{at} + {a_size}", k0, reg, only=c, part=part)
+                            for c in range(rounds_w)]
+        if part == "decode":
+            return parts
         if int8:
             return [*parts, partial(_store_x8, emit, bm, bk, nt, at, reg)]
 
@@ -485,9 +506,9 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
             emit(f"{{ int e = lid + {c * nt}; {cond}sm[{at} + ({srow}) * {a_stride} + ({scol})] = ar{c}{reg}; }}")
         return parts + [partial(store_x, c) for c in range(per_a)]
 
-    def store_slice(at: str, k0: str, reg: str) -> None:
-        for part in store_parts(at, k0, reg):
-            part()
+    def store_slice(at: str, k0: str, reg: str, part: str = "") -> None:
+        for p in store_parts(at, k0, reg, part):
+            p()
 
     acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
     a_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
@@ -519,6 +540,9 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         else:
             emit(f"uvec4 {', '.join(f'ar{c}{reg} = uvec4(0u)' for c in range(per_a))};")
         _declare_w(emit, bn, bk, nt, reg)
+    if order and cfg.stages == 1:
+        for c in range(rounds_w):
+            emit(f"uvec4 dl{c} = uvec4(0u), dh{c} = uvec4(0u);")
     load_slice("0", "")
     store_slice("0", "0", "")
     if pf == 2 and nk > 1:
@@ -528,14 +552,17 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     def step(kt: str, load_reg: str, store_reg: str) -> None:
         """Slice kt multiplied from shared memory while slice kt + pf is read into registers load_reg; slice
         kt + 1 (read pf - 1 steps earlier, in store_reg) is decoded into shared memory: after the products (order
-        0), or, in the other stage, before them (1) or between their 16-deep steps (2), unconditionally (past the
-        last slice it fills the stage no one reads again), so that the step's products and decoding are one
-        stretch of code the compiler can interleave."""
+        0), or before them (1) or between their 16-deep steps (2), unconditionally, so that the step's products and
+        decoding are one stretch of code the compiler can interleave. With two stages the staging goes into the
+        other (past the last slice it fills the stage no one reads again); with one, W's decoding goes into
+        registers, stored with x's words after a barrier (past the last slice, before the epilogue's barrier)."""
         emit(f"int cur = (({kt}) & 1) * {stage};" if cfg.stages == 2 else "int cur = 0;")
         emit(f"if (({kt}) + {pf} < {nk}) {{")
         load_slice(f"(({kt}) + {pf}) * {bk}", load_reg)
         emit("}")
-        parts = store_parts(f"{stage} - cur", f"(({kt}) + 1) * {bk}", store_reg) if order else []
+        # two stages: the whole staging into the other; one: W's decoding into registers, stored after a barrier
+        part = "decode" if cfg.stages == 1 else ""
+        parts = store_parts(f"{stage} - cur", f"(({kt}) + 1) * {bk}", store_reg, part) if order else []
         if order == 1:
             for part in parts:
                 part()
@@ -558,6 +585,9 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
                         part()
         if order:
             emit("barrier();")
+            if cfg.stages == 1:
+                store_slice("0", f"(({kt}) + 1) * {bk}", store_reg, "store")
+                emit("barrier();")
             return
         if cfg.stages == 1:
             emit("barrier();")  # every subgroup is done with the slice before it is overwritten
