@@ -100,7 +100,7 @@ def test_programs_compile(fmt, cfg, residual):
     compiles(src)
 
 
-@pytest.mark.parametrize("kb", [2, 4, 8, 16])
+@pytest.mark.parametrize("kb", [1, 2, 4, 8, 16])
 def test_staged_weight_chunks_of_eight_invocations_fall_in_distinct_banks(kb):
     """Each chunk of W's 64-row slice (kb chunks of 16 values a row, two 16-byte words each) is staged once, each
     8 invocations' stores land in 8 distinct 16-byte bank groups, and each warp stages the chunks it would in row
