@@ -1,6 +1,6 @@
 #version 450
 // The earlier form of vkgraph/templates/glsl/matvec_q4_k.comp (a unit of one nibble word), kept for
-// bench_matvec_q4k_word.py's comparison against the current one (units of two words).
+// bench_matvec_forms.py --q4k-word (old against new; the current one takes units of two words).
 // y = W x for Q4_K weights as GGUF stores them: per row K/256 super-blocks of 144 bytes = 9 uvec4: a header
 // (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32) and 8 words of nibbles.
 // A unit is one nibble word k of a super-block: its low nibbles are elements 64*(k/2) + 16*(k%2) + 0..15
