@@ -11,17 +11,19 @@ weights cycled through copies past the L2, bench_kernels._weight_copies):
   the integer path runs (quantized beforehand, as the fused decode step feeds it);
 - tile: matmul_quant's small-row tile (decode_config) on the same int8 activations; a tile that splits K writes
   partial planes that the decode step sums in one more kernel, not in this time;
-- skinny: matmul_skinny's default configuration (config) on float16 activations.
---sweep also times matmul_skinny's configurations around the default at --sweep-rows rows and prints the five
-fastest, each as sg (subgroups per workgroup) / bk (slice depth) / d (register sets) / f (16-row fragments of W
-per subgroup) / ks (workgroups splitting K) / wn (subgroups on distinct rows of W), the last two where more than
-one.
+- skinny: matmul_skinny's default configuration (config) on float16 activations;
+- skinny8: its default configuration for int8 activations (x staged in shared memory) on the int8 activations.
+--sweep also times matmul_skinny's configurations around the default at --sweep-rows rows and prints them
+fastest first (float16 x from SWEEP, int8 x staged from XS_SWEEP), each as sg (subgroups per workgroup) / bk
+(slice depth) / d (register sets) / f (16-row fragments of W per subgroup) / ks (workgroups splitting K) / wn
+(subgroups on distinct rows of W) / xs (x staged), the last three where used.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 
 import numpy as np
 from bench_kernels import _release_weights, _weight_copies
@@ -45,6 +47,12 @@ SWEEP = [ms.Skinny(*c) for c in (
     (1, 128, 2, 4), (2, 128, 3, 4),
     (2, 128, 3, 2, 2), (2, 128, 3, 2, 4), (2, 128, 3, 4, 4), (1, 128, 3, 4, 8), (4, 256, 3, 1, 2),
     (1, 256, 3, 1, 4, 4), (2, 128, 3, 1, 2, 4), (1, 128, 3, 2, 4, 4), (1, 256, 3, 1, 1, 4))]
+# x staged in shared memory (xs), timed on int8 activations: (sg, bk, depth, frags, wn), K split into the fewest
+# parts (`_staged`) whose x fits beside the slices
+XS_SWEEP = [ms.Skinny(sg, bk, depth, frags, 1, wn, 1) for sg, bk, depth, frags, wn in (
+    (2, 128, 3, 1, 2), (1, 128, 3, 1, 4), (1, 128, 3, 2, 2), (2, 64, 3, 2, 1), (4, 64, 3, 1, 1), (1, 256, 2, 1, 4),
+    (2, 64, 3, 1, 2), (1, 64, 4, 1, 4))]
+MAX_KS = 32
 
 
 def skinny_us(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch | None = None) -> float:
@@ -57,6 +65,16 @@ def skinny_us(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratc
     return replay_us(dev, run, reps)
 
 
+def _staged(c: ms.Skinny, frag, lim, k: int, mb: int) -> ms.Skinny | None:
+    """c with K split into the fewest parts (up to MAX_KS) that fit the device, or None."""
+    ks = 1
+    while ks <= MAX_KS:
+        if (t := replace(c, ks=ks)).fits(frag, lim, k, mb):
+            return t
+        ks *= 2
+    return None
+
+
 def _timed(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch) -> float | str:
     """skinny_us, or the error a configuration raised (printed in its place, so that the others still run)."""
     try:
@@ -67,7 +85,7 @@ def _timed(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch) 
 
 def _label(c: ms.Skinny) -> str:
     return (f"sg{c.sg}/bk{c.bk}/d{c.depth}/f{c.frags}" + (f"/ks{c.ks}" if c.ks > 1 else "")
-            + (f"/wn{c.wn}" if c.wn > 1 else ""))
+            + (f"/wn{c.wn}" if c.wn > 1 else "") + ("/xs" if c.xs else ""))
 
 
 def _cell(nbytes: int, us: float | str | None) -> str:
@@ -90,7 +108,7 @@ def main() -> None:
     raise_clocks()
     print(f"{dev.info.name}: GB/s of weight bytes and us per product; fragment {frag}, subgroup {lim.subgroup}")
     print(f"{'fmt':>5s} {'product':>8s} {'N x K':>13s} {'rows':>4s} {'matvec GB/s us':>15s} {'tile GB/s us':>15s} "
-          f"{'skinny GB/s us':>15s}  skinny config")
+          f"{'skinny GB/s us':>15s} {'skinny8 GB/s us':>15s}  skinny config / skinny8 config")
     for fmt in a.formats.split(","):
         f = FORMATS[fmt]
         for name, n, k in PRODUCTS:
@@ -104,27 +122,30 @@ def main() -> None:
                 y = dev.alloc(8 * rows * n * 4)  # room for the tile's partial planes
                 t_mv = product_us(dev, ws, x, y, rows, cfg_mv, a.reps)
                 tile = mq.decode_config(lim, rows, n, k) if fmt in mq.FORMATS else None
-                t_tile = None
-                if tile is not None:
-                    q8 = x if isinstance(x, mv.Q8Acts) else mv.Q8Acts(*mv.quantize_activations(dev, x, rows, k))
-                    t_tile = mm_us(dev, ws, q8, y, rows, tile, a.reps)
-                    if q8 is not x:
-                        bufs += [q8.xq, q8.xd, q8.xs]
+                q8 = x if isinstance(x, mv.Q8Acts) else mv.Q8Acts(*mv.quantize_activations(dev, x, rows, k))
+                if q8 is not x:
+                    bufs += [q8.xq, q8.xd, q8.xs]
+                t_tile = mm_us(dev, ws, q8, y, rows, tile, a.reps) if tile is not None else None
                 cfg = ms.config(lim, rows, n, k) if fmt in ms.FORMATS else None
-                t_sk, xh = None, None
+                cfg8 = ms.config(lim, rows, n, k, int8=True) if fmt in ms.FORMATS else None
+                t_sk, t_sk8, xh, sc = None, None, None, None
                 if cfg is not None:
                     mb = ms.x_rows(frag, rows)
                     xh = dev.alloc(mb * k * 2)
                     dev.upload(xh, rng.standard_normal((mb, k)).astype(np.float16))
-                    sc = ms.scratch(dev, ms.Skinny(ks=max(c.ks for c in SWEEP)), frag, rows, n)
+                    sc = ms.scratch(dev, ms.Skinny(ks=MAX_KS), frag, rows, n)
                     bufs += [sc.partial, sc.counters]
                     t_sk = _timed(dev, ws, xh, y, rows, cfg, a.reps, sc)
+                    if cfg8 is not None:
+                        t_sk8 = _timed(dev, ws, q8, y, rows, cfg8, a.reps, sc)
                 print(f"{fmt:>5s} {name:>8s} {n:>6d}x{k:<6d} {rows:>4d} {_cell(nbytes, t_mv):>15s} "
-                      f"{_cell(nbytes, t_tile):>15s} {_cell(nbytes, t_sk):>15s}  {_label(cfg) if cfg else '-'}",
-                      flush=True)
+                      f"{_cell(nbytes, t_tile):>15s} {_cell(nbytes, t_sk):>15s} {_cell(nbytes, t_sk8):>15s}  "
+                      f"{_label(cfg) if cfg else '-'} / {_label(cfg8) if cfg8 else '-'}", flush=True)
                 if a.sweep and cfg is not None and str(rows) in a.sweep_rows.split(","):
-                    found = {c: _timed(dev, ws, xh, y, rows, c, 3, sc) for c in SWEEP
-                             if c.fits(frag, lim, k, ms.x_rows(frag, rows))}
+                    mb = ms.x_rows(frag, rows)
+                    staged = [t for c in XS_SWEEP if (t := _staged(c, frag, lim, k, mb)) is not None]
+                    found = {c: _timed(dev, ws, q8 if c.xs else xh, y, rows, c, 3, sc)
+                             for c in [c for c in SWEEP if c.fits(frag, lim, k, mb)] + staged}
                     times = {c: t for c, t in found.items() if not isinstance(t, str)}
                     best = sorted(times, key=times.get)
                     print("      skinny, fastest first (GB/s us): " + ", ".join(

@@ -16,6 +16,7 @@ import vkgraph.realize as realize_mod
 from vkgraph.quant import dequantize, random_blocks
 from vkgraph.runtime import get_device
 from vkgraph.templates import matmul_skinny as ms
+from vkgraph.templates import matvec as mv
 from vkgraph.templates.matvec import upload_weights
 
 # the fragments of an emulated program: A and B are (offset, stride, column-major, in x) where they lie in shared
@@ -82,29 +83,48 @@ def _emulate(monkeypatch, coop=COOP):
     return lim
 
 
-def _case(lim, fmt: str, m: int, n: int, k: int, cfg: ms.Skinny | None = None, seed: int = 0) -> None:
+def _int8_acts(dev, rng, m: int, k: int):
+    """m rows of int8 blocks (Q8Acts, quantized on the device from random float32 rows), its buffers, and the
+    values they stand for rounded to float16 as the product stages them."""
+    xf = rng.standard_normal((m, k)).astype(np.float32)
+    xb = dev.alloc(xf.nbytes)
+    dev.upload(xb, xf)
+    xq, xd, xs = mv.quantize_activations(dev, xb, m, k)
+    q = dev.download(xq, np.int8, (m, k)).astype(np.float32)
+    d = dev.download(xd, np.float32, (m, k // 32))
+    return mv.Q8Acts(xq, xd, xs), [xb, xq, xd, xs], (q * np.repeat(d, 32, axis=1)).astype(np.float16)
+
+
+def _case(lim, fmt: str, m: int, n: int, k: int, cfg: ms.Skinny | None = None, seed: int = 0,
+          int8: bool = False) -> None:
     """One product against numpy in float64, over a NaN-poisoned output (every element must be written); with K
-    split over workgroups twice over one Scratch (its counters back at zero after each product)."""
+    split over workgroups twice over one Scratch (its counters back at zero after each product). x: float16 rows
+    (with rows past m, where read, full of infinities), or int8 blocks."""
     dev = get_device()
     rng = np.random.default_rng(seed)
     qt = random_blocks(rng, fmt, n, k)
-    cfg = cfg or ms.config(lim, m, n, k)
+    cfg = cfg or ms.config(lim, m, n, k, int8)
     assert cfg is not None
-    mb = ms.x_rows(ms.fragment(lim), m)
-    x = rng.standard_normal((mb, k)).astype(np.float16)
-    x[m:] = np.inf  # rows past m are read; their products must not reach y
-    xb, out = dev.alloc(x.nbytes), dev.alloc(m * n * 4)
-    dev.upload(xb, x)
+    out = dev.alloc(m * n * 4)
+    if int8:
+        xin, bufs, x = _int8_acts(dev, rng, m, k)
+    else:
+        mb = ms.x_rows(ms.fragment(lim), m) if not cfg.xs else m
+        x = rng.standard_normal((mb, k)).astype(np.float16)
+        x[m:] = np.inf  # rows past m are read; their products must not reach y
+        xin = dev.alloc(x.nbytes)
+        dev.upload(xin, x)
+        bufs = [xin]
     weights = upload_weights(dev, qt)
     sc = ms.scratch(dev, cfg, ms.fragment(lim), m, n) if cfg.ks > 1 else None
     for _ in range(2 if sc else 1):
         dev.upload(out, np.full(m * n, np.nan, np.float32))
-        ms.matmul_skinny(dev, lim, weights, xb, m, cfg, out=out, scratch=sc)
+        ms.matmul_skinny(dev, lim, weights, xin, m, cfg, out=out, scratch=sc)
         got = dev.download(out, np.float32, (m, n))
         _check(got, x[:m], dequantize(qt).reshape(n, k))
     if sc:
         assert not dev.download(sc.counters, np.uint32).any()
-    for buf in (xb, out, weights.body, *([weights.scales] if weights.scales is not None else []),
+    for buf in (*bufs, out, weights.body, *([weights.scales] if weights.scales is not None else []),
                 *([sc.partial, sc.counters] if sc else [])):
         buf.release()
 
@@ -150,6 +170,11 @@ def test_errors_before_any_gpu_work(monkeypatch):
         ms.matmul_skinny(dev, lim, weights, x, 8, ms.Skinny(2, 32, 2, 1, 3))
     with pytest.raises(ValueError, match="Scratch"):
         ms.matmul_skinny(dev, lim, weights, x, 8, ms.Skinny(2, 32, 2, 1, 2))
+    acts, bufs, _ = _int8_acts(dev, np.random.default_rng(1), 8, 256)
+    with pytest.raises(ValueError, match="xs"):  # int8 blocks are staged
+        ms.matmul_skinny(dev, lim, weights, acts, 8, cfg)
+    for buf in bufs:
+        buf.release()
     x.release()
 
 
@@ -174,6 +199,15 @@ def test_subgroups_on_rows_emulated_match_numpy(m, cfg, monkeypatch):
     _case(_emulate(monkeypatch), "Q4_0", m, 40, 448, cfg, seed=m + 2)
 
 
+@pytest.mark.parametrize("m,cfg,int8", [(3, ms.Skinny(2, 32, 3, 1, 2, 2, 1), True),
+                                        (17, ms.Skinny(1, 64, 2, 2, 1, 1, 1), True),
+                                        (9, ms.Skinny(2, 32, 2, 1, 7, 1, 1), False)])
+def test_staged_x_emulated_matches_numpy(m, cfg, int8, monkeypatch):
+    """x's part of K staged in shared memory first: int8 blocks over K split in 2 (2 x 2 subgroups), over all of K
+    (two fragments of W rows); float16 rows (exactly m of them: no padding read) over K split in 7."""
+    _case(_emulate(monkeypatch), "Q4_0", m, 40, 448, cfg, seed=m + 4, int8=int8)
+
+
 @pytest.mark.parametrize("fmt,cfg", [("Q8_0", ms.Skinny(2, 32, 2, 2)), ("Q4_K", ms.Skinny(3, 64, 1)),
                                      ("Q6_K", ms.Skinny(1, 32, 4))])
 def test_formats_emulated_match_numpy(fmt, cfg, monkeypatch):
@@ -190,20 +224,23 @@ def test_square_fragments_emulated_match_numpy(monkeypatch):
 @needs_f16
 @pytest.mark.parametrize("m", [1, 3, 8, 17, 32])
 def test_on_device_matches_numpy(m):
-    """The default configuration on the Llama-3-8B o product's shape (Q4_0), and on a ragged one in each format."""
+    """The default configurations (float16 and int8 x) on the Llama-3-8B o product's shape (Q4_0), and on a ragged
+    one in each format."""
     lim = realize_mod.limits()
-    _case(lim, "Q4_0", m, 4096, 4096, seed=m)
-    for fmt in ms.FORMATS:
-        _case(lim, fmt, m, 200, 1024 + 256, seed=m + 1)
+    for int8 in (False, True):
+        _case(lim, "Q4_0", m, 4096, 4096, seed=m, int8=int8)
+        for fmt in ms.FORMATS:
+            _case(lim, fmt, m, 200, 1024 + 256, seed=m + 1, int8=int8)
 
 
 @needs_f16
 @pytest.mark.parametrize("cfg", [ms.Skinny(sg, bk, depth, frags) for sg in (1, 2, 4) for bk in (128, 256)
                                  for depth in (2, 4) for frags in (1, 2)]
                          + [ms.Skinny(2, 128, 3, 1, 4), ms.Skinny(1, 128, 2, 4, 2), ms.Skinny(4, 256, 3, 1, 2),
-                            ms.Skinny(1, 256, 3, 1, 4, 4), ms.Skinny(2, 128, 2, 2, 2, 2)])
+                            ms.Skinny(1, 256, 3, 1, 4, 4), ms.Skinny(2, 128, 2, 2, 2, 2),
+                            ms.Skinny(2, 128, 3, 1, 4, 2, 1), ms.Skinny(1, 64, 3, 2, 8, 2, 1)])
 def test_configurations_on_device_match_numpy(cfg):
     lim = realize_mod.limits()
     if not cfg.fits(ms.fragment(lim), lim, 2048, 32):
         pytest.skip(f"{cfg} does not fit this device")
-    _case(lim, "Q4_0", 32, 96, 2048, cfg, seed=5)
+    _case(lim, "Q4_0", 32, 96, 2048, cfg, seed=5, int8=bool(cfg.xs))

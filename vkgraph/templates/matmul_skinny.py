@@ -1,6 +1,6 @@
 """Products of few activation rows over GGUF weights (a batched decode step), streaming W at bandwidth on
 cooperative matrices: y [m, N] float32 = x [m, K] @ W.T, W stored quantized in the matvec layout
-(vkgraph.templates.matvec), x float16 rows, m from 1 to MAX_ROWS.
+(vkgraph.templates.matvec), x float16 rows or int8 blocks, m from 1 to MAX_ROWS.
 
 At 8-32 rows the tensor cores make the arithmetic free; what bounds the product is how many of W's bytes are in
 flight. matmul_quant's small-row tile holds about a kilobyte of W in flight per workgroup and streams 0.3-0.8 TB/s
@@ -22,7 +22,9 @@ its own part of W with no workgroup barrier on the way:
   eight rows fall in distinct banks), then multiplies: A fragments from shared memory, B fragments read straight
   from x in device memory (column-major: x's rows are B's columns), which every workgroup shares through the
   caches. Only subgroup barriers separate the decoding from the products.
-- x's rows past m are read (their products discarded): the x buffer holds whole FN rows (`x_rows`).
+- x's rows past m are read (their products discarded): the x buffer holds whole FN rows (`x_rows`). Or (XS) the
+  workgroup stages its part of x (K split over workgroups until it fits) in shared memory first, as float16, from
+  float16 rows or from the int8 blocks the fused decode step writes (Q8Acts), and reads B there.
 
 The fragment shape is the device's (`fragment`): the narrowest float16 shape with float32 accumulation, 16 x 8 x 16
 on NVIDIA (eight activation rows need no padding). The formats' decoding is matmul_quant's (`load_q`, `decode_q`:
@@ -39,8 +41,8 @@ from typing import Any
 from ..codegen.lower import Limits
 from ..runtime import Device
 from .common import check_binding_range, check_buffer, grid_2d
-from .matmul_quant import BLOCK, FORMATS, _check_format, _codec
-from .matvec import DeviceWeights
+from .matmul_quant import _X8, BLOCK, FORMATS, _check_format, _codec
+from .matvec import DeviceWeights, Q8Acts
 
 MAX_ROWS = 32  # activation rows: accumulators grow with them (m / FN fragments per fragment of W rows)
 # formats whose two 16-value halves of a block come from one load (Q4_0: low and high nibbles of one word); the
@@ -66,7 +68,9 @@ class Skinny:
     sets (depth - 1 slices in flight while one is decoded); frags: fragments of W rows per subgroup; wn: subgroups
     on distinct rows of W per workgroup (each with sg subgroups splitting K; wn x sg in all); ks:
     workgroups that split K per rows of W (each a whole part of K; the last of them to finish sums their partial
-    products, in the order of K, into y: see `Scratch`)."""
+    products, in the order of K, into y: see `Scratch`); xs: 1 to stage the workgroup's part of x (all its K) in
+    shared memory as float16 first, from float16 rows or int8 blocks (Q8Acts), and read the B fragments there;
+    0 to read them from x in device memory (float16 rows only)."""
 
     sg: int = 4
     bk: int = 256
@@ -74,6 +78,7 @@ class Skinny:
     frags: int = 1
     ks: int = 1
     wn: int = 1
+    xs: int = 0
 
     def rows(self, frag: tuple[int, int, int]) -> int:
         """Rows of W per workgroup."""
@@ -82,19 +87,22 @@ class Skinny:
     def subgroups(self) -> int:
         return self.wn * self.sg
 
-    def shared_words(self, frag: tuple[int, int, int], mb: int) -> int:
-        """16-byte words of shared memory: each subgroup's decoded slice, or (reusing it) its accumulators."""
-        return self.sg * self.rows(frag) * max(self.bk // 8 + 1, mb // 4 + 1)
+    def shared_words(self, frag: tuple[int, int, int], mb: int, k: int) -> int:
+        """16-byte words of shared memory: each subgroup's decoded slice (and with xs the staged x after them), or
+        (reusing them) its accumulators."""
+        staged = mb * (k // self.ks // 8 + 1) if self.xs else 0
+        return max(self.sg * self.rows(frag) * (self.bk // 8 + 1) + staged, self.sg * self.rows(frag) * (mb // 4 + 1))
 
     def fits(self, frag: tuple[int, int, int], lim: Limits, k: int, mb: int = MAX_ROWS) -> bool:
         """Whether the device runs it for K = k and mb rows of x: whole blocks a slice, K whole slices, whole
         blocks for each invocation of a subgroup, and the threads and shared memory the device has."""
         rows = self.frags * frag[0]  # a subgroup's
-        return (min(self.sg, self.depth, self.frags, self.ks, self.wn) >= 1 and self.bk % BLOCK == 0
+        return (min(self.sg, self.depth, self.frags, self.ks, self.wn) >= 1 and self.xs in (0, 1)
+                and self.bk % BLOCK == 0
                 and self.bk % frag[2] == 0 and k % (self.bk * self.ks) == 0 and lim.subgroup >= 1
                 and (rows * self.bk // BLOCK) % lim.subgroup == 0
                 and self.subgroups() * lim.subgroup <= lim.max_invocations
-                and self.shared_words(frag, mb) * 16 <= lim.max_shared)
+                and self.shared_words(frag, mb, k) * 16 <= lim.max_shared)
 
 
 @dataclass(frozen=True)
@@ -124,16 +132,25 @@ def x_rows(frag: tuple[int, int, int], m: int) -> int:
     return frag[1] * math.ceil(m / frag[1])
 
 
-def config(lim: Limits, m: int, n: int, k: int) -> Skinny | None:
+def config(lim: Limits, m: int, n: int, k: int, int8: bool = False) -> Skinny | None:
     """The configuration for an m x n product over K = k, or None where the device has no fitting float16
-    cooperative matrices or fixed subgroup size, or m is past MAX_ROWS: 256-deep slices (else the deepest whole
-    slice) and enough subgroups per workgroup that the product has about TARGET_SUBGROUPS of them."""
+    cooperative matrices or fixed subgroup size, or m is past MAX_ROWS. float16 x: 256-deep slices (else the
+    deepest whole slice) and enough subgroups per workgroup that the product has about TARGET_SUBGROUPS of them.
+    int8 x (staged, xs): 2 x 2 subgroups on 32 rows of W, K split into the fewest parts whose x fits the shared
+    memory beside the slices."""
     if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1 or not 1 <= m <= MAX_ROWS:
         return None
     frag = fragment(lim)
     if frag is None or k % BLOCK or n < 1:
         return None
     mb = x_rows(frag, m)
+    if int8:
+        for bk in (128, 64, 32):
+            for ks in (1, 2, 4, 8, 16, 32):
+                cfg = Skinny(2, bk, 3, 1, ks, 2, 1)
+                if cfg.fits(frag, lim, k, mb):
+                    return cfg
+        return None
     groups = math.ceil(n / frag[0])
     want = 1 << max(1, min(3, math.ceil(math.log2(max(1, TARGET_SUBGROUPS / groups)))))
     for bk in (256, 128, 64, 32):
@@ -180,9 +197,12 @@ def _store(emit: Any, rows: int, units: int, halves: int, sgs: int, stride: int,
 
 
 def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, frag: tuple[int, int, int],
-           subgroup: int, mb: int) -> str:
+           subgroup: int, mb: int, int8: bool = False) -> str:
     """The GLSL of the product for format fmt, W [n, k] with the given strides, configuration cfg, the device's
-    fragment shape and subgroup size, and mb rows of x (whole fragments; m itself is a push constant)."""
+    fragment shape and subgroup size, and mb rows of x (whole fragments; m itself is a push constant); x float16
+    rows, or with int8 (cfg.xs only) the int8 blocks of Q8Acts (xq at binding 0, xd after the others)."""
+    if int8 and not cfg.xs:
+        raise ValueError("matmul_skinny: int8 activations are staged in shared memory (xs = 1)")
     _check_format(fmt)
     fm, fn, fk = frag
     sg, bk, depth, frags, wn = cfg.sg, cfg.bk, cfg.depth, cfg.frags, cfg.wn
@@ -199,6 +219,9 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
     groups_n = math.ceil(n / wrows)
     whole = n % wrows == 0
     mj = mb // fn
+    kpart = slices * bk
+    xo = sg * wrows * stride  # with xs: x's part of K staged after the subgroups' regions, rows x_stride words
+    x_stride = kpart // 8 + 1
     acc_t = f"coopmat<float, gl_ScopeSubgroup, {fm}, {fn}, gl_MatrixUseAccumulator>"
     a_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
     b_t = f"coopmat<float16_t, gl_ScopeSubgroup, {fk}, {fn}, gl_MatrixUseB>"
@@ -207,8 +230,9 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
          "#extension GL_KHR_memory_scope_semantics : require",
          "#extension GL_KHR_shader_subgroup_basic : require",
          "#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require",
-         f"// y = x @ W.T, W {fmt} [{n}, {k}], x float16 [{mb} rows]; {wn} x {rows} rows of W a workgroup, {sg} "
-         f"subgroups splitting K by {bk}-deep slices, K split {ks}, {depth} register sets",
+         f"// y = x @ W.T, W {fmt} [{n}, {k}], x {'int8 blocks' if int8 else 'float16'} [{mb} rows]"
+         f"{', staged' if cfg.xs else ''}; {wn} x {rows} rows of W a workgroup, {sg} subgroups splitting K by "
+         f"{bk}-deep slices, K split {ks}, {depth} register sets",
          f"layout(local_size_x = {nt}) in;",
          "layout(set = 0, binding = 0) readonly buffer X { uvec4 x[]; };",
          "layout(set = 0, binding = 1) readonly buffer W { uvec4 w[]; };",
@@ -216,9 +240,10 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
          "layout(set = 0, binding = 3) writeonly buffer Y { float y[]; };",
          *(["layout(set = 0, binding = 4) coherent buffer P { float part[]; };",
             "layout(set = 0, binding = 5) coherent buffer C { uint cnt[]; };", "shared uint last;"] if ks > 1 else []),
+         *([f"layout(set = 0, binding = {6 if ks > 1 else 4}) readonly buffer XD {{ float xd[]; }};"] if int8 else []),
          "layout(push_constant) uniform Push { uint m; uint groups_x; } pc;",
-         f"shared uvec4 sm[{cfg.shared_words(frag, mb)}];",
-         *_codec(fmt, w_stride, s_stride),
+         f"shared uvec4 sm[{cfg.shared_words(frag, mb, k)}];",
+         *_codec(fmt, w_stride, s_stride), *([_X8] if int8 else []),
          "void main() {"]
     emit = L.append
     emit("int grp = int(gl_WorkGroupID.x + pc.groups_x * gl_WorkGroupID.y);")
@@ -235,6 +260,17 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
             emit(f"{acc_t} acc{f}_{j} = {acc_t}(0.0);")
     for d in range(depth):
         _declare(emit, units, halves, f"r{d}")
+    if cfg.xs:  # rows r < mb of x's part of K, 16 values a word pair (zero past row m), before any product
+        emit(f"for (int e = tid; e < {mb * (kpart // 16)}; e += {nt}) {{")
+        emit(f"  int r = e / {kpart // 16}, c = e % {kpart // 16}, at = r * {k} + kbase + 16 * c;")
+        emit("  uvec4 lo = uvec4(0u), hi = uvec4(0u);")
+        if int8:
+            emit("  if (r < int(pc.m)) decode_x8(x[at / 16], xd[at / 32], lo, hi);")
+        else:
+            emit("  if (r < int(pc.m)) { lo = x[at / 8]; hi = x[at / 8 + 1]; }")
+        emit(f"  sm[{xo} + r * {x_stride} + 2 * c] = lo; sm[{xo} + r * {x_stride} + 2 * c + 1] = hi;")
+        emit("}")
+        emit("barrier();")
 
     def compute(reg: str, t: str) -> None:
         emit(f"{{ int k0 = kbase + ({t}) * {bk};")
@@ -248,8 +284,12 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
                 emit(f"coopMatLoad(fa[{f}], sm, wb + {f * fm * stride + kk // 8}, {stride}, "
                      "gl_CooperativeMatrixLayoutRowMajor);")
             for j in range(mj):
-                emit(f"coopMatLoad(fb[{j}], x, {j * fn * k // 8 + kk // 8} + k0 / 8, {k // 8}, "
-                     "gl_CooperativeMatrixLayoutColumnMajor);")
+                if cfg.xs:
+                    emit(f"coopMatLoad(fb[{j}], sm, {xo + j * fn * x_stride + kk // 8} + (k0 - kbase) / 8, "
+                         f"{x_stride}, gl_CooperativeMatrixLayoutColumnMajor);")
+                else:
+                    emit(f"coopMatLoad(fb[{j}], x, {j * fn * k // 8 + kk // 8} + k0 / 8, {k // 8}, "
+                         "gl_CooperativeMatrixLayoutColumnMajor);")
             for f in range(frags):
                 for j in range(mj):
                     emit(f"acc{f}_{j} = coopMatMulAdd(fa[{f}], fb[{j}], acc{f}_{j});")
@@ -314,8 +354,10 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
 
 def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: int, cfg: Skinny,
                   out: Any | None = None, scratch: Scratch | None = None) -> Any:
-    """y [m, N] float32 = x [m, K] @ W.T into `out` or a new buffer; returns it. x: float16 rows (row-major) in a
-    buffer of x_rows(fragment(lim), m) rows (those past m are read, their products discarded). With cfg.ks > 1
+    """y [m, N] float32 = x [m, K] @ W.T into `out` or a new buffer; returns it. x: float16 rows (row-major), in a
+    buffer of x_rows(fragment(lim), m) rows unless cfg.xs (without, those past m are read, their products
+    discarded); or with cfg.xs int8 blocks (a Q8Acts: value = int8 * its block's scale, rounded to float16 as it
+    is staged). With cfg.ks > 1
     the product needs a Scratch (`scratch`) of at least m rows. Records the dispatch; does not wait. cfg: from
     `config` (not None)."""
     fmt = weights.format.name
@@ -328,8 +370,17 @@ def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: i
         raise ValueError("matmul_skinny: the device has no float16 cooperative matrices with float32 accumulation")
     mb = x_rows(frag, m)
     if not cfg.fits(frag, lim, k, mb):
-        raise ValueError(f"matmul_skinny: {cfg} does not fit this device or K={k} (whole {cfg.bk}-deep slices)")
-    check_buffer(f"x (float16, {mb} rows of {k})", x, mb * k * 2)
+        raise ValueError(f"matmul_skinny: {cfg} does not fit this device or K={k} (whole {cfg.bk}-deep slices "
+                         f"in each of {cfg.ks} parts)")
+    int8 = isinstance(x, Q8Acts)
+    if int8 and not cfg.xs:
+        raise ValueError("matmul_skinny: int8 activations (Q8Acts) need a configuration that stages x (xs = 1)")
+    if int8:
+        x.check(m, k)
+    elif cfg.xs:
+        check_buffer(f"x (float16, {m} rows of {k})", x, m * k * 2)
+    else:
+        check_buffer(f"x (float16, {mb} rows of {k})", x, mb * k * 2)
     check_buffer("weights.body", weights.body, n * weights.w_stride * 16)
     if weights.scales is not None:
         check_buffer("weights.scales", weights.scales, (n * weights.s_stride + 1) // 2 * 4)
@@ -347,14 +398,15 @@ def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: i
         check_buffer("scratch.partial", scratch.partial, part)
         check_buffer("scratch.counters", scratch.counters, count)
         extra = [scratch.partial, scratch.counters]
-    key = ("skinny", k, cfg, mb)
+    key = ("skinny", k, cfg, mb, int8)
     kern = weights.pipelines.get(key)
     if kern is None:
-        src = source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, frag, lim.subgroup, mb)
+        src = source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, frag, lim.subgroup, mb, int8)
         kern = weights.pipelines[key] = dev.pipeline(src, name=f"matmul_skinny_{fmt.lower()}")
     groups = grid_2d(dev, math.ceil(n / cfg.rows(frag)) * cfg.ks)
     scales = weights.scales if weights.scales is not None else weights.body  # Q4_K: bound, never read
-    dev.dispatch(kern, [x, weights.body, scales, out, *extra], groups, push={"m": m, "groups_x": groups[0]})
+    bufs = [x.xq if int8 else x, weights.body, scales, out, *extra, *([x.xd] if int8 else [])]
+    dev.dispatch(kern, bufs, groups, push={"m": m, "groups_x": groups[0]})
     return out
 
 
