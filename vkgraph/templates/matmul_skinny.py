@@ -48,6 +48,7 @@ MAX_ROWS = 32  # activation rows: accumulators grow with them (m / FN fragments 
 # formats whose two 16-value halves of a block come from one load (Q4_0: low and high nibbles of one word); the
 # others load each half (their own words)
 _ONE_LOAD = ("Q4_0",)
+STAGE_LOADS = 4  # with xs: reads of x's words in flight per invocation while x is staged
 TARGET_SUBGROUPS = 2048  # subgroups a product aims for: ~16 per multiprocessor of an H200, each with loads in flight
 
 
@@ -260,18 +261,6 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
             emit(f"{acc_t} acc{f}_{j} = {acc_t}(0.0);")
     for d in range(depth):
         _declare(emit, units, halves, f"r{d}")
-    if cfg.xs:  # rows r < mb of x's part of K, 16 values a word pair (zero past row m), before any product
-        emit(f"for (int e = tid; e < {mb * (kpart // 16)}; e += {nt}) {{")
-        emit(f"  int r = e / {kpart // 16}, c = e % {kpart // 16}, at = r * {k} + kbase + 16 * c;")
-        emit("  uvec4 lo = uvec4(0u), hi = uvec4(0u);")
-        if int8:
-            emit("  if (r < int(pc.m)) decode_x8(x[at / 16], xd[at / 32], lo, hi);")
-        else:
-            emit("  if (r < int(pc.m)) { lo = x[at / 8]; hi = x[at / 8 + 1]; }")
-        emit(f"  sm[{xo} + r * {x_stride} + 2 * c] = lo; sm[{xo} + r * {x_stride} + 2 * c + 1] = hi;")
-        emit("}")
-        emit("barrier();")
-
     def compute(reg: str, t: str) -> None:
         emit(f"{{ int k0 = kbase + ({t}) * {bk};")
         _store(emit, rows, units, halves, subgroup, stride, "k0", reg)
@@ -301,6 +290,29 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
         emit(f"if (sk + {d * sg} < {slices}) {{")
         _load(emit, n, whole, rows, units, halves, subgroup, f"kbase + (sk + {d * sg}) * {bk}", f"r{d}")
         emit("}")
+    if cfg.xs:
+        # rows r < mb of x's part of K, 16 values a word pair (zero past row m), before any product and after the
+        # first slices' loads of W are issued: STAGE_LOADS pairs' reads in flight per invocation at a time
+        pairs = mb * (kpart // 16)
+        emit(f"for (int eb = tid; eb < {pairs}; eb += {STAGE_LOADS * nt}) {{")
+        for i in range(STAGE_LOADS):
+            emit(f"  int e{i} = eb + {i * nt}, r{i} = e{i} / {kpart // 16}, at{i} = r{i} * {k} + kbase + "
+                 f"16 * (e{i} % {kpart // 16});")
+            emit(f"  bool in{i} = e{i} < {pairs} && r{i} < int(pc.m);")
+            if int8:
+                emit(f"  uvec4 q{i} = in{i} ? x[at{i} / 16] : uvec4(0u); float d{i} = in{i} ? xd[at{i} / 32] : 0.0;")
+            else:
+                emit(f"  uvec4 q{i} = in{i} ? x[at{i} / 8] : uvec4(0u), h{i} = in{i} ? x[at{i} / 8 + 1] : uvec4(0u);")
+        for i in range(STAGE_LOADS):
+            emit(f"  if (e{i} < {pairs}) {{")
+            if int8:
+                emit(f"    uvec4 lo, hi; decode_x8(q{i}, d{i}, lo, hi);")
+            else:
+                emit(f"    uvec4 lo = q{i}, hi = h{i};")
+            emit(f"    int at = {xo} + r{i} * {x_stride} + 2 * (e{i} % {kpart // 16}); sm[at] = lo; sm[at + 1] = hi;")
+            emit("  }")
+        emit("}")
+        emit("barrier();")
     emit(f"for (int t = sk; t < {slices}; t += {depth * sg}) {{")
     for d in range(depth):
         emit(f"if (t + {d * sg} >= {slices}) break;")
