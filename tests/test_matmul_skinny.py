@@ -96,10 +96,10 @@ def _int8_acts(dev, rng, m: int, k: int):
 
 
 def _case(lim, fmt: str, m: int, n: int, k: int, cfg: ms.Skinny | None = None, seed: int = 0,
-          int8: bool = False) -> None:
+          int8: bool = False, residual: bool = False) -> None:
     """One product against numpy in float64, over a NaN-poisoned output (every element must be written); with K
     split over workgroups twice over one Scratch (its counters back at zero after each product). x: float16 rows
-    (with rows past m, where read, full of infinities), or int8 blocks."""
+    (with rows past m, where read, full of infinities), or int8 blocks; with residual, y = x @ W.T + r."""
     dev = get_device()
     rng = np.random.default_rng(seed)
     qt = random_blocks(rng, fmt, n, k)
@@ -116,12 +116,17 @@ def _case(lim, fmt: str, m: int, n: int, k: int, cfg: ms.Skinny | None = None, s
         dev.upload(xin, x)
         bufs = [xin]
     weights = upload_weights(dev, qt)
+    r = rng.standard_normal((m, n)).astype(np.float32) if residual else np.zeros((m, n))
+    rb = dev.alloc(m * n * 4) if residual else None
+    if rb is not None:
+        dev.upload(rb, r)
+        bufs.append(rb)
     sc = ms.scratch(dev, cfg, ms.fragment(lim), m, n) if cfg.ks > 1 else None
     for _ in range(2 if sc else 1):
         dev.upload(out, np.full(m * n, np.nan, np.float32))
-        ms.matmul_skinny(dev, lim, weights, xin, m, cfg, out=out, scratch=sc)
+        ms.matmul_skinny(dev, lim, weights, xin, m, cfg, out=out, scratch=sc, residual=rb)
         got = dev.download(out, np.float32, (m, n))
-        _check(got, x[:m], dequantize(qt).reshape(n, k))
+        _check(got, x[:m], dequantize(qt).reshape(n, k), r)
     if sc:
         assert not dev.download(sc.counters, np.uint32).any()
     for buf in (*bufs, out, weights.body, *([weights.scales] if weights.scales is not None else []),
@@ -204,8 +209,9 @@ def test_subgroups_on_rows_emulated_match_numpy(m, cfg, monkeypatch):
                                         (9, ms.Skinny(2, 32, 2, 1, 7, 1, 1), False)])
 def test_staged_x_emulated_matches_numpy(m, cfg, int8, monkeypatch):
     """x's part of K staged in shared memory first: int8 blocks over K split in 2 (2 x 2 subgroups), over all of K
-    (two fragments of W rows); float16 rows (exactly m of them: no padding read) over K split in 7."""
-    _case(_emulate(monkeypatch), "Q4_0", m, 40, 448, cfg, seed=m + 4, int8=int8)
+    (two fragments of W rows); float16 rows (exactly m of them: no padding read) over K split in 7. A residual
+    added where K is split (by the last workgroup) and where not."""
+    _case(_emulate(monkeypatch), "Q4_0", m, 40, 448, cfg, seed=m + 4, int8=int8, residual=m != 3)
 
 
 @pytest.mark.parametrize("fmt,cfg", [("Q8_0", ms.Skinny(2, 32, 2, 2)), ("Q4_K", ms.Skinny(3, 64, 1)),
@@ -228,7 +234,7 @@ def test_on_device_matches_numpy(m):
     one in each format."""
     lim = realize_mod.limits()
     for int8 in (False, True):
-        _case(lim, "Q4_0", m, 4096, 4096, seed=m, int8=int8)
+        _case(lim, "Q4_0", m, 4096, 4096, seed=m, int8=int8, residual=m == 8)
         for fmt in ms.FORMATS:
             _case(lim, fmt, m, 200, 1024 + 256, seed=m + 1, int8=int8)
 

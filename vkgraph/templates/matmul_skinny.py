@@ -198,10 +198,11 @@ def _store(emit: Any, rows: int, units: int, halves: int, sgs: int, stride: int,
 
 
 def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, frag: tuple[int, int, int],
-           subgroup: int, mb: int, int8: bool = False) -> str:
+           subgroup: int, mb: int, int8: bool = False, residual: bool = False) -> str:
     """The GLSL of the product for format fmt, W [n, k] with the given strides, configuration cfg, the device's
     fragment shape and subgroup size, and mb rows of x (whole fragments; m itself is a push constant); x float16
-    rows, or with int8 (cfg.xs only) the int8 blocks of Q8Acts (xq at binding 0, xd after the others)."""
+    rows, or with int8 (cfg.xs only) the int8 blocks of Q8Acts (xq at binding 0, xd last); with residual, y = x @
+    W.T + res (float32 [m, N], bound after the K split's buffers)."""
     if int8 and not cfg.xs:
         raise ValueError("matmul_skinny: int8 activations are staged in shared memory (xs = 1)")
     _check_format(fmt)
@@ -241,7 +242,10 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
          "layout(set = 0, binding = 3) writeonly buffer Y { float y[]; };",
          *(["layout(set = 0, binding = 4) coherent buffer P { float part[]; };",
             "layout(set = 0, binding = 5) coherent buffer C { uint cnt[]; };", "shared uint last;"] if ks > 1 else []),
-         *([f"layout(set = 0, binding = {6 if ks > 1 else 4}) readonly buffer XD {{ float xd[]; }};"] if int8 else []),
+         *([f"layout(set = 0, binding = {4 + 2 * (ks > 1)}) readonly buffer R {{ float res[]; }};"] if residual
+           else []),
+         *([f"layout(set = 0, binding = {4 + 2 * (ks > 1) + residual}) readonly buffer XD {{ float xd[]; }};"]
+           if int8 else []),
          "layout(push_constant) uniform Push { uint m; uint groups_x; } pc;",
          f"shared uvec4 sm[{cfg.shared_words(frag, mb, k)}];",
          *_codec(fmt, w_stride, s_stride), *([_X8] if int8 else []),
@@ -336,8 +340,9 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
     emit(f"  int r = e / {wrows}, cw = e % {wrows}, col = tn * {wrows} + cw;")
     emit(f"  int at = (cw / {rows}) * {sg * rows * c_stride} + (cw % {rows}) * {c_stride} + (r >> 2);")
     total = " + ".join(f"uintBitsToFloat(sm[at + {q * rows * c_stride}][r & 3])" for q in range(sg))
+    add = f" + res[r * {n} + col]" if residual else ""
     if ks == 1:
-        emit(f"  if (r < int(pc.m) && col < {n}) y[r * {n} + col] = {total};")
+        emit(f"  if (r < int(pc.m) && col < {n}) y[r * {n} + col] = {total}{add};")
         emit("}")
     else:
         # this part into plane kz; the workgroup that finishes a rows' parts last sums the planes in order (the
@@ -355,7 +360,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
         emit(f"  if (r < int(pc.m) && col < {n}) {{")
         emit("    float v = 0.0;")
         emit(f"    for (int q = 0; q < {ks}; q++) v += part[(q * int(pc.m) + r) * {n} + col];")
-        emit(f"    y[r * {n} + col] = v;")
+        emit(f"    y[r * {n} + col] = v{add};")
         emit("  }")
         emit("}")
         emit("if (tid == 0) cnt[tn] = 0u;")
@@ -365,13 +370,12 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
 
 
 def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: int, cfg: Skinny,
-                  out: Any | None = None, scratch: Scratch | None = None) -> Any:
-    """y [m, N] float32 = x [m, K] @ W.T into `out` or a new buffer; returns it. x: float16 rows (row-major), in a
-    buffer of x_rows(fragment(lim), m) rows unless cfg.xs (without, those past m are read, their products
-    discarded); or with cfg.xs int8 blocks (a Q8Acts: value = int8 * its block's scale, rounded to float16 as it
-    is staged). With cfg.ks > 1
-    the product needs a Scratch (`scratch`) of at least m rows. Records the dispatch; does not wait. cfg: from
-    `config` (not None)."""
+                  out: Any | None = None, scratch: Scratch | None = None, residual: Any | None = None) -> Any:
+    """y [m, N] float32 = x [m, K] @ W.T (+ residual [m, N] float32) into `out` or a new buffer; returns it.
+    x: float16 rows (row-major), in a buffer of x_rows(fragment(lim), m) rows unless cfg.xs (without, those past m
+    are read, their products discarded); or with cfg.xs int8 blocks (a Q8Acts: value = int8 * its block's scale,
+    rounded to float16 as it is staged). With cfg.ks > 1 the product needs a Scratch (`scratch`) of at least m
+    rows. Records the dispatch; does not wait. cfg: from `config` (not None)."""
     fmt = weights.format.name
     _check_format(fmt)
     n, k = weights.shape
@@ -398,6 +402,8 @@ def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: i
         check_buffer("weights.scales", weights.scales, (n * weights.s_stride + 1) // 2 * 4)
     nbytes = m * n * 4
     check_binding_range(dev, f"matmul_skinny output [{m}, {n}]", nbytes)
+    if residual is not None:
+        check_buffer("residual", residual, nbytes)
     if out is None:
         out = dev.alloc(nbytes)
     check_buffer("out", out, nbytes)
@@ -410,14 +416,16 @@ def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: i
         check_buffer("scratch.partial", scratch.partial, part)
         check_buffer("scratch.counters", scratch.counters, count)
         extra = [scratch.partial, scratch.counters]
-    key = ("skinny", k, cfg, mb, int8)
+    key = ("skinny", k, cfg, mb, int8, residual is not None)
     kern = weights.pipelines.get(key)
     if kern is None:
-        src = source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, frag, lim.subgroup, mb, int8)
+        src = source(fmt, n, k, weights.w_stride, weights.s_stride, cfg, frag, lim.subgroup, mb, int8,
+                     residual is not None)
         kern = weights.pipelines[key] = dev.pipeline(src, name=f"matmul_skinny_{fmt.lower()}")
     groups = grid_2d(dev, math.ceil(n / cfg.rows(frag)) * cfg.ks)
     scales = weights.scales if weights.scales is not None else weights.body  # Q4_K: bound, never read
-    bufs = [x.xq if int8 else x, weights.body, scales, out, *extra, *([x.xd] if int8 else [])]
+    bufs = [x.xq if int8 else x, weights.body, scales, out, *extra, *([residual] if residual is not None else []),
+            *([x.xd] if int8 else [])]
     dev.dispatch(kern, bufs, groups, push={"m": m, "groups_x": groups[0]})
     return out
 
