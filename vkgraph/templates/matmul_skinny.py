@@ -265,24 +265,29 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
             emit(f"{acc_t} acc{f}_{j} = {acc_t}(0.0);")
     for d in range(depth):
         _declare(emit, units, halves, f"r{d}")
+    def load_b(kk: int) -> None:
+        for j in range(mj):
+            if cfg.xs:
+                emit(f"coopMatLoad(fb[{j}], sm, {xo + j * fn * x_stride + kk // 8} + (k0 - kbase) / 8, "
+                     f"{x_stride}, gl_CooperativeMatrixLayoutColumnMajor);")
+            else:
+                emit(f"coopMatLoad(fb[{j}], x, {j * fn * k // 8 + kk // 8} + k0 / 8, {k // 8}, "
+                     "gl_CooperativeMatrixLayoutColumnMajor);")
+
     def compute(reg: str, t: str) -> None:
         emit(f"{{ int k0 = kbase + ({t}) * {bk};")
+        emit(f"{a_t} fa[{frags}];")
+        emit(f"{b_t} fb[{mj}];")
+        load_b(0)  # x's first fragments (never stored over in the loop) read while the slice is decoded
         _store(emit, rows, units, halves, subgroup, stride, "k0", reg)
         emit("subgroupMemoryBarrierShared();")
         emit("subgroupBarrier();")
-        emit(f"{a_t} fa[{frags}];")
-        emit(f"{b_t} fb[{mj}];")
         for kk in range(0, bk, fk):
             for f in range(frags):
                 emit(f"coopMatLoad(fa[{f}], sm, wb + {f * fm * stride + kk // 8}, {stride}, "
                      "gl_CooperativeMatrixLayoutRowMajor);")
-            for j in range(mj):
-                if cfg.xs:
-                    emit(f"coopMatLoad(fb[{j}], sm, {xo + j * fn * x_stride + kk // 8} + (k0 - kbase) / 8, "
-                         f"{x_stride}, gl_CooperativeMatrixLayoutColumnMajor);")
-                else:
-                    emit(f"coopMatLoad(fb[{j}], x, {j * fn * k // 8 + kk // 8} + k0 / 8, {k // 8}, "
-                         "gl_CooperativeMatrixLayoutColumnMajor);")
+            if kk:
+                load_b(kk)
             for f in range(frags):
                 for j in range(mj):
                     emit(f"acc{f}_{j} = coopMatMulAdd(fa[{f}], fb[{j}], acc{f}_{j});")
