@@ -16,7 +16,7 @@ The last column is the fraction of the dense float16/bfloat16 peak, PEAK_TFLOPS 
 With --quant, the prefill products run through QuantLinear over random blocks of the formats given (float32
 activations in, float32 out): the kernel that dequantizes into shared memory (templates.matmul_quant), and the
 float16 copy of the weights with the generated matmul (VKGRAPH_QUANT_COOP=0), beside torch.matmul in float16 on
-the same shape; the first in the tile measured for its class (--tune) and in matmul_quant.DEFAULT. With --int8,
+the same shape; the first in the tile measured for its class (--tune) and in matmul_quant's default. With --int8,
 `x.matmul(w.T, dtype=int32)` of int8 operands (int8 cooperative matrices, int32 accumulation) against
 torch._int_mm, beside the float16 product of the same shape, in TOPS (checked exact).
 """
@@ -153,7 +153,7 @@ def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False, s
     dev = get_device()
     rng = np.random.default_rng(0)
     print(f"\n{'quantized prefill product':40s}{'coop':>8s}{'default':>9s}{'f16 copy':>10s}{'torch f16':>11s}"
-          f"{'ratio':>7s}  tile (coop: tuned where measured; default: matmul_quant.DEFAULT)")
+          f"{'ratio':>7s}  tile (coop: tuned where measured; default: matmul_quant.config without)")
     for fmt in formats:
         for label, m, k, n, _ in _shapes(sizes, SHAPES[1:]):
             flop = 2 * m * n * k

@@ -30,28 +30,34 @@ from vkgraph.tensor import Tensor
 
 def test_config_follows_the_device():
     lim = fake_limits()
-    assert mq.config(lim, 512, 4096, 4096) == mq.DEFAULT and mq.DEFAULT.bk % mq.CHUNK == 0
+    few = mq.DEFAULT_FEW
+    # 512 rows: the wide tile for 28672 and 14336 columns (448 and 224 tiles), twice the workgroups for fewer
+    assert mq.config(lim, 512, 28672, 4096) == mq.config(lim, 512, 14336, 4096) == mq.DEFAULT
+    assert mq.config(lim, 512, 4096, 4096) == mq.config(lim, 512, 6144, 4096) == mq.config(lim, 200, 14336, 4096) == few
+    assert mq.config(lim, 4096, 4096, 4096) == mq.DEFAULT and mq.config(lim, 512, 4096, 14336) == few
+    assert mq.DEFAULT.bk % mq.CHUNK == 0 and few.bk % mq.CHUNK == 0
     assert mq.config(fake_limits(coop=()), 512, 4096, 4096) is None
     assert mq.config(fake_limits(min_subgroup=32, max_subgroup=64), 512, 4096, 4096) is None
     assert mq.config(lim, 512, 4096, 48) is None  # K not whole blocks
     assert mq.config(fake_limits(max_shared=32768), 512, 4096, 4096) == mq.Prefill(64, 64, 32, 2, 2)
     # the float16 product's measured tiles (another staging) are not taken, nor its default
     f16 = matmul_coop.shape_class(512, 4096, 4096, 1, template_ops.dtypes.float16)
-    assert mq.config(dataclasses.replace(lim, tuned=((f16, (128, 256, 32, 2, 4, 1)),)), 512, 4096, 4096) == mq.DEFAULT
-    assert matmul_coop.default_config(512, 4096, 14336, 1, lim, (16, 16, 16)) != mq.DEFAULT
+    assert mq.config(dataclasses.replace(lim, tuned=((f16, (128, 128, 64, 2, 4, 1)),)), 512, 4096, 4096) == few
+    assert matmul_coop.default_config(512, 4096, 4096, 1, lim, (16, 16, 16)) != few
     # a tile measured for the format's own products is taken where its slices are whole blocks dividing K
     q4 = mq.shape_class("Q4_0", 512, 4096, 4096)
     own = dataclasses.replace(lim, tuned=((q4, (64, 128, 32, 2, 4, 2)),))
     assert mq.config(own, 512, 4096, 4096, "Q4_0") == mq.Prefill(64, 128, 32, 2, 4, 2)
-    assert mq.config(own, 512, 4096, 4096, "Q8_0") == mq.DEFAULT
+    assert mq.config(own, 512, 4096, 4096, "Q8_0") == few
     shallow = dataclasses.replace(lim, tuned=((q4, (128, 256, 16, 2, 4, 2)),))
     assert mq.config(shallow, 512, 4096, 4096, "Q4_0").bk == 16  # half blocks: W's chunks
     shallow = dataclasses.replace(lim, tuned=((q4, (128, 256, 8, 2, 4, 2)),))
-    assert mq.config(shallow, 512, 4096, 4096, "Q4_0") == mq.DEFAULT  # BK 8: not whole chunks
+    assert mq.config(shallow, 512, 4096, 4096, "Q4_0") == few  # BK 8: not whole chunks
     deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 512, 4096, 4096 + 64), (128, 128, 64, 2, 4, 1)),))
     assert mq.config(deep, 512, 4096, 4096 + 64, "Q4_0").bk == 64
     deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 512, 4096, 4096 + 32), (128, 128, 64, 2, 4, 1)),))
-    assert mq.config(deep, 512, 4096, 4096 + 32, "Q4_0") == mq.DEFAULT  # K not a whole number of 64-deep slices
+    # K not a whole number of 64-deep slices: the measured tile and DEFAULT_FEW give way to the first fallback
+    assert mq.config(deep, 512, 4096, 4096 + 32, "Q4_0") == mq.FALLBACKS[0]
     # a K split is taken where K is a whole number of its parts' slices (QuantLinear sums the planes)
     split = dataclasses.replace(lim, tuned=((q4, (128, 128, 32, 2, 4, 2, 2, 4)),))
     assert mq.config(split, 512, 4096, 4096, "Q4_0") == mq.Prefill(128, 128, 32, 2, 4, 2, 2, 4)
@@ -61,7 +67,7 @@ def test_config_follows_the_device():
     one = dataclasses.replace(lim, tuned=((q4, (128, 128, 64, 2, 4, 1, 1, 1, 1)),))
     assert mq.config(one, 512, 4096, 4096, "Q4_0") == mq.Prefill(128, 128, 64, 2, 4, 1, 1, 1, 1)
     bad = dataclasses.replace(lim, tuned=((q4, (128, 128, 64, 2, 4, 1, 1, 1, 3)),))
-    assert mq.config(bad, 512, 4096, 4096, "Q4_0") == mq.DEFAULT
+    assert mq.config(bad, 512, 4096, 4096, "Q4_0") == few
 
 
 def test_search_candidates():
@@ -69,7 +75,8 @@ def test_search_candidates():
     stages, and split K only for outputs of few tiles; the default is among them."""
     lim = fake_limits()
     frag = (16, 16, 16)
-    assert mq.DEFAULT in mq.CANDIDATES and len(set(mq.CANDIDATES)) == len(mq.CANDIDATES)
+    assert {mq.DEFAULT, mq.DEFAULT_FEW, *mq.FALLBACKS[:1]} <= set(mq.CANDIDATES)
+    assert len(set(mq.CANDIDATES)) == len(mq.CANDIDATES)
     wide = mq.candidates(lim, 512, 14336, 4096)
     few = mq.candidates(lim, 512, 4096, 14336)
     assert {c.order for c in wide} == {0, 1, 2} and any(c.ks > 1 for c in few)
@@ -80,7 +87,7 @@ def test_search_candidates():
     for c in few:
         assert c.fits(frag, lim) and c.bk % mq.CHUNK == 0 and 14336 % (c.bk * c.ks) == 0
     assert mq.candidates(lim, 512, 4096, 48) == [] and mq.candidates(fake_limits(coop=()), 512, 4096, 4096) == []
-    assert mq.DEFAULT not in mq.candidates(fake_limits(max_shared=32768), 512, 4096, 4096)  # 40 KiB
+    assert mq.DEFAULT not in mq.candidates(fake_limits(max_shared=32768), 512, 4096, 4096)  # 34 KiB
 
 
 @pytest.mark.parametrize("fmt,cfg,residual", [("Q8_0", matmul_coop.Config(128, 128, 32, 2, 4), False),

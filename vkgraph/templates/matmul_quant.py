@@ -164,10 +164,17 @@ class Prefill(matmul_coop.Config):
         return super().fits(frag, lim, itemsize) and self.order in (0, 1, 2)
 
 
-# The prefill product's tile where none was measured for the format's class: the float16 product's fastest tiles
-# (one stage, 64 x 64 per subgroup) ran the dequantizing staging at 30-60 TFLOP/s on an H200 (2026-12-02, Q4_0
-# 512 x 4096 x 14336) where this one ran at 126
-DEFAULT = Prefill(128, 128, 32, 2, 4)
+# The prefill product's tiles where none was measured for the format's class (bench_matmul.py --quant Q4_0 --tune on
+# an H200, 2026-12-02, RESULTS.md): 128 x 256 x 32 in one stage, 64 x 64 per subgroup, decoding between the products,
+# 207 and 212 TFLOP/s on 512 x 4096 x 14336 and 512 x 14336 x 4096 (the tile before, 128 x 128 x 32 in two stages:
+# 172 and 157 with this decoding, 126 with the one before), where the output has WIDE_TILES such tiles; else
+# 128 x 128 x 64 in one stage with subgroups of 32 x 64 (206 and 200), twice the workgroups (the float16 product's
+# 128 x 256 tiles ran at half its speed on 64 workgroups); else, where K is no whole number of 64-deep slices, the
+# best 32-deep tile with two stages (189 and 163); else 64 x 64 (a device of little shared memory).
+DEFAULT = Prefill(128, 256, 32, 2, 4, 1, 1, 1, 2)
+DEFAULT_FEW = Prefill(128, 128, 64, 4, 2, 1)
+FALLBACKS = (Prefill(128, 128, 32, 4, 2), Prefill(64, 64, 32, 2, 2))
+WIDE_TILES = 128
 # The tiles `bench_matmul.py --quant --tune` measures (those that fit the device, take whole slices of K and, with
 # K split, split an output of few tiles), each in the orders worth timing. Two stages: at 48 KiB of shared memory
 # 128 x 128 x 32 is the largest 32-deep tile (in each prefetch depth and subgroup layout, 16 subgroups too); 16-deep
@@ -212,8 +219,9 @@ def candidates(lim: Limits, m: int, n: int, k: int) -> list[Prefill]:
 def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> Prefill | None:
     """The tile configuration for an m x n product over K = k on this device, or None where the device has no
     fitting float16 cooperative matrices (or k is not a whole number of blocks): the one measured for fmt's
-    products of this class (benchmarks/bench_matmul.py --quant --tune), else DEFAULT (else 64 x 64 where DEFAULT
-    does not fit). The float16 product's choices are not taken: its staging is another program's."""
+    products of this class (benchmarks/bench_matmul.py --quant --tune), else DEFAULT where the output has
+    WIDE_TILES of its tiles, else DEFAULT_FEW, else FALLBACKS (the first that fits the device and takes whole slices
+    of K). The float16 product's choices are not taken: its staging is another program's."""
     if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1 or k % BLOCK or m < 1 or n < 1:
         return None
     frag = matmul_coop.fragment(lim, "float16")
@@ -223,7 +231,8 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> Prefill | None
     for c, v in lim.tuned:
         if c == cls and (cfg := Prefill(*v)).fits(frag, lim) and _whole(cfg, k):
             return cfg
-    for cfg in (DEFAULT, Prefill(64, 64, 32, 2, 2)):
+    wide = math.ceil(m / DEFAULT.bm) * math.ceil(n / DEFAULT.bn) >= WIDE_TILES
+    for cfg in ((DEFAULT,) if wide else ()) + (DEFAULT_FEW, *FALLBACKS):
         if _whole(cfg, k) and cfg.fits(frag, lim):
             return cfg
     return None
