@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import replace
 
 import numpy as np
 from bench_kernels import _release_weights, _weight_copies
@@ -48,11 +47,10 @@ SWEEP = [ms.Skinny(*c) for c in (
     (2, 128, 3, 2, 2), (2, 128, 3, 2, 4), (2, 128, 3, 4, 4), (1, 128, 3, 4, 8), (4, 256, 3, 1, 2),
     (1, 256, 3, 1, 4, 4), (2, 128, 3, 1, 2, 4), (1, 128, 3, 2, 4, 4), (1, 256, 3, 1, 1, 4))]
 # x staged in shared memory (xs), timed on int8 activations: (sg, bk, depth, frags, wn), K split into the fewest
-# parts (`_staged`) whose x fits beside the slices
+# parts whose x fits beside the slices (matmul_skinny.split)
 XS_SWEEP = [ms.Skinny(sg, bk, depth, frags, 1, wn, 1) for sg, bk, depth, frags, wn in (
     (2, 128, 3, 1, 2), (1, 128, 3, 1, 4), (1, 128, 3, 2, 2), (2, 64, 3, 2, 1), (4, 64, 3, 1, 1), (1, 256, 2, 1, 4),
     (2, 64, 3, 1, 2), (1, 64, 4, 1, 4))]
-MAX_KS = 32
 
 
 def skinny_us(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch | None = None) -> float:
@@ -63,16 +61,6 @@ def skinny_us(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratc
         ms.matmul_skinny(dev, lim, ws[next(calls) % len(ws)], x, rows, cfg, out=y, scratch=sc)
 
     return replay_us(dev, run, reps)
-
-
-def _staged(c: ms.Skinny, frag, lim, k: int, mb: int) -> ms.Skinny | None:
-    """c with K split into the fewest parts (up to MAX_KS) that fit the device, or None."""
-    ks = 1
-    while ks <= MAX_KS:
-        if (t := replace(c, ks=ks)).fits(frag, lim, k, mb):
-            return t
-        ks *= 2
-    return None
 
 
 def _timed(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch) -> float | str:
@@ -133,7 +121,7 @@ def main() -> None:
                     mb = ms.x_rows(frag, rows)
                     xh = dev.alloc(mb * k * 2)
                     dev.upload(xh, rng.standard_normal((mb, k)).astype(np.float16))
-                    sc = ms.scratch(dev, ms.Skinny(ks=MAX_KS), frag, rows, n)
+                    sc = ms.scratch(dev, ms.Skinny(ks=ms.MAX_SPLIT), frag, rows, n)
                     bufs += [sc.partial, sc.counters]
                     t_sk = _timed(dev, ws, xh, y, rows, cfg, a.reps, sc)
                     if cfg8 is not None:
@@ -143,7 +131,7 @@ def main() -> None:
                       f"{_label(cfg) if cfg else '-'} / {_label(cfg8) if cfg8 else '-'}", flush=True)
                 if a.sweep and cfg is not None and str(rows) in a.sweep_rows.split(","):
                     mb = ms.x_rows(frag, rows)
-                    staged = [t for c in XS_SWEEP if (t := _staged(c, frag, lim, k, mb)) is not None]
+                    staged = [t for c in XS_SWEEP if (t := ms.split(c, frag, lim, k, mb)) is not None]
                     found = {c: _timed(dev, ws, q8 if c.xs else xh, y, rows, c, 3, sc)
                              for c in [c for c in SWEEP if c.fits(frag, lim, k, mb)] + staged}
                     times = {c: t for c, t in found.items() if not isinstance(t, str)}

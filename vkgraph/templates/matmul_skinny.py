@@ -35,7 +35,7 @@ cooperative matrices and a fixed subgroup size run it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..codegen.lower import Limits
@@ -48,6 +48,7 @@ MAX_ROWS = 32  # activation rows: accumulators grow with them (m / FN fragments 
 # formats whose two 16-value halves of a block come from one load (Q4_0: low and high nibbles of one word); the
 # others load each half (their own words)
 _ONE_LOAD = ("Q4_0",)
+MAX_SPLIT = 32  # workgroups a K split may take (`split`)
 STAGE_LOADS = 4  # with xs: reads of x's words in flight per invocation while x is staged
 TARGET_SUBGROUPS = 2048  # subgroups a product aims for: ~16 per multiprocessor of an H200, each with loads in flight
 
@@ -106,6 +107,11 @@ class Skinny:
                 and self.shared_words(frag, mb, k) * 16 <= lim.max_shared)
 
 
+# x staged from int8 blocks where config is asked for int8 activations: 2 x 2 subgroups on 32 rows of W, 128-deep
+# slices, three register sets (K split by `split`)
+INT8_BASE = Skinny(2, 128, 3, 1, 1, 2, 1)
+
+
 @dataclass(frozen=True)
 class Scratch:
     """What a product that splits K over workgroups (ks > 1) needs besides y: `partial`, float32 [ks, m, N] (each
@@ -137,8 +143,7 @@ def config(lim: Limits, m: int, n: int, k: int, int8: bool = False) -> Skinny | 
     """The configuration for an m x n product over K = k, or None where the device has no fitting float16
     cooperative matrices or fixed subgroup size, or m is past MAX_ROWS. float16 x: 256-deep slices (else the
     deepest whole slice) and enough subgroups per workgroup that the product has about TARGET_SUBGROUPS of them.
-    int8 x (staged, xs): 2 x 2 subgroups on 32 rows of W, K split into the fewest parts whose x fits the shared
-    memory beside the slices."""
+    int8 x (staged, xs): INT8_BASE with K split into the fewest parts whose x fits (`split`)."""
     if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1 or not 1 <= m <= MAX_ROWS:
         return None
     frag = fragment(lim)
@@ -146,12 +151,7 @@ def config(lim: Limits, m: int, n: int, k: int, int8: bool = False) -> Skinny | 
         return None
     mb = x_rows(frag, m)
     if int8:
-        for bk in (128, 64, 32):
-            for ks in (1, 2, 4, 8, 16, 32):
-                cfg = Skinny(2, bk, 3, 1, ks, 2, 1)
-                if cfg.fits(frag, lim, k, mb):
-                    return cfg
-        return None
+        return split(INT8_BASE, frag, lim, k, mb)
     groups = math.ceil(n / frag[0])
     want = 1 << max(1, min(3, math.ceil(math.log2(max(1, TARGET_SUBGROUPS / groups)))))
     for bk in (256, 128, 64, 32):
@@ -159,6 +159,20 @@ def config(lim: Limits, m: int, n: int, k: int, int8: bool = False) -> Skinny | 
             cfg = Skinny(sg, bk, 3)
             if cfg.fits(frag, lim, k, mb):
                 return cfg
+    return None
+
+
+def split(base: Skinny, frag: tuple[int, int, int], lim: Limits, k: int, mb: int) -> Skinny | None:
+    """base with K split over the fewest workgroups (up to MAX_SPLIT) with which it fits the device (with xs: x's
+    part beside the slices in shared memory), at base's slice depth or else shallower ones; None where none fits."""
+    bk = base.bk
+    while bk >= BLOCK:
+        ks = 1
+        while ks <= MAX_SPLIT:
+            if (cfg := replace(base, bk=bk, ks=ks)).fits(frag, lim, k, mb):
+                return cfg
+            ks *= 2
+        bk //= 2
     return None
 
 
