@@ -1,13 +1,13 @@
 """A decode step's attention of one layer, its routes and kernel forms side by side, device timestamps.
 
     python benchmarks/bench_decode_attn.py [--batches 1,8,32] [--contexts 32,512,2048] [--reps 200]
-        [--routes one,two] [--forms tiles,lanes] [--splits auto]
+        [--routes one,two] [--forms tiles,tiles:f32,lanes] [--splits auto]
 
 The Llama-3-8B layer's shape (32 query heads on 8 KV heads of 128, float16 cache, the output as the output
 product's int8 rows): `two` is kv_write (keys and queries rotated from the q/k/v rows, keys and values written)
 then paged_decode over the rotated queries; `one` is paged_decode writing the new tokens itself (NewTokens), as a
-fused decode step runs it. `forms`: paged_decode's walks of the context (DecodeForm.parse: tiles, lanes,
-lanes:WGxUNROLL); `splits`: its split-K partition (auto: choose_partition's, 0: none, else tokens per partition).
+fused decode step runs it. `forms`: paged_decode's walks of the context (DecodeForm.parse: tiles, tiles:f32,
+lanes, lanes:WGxUNROLL); `splits`: its split-K partition (auto: choose_partition's, 0: none, else tokens per partition).
 Each route runs `reps` times after warm-up, every call writing the same cache slots and output, so a barrier
 orders each pair of dependent dispatches as in a step; the calls cycle through copies of the cache (as many as
 PyTorch's below, bench_kernels' count) so that the small cases are not all read from the L2. Printed per batch
@@ -113,7 +113,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="32,512,2048")
     ap.add_argument("--reps", type=int, default=200, help="timed calls per route and case (after 10 untimed)")
     ap.add_argument("--routes", default="one,two", help="one: paged_decode writing the new tokens; two: kv_write first")
-    ap.add_argument("--forms", default="tiles,lanes", help="paged_decode's forms (tiles, lanes, lanes:WGxUNROLL)")
+    ap.add_argument("--forms", default="tiles,tiles:f32,lanes",
+                    help="paged_decode's forms (tiles, tiles:f32, lanes, lanes:WGxUNROLL)")
     ap.add_argument("--splits", default="auto", help="split-K partitions: auto, 0 (none) or tokens, comma-separated")
     a = ap.parse_args()
     routes, forms, splits = (x.split(",") for x in (a.routes, a.forms, a.splits))

@@ -87,12 +87,11 @@ def test_paged_decode_fuzz(data, d, dtype, hkv, group, bs, seed):
                  form=data.draw(st.sampled_from(FORMS)))
 
 
-# the kernel's two walks of the context (DecodeForm), "lanes" with and without xpose; LANE_FORMS: "lanes" with
-# clusters smaller than a subgroup (several per subgroup, as 16 invocations of a 32-wide one), an odd unroll, a
-# wider and a narrower workgroup
-FORMS = [pa.DecodeForm(), pa.DecodeForm("lanes"), pa.DecodeForm("lanes", xpose=True)]
-LANE_FORMS = [pa.DecodeForm("lanes", 64, 2, lanes=4), pa.DecodeForm("lanes", 64, 2, lanes=4, xpose=True),
-              pa.DecodeForm("lanes", 256, 3, xpose=True)]
+# the kernel's walks of the context (DecodeForm): tiles with float16 or float32 in shared memory, and lanes;
+# LANE_FORMS: "lanes" with clusters smaller than a subgroup (several per subgroup, as 16 invocations of a 32-wide
+# one), an odd unroll, a wider and a narrower workgroup
+FORMS = [pa.DecodeForm(), pa.DecodeForm(shared_f32=True), pa.DecodeForm("lanes")]
+LANE_FORMS = [pa.DecodeForm("lanes", 64, 2, lanes=4), pa.DecodeForm("lanes", 256, 3)]
 
 
 @pytest.mark.parametrize("form", LANE_FORMS)
@@ -101,7 +100,7 @@ def test_paged_decode_lanes(form):
     whose words do not fill the clusters, a window, a soft cap, split and unsplit, and the new tokens written."""
     dev = device()
     assert pa._lanes(dev, form, 1, 64, "f16")
-    rng = np.random.default_rng(form.wg + form.lanes + form.xpose)
+    rng = np.random.default_rng(form.wg + form.lanes)
     _decode_case(rng, [150, 7, 90], 2, 4, 64, 16, "f16", 0, 0, form=form)
     _decode_case(rng, [300, 1, 33], 1, 2, 80, 8, "f32", 40, None, softcap=1.5, form=form)
     _new_token_case(rng, [70, 1, 33, 0, 0, 200], 2, 4, 64, 16, "f16", 0, 32, rope=True, stale=(1,), moved=(4,),

@@ -74,14 +74,15 @@ def _defines(dev: Device, head_size: int, dtype: str, **extra: int) -> dict[str,
     return d
 
 
-def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str) -> int:
-    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl)
-    return rows * head_size * 4 + 2 * tile * (head_size * KV_DTYPES[dtype] + 16) + rows * tile * 4 + 3 * rows * 4
+def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str, shared_f32: bool = False) -> int:
+    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl); shared_f32: held as float32
+    per_value = 4 if shared_f32 else KV_DTYPES[dtype]
+    return rows * head_size * 4 + 2 * tile * (head_size * per_value + 16) + rows * tile * 4 + 3 * rows * 4
 
 
-def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str) -> int:
+def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str, shared_f32: bool = False) -> int:
     for tile in TILES:
-        if _shared_bytes(rows, tile, head_size, dtype) <= dev.info.max_shared_memory:
+        if _shared_bytes(rows, tile, head_size, dtype, shared_f32) <= dev.info.max_shared_memory:
             return tile
     raise ValueError(f"{rows} query rows of head size {head_size} do not fit the device's shared memory")
 
@@ -244,31 +245,31 @@ def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_
 @dataclass(frozen=True)
 class DecodeForm:
     """How paged_decode's kernel walks the context. "tiles" (attention_common.glsl): tiles of keys and values
-    through shared memory, the workgroup's invocations split over the query rows. "lanes" (decode_lanes.glsl):
-    keys and values straight into registers, clusters of `lanes` invocations (0: chosen for the device) each
-    taking one token at a time, `unroll` tokens of each cluster loaded a step ahead; `wg` invocations. `xpose`
-    (lanes, where the group of query heads is a power of two of at most `lanes`): the cluster's sums of the
-    scores leave each invocation one row, whose softmax runs there alone (fewer shuffles and exponentials)."""
+    through shared memory, the workgroup's invocations split over the query rows; `shared_f32` (float16 caches):
+    the tiles converted to float32 once as they go into shared memory, instead of by each row's invocation that
+    reads them. "lanes" (decode_lanes.glsl): keys and values straight into registers, clusters of `lanes`
+    invocations (0: chosen for the device) each taking one token at a time, `unroll` tokens of each cluster loaded
+    a step ahead; `wg` invocations."""
 
     kind: str = "tiles"
     wg: int = ATTN_WG
     unroll: int = 4
     lanes: int = 0
-    xpose: bool = False
+    shared_f32: bool = False
 
     @classmethod
     def parse(cls, text: str) -> DecodeForm:
-        """"tiles", "lanes", "lanesx" (xpose) or either with ":WGxUNROLL" (e.g. lanes:256x4), as the benchmark
+        """"tiles", "tiles:f32" (shared_f32), "lanes" or "lanes:WGxUNROLL" (e.g. lanes:256x4), as the benchmark
         takes them."""
         kind, _, rest = text.partition(":")
-        if kind not in ("tiles", "lanes", "lanesx") or (rest and kind == "tiles"):
-            raise ValueError(f"decode form {text!r}: tiles, lanes, lanesx or lanes[x]:WGxUNROLL")
-        xpose = kind == "lanesx"
-        kind = "lanes" if xpose else kind
+        if kind == "tiles" and rest in ("", "f32"):
+            return cls(kind, shared_f32=rest == "f32")
+        if kind != "lanes":
+            raise ValueError(f"decode form {text!r}: tiles, tiles:f32, lanes or lanes:WGxUNROLL")
         if not rest:
-            return cls(kind, xpose=xpose)
+            return cls(kind)
         wg, _, unroll = rest.partition("x")
-        return cls(kind, int(wg), int(unroll or 4), xpose=xpose)
+        return cls(kind, int(wg), int(unroll or 4))
 
 
 def _lanes(dev: Device, form: DecodeForm, group: int, head_size: int, dtype: str) -> int:
@@ -283,7 +284,7 @@ def _lanes(dev: Device, form: DecodeForm, group: int, head_size: int, dtype: str
     per_lane = -(-words // lanes) * (16 // KV_DTYPES[dtype])
     if group * per_lane > 64 or form.wg % info.max_subgroup_size or form.wg > info.max_workgroup_invocations:
         return 0
-    shared = group * head_size * 4 + form.wg // lanes * group * (8 + 4 * (form.unroll + 1)) + group * 8
+    shared = group * head_size * 4 + form.wg // lanes * group * 8 + group * 8
     return lanes if shared <= info.max_shared_memory else 0
 
 
@@ -343,7 +344,9 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     check_buffer("out", out, nbytes)
     # the int8 parts, or `out` bound where the float output is written
     acts = Q8Acts.in_buffer(out, num_seqs, num_heads * d) if int8 else Q8Acts(out, out, out)
-    tile = _choose_tile(dev, group, d, cache.dtype)
+    form = form or DEFAULT_FORM
+    shared_f32 = form.kind == "tiles" and form.shared_f32 and cache.dtype == "f16"
+    tile = _choose_tile(dev, group, d, cache.dtype, shared_f32)
     if part_tokens is None:
         part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, tile)
     if part_tokens < 0 or part_tokens % tile:
@@ -369,14 +372,14 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
             flags["ROPE"] = 1
         extra = [new.slot_mapping, *(new.rope or (context_lens, context_lens)), cache.key, cache.value]
         push.update(src_stride=new.src_stride, q_off=new.q_off, k_off=new.k_off, v_off=new.v_off)
-    form = form or DEFAULT_FORM
     lanes = _lanes(dev, form, group, d, cache.dtype) if form.kind == "lanes" else 0
     if lanes:
-        xpose = {"XPOSE": 1} if form.xpose and group & (group - 1) == 0 and group <= lanes else {}
         kern = catalog.compile(dev, "paged_decode", spec={"WG": form.wg},
                                defines=_defines(dev, d, cache.dtype, GROUP=group, LANES=lanes, UNROLL=form.unroll,
-                                                BLOCK_SIZE=cache.block_size, **flags, **xpose))
+                                                BLOCK_SIZE=cache.block_size, **flags))
     else:
+        if shared_f32:
+            flags["SHARED_F32"] = 1
         kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
                                defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile,
                                                 BLOCK_SIZE=cache.block_size, **flags))

@@ -32,7 +32,15 @@
 #define KV_PER_WORD 4
 #endif
 #define WORDS_PER_TOKEN (HEAD_SIZE / KV_PER_WORD)
-#define TOKEN_STRIDE (WORDS_PER_TOKEN + 1)
+// -DSHARED_F32 (with KV_F16): keys and values are converted to float32 once, as they go into shared memory, rather
+// than by every invocation that reads them (each key once per query row, each value once per row); shared memory
+// then holds 4 values a word
+#if defined(KV_F16) && defined(SHARED_F32)
+#define S_PER_WORD 4
+#else
+#define S_PER_WORD KV_PER_WORD
+#endif
+#define TOKEN_STRIDE (HEAD_SIZE / S_PER_WORD + 1)
 #define PAIRS (ROWS * HEAD_SIZE / 4)
 
 layout(local_size_x_id = 0) in;
@@ -71,8 +79,26 @@ vec4 kv4(uvec4 wd, uint e) {   // four values from dimension e of the word holdi
 #endif
 }
 
+#if S_PER_WORD == 4
+vec4 k4(uint t, uint e) { return uintBitsToFloat(sK[t * TOKEN_STRIDE + e / 4]); }
+vec4 v4(uint t, uint e) { return uintBitsToFloat(sV[t * TOKEN_STRIDE + e / 4]); }
+#else
 vec4 k4(uint t, uint e) { return kv4(sK[t * TOKEN_STRIDE + e / KV_PER_WORD], e); }
 vec4 v4(uint t, uint e) { return kv4(sV[t * TOKEN_STRIDE + e / KV_PER_WORD], e); }
+#endif
+
+void put_word(uint t, uint w, uvec4 k, uvec4 v) {   // word w of the tile's token t, as the K/V buffers hold it
+#if S_PER_WORD != KV_PER_WORD
+    const uint at = t * TOKEN_STRIDE + 2 * w;
+    sK[at] = floatBitsToUint(unpack_half4(k.xy));
+    sK[at + 1] = floatBitsToUint(unpack_half4(k.zw));
+    sV[at] = floatBitsToUint(unpack_half4(v.xy));
+    sV[at + 1] = floatBitsToUint(unpack_half4(v.zw));
+#else
+    sK[t * TOKEN_STRIDE + w] = k;
+    sV[t * TOKEN_STRIDE + w] = v;
+#endif
+}
 
 // Loads the queries (already scaled) into sQ: q_at(row, e) gives four values of row from dimension e.
 vec4 q_at(uint row, uint e);
@@ -123,16 +149,11 @@ void attend(uint begin, uint end) {
 #else
             if (i < TILE * WORDS_PER_TOKEN) {
 #endif
-                const uint at = (i / WORDS_PER_TOKEN) * TOKEN_STRIDE + i % WORDS_PER_TOKEN;
-                sK[at] = nextK[j];
-                sV[at] = nextV[j];
+                put_word(i / WORDS_PER_TOKEN, i % WORDS_PER_TOKEN, nextK[j], nextV[j]);
             }
         }
 #ifdef NEW_KV
-        if (has_new && tid < WORDS_PER_TOKEN) {
-            sK[(new_pos - t0) * TOKEN_STRIDE + tid] = new_k;
-            sV[(new_pos - t0) * TOKEN_STRIDE + tid] = new_v;
-        }
+        if (has_new && tid < WORDS_PER_TOKEN) put_word(new_pos - t0, tid, new_k, new_v);
 #endif
         barrier();
         if (t0 + TILE < end) load_tile(t0 + TILE, end);

@@ -49,14 +49,6 @@ layout(constant_id = 0) const uint WG = 128;
 shared vec4 sQ[ROWS * HEAD_SIZE / 4];   // the merged output (and, for -DQ8_OUT, the normalised rows)
 shared float sM[ROWS], sL[ROWS];
 shared vec2 sML[NC * ROWS];             // each cluster's (m, l) per row
-#ifdef XPOSE
-#define RL (LANES / ROWS)                      // invocations per row once the scores are summed
-#if RL < 1 || (ROWS & (ROWS - 1)) != 0
-#error "-DXPOSE needs ROWS a power of two of at most LANES"
-#endif
-shared float sPx[NC * UNROLL * ROWS];   // a step's weights per cluster, token and row
-shared float sAx[NC * ROWS];            // and each row's rescaling of the output
-#endif
 #ifdef NEW_KV
 uint new_pos = 0xFFFFFFFFu;   // none
 bool new_words(uint w, bool writer, out uvec4 k, out uvec4 v);
@@ -149,64 +141,6 @@ void attend(uint begin, uint end) {
             load_step(t0 + STEP, end, npos, lane, cl);
             if (t0 + 2 * STEP < end) table_step(t0 + 2 * STEP, end, cl);
         }
-#ifdef XPOSE
-        // the ROWS partial sums are halved between the two halves of the cluster at each of the first log2(ROWS)
-        // shuffles (each half keeps the rows it then sums), so ROWS - 1 + log2(LANES / ROWS) shuffles leave
-        // invocation l with row l / RL; that row's softmax runs there alone, and the weights reach the cluster
-        // through shared memory
-        float s[UNROLL];
-        [[unroll]] for (uint u = 0; u < UNROLL; u++) {
-            const uint pos = t0 + u * NC + cl;
-            if (pos == npos) {
-                curK[u] = nk;
-                curV[u] = nv;
-            }
-            float d[ROWS];
-            [[unroll]] for (uint r = 0; r < ROWS; r++) {
-                vec4 d4 = vec4(0.0);
-                [[unroll]] for (uint j = 0; j < WPL; j++) {
-                    [[unroll]] for (uint h = 0; h < V4W; h++) d4 += qr[r][j * V4W + h] * kv4(curK[u][j], h);
-                }
-                d[r] = hsum(d4);
-            }
-            [[unroll]] for (uint n = ROWS; n > 1; n /= 2) {
-                const uint off = LANES * n / (2 * ROWS);
-                const bool up = (lane & off) != 0;
-                [[unroll]] for (uint i = 0; i < n / 2; i++) {
-                    const float mine = up ? d[i + n / 2] : d[i];
-                    d[i] = mine + subgroupShuffleXor(up ? d[i] : d[i + n / 2], off);
-                }
-            }
-            [[unroll]] for (uint off = RL / 2; off > 0; off /= 2) d[0] += subgroupShuffleXor(d[0], off);
-            if (pc.softcap > 0.0) d[0] = pc.softcap * tanh(d[0] / pc.softcap);
-            s[u] = pos < end ? d[0] : -1.0 / 0.0;
-        }
-        float m_new = m[0];
-        [[unroll]] for (uint u = 0; u < UNROLL; u++) m_new = max(m_new, s[u]);
-        const bool none = m_new == -1.0 / 0.0;   // all masked so far: alpha 1, weights 0 (no inf - inf)
-        const float alpha = none ? 1.0 : exp(m[0] - m_new);
-        m[0] = m_new;
-        float ps = 0.0;
-        subgroupBarrier();   // the previous step's weights are read
-        [[unroll]] for (uint u = 0; u < UNROLL; u++) {
-            const float p = none ? 0.0 : exp(s[u] - m_new);
-            ps += p;
-            if (lane % RL == 0) sPx[(cl * UNROLL + u) * ROWS + lane / RL] = p;
-        }
-        if (lane % RL == 0) sAx[cl * ROWS + lane / RL] = alpha;
-        l[0] = l[0] * alpha + ps;
-        subgroupBarrier();
-        [[unroll]] for (uint r = 0; r < ROWS; r++) {
-            const float a = sAx[cl * ROWS + r];
-            [[unroll]] for (uint i = 0; i < WPL * V4W; i++) o[r][i] *= a;
-            [[unroll]] for (uint u = 0; u < UNROLL; u++) {
-                const float p = sPx[(cl * UNROLL + u) * ROWS + r];
-                [[unroll]] for (uint j = 0; j < WPL; j++) {
-                    [[unroll]] for (uint h = 0; h < V4W; h++) o[r][j * V4W + h] += p * kv4(curV[u][j], h);
-                }
-            }
-        }
-#else
         float s[UNROLL][ROWS];
         [[unroll]] for (uint u = 0; u < UNROLL; u++) {
             const uint pos = t0 + u * NC + cl;
@@ -242,25 +176,19 @@ void attend(uint begin, uint end) {
             }
             l[r] = l[r] * alpha + ps;
         }
-#endif
     }
 
     // merge: each row's max over the clusters, then the clusters' outputs added into sQ one cluster at a time
-#ifdef XPOSE
-    if (lane % RL == 0) sML[cl * ROWS + lane / RL] = vec2(m[0], l[0]);
-#else
     if (lane == 0) {
         [[unroll]] for (uint r = 0; r < ROWS; r++) sML[cl * ROWS + r] = vec2(m[r], l[r]);
     }
-#endif
     for (uint i = tid; i < ROWS * HEAD_SIZE / 4; i += WG) sQ[i] = vec4(0.0);
     barrier();
     float wgt[ROWS];
     [[unroll]] for (uint r = 0; r < ROWS; r++) {
         float mx = -1.0 / 0.0;
         for (uint c = 0; c < NC; c++) mx = max(mx, sML[c * ROWS + r].x);
-        const float mine = sML[cl * ROWS + r].x;
-        wgt[r] = mine == -1.0 / 0.0 ? 0.0 : exp(mine - mx);
+        wgt[r] = m[r] == -1.0 / 0.0 ? 0.0 : exp(m[r] - mx);
         if (tid == 0) {
             float sum = 0.0;
             for (uint c = 0; c < NC; c++) {
