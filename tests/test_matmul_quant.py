@@ -230,10 +230,12 @@ def test_decoding_between_the_products_emulated_matches_numpy(n, k, monkeypatch)
                          ids=["between", "before-p2-k2"])
 def test_one_stage_decoding_during_the_products_emulated_matches_numpy(cfg, monkeypatch):
     """One stage: the next slice of W decoded into registers between or before the current slice's products and
-    stored after the barrier, emulated (with two slices in flight and K split too), ragged and whole tiles."""
+    stored after the barrier, emulated (with two slices in flight and K split too), ragged and whole tiles, and a
+    K-quant's decoder (converting each value) in the same place."""
     lim = emulate_coop(monkeypatch)
     _prefill_tile_case(lim, "Q4_0", cfg, 70, 100, 512)
     _prefill_tile_case(lim, "Q8_0", cfg, 64, 128, 256)
+    _prefill_tile_case(lim, "Q6_K", cfg, 40, 72, 512)
 
 
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
