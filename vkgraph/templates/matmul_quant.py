@@ -12,10 +12,11 @@ registers while the current one is multiplied. x comes as float16 rows [M, K]; W
 chunks of 16 values. Per format, `_CODECS` holds two GLSL functions: `load_q` reads a chunk's raw words (up to
 three 16-byte words and one float16 scale: Q8_0 16 int8 values; Q4_0 a block's word, whose low or high nibbles
 are the chunk; Q4_K a super-block's header and one nibble word; Q6_K a low-bits word, a high-bits word and the
-scales word) in the load phase, and `decode_q` turns them into 16 float16 values in the store phase, as
-dequant_f16.comp decodes them (rounded by packHalf2x16, in the device's rounding mode). `stage_source` runs the
-product's staging of W alone (both functions, the same code), without cooperative matrices, so every device
-checks it against numpy.
+scales word) in the load phase, and `decode_q` turns them into 16 float16 values in the store phase: Q8_0 and
+Q4_0 in float16 arithmetic (`_SCALED`: numpy's value rounded to nearest even, bit for bit), Q4_K and Q6_K as
+dequant_f16.comp decodes them (rounded by packHalf2x16, in the device's rounding mode). Where a step decodes
+relative to its products is the tile's ORDER (`Prefill`). `stage_source` runs the product's staging of W alone
+(both functions, the same code), without cooperative matrices, so every device checks it against numpy.
 Accumulation is float32, and so is y. The number of rows M is a push constant, so one pipeline serves every
 prompt length.
 
