@@ -8,8 +8,9 @@ product's int8 rows): `two` is kv_write (keys and queries rotated from the q/k/v
 then paged_decode over the rotated queries; `one` is paged_decode writing the new tokens itself (NewTokens), as a
 fused decode step runs it. `forms`: paged_decode's walks of the context (DecodeForm.parse: tiles, tiles:f32,
 lanes, lanes:WGxUNROLL); `splits`: its split-K partition (auto: choose_partition's, 0: none, else tokens per partition).
-Each route runs `reps` times after warm-up, every call writing the same cache slots and output, so a barrier
-orders each pair of dependent dispatches as in a step; the calls cycle through copies of the cache (as many as
+Each route runs `reps` times after its compilation, the clocks raised again (they idle while it compiles) and a
+warm-up, every call writing the same cache slots and output, so a barrier orders each pair of dependent
+dispatches as in a step; the calls cycle through copies of the cache (as many as
 PyTorch's below, bench_kernels' count) so that the small cases are not all read from the L2. Printed per batch
 and context: the span of the whole chain per call (kernels plus barriers), the attention's microseconds
 (paged_decode plus paged_reduce, medians) as GB/s of KV bytes read, and the median microseconds inside each
@@ -96,7 +97,10 @@ def case(dev, rng, b: int, ctx: int, reps: int, routes: list[str], forms: list[s
             if split >= ctx:
                 continue
             for route in routes:
-                kernels, per_call = chain(dev, runner(route, form, split), reps)
+                run = runner(route, form, split)
+                run()  # compiles: the clocks idle meanwhile, so they are raised again before the timing
+                raise_clocks(0.3)
+                kernels, per_call = chain(dev, run, reps)
                 attn = kernels.get("paged_decode", 0.0) + kernels.get("paged_reduce", 0.0)
                 inside = "  ".join(f"{k} {v:.1f}" for k, v in sorted(kernels.items()))
                 print(f"{b:5d} {ctx:6d} {form_text:>12s} {split or 'off':>5} {route:>5s} {per_call:9.1f} {attn:8.1f} "

@@ -87,10 +87,11 @@ def test_paged_decode_fuzz(data, d, dtype, hkv, group, bs, seed):
                  form=data.draw(st.sampled_from(FORMS)))
 
 
-# the kernel's walks of the context (DecodeForm): tiles with float16 or float32 in shared memory, and lanes;
-# LANE_FORMS: "lanes" with clusters smaller than a subgroup (several per subgroup, as 16 invocations of a 32-wide
+# the kernel's walks of the context (DecodeForm): tiles with float16 or float32 keys and values in shared memory, and
+# lanes; LANE_FORMS: "lanes" with clusters smaller than a subgroup (several per subgroup, as 16 invocations of a 32-wide
 # one), an odd unroll, a wider and a narrower workgroup
-FORMS = [pa.DecodeForm(), pa.DecodeForm(shared_f32=True), pa.DecodeForm("lanes")]
+FORMS = [pa.DecodeForm(), pa.DecodeForm(shared_f32="kv"), pa.DecodeForm(shared_f32="k"), pa.DecodeForm(shared_f32="v"),
+         pa.DecodeForm("lanes")]
 LANE_FORMS = [pa.DecodeForm("lanes", 64, 2, lanes=4), pa.DecodeForm("lanes", 256, 3)]
 
 

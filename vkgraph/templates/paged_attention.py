@@ -74,13 +74,14 @@ def _defines(dev: Device, head_size: int, dtype: str, **extra: int) -> dict[str,
     return d
 
 
-def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str, shared_f32: bool = False) -> int:
-    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl); shared_f32: held as float32
-    per_value = 4 if shared_f32 else KV_DTYPES[dtype]
-    return rows * head_size * 4 + 2 * tile * (head_size * per_value + 16) + rows * tile * 4 + 3 * rows * 4
+def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str, shared_f32: str = "") -> int:
+    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl); shared_f32: the keys ("k"),
+    # values ("v") or both held as float32
+    per_token = sum(head_size * (4 if part in shared_f32 else KV_DTYPES[dtype]) + 16 for part in "kv")
+    return rows * head_size * 4 + tile * per_token + rows * tile * 4 + 3 * rows * 4
 
 
-def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str, shared_f32: bool = False) -> int:
+def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str, shared_f32: str = "") -> int:
     for tile in TILES:
         if _shared_bytes(rows, tile, head_size, dtype, shared_f32) <= dev.info.max_shared_memory:
             return tile
@@ -246,26 +247,26 @@ def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_
 class DecodeForm:
     """How paged_decode's kernel walks the context. "tiles" (attention_common.glsl): tiles of keys and values
     through shared memory, the workgroup's invocations split over the query rows; `shared_f32` (float16 caches):
-    the tiles converted to float32 once as they go into shared memory, instead of by each row's invocation that
-    reads them. "lanes" (decode_lanes.glsl): keys and values straight into registers, clusters of `lanes`
-    invocations (0: chosen for the device) each taking one token at a time, `unroll` tokens of each cluster loaded
-    a step ahead; `wg` invocations."""
+    the keys ("k"), values ("v") or both ("kv") converted to float32 once as they go into shared memory, instead of
+    by each row's invocation that reads them. "lanes" (decode_lanes.glsl): keys and values straight into
+    registers, clusters of `lanes` invocations (0: chosen for the device) each taking one token at a time, `unroll`
+    tokens of each cluster loaded a step ahead; `wg` invocations."""
 
     kind: str = "tiles"
     wg: int = ATTN_WG
     unroll: int = 4
     lanes: int = 0
-    shared_f32: bool = False
+    shared_f32: str = ""
 
     @classmethod
     def parse(cls, text: str) -> DecodeForm:
-        """"tiles", "tiles:f32" (shared_f32), "lanes" or "lanes:WGxUNROLL" (e.g. lanes:256x4), as the benchmark
-        takes them."""
+        """"tiles", "tiles:f32" (shared_f32 "kv"), "tiles:f32k", "tiles:f32v", "lanes" or "lanes:WGxUNROLL" (e.g.
+        lanes:256x4), as the benchmark takes them."""
         kind, _, rest = text.partition(":")
-        if kind == "tiles" and rest in ("", "f32"):
-            return cls(kind, shared_f32=rest == "f32")
+        if kind == "tiles" and rest in ("", "f32", "f32k", "f32v"):
+            return cls(kind, shared_f32={"": "", "f32": "kv", "f32k": "k", "f32v": "v"}[rest])
         if kind != "lanes":
-            raise ValueError(f"decode form {text!r}: tiles, tiles:f32, lanes or lanes:WGxUNROLL")
+            raise ValueError(f"decode form {text!r}: tiles, tiles:f32[k|v], lanes or lanes:WGxUNROLL")
         if not rest:
             return cls(kind)
         wg, _, unroll = rest.partition("x")
@@ -345,7 +346,9 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     # the int8 parts, or `out` bound where the float output is written
     acts = Q8Acts.in_buffer(out, num_seqs, num_heads * d) if int8 else Q8Acts(out, out, out)
     form = form or DEFAULT_FORM
-    shared_f32 = form.kind == "tiles" and form.shared_f32 and cache.dtype == "f16"
+    shared_f32 = form.shared_f32 if form.kind == "tiles" and cache.dtype == "f16" else ""
+    if set(shared_f32) - set("kv"):
+        raise ValueError(f"shared_f32 names the keys (k), the values (v) or both (kv), got {shared_f32!r}")
     tile = _choose_tile(dev, group, d, cache.dtype, shared_f32)
     if part_tokens is None:
         part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, tile)
@@ -379,7 +382,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
                                                 BLOCK_SIZE=cache.block_size, **flags))
     else:
         if shared_f32:
-            flags["SHARED_F32"] = 1
+            flags["SHARED_F32"] = ("k" in shared_f32) + 2 * ("v" in shared_f32)
         kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
                                defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile,
                                                 BLOCK_SIZE=cache.block_size, **flags))

@@ -32,15 +32,21 @@
 #define KV_PER_WORD 4
 #endif
 #define WORDS_PER_TOKEN (HEAD_SIZE / KV_PER_WORD)
-// -DSHARED_F32 (with KV_F16): keys and values are converted to float32 once, as they go into shared memory, rather
-// than by every invocation that reads them (each key once per query row, each value once per row); shared memory
-// then holds 4 values a word
-#if defined(KV_F16) && defined(SHARED_F32)
-#define S_PER_WORD 4
+// -DSHARED_F32=1 (keys), 2 (values) or 3 (both), with KV_F16: those are converted to float32 once, as they go into
+// shared memory, rather than by every invocation that reads them (each key once per query row that scores it, each
+// value once per row that accumulates it); shared memory then holds 4 of them a word
+#if defined(KV_F16) && defined(SHARED_F32) && (SHARED_F32 & 1) != 0
+#define K_PER_SWORD 4
 #else
-#define S_PER_WORD KV_PER_WORD
+#define K_PER_SWORD KV_PER_WORD
 #endif
-#define TOKEN_STRIDE (HEAD_SIZE / S_PER_WORD + 1)
+#if defined(KV_F16) && defined(SHARED_F32) && (SHARED_F32 & 2) != 0
+#define V_PER_SWORD 4
+#else
+#define V_PER_SWORD KV_PER_WORD
+#endif
+#define K_STRIDE (HEAD_SIZE / K_PER_SWORD + 1)
+#define V_STRIDE (HEAD_SIZE / V_PER_SWORD + 1)
 #define PAIRS (ROWS * HEAD_SIZE / 4)
 
 layout(local_size_x_id = 0) in;
@@ -54,8 +60,8 @@ float row_m[SCORE_N];   // the running max of the row this invocation scores
 #endif
 
 shared vec4 sQ[ROWS * HEAD_SIZE / 4];
-shared uvec4 sK[TILE * TOKEN_STRIDE];
-shared uvec4 sV[TILE * TOKEN_STRIDE];
+shared uvec4 sK[TILE * K_STRIDE];
+shared uvec4 sV[TILE * V_STRIDE];
 shared vec4 sP[ROWS * TILE / 4];   // TILE is a multiple of 4
 shared float sM[ROWS], sL[ROWS], sAlpha[ROWS];
 #ifdef NEW_KV
@@ -79,24 +85,29 @@ vec4 kv4(uvec4 wd, uint e) {   // four values from dimension e of the word holdi
 #endif
 }
 
-#if S_PER_WORD == 4
-vec4 k4(uint t, uint e) { return uintBitsToFloat(sK[t * TOKEN_STRIDE + e / 4]); }
-vec4 v4(uint t, uint e) { return uintBitsToFloat(sV[t * TOKEN_STRIDE + e / 4]); }
+#if K_PER_SWORD == 4
+vec4 k4(uint t, uint e) { return uintBitsToFloat(sK[t * K_STRIDE + e / 4]); }
 #else
-vec4 k4(uint t, uint e) { return kv4(sK[t * TOKEN_STRIDE + e / KV_PER_WORD], e); }
-vec4 v4(uint t, uint e) { return kv4(sV[t * TOKEN_STRIDE + e / KV_PER_WORD], e); }
+vec4 k4(uint t, uint e) { return kv4(sK[t * K_STRIDE + e / KV_PER_WORD], e); }
+#endif
+#if V_PER_SWORD == 4
+vec4 v4(uint t, uint e) { return uintBitsToFloat(sV[t * V_STRIDE + e / 4]); }
+#else
+vec4 v4(uint t, uint e) { return kv4(sV[t * V_STRIDE + e / KV_PER_WORD], e); }
 #endif
 
 void put_word(uint t, uint w, uvec4 k, uvec4 v) {   // word w of the tile's token t, as the K/V buffers hold it
-#if S_PER_WORD != KV_PER_WORD
-    const uint at = t * TOKEN_STRIDE + 2 * w;
-    sK[at] = floatBitsToUint(unpack_half4(k.xy));
-    sK[at + 1] = floatBitsToUint(unpack_half4(k.zw));
-    sV[at] = floatBitsToUint(unpack_half4(v.xy));
-    sV[at + 1] = floatBitsToUint(unpack_half4(v.zw));
+#if K_PER_SWORD != KV_PER_WORD
+    sK[t * K_STRIDE + 2 * w] = floatBitsToUint(unpack_half4(k.xy));
+    sK[t * K_STRIDE + 2 * w + 1] = floatBitsToUint(unpack_half4(k.zw));
 #else
-    sK[t * TOKEN_STRIDE + w] = k;
-    sV[t * TOKEN_STRIDE + w] = v;
+    sK[t * K_STRIDE + w] = k;
+#endif
+#if V_PER_SWORD != KV_PER_WORD
+    sV[t * V_STRIDE + 2 * w] = floatBitsToUint(unpack_half4(v.xy));
+    sV[t * V_STRIDE + 2 * w + 1] = floatBitsToUint(unpack_half4(v.zw));
+#else
+    sV[t * V_STRIDE + w] = v;
 #endif
 }
 
