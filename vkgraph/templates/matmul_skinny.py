@@ -12,9 +12,9 @@ its own part of W with no workgroup barrier on the way:
   distinct rows of W walk the same slices of K at about the same time (so x's slice, read by each, is mostly
   read once from the L2), and SG split K: subgroup s takes the BK-deep slices s, s + SG, s + 2 SG, .. and keeps
   its own accumulators; at the end they are summed through shared memory into y, so no second kernel sums K's
-  parts. Where the rows of W alone give too few workgroups,
-  KS workgroups may split K further: each writes its part to a plane, and the last of them to finish (a counter
-  per rows of W) sums the planes in order into y (`Scratch`).
+  parts. Where the rows of W alone give too few workgroups, KS workgroups may split K further: each writes its
+  part to a plane, and the last of them to finish (a counter per rows of W) sums the planes in order into y
+  (`Scratch`). A residual is added as y is written.
 - A subgroup reads its slice's blocks (32 values of one row each, the format's words and scale) into one of DEPTH
   register sets, DEPTH - 1 slices ahead of the one it decodes: each invocation has (DEPTH - 1) x ROWS x BK / 32 /
   subgroup-size blocks' loads in flight. It decodes the oldest set into its own region of shared memory
