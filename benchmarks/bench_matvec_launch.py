@@ -12,7 +12,9 @@ the fused decode step feeds it: no quantization kernel in the time), in both lau
 - workgroup: a workgroup per few rows, shared-memory reduction (VKGRAPH_MATVEC_LAUNCH=workgroup), 8 rows a call;
 - subgroup: groups of a subgroup's lanes per few rows, several units in flight (VKGRAPH_MATVEC_LAUNCH=subgroup).
 Batches past 8 run the workgroup launch as calls of 8 rows (as the decode step did) and the subgroup launch
-as one call. "us" is the GPU time of the whole product; "torch" is torch.matmul of float16 W [N, K] by
+as one call; "default" is the launch choose_config takes (VKGRAPH_MATVEC_LAUNCH=auto, e.g. INT_DOT_ONE_ROW's
+entry for the shape at one row), its configuration and figure at the end of the line. "us" is the GPU time of the
+whole product; "torch" is torch.matmul of float16 W [N, K] by
 float16 x [K, batch] (CUDA events), in GB/s of its own float16 weight bytes. --sweep also times
 subgroup-launch configurations around the chosen one (rows per group, units in flight, workgroup size, group
 width) and prints the best three. --nb-sweep times the integer path's candidates for 2-16 activation rows
@@ -20,7 +22,7 @@ width) and prints the best three. --nb-sweep times the integer path's candidates
 unit's runs summed as integers first) and stage (a round's activations staged in shared memory per workgroup),
 and the workgroup launch with and without fold; it prints the chosen configuration's figure, the best of each
 (fold, stage) pair and the ten fastest, at most --budget seconds per product and batch. --wg-sweep times the
-workgroup launch (the one a single activation row takes) around its chosen configuration: invocations per
+workgroup launch around the default configuration ("chosen"): invocations per
 workgroup, rows per workgroup and rounds of units in flight per invocation (`unroll`), all compiled and captured
 first (at most --budget seconds per product and batch), then replayed in turn --reps times after the clocks are
 raised; it prints the chosen configuration's figure and the ten fastest, then the finals: the three fastest, each
@@ -196,7 +198,7 @@ def _wg_configs(dev, f, base: mv.MatvecConfig, k: int, batch: int) -> list[mv.Ma
         if wg > max(span, dev.info.max_subgroup_size) or wg < dev.info.max_subgroup_size or wg * unroll > max(
                 span, wg) or rows * unroll > 16 or rows * batch > 32 or wg > dev.info.max_workgroup_invocations:
             continue
-        found.append(replace(base, wg=wg, rows=rows, unroll=unroll, fold=False))
+        found.append(replace(base, wg=wg, rows=rows, unroll=unroll, tpr=0, fold=False))
     if "shuffle" in dev.info.subgroup_ops:  # the subgroup-rows launch beside them, as its table would take it
         units = k // mv.UNIT_ELEMS[f.name]
         for wg, rows, unroll in WG_SWEEP_SUBGROUP:
@@ -295,6 +297,8 @@ def main() -> None:
                     y = dev.alloc(batch * n * 4)
                     t_old = product_us(dev, ws, x, y, batch, old, a.reps)
                     t_new = product_us(dev, ws, x, y, batch, new, a.reps)
+                    auto = mv.choose_config(dev, f, n, k, batch)
+                    t_auto = {old: t_old, new: t_new}.get(auto) or product_us(dev, ws, x, y, batch, auto, a.reps)
                     tile = mq.decode_config(limits(), batch, n, k) if fmt in mq.FORMATS else None
                     mm, q8 = "-", None
                     if tile is not None:
@@ -304,7 +308,8 @@ def main() -> None:
                     print(f"{fmt:>5s} {shape:>4s} {name:>8s} {n:>6d}x{k:<6d} {batch:>5d} {_cell(nbytes, t_old):>18s} "
                           f"{_cell(nbytes, t_new):>17s} {t_old / t_new:6.2f} {_torch_matvec(n, k, 50, batch):>6s} "
                           f"{mm:>14s}  wg{new.wg} r{new.rows} tpr{new.tpr} u{new.unroll}"
-                          f"{' / ' + _tile(tile) if tile else ''}", flush=True)
+                          f"{' / ' + _tile(tile) if tile else ''}; default {_wg_name(auto)} {_cell(nbytes, t_auto)}",
+                          flush=True)
                     if a.mm_sweep and tile is not None:
                         times = {t: mm_us(dev, ws, q8, ym, batch, t, 3) for t in _mm_tiles(tile, k)}
                         ranked = sorted(times, key=times.get)
@@ -318,7 +323,7 @@ def main() -> None:
                     if a.nb_sweep and new.int_dot:
                         nb_sweep(dev, f, ws, x, y, batch, new, old, max(3, a.reps // 2), a.budget)
                     if a.wg_sweep and batch <= mv.MAX_BATCH:
-                        wg_sweep(dev, f, ws, x, y, batch, old, a.reps, a.budget)
+                        wg_sweep(dev, f, ws, x, y, batch, auto, a.reps, a.budget)
                     if a.sweep:
                         found = {}
                         for wg, rows, unroll, tpr_div in SWEEP:

@@ -171,14 +171,17 @@ def test_matvec_int_dot_table(monkeypatch):
 
 
 def test_matvec_int_dot_one_row_table(monkeypatch):
-    """INT_DOT_ONE_ROW's first entry that holds the shape sets one activation row's workgroup launch on the integer
-    path: rounds in flight cut to those the row has, fold only where the format takes it; more rows, the float
-    path and larger shapes keep INT_DOT_PREFERRED's."""
+    """INT_DOT_ONE_ROW's first entry that holds the shape sets one activation row's launch on the integer path:
+    rounds in flight cut to those the row has, fold only where the format takes it, the subgroup-rows launch where
+    the entry says so (unless a launch is forced: then INT_DOT_PREFERRED's or SG_PREFERRED's parameters); more
+    rows, the float path and larger shapes keep INT_DOT_PREFERRED's."""
     dev = device()
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "auto")
     q40, q4k = quant.FORMATS["Q4_0"], quant.FORMATS["Q4_K"]
-    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_0", [(4096, 4096, (64, 4, 2, True)), (8192, 16384, (128, 8, 4, False))])
-    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_K", [(4096, 4096, (64, 4, 2, True))])
+    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_0", [(4096, 4096, mv.OneRow(64, 4, 2, True)),
+                                                     (8192, 16384, mv.OneRow(128, 8, 4, False)),
+                                                     (9000, 4096, mv.OneRow(128, 1, 2, True, subgroup=True))])
+    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_K", [(4096, 4096, mv.OneRow(64, 4, 2, True))])
     sg = dev.info.subgroup_size
     pick = mv.choose_config(dev, q40, 4096, 4096, 1, int_dot=True)
     assert (pick.wg, pick.rows, pick.unroll, pick.fold, pick.tpr) == (max(64, sg), 4, 2 if sg <= 64 else 1, True, 0)
@@ -191,15 +194,28 @@ def test_matvec_int_dot_one_row_table(monkeypatch):
                       (mv.choose_config(dev, q40, 16384, 4096, 1, int_dot=True), mv.INT_DOT_PREFERRED["Q4_0"][1][2]),
                       (mv.choose_config(dev, q40, 4096, 4096, 1, int_dot=False), mv.PREFERRED["Q4_0"][2])):
         assert (cfg.rows, cfg.unroll, cfg.fold) == (rows, 1, False)
+    shuffles = "shuffle" in dev.info.subgroup_ops
+    pick = mv.choose_config(dev, q40, 8200, 4096, 1, int_dot=True)  # the third entry: the subgroup-rows launch
+    assert (pick.tpr > 0, pick.rows, pick.fold) == ((True, 1, True) if shuffles else
+                                                   (False, mv.INT_DOT_PREFERRED["Q4_0"][1][2], False))
+    forced = mv.choose_config(dev, q40, 8200, 4096, 1, int_dot=True, subgroup_rows=False)
+    assert (forced.tpr, forced.rows, forced.fold) == (0, mv.INT_DOT_PREFERRED["Q4_0"][1][2], False)
+    if shuffles:
+        forced = mv.choose_config(dev, q40, 4096, 4096, 1, int_dot=True, subgroup_rows=True)  # a workgroup entry
+        assert (forced.rows, forced.fold) == (mv.SG_PREFERRED[1][1], False)
+        monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "workgroup")
+        assert mv.choose_config(dev, q40, 8200, 4096, 1, int_dot=True).tpr == 0
 
 
 def test_matvec_auto_launch_by_rows(monkeypatch):
     """auto keeps Q4_0's integer path on the workgroup launch up to AUTO_WORKGROUP_ROWS rows, and up to 8 where
-    K > LONG_K; other formats, the float path and past 8 rows take the subgroup one; a forced launch wins."""
+    K > LONG_K; other formats, the float path and past 8 rows take the subgroup one; a forced launch wins (without
+    INT_DOT_ONE_ROW's entries by shape)."""
     _needs_shuffle()
     dev = device()
     q40, q4k = quant.FORMATS["Q4_0"], quant.FORMATS["Q4_K"]
     monkeypatch.setitem(mv.AUTO_WORKGROUP_ROWS, "Q4_0", 4)
+    monkeypatch.setattr(mv, "INT_DOT_ONE_ROW", {})  # one row by shape: test_matvec_int_dot_one_row_table
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "auto")
     for fmt, k, batch, int_dot, wide in ((q40, 4096, 3, True, False), (q40, 4096, 4, True, False),
                                          (q40, 4096, 5, True, True), (q40, 14336, 8, True, False),

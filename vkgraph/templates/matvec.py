@@ -147,11 +147,37 @@ INT_DOT_PREFERRED = {"Q4_0": {1: (128, 128, 2), 2: (32, 64, 2), 4: (32, 32, 2), 
 for _f, _like in (("Q4_1", "Q4_0"), ("Q5_0", "Q4_0"), ("Q5_1", "Q4_0"), ("IQ4_NL", "Q4_0"), ("IQ4_XS", "Q4_0"),
                   ("Q2_K", "Q6_K"), ("Q3_K", "Q6_K")):  # not measured yet: as PREFERRED does
     INT_DOT_PREFERRED[_f] = INT_DOT_PREFERRED[_like]
-# The integer path at one activation row by product shape, where other parameters of the workgroup launch
-# measured faster than INT_DOT_PREFERRED's (`bench_matvec_launch.py --wg-sweep`): by format, entries (largest N,
-# largest K, (invocations per workgroup, rows per workgroup, rounds of units in flight, fold)), the first entry
-# that holds the product's N and K taken.
-INT_DOT_ONE_ROW: dict[str, list[tuple[int, int, tuple[int, int, int, bool]]]] = {}
+
+
+@dataclass(frozen=True)
+class OneRow:
+    """One activation row's launch on the integer path for a class of product shapes (INT_DOT_ONE_ROW): the
+    workgroup launch (`subgroup` False: `wg` invocations own `rows` rows, `unroll` rounds of units in flight) or
+    the subgroup-rows one (`wg` invocations in groups as wide as choose_config makes them, `rows` per group,
+    `unroll` units in flight), with fold or not."""
+
+    wg: int
+    rows: int
+    unroll: int
+    fold: bool
+    subgroup: bool = False
+
+
+# The integer path at one activation row by product shape, where other launch parameters measured faster than
+# INT_DOT_PREFERRED's: by format, entries (largest N, largest K, OneRow), the first entry that holds the product's
+# N and K taken. Measured on an H200 (2026-12-02, `bench_matvec_launch.py --wg-sweep`, Q4_0 at the 8B products,
+# GB/s against INT_DOT_PREFERRED's 128 invocations and 2 rows in the same interleaved run): qkv 1618 against
+# 1411 and o 1230 against 1155 with 32-lane groups of one row, 4 units in flight, fold; gate_up 3168 against 2897
+# with one subgroup of 4 rows; down 2588 against 2428 with 64 invocations on one row, fold. The head (128256 rows)
+# keeps INT_DOT_PREFERRED's.
+INT_DOT_ONE_ROW: dict[str, list[tuple[int, int, OneRow]]] = {
+    "Q4_0": [(8192, 4096, OneRow(128, 1, 4, True, subgroup=True)), (32768, 4096, OneRow(32, 4, 1, False)),
+             (8192, 16384, OneRow(64, 1, 1, True))]}
+
+
+def one_row_entry(fmt: QuantFormat, n: int, k: int) -> OneRow | None:
+    """INT_DOT_ONE_ROW's entry for a product of this format and shape (None: none holds it)."""
+    return next((e for big_n, big_k, e in INT_DOT_ONE_ROW.get(fmt.name, ()) if n <= big_n and k <= big_k), None)
 
 
 def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
@@ -164,19 +190,23 @@ def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
     sg = info.subgroup_size
     if int_dot is None:
         int_dot = int_dot_default(dev, fmt)
+    entry = one_row_entry(fmt, n, k) if int_dot and batch == 1 else None
     if subgroup_rows is None:
         subgroup_rows = subgroup_rows_default(dev, batch, fmt, k, int_dot)
+        if entry is not None and flag("VKGRAPH_MATVEC_LAUNCH") == "auto":  # the entry's launch, where it runs
+            subgroup_rows = entry.subgroup and "shuffle" in dev.info.subgroup_ops
+    if entry is not None and entry.subgroup != subgroup_rows:  # a forced launch: the entry is for the other one
+        entry = None
     bucket = 1 << (batch - 1).bit_length()
     units = k // UNIT_ELEMS[fmt.name]
     if subgroup_rows:
-        return _subgroup_rows_config(dev, fmt, n, units, bucket, int_dot)
+        return _subgroup_rows_config(dev, fmt, n, units, bucket, int_dot, entry)
     if batch > MAX_BATCH:
         raise ValueError(f"the workgroup launch takes 1..{MAX_BATCH} activation rows, got {batch}")
     unroll, fold = 1, False
-    shaped = [c for big_n, big_k, c in INT_DOT_ONE_ROW.get(fmt.name, ()) if n <= big_n and k <= big_k]
-    if int_dot and batch == 1 and shaped:
-        wg_short, rows, unroll, fold = shaped[0]
-        wg_long = wg_short
+    if entry is not None:
+        wg_short = wg_long = entry.wg
+        rows, unroll, fold = entry.rows, entry.unroll, entry.fold
     elif int_dot:
         wg_short, wg_long, rows = INT_DOT_PREFERRED[fmt.name][bucket]
     else:
@@ -214,13 +244,15 @@ def rows_per_call(dev: Device) -> int:
 
 
 def _subgroup_rows_config(dev: Device, fmt: QuantFormat, n: int, units: int, bucket: int,
-                          int_dot: bool) -> MatvecConfig:
+                          int_dot: bool, entry: OneRow | None = None) -> MatvecConfig:
     """SG_PREFERRED with the group as wide as the row's units allow (`unroll` units per invocation at least),
     within the device's smallest subgroup; the workgroup a whole number of the largest subgroups. On the integer
     path, SG_INT_DOT_PREFERRED with fold and stage where the format and the device's shared memory take them."""
     info = dev.info
     plain = (*SG_PREFERRED[bucket], False, False)
     chosen = SG_INT_DOT_PREFERRED.get(fmt.name, {}).get(bucket, plain) if int_dot else plain
+    if entry is not None:
+        chosen = (entry.wg, entry.rows, entry.unroll, entry.fold, False)
     wg, rows, unroll, tpr, fold, stage = sg_overrides().get(bucket, (*chosen[:3], 0, *chosen[3:]))
     if not tpr:
         tpr = max(1, min(info.min_subgroup_size, 32, pow2_floor(max(units // unroll, 1))))
