@@ -5,8 +5,9 @@ on a decode step's products: GB/s of weight bytes and GPU microseconds per produ
                                       [--sweep] [--sweep-rows 8,32] [--reps 10]
 
 For each format, product of a Llama-3-8B layer and number of activation rows, the product alone is timed
-(benchmarks/common.replay_us after common.raise_clocks: 100 calls captured into one command graph and replayed;
-weights cycled through copies past the L2, bench_kernels._weight_copies):
+(100 calls captured into one command graph, common.capture_graph; every graph of a product captured first, then
+the clocks raised, common.raise_clocks, and the graphs replayed in turn, common.replay_many_us; weights cycled
+through copies past the L2, bench_kernels._weight_copies):
 - matvec: the matvec the decode step runs (matvec.choose_config, subgroup-rows launch), on int8 activations where
   the integer path runs (quantized beforehand, as the fused decode step feeds it);
 - tile: matmul_quant's small-row tile (decode_config) on the same int8 activations; a tile that splits K writes
@@ -23,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import numpy as np
 from bench_kernels import _release_weights, _weight_copies
-from bench_matvec_launch import _acts, mm_us, product_us
-from common import raise_clocks, replay_us
+from bench_matvec_launch import _acts, product_run
+from common import capture_graph, raise_clocks, replay_many_us
 
 from vkgraph.quant import FORMATS
 from vkgraph.realize import limits
@@ -53,27 +57,34 @@ XS_SWEEP = [ms.Skinny(sg, bk, depth, frags, 1, wn, 1) for sg, bk, depth, frags, 
     (2, 64, 3, 1, 2), (1, 64, 4, 1, 4))]
 
 
-def skinny_us(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch | None = None) -> float:
-    """GPU microseconds of one matmul_skinny product of `rows` float16 rows with cfg, on the next weight copy."""
-    lim, calls = limits(), itertools.count()
-
-    def run() -> None:
-        ms.matmul_skinny(dev, lim, ws[next(calls) % len(ws)], x, rows, cfg, out=y, scratch=sc)
-
-    return replay_us(dev, run, reps)
+def _tile_run(dev, lim, ws, q8, y, rows: int, tile: mq.Tile) -> Callable[[], None]:
+    calls = itertools.count()
+    return lambda: mq.matmul_quant(dev, lim, ws[next(calls) % len(ws)], q8, rows, tile, out=y)
 
 
-def _timed(dev, ws, x, y, rows: int, cfg: ms.Skinny, reps: int, sc: ms.Scratch) -> float | str:
-    """skinny_us, or the error a configuration raised (printed in its place, so that the others still run)."""
+def _skinny_run(dev, lim, ws, x, y, rows: int, cfg: ms.Skinny, sc: ms.Scratch) -> Callable[[], None]:
+    calls = itertools.count()
+    return lambda: ms.matmul_skinny(dev, lim, ws[next(calls) % len(ws)], x, rows, cfg, out=y, scratch=sc)
+
+
+def _capture(dev, run: Callable[[], None]) -> Any:
+    """run's calls captured into a graph (common.capture_graph), or the error it raised (printed in its place, so
+    that the others still run: a pipeline the driver refuses)."""
     try:
-        return skinny_us(dev, ws, x, y, rows, cfg, reps, sc)
-    except Exception as e:  # a pipeline the driver refuses: report it, time the rest
+        return capture_graph(dev, run)
+    except Exception as e:
+        dev.synchronize()
         return f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def _label(c: ms.Skinny) -> str:
     return (f"sg{c.sg}/bk{c.bk}/d{c.depth}/f{c.frags}" + (f"/ks{c.ks}" if c.ks > 1 else "")
             + (f"/wn{c.wn}" if c.wn > 1 else "") + ("/xs" if c.xs else ""))
+
+
+def _result(nbytes: int, times: dict, graphs: dict, rows: int, key: Any) -> str:
+    """The cell of (rows, key): its time, or the error its capture raised, or '-' where there was none."""
+    return _cell(nbytes, times.get((rows, key), graphs.get((rows, key))))
 
 
 def _cell(nbytes: int, us: float | str | None) -> str:
@@ -93,7 +104,6 @@ def main() -> None:
     lim = limits()
     frag = ms.fragment(lim)
     rng = np.random.default_rng(0)
-    raise_clocks()
     print(f"{dev.info.name}: GB/s of weight bytes and us per product; fragment {frag}, subgroup {lim.subgroup}")
     print(f"{'fmt':>5s} {'product':>8s} {'N x K':>13s} {'rows':>4s} {'matvec GB/s us':>15s} {'tile GB/s us':>15s} "
           f"{'skinny GB/s us':>15s} {'skinny8 GB/s us':>15s}  skinny config / skinny8 config")
@@ -104,47 +114,61 @@ def main() -> None:
                 continue
             nbytes = n * f.row_bytes(k)
             ws = _weight_copies(dev, rng, fmt, n, k)
-            for rows in (int(r) for r in a.rows.split(",")):
+            # every product of this shape captured first (compiled and warmed up), then timed in turn after the
+            # clocks are raised: compiling and generating weights leave the GPU idle, and an idle H200 drops its
+            # clocks (common.raise_clocks)
+            graphs: dict = {}
+            keep: list = []
+            rows_list = [int(r) for r in a.rows.split(",")]
+            for rows in rows_list:
                 cfg_mv = mv.choose_config(dev, f, n, k, rows, subgroup_rows=True)
                 x, bufs = _acts(dev, rng, rows, k, cfg_mv.int_dot)
-                y = dev.alloc(8 * rows * n * 4)  # room for the tile's partial planes
-                t_mv = product_us(dev, ws, x, y, rows, cfg_mv, a.reps)
-                tile = mq.decode_config(lim, rows, n, k) if fmt in mq.FORMATS else None
                 q8 = x if isinstance(x, mv.Q8Acts) else mv.Q8Acts(*mv.quantize_activations(dev, x, rows, k))
                 if q8 is not x:
                     bufs += [q8.xq, q8.xd, q8.xs]
-                t_tile = mm_us(dev, ws, q8, y, rows, tile, a.reps) if tile is not None else None
-                cfg = ms.config(lim, rows, n, k) if fmt in ms.FORMATS else None
-                cfg8 = ms.config(lim, rows, n, k, int8=True) if fmt in ms.FORMATS else None
-                t_sk, t_sk8, xh, sc = None, None, None, None
-                if cfg is not None:
-                    mb = ms.x_rows(frag, rows)
-                    xh = dev.alloc(mb * k * 2)
-                    dev.upload(xh, rng.standard_normal((mb, k)).astype(np.float16))
-                    sc = ms.scratch(dev, ms.Skinny(ks=ms.MAX_SPLIT), frag, rows, n)
-                    bufs += [sc.partial, sc.counters]
-                    t_sk = _timed(dev, ws, xh, y, rows, cfg, a.reps, sc)
-                    if cfg8 is not None:
-                        t_sk8 = _timed(dev, ws, q8, y, rows, cfg8, a.reps, sc)
-                print(f"{fmt:>5s} {name:>8s} {n:>6d}x{k:<6d} {rows:>4d} {_cell(nbytes, t_mv):>15s} "
-                      f"{_cell(nbytes, t_tile):>15s} {_cell(nbytes, t_sk):>15s} {_cell(nbytes, t_sk8):>15s}  "
-                      f"{_label(cfg) if cfg else '-'} / {_label(cfg8) if cfg8 else '-'}", flush=True)
-                if a.sweep and cfg is not None and str(rows) in a.sweep_rows.split(","):
-                    mb = ms.x_rows(frag, rows)
-                    staged = [t for c in XS_SWEEP if (t := ms.split(c, frag, lim, k, mb)) is not None]
-                    found = {c: _timed(dev, ws, q8 if c.xs else xh, y, rows, c, 3, sc)
-                             for c in [c for c in SWEEP if c.fits(frag, lim, k, mb)] + staged}
-                    times = {c: t for c, t in found.items() if not isinstance(t, str)}
-                    best = sorted(times, key=times.get)
+                y = dev.alloc(8 * rows * n * 4)  # room for the tile's partial planes
+                mb = ms.x_rows(frag, rows) if frag else rows
+                xh = dev.alloc(mb * k * 2)
+                dev.upload(xh, rng.standard_normal((mb, k)).astype(np.float16))
+                sc = ms.scratch(dev, ms.Skinny(ks=ms.MAX_SPLIT), frag, rows, n) if frag else None
+                keep += [*bufs, y, xh, *([sc.partial, sc.counters] if sc else [])]
+                graphs[rows, "matvec"] = _capture(dev, product_run(dev, ws, x, y, rows, cfg_mv))
+                tile = mq.decode_config(lim, rows, n, k) if fmt in mq.FORMATS else None
+                if tile is not None:
+                    graphs[rows, "tile"] = _capture(dev, _tile_run(dev, lim, ws, q8, y, rows, tile))
+                configs = {"skinny": ms.config(lim, rows, n, k) if fmt in ms.FORMATS else None,
+                           "skinny8": ms.config(lim, rows, n, k, int8=True) if fmt in ms.FORMATS else None}
+                if a.sweep and frag and fmt in ms.FORMATS and str(rows) in a.sweep_rows.split(","):
+                    configs.update({c: c for c in SWEEP if c.fits(frag, lim, k, mb)})
+                    configs.update({t: t for c in XS_SWEEP if (t := ms.split(c, frag, lim, k, mb)) is not None})
+                for key, cfg in configs.items():
+                    if cfg is not None:
+                        xin = q8 if cfg.xs else xh
+                        graphs[rows, key] = _capture(dev, _skinny_run(dev, lim, ws, xin, y, rows, cfg, sc))
+                graphs[rows, "configs"] = configs
+            timed = {key: g for key, g in graphs.items() if key[1] != "configs" and not isinstance(g, str)}
+            raise_clocks()
+            times = replay_many_us(dev, timed, a.reps)
+            for rows in rows_list:
+                configs = graphs[rows, "configs"]
+                cell = partial(_result, nbytes, times, graphs, rows)
+                cfg, cfg8 = configs["skinny"], configs["skinny8"]
+                print(f"{fmt:>5s} {name:>8s} {n:>6d}x{k:<6d} {rows:>4d} {cell('matvec'):>15s} {cell('tile'):>15s} "
+                      f"{cell('skinny'):>15s} {cell('skinny8'):>15s}  {_label(cfg) if cfg else '-'} / "
+                      f"{_label(cfg8) if cfg8 else '-'}", flush=True)
+                swept = [c for c in configs if isinstance(c, ms.Skinny)]
+                if swept:
+                    ok = sorted((c for c in swept if (rows, c) in times), key=lambda c: times[rows, c])
                     print("      skinny, fastest first (GB/s us): " + ", ".join(
-                        f"{_label(c)} {_cell(nbytes, times[c])}" for c in best), flush=True)
-                    for c, t in found.items():
-                        if isinstance(t, str):
-                            print(f"      {_label(c)}: {t}", flush=True)
-                for buf in (*bufs, y, *([xh] if xh is not None else [])):
-                    buf.release()
+                        f"{_label(c)} {cell(c)}" for c in ok), flush=True)
+                    for c in swept:
+                        if (rows, c) not in times:
+                            print(f"      {_label(c)}: {cell(c)}", flush=True)
+            for g in timed.values():
+                g.destroy()
+            for buf in keep:
+                buf.release()
             _release_weights(ws)
-
 
 if __name__ == "__main__":
     main()
