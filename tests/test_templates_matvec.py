@@ -171,17 +171,18 @@ def test_matvec_int_dot_table(monkeypatch):
 
 
 def test_matvec_int_dot_one_row_table(monkeypatch):
-    """INT_DOT_ONE_ROW's first entry that holds the shape sets one activation row's launch on the integer path:
+    """INT_DOT_ONE_ROW's first entry whose ranges hold the shape sets one activation row's launch on the integer path:
     rounds in flight cut to those the row has, fold only where the format takes it, the subgroup-rows launch where
     the entry says so (unless a launch is forced: then INT_DOT_PREFERRED's or SG_PREFERRED's parameters); more
     rows, the float path and larger shapes keep INT_DOT_PREFERRED's."""
     dev = device()
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "auto")
     q40, q4k = quant.FORMATS["Q4_0"], quant.FORMATS["Q4_K"]
-    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_0", [(4096, 4096, mv.OneRow(64, 4, 2, True)),
-                                                     (8192, 16384, mv.OneRow(128, 8, 4, False)),
-                                                     (9000, 4096, mv.OneRow(128, 1, 2, True, subgroup=True))])
-    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_K", [(4096, 4096, mv.OneRow(64, 4, 2, True))])
+    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_0", [((1, 4096), (1, 4096), mv.OneRow(64, 4, 2, True)),
+                                                     ((1, 8192), (1, 16384), mv.OneRow(128, 8, 4, False)),
+                                                     ((8193, 9000), (4096, 4096),
+                                                      mv.OneRow(128, 1, 2, True, subgroup=True))])
+    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_K", [((1, 4096), (1, 4096), mv.OneRow(64, 4, 2, True))])
     sg = dev.info.subgroup_size
     pick = mv.choose_config(dev, q40, 4096, 4096, 1, int_dot=True)
     assert (pick.wg, pick.rows, pick.unroll, pick.fold, pick.tpr) == (max(64, sg), 4, 2 if sg <= 64 else 1, True, 0)
@@ -192,6 +193,7 @@ def test_matvec_int_dot_one_row_table(monkeypatch):
     assert not mv.choose_config(dev, q4k, 4096, 4096, 1, int_dot=True).fold
     for cfg, rows in ((mv.choose_config(dev, q40, 4096, 4096, 2, int_dot=True), mv.INT_DOT_PREFERRED["Q4_0"][2][2]),
                       (mv.choose_config(dev, q40, 16384, 4096, 1, int_dot=True), mv.INT_DOT_PREFERRED["Q4_0"][1][2]),
+                      (mv.choose_config(dev, q40, 8200, 2048, 1, int_dot=True), mv.INT_DOT_PREFERRED["Q4_0"][1][2]),
                       (mv.choose_config(dev, q40, 4096, 4096, 1, int_dot=False), mv.PREFERRED["Q4_0"][2])):
         assert (cfg.rows, cfg.unroll, cfg.fold) == (rows, 1, False)
     shuffles = "shuffle" in dev.info.subgroup_ops

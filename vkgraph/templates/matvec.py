@@ -164,20 +164,23 @@ class OneRow:
 
 
 # The integer path at one activation row by product shape, where other launch parameters measured faster than
-# INT_DOT_PREFERRED's: by format, entries (largest N, largest K, OneRow), the first entry that holds the product's
-# N and K taken. Measured on an H200 (2026-12-02, `bench_matvec_launch.py --wg-sweep`, Q4_0 at the 8B products,
-# GB/s against INT_DOT_PREFERRED's 128 invocations and 2 rows in the same interleaved run): qkv 1618 against
-# 1411 and o 1230 against 1155 with 32-lane groups of one row, 4 units in flight, fold; gate_up 3168 against 2897
-# with one subgroup of 4 rows; down 2588 against 2428 with 64 invocations on one row, fold. The head (128256 rows)
-# keeps INT_DOT_PREFERRED's.
-INT_DOT_ONE_ROW: dict[str, list[tuple[int, int, OneRow]]] = {
-    "Q4_0": [(8192, 4096, OneRow(128, 1, 4, True, subgroup=True)), (32768, 4096, OneRow(32, 4, 1, False)),
-             (8192, 16384, OneRow(64, 1, 1, True))]}
+# INT_DOT_PREFERRED's: by format, entries ((smallest N, largest N), (smallest K, largest K), OneRow), the first
+# entry whose ranges hold the product's N and K taken; each range spans the measured shapes and less than twice
+# them, so shapes not measured (the 1B model's K = 2048, the head) keep INT_DOT_PREFERRED's. Measured on an H200
+# (2026-12-02, `bench_matvec_launch.py --wg-sweep`, Q4_0 at the 8B products, GB/s against INT_DOT_PREFERRED's 128
+# invocations and 2 rows in the same interleaved run): qkv 1618 against 1411 and o 1230 against 1155 with 32-lane
+# groups of one row, 4 units in flight, fold; gate_up 3168 against 2897 with one subgroup of 4 rows; down 2588
+# against 2428 with 64 invocations on one row, fold.
+INT_DOT_ONE_ROW: dict[str, list[tuple[tuple[int, int], tuple[int, int], OneRow]]] = {
+    "Q4_0": [((4096, 8192), (4096, 4096), OneRow(128, 1, 4, True, subgroup=True)),
+             ((16384, 32768), (4096, 4096), OneRow(32, 4, 1, False)),
+             ((4096, 8192), (8192, 16384), OneRow(64, 1, 1, True))]}
 
 
 def one_row_entry(fmt: QuantFormat, n: int, k: int) -> OneRow | None:
     """INT_DOT_ONE_ROW's entry for a product of this format and shape (None: none holds it)."""
-    return next((e for big_n, big_k, e in INT_DOT_ONE_ROW.get(fmt.name, ()) if n <= big_n and k <= big_k), None)
+    return next((e for (n_lo, n_hi), (k_lo, k_hi), e in INT_DOT_ONE_ROW.get(fmt.name, ())
+                 if n_lo <= n <= n_hi and k_lo <= k <= k_hi), None)
 
 
 def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
