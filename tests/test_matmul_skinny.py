@@ -164,6 +164,34 @@ def test_programs_compile(fmt):
         compiles(ms.source(fmt, 4096, 4096, 4096 // 32, 4096 // 32, cfg, (16, 8, 16), lim.subgroup, mb))
 
 
+def _barrier_semantics(src: str) -> list[int]:
+    """The memory semantics of every OpControlBarrier and OpMemoryBarrier in src's SPIR-V."""
+    import struct
+
+    from vkgraph.runtime.compiler import Compiler
+
+    spv = Compiler(backend="glslang").compile(src, target="vulkan1.3")
+    words = struct.unpack(f"<{len(spv) // 4}I", spv)
+    consts, found, i = {}, [], 5
+    while i < len(words):
+        op, count = words[i] & 0xFFFF, words[i] >> 16
+        if op == 43:  # OpConstant: result type, id, value
+            consts[words[i + 2]] = words[i + 3]
+        elif op in (224, 225):  # OpControlBarrier (exec, mem, semantics), OpMemoryBarrier (mem, semantics)
+            found.append(consts[words[i + count - 1]])
+        i += count
+    return found
+
+
+def test_the_loop_never_waits_for_device_memory():
+    """No barrier of a product without a K split over workgroups orders device memory (UniformMemory, 0x40): the
+    reads of W in flight must not be waited for at each slice; shared memory (0x100) is what the barriers order."""
+    for cfg in (ms.Skinny(2, 128, 3), ms.Skinny(2, 128, 3, 1, 1, 2, 1)):
+        for int8 in (False, True) if cfg.xs else (False,):
+            found = _barrier_semantics(ms.source("Q4_0", 4096, 4096, 128, 128, cfg, (16, 8, 16), 32, 8, int8))
+            assert found and all(sem & 0x100 and not sem & 0x40 for sem in found), found
+
+
 def test_errors_before_any_gpu_work(monkeypatch):
     lim = _emulate(monkeypatch)
     dev = get_device()

@@ -48,6 +48,10 @@ MAX_ROWS = 32  # activation rows: accumulators grow with them (m / FN fragments 
 # formats whose two 16-value halves of a block come from one load (Q4_0: low and high nibbles of one word); the
 # others load each half (their own words)
 _ONE_LOAD = ("Q4_0",)
+# the subgroup's barrier between decoding a slice into shared memory and reading it: ordering shared memory only
+# (subgroupBarrier orders every kind of memory, device memory too, which the loads in flight must not wait for)
+_SUBGROUP_SYNC = ("controlBarrier(gl_ScopeSubgroup, gl_ScopeSubgroup, gl_StorageSemanticsShared, "
+                  "gl_SemanticsAcquireRelease);")
 MAX_SPLIT = 32  # workgroups a K split may take (`split`)
 STAGE_LOADS = 4  # with xs: reads of x's words in flight per invocation while x is staged
 TARGET_SUBGROUPS = 2048  # subgroups a product aims for: ~16 per multiprocessor of an H200, each with loads in flight
@@ -294,8 +298,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
         emit(f"{b_t} fb[{mj}];")
         load_b(0)  # x's first fragments (never stored over in the loop) read while the slice is decoded
         _store(emit, rows, units, halves, subgroup, stride, "k0", reg)
-        emit("subgroupMemoryBarrierShared();")
-        emit("subgroupBarrier();")
+        emit(_SUBGROUP_SYNC)
         for kk in range(0, bk, fk):
             for f in range(frags):
                 emit(f"coopMatLoad(fa[{f}], sm, wb + {f * fm * stride + kk // 8}, {stride}, "
@@ -305,7 +308,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: Skinny, 
             for f in range(frags):
                 for j in range(mj):
                     emit(f"acc{f}_{j} = coopMatMulAdd(fa[{f}], fb[{j}], acc{f}_{j});")
-        emit("subgroupBarrier();")  # every lane's fragments read before the next slice is decoded over them
+        emit(_SUBGROUP_SYNC)  # every lane's fragments read before the next slice is decoded over them
         emit("}")
 
     # set d holds the slice of trip position d (of depth)
