@@ -209,6 +209,24 @@ def test_matvec_int_dot_one_row_table(monkeypatch):
         assert mv.choose_config(dev, q40, 8200, 4096, 1, int_dot=True).tpr == 0
 
 
+def test_matvec_int_dot_one_row_entries():
+    """Each of INT_DOT_ONE_ROW's entries as choose_config makes it on this device at its smallest shape, on 37 rows
+    of that K (rows past the last group or workgroup) against numpy: the configurations one-row decode runs."""
+    _needs_int_dot()
+    dev = device()
+    rng = np.random.default_rng(11)
+    for fmt, entries in mv.INT_DOT_ONE_ROW.items():
+        f = quant.FORMATS[fmt]
+        for (n_lo, _), (k_lo, _), _ in entries:
+            cfg = mv.choose_config(dev, f, n_lo, k_lo, 1, int_dot=True)
+            qt = weights(rng.standard_normal((37, k_lo)).astype(np.float32), fmt, 11)
+            x = rng.standard_normal((1, k_lo)).astype(np.float32)
+            ref = _device_quantized(dev, x) @ qt.dequantize().astype(np.float64).T
+            since = snapshot()
+            y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), 1, config=cfg)
+            check(dev.download(y, np.float32, (1, 37)), ref, since)
+
+
 def test_matvec_auto_launch_by_rows(monkeypatch):
     """auto keeps Q4_0's integer path on the workgroup launch up to AUTO_WORKGROUP_ROWS rows, and up to 8 where
     K > LONG_K; other formats, the float path and past 8 rows take the subgroup one; a forced launch wins (without
