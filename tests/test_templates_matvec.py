@@ -405,8 +405,12 @@ def test_matvec_id_launch_configs(fmt):
 
 
 def test_matvec_id_unroll():
-    """Units in flight with expert-indexed rows: K past one round and short of the second."""
+    """Units in flight with expert-indexed rows: K past one round and short of the second; on the integer path with
+    fold too (INT_DOT_ONE_ROW's workgroup entries reach matvec_id)."""
     _run_id("Q4_0", 3, 13, _k_for("Q4_0", 24), 4, 2, True, config=mv.MatvecConfig(16, 2, False, unroll=2))
+    if device().info.integer_dot_product:
+        _run_id("Q4_0", 3, 13, _k_for("Q4_0", 24), 4, 2, False,
+                config=mv.MatvecConfig(16, 2, False, True, unroll=2, fold=True))
 
 
 def test_matvec_id_2d_grid(monkeypatch):
