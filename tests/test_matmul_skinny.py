@@ -149,9 +149,9 @@ def test_config_follows_the_device():
     # shared memory bounds the subgroups a workgroup has at 256-deep slices (each decodes its own)
     assert not ms.Skinny(8, 256).fits((16, 8, 16), lim, 4096)
     # int8 x is staged: K split into the fewest parts whose x fits beside the slices (48 KiB), else shallower slices
-    assert ms.config(lim, 8, 4096, 4096, int8=True) == ms.Skinny(2, 128, 3, 1, 4, 2, 1)
-    assert ms.config(lim, 32, 4096, 4096, int8=True) == ms.Skinny(2, 128, 3, 1, 16, 2, 1)
-    assert ms.config(lim, 32, 4096, 14336, int8=True) == ms.Skinny(2, 64, 3, 1, 32, 2, 1)
+    assert ms.config(lim, 8, 4096, 4096, int8=True) == ms.Skinny(2, 128, 4, 1, 4, 2, 1)
+    assert ms.config(lim, 32, 4096, 4096, int8=True) == ms.Skinny(2, 128, 4, 1, 16, 2, 1)
+    assert ms.config(lim, 32, 4096, 14336, int8=True) == ms.Skinny(2, 64, 4, 1, 32, 2, 1)
     # 129 blocks: whole slices only 32 deep and no split of them, where x does not fit whole
     assert ms.split(ms.Skinny(2, 128, 3, 1, 1, 2, 1), (16, 8, 16), lim, 4096 + 32, 8) is None
     assert ms.x_rows((16, 8, 16), 1) == 8 and ms.x_rows((16, 8, 16), 17) == 24 and ms.x_rows((16, 16, 16), 17) == 32

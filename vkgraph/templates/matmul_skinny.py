@@ -112,8 +112,8 @@ class Skinny:
 
 
 # x staged from int8 blocks where config is asked for int8 activations: 2 x 2 subgroups on 32 rows of W, 128-deep
-# slices, three register sets (K split by `split`)
-INT8_BASE = Skinny(2, 128, 3, 1, 1, 2, 1)
+# slices, four register sets (K split by `split`)
+INT8_BASE = Skinny(2, 128, 4, 1, 1, 2, 1)
 
 
 @dataclass(frozen=True)
