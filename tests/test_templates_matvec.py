@@ -66,14 +66,14 @@ def test_matvec_launch_configs(fmt, config):
 
 # The workgroup launch with rounds of units in flight (unroll), in workgroups of one subgroup (the sums meet
 # without shared memory) and of two: K short of one round, a round cut off, several rounds (40 Q4_0 units against
-# rounds of 16 or 48; Q4_K's 5 super-blocks are 20 units of two words), rows past the last full workgroup.
+# rounds of 16 or 48; Q4_K's 3 super-blocks are 24 units), rows past the last full workgroup.
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "F16"])
 @pytest.mark.parametrize("subgroups,rows,unroll", [(1, 3, 2), (2, 2, 3)])
 def test_matvec_workgroup_unroll(fmt, subgroups, rows, unroll):
     if "arithmetic" not in device().info.subgroup_ops:
         pytest.skip("no subgroup arithmetic on this device")
     cfg = mv.MatvecConfig(subgroups * device().info.min_subgroup_size, rows, True, unroll=unroll)
-    blocks = 5 if quant.FORMATS[fmt].block_size == 256 else 40
+    blocks = 3 if quant.FORMATS[fmt].block_size == 256 else 40
     _run(fmt, 29, _k_for(fmt, blocks), 2, "f32", True, False, config=cfg)
 
 
@@ -228,19 +228,21 @@ def test_matvec_int_dot_one_row_entries():
 
 
 def test_matvec_auto_launch_by_rows(monkeypatch):
-    """auto keeps Q4_0's integer path on the workgroup launch up to AUTO_WORKGROUP_ROWS rows, and up to 8 where
-    K > LONG_K; other formats, the float path and past 8 rows take the subgroup one; a forced launch wins (without
-    INT_DOT_ONE_ROW's entries by shape)."""
+    """auto keeps the integer path of Q4_0 and Q4_K on the workgroup launch up to AUTO_WORKGROUP_ROWS rows, and up
+    to 8 where K > LONG_K; other formats, the float path and past 8 rows take the subgroup one; a forced launch wins
+    (without INT_DOT_ONE_ROW's entries by shape)."""
     _needs_shuffle()
     dev = device()
     q40, q4k = quant.FORMATS["Q4_0"], quant.FORMATS["Q4_K"]
     monkeypatch.setitem(mv.AUTO_WORKGROUP_ROWS, "Q4_0", 4)
+    monkeypatch.setitem(mv.AUTO_WORKGROUP_ROWS, "Q4_K", 1)
     monkeypatch.setattr(mv, "INT_DOT_ONE_ROW", {})  # one row by shape: test_matvec_int_dot_one_row_table
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "auto")
     for fmt, k, batch, int_dot, wide in ((q40, 4096, 3, True, False), (q40, 4096, 4, True, False),
                                          (q40, 4096, 5, True, True), (q40, 14336, 8, True, False),
                                          (q40, 14336, 9, True, True), (q40, 4096, 3, False, True),
-                                         (q4k, 4096, 3, True, True), (q40, 4096, 1, True, False)):
+                                         (q4k, 4096, 3, True, True), (q4k, 14336, 8, True, False),
+                                         (q4k, 14336, 9, True, True), (q40, 4096, 1, True, False)):
         assert (mv.choose_config(dev, fmt, 512, k, batch, int_dot=int_dot).tpr > 0) == wide, (fmt.name, k, batch)
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "subgroup")
     assert mv.choose_config(dev, q40, 512, 4096, 3, int_dot=True).tpr > 0
@@ -257,7 +259,7 @@ def test_matvec_int_dot_workgroup_unroll(fmt, batch, subgroups, rows, unroll, fo
         pytest.skip("no subgroup arithmetic on this device")
     dev = device()
     rng = np.random.default_rng(batch + unroll)
-    n, k = 27, 25 * 32 if fmt != "Q4_K" else 11 * 256   # Q4_K: 44 units, past one round in every case
+    n, k = 27, 25 * 32 if fmt != "Q4_K" else 768
     qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, 5)
     x = rng.standard_normal((batch, k)).astype(np.float32)
     ref = _device_quantized(dev, x) @ qt.dequantize().astype(np.float64).T

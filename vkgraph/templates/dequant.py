@@ -14,13 +14,9 @@ from ..quant import BLOCK_PAD, SPLIT
 from ..runtime import Device
 from . import catalog
 from .common import check_binding_range, check_buffer, grid_2d, pow2_floor
-from .matvec import UNIT_ELEMS as MATVEC_UNIT_ELEMS
-from .matvec import DeviceWeights
+from .matvec import UNIT_ELEMS, DeviceWeights
 
 WG = 256
-# elements one invocation of dequant_f16.comp decodes: the matvec's unit, except Q4_K's (one nibble word here, a
-# pair of them in the matvec)
-UNIT_ELEMS = {**MATVEC_UNIT_ELEMS, "Q4_K": 32}
 
 
 def dequantize_f16(dev: Device, weights: DeviceWeights, out: Any | None = None) -> Any:

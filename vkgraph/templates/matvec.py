@@ -23,8 +23,8 @@ TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_1": "matvec_q4_1",
             "Q5_1": "matvec_q5_1", "Q2_K": "matvec_q2_k", "Q3_K": "matvec_q3_k", "Q4_K": "matvec_q4_k",
             "Q5_K": "matvec_q5_k", "Q6_K": "matvec_q6_k", "IQ4_NL": "matvec_iq4_nl", "IQ4_XS": "matvec_iq4_xs",
             "F16": "matvec_f16", "BF16": "matvec_f16"}
-# elements of a unit (one 16-byte load of weights; two for Q4_K): must match UNIT_ELEMS in each template
-UNIT_ELEMS = {"Q8_0": 16, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q2_K": 64, "Q3_K": 64, "Q4_K": 64,
+# elements one invocation handles per 16-byte load: must match UNIT_ELEMS in each template
+UNIT_ELEMS = {"Q8_0": 16, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q2_K": 64, "Q3_K": 64, "Q4_K": 32,
               "Q5_K": 32, "Q6_K": 64, "IQ4_NL": 32, "IQ4_XS": 32, "F16": 8, "BF16": 8}
 ACT_DTYPES = {"f32": np.float32, "f16": np.float16}
 # templates with an integer dot-product path (-DINT_DOT)
@@ -117,13 +117,11 @@ def upload_weights(dev: Device, qt: QuantizedTensor) -> DeviceWeights:
 # (invocations per workgroup up to K = 4096, beyond it, rows per workgroup) at batch 1, measured on an H200.
 # Each invocation keeps `rows` 16-byte weight loads in flight and reuses one load of activations for all of
 # them; the 4-bit formats are bound by decoding, where few threads per row with few rows won.
-# Q4_K's units are pairs of nibble words since its rows were measured (8 rows of 16-byte units): 4 rows keep the
-# same registers for units of twice the bytes; Q5_K keeps the measured 8.
-PREFERRED = {"Q8_0": (64, 256, 8), "Q4_0": (64, 128, 4), "Q4_K": (64, 128, 4), "Q5_K": (64, 128, 8),
-             "Q6_K": (64, 128, 4), "F16": (256, 256, 4), "BF16": (256, 256, 4)}
+PREFERRED = {"Q8_0": (64, 256, 8), "Q4_0": (64, 128, 4), "Q4_K": (64, 128, 8), "Q6_K": (64, 128, 4),
+             "F16": (256, 256, 4), "BF16": (256, 256, 4)}
 # formats not measured yet take the measured format their blocks resemble (bench_kernels.py measures them)
 for _f, _like in (("Q4_1", "Q4_0"), ("Q5_0", "Q4_0"), ("Q5_1", "Q4_0"), ("IQ4_NL", "Q4_0"), ("IQ4_XS", "Q4_0"),
-                  ("Q2_K", "Q6_K"), ("Q3_K", "Q6_K")):
+                  ("Q5_K", "Q4_K"), ("Q2_K", "Q6_K"), ("Q3_K", "Q6_K")):
     PREFERRED[_f] = PREFERRED[_like]
 LONG_K = 4096
 MANY_ROWS = 65536  # from here on (an output projection) Q4_0 takes 8 rows per workgroup
@@ -137,15 +135,12 @@ BATCH_ROWS = {"Q4_0": {2: 8, 4: 8, 8: 8}, "Q8_0": {2: 4, 4: 8, 8: 8}}
 # The integer dot-product path: (invocations per workgroup up to K = 4096, beyond it, rows per
 # workgroup) by activation rows, measured on an H200 (`tune_matvec.py --paths int8`). With the weights' decoding
 # reduced to a few integer instructions, one subgroup per workgroup and few rows won at every batch.
-# Q4_K at one row is not measured since its units became pairs of nibble words (32 bytes): half of Q4_0's
-# invocations per row, each with Q4_0's two rows; Q5_K keeps the entries measured for Q4_K's one-word units.
 INT_DOT_PREFERRED = {"Q4_0": {1: (128, 128, 2), 2: (32, 64, 2), 4: (32, 32, 2), 8: (32, 64, 2)},
                      "Q8_0": {1: (128, 128, 1), 2: (32, 64, 2), 4: (32, 64, 2), 8: (32, 32, 2)},
-                     "Q4_K": {1: (64, 128, 2), 2: (32, 64, 4), 4: (32, 64, 4), 8: (32, 64, 4)},
-                     "Q5_K": {1: (128, 128, 4), 2: (32, 64, 4), 4: (32, 64, 4), 8: (32, 64, 4)},
+                     "Q4_K": {1: (128, 128, 4), 2: (32, 64, 4), 4: (32, 64, 4), 8: (32, 64, 4)},
                      "Q6_K": {1: (32, 64, 2), 2: (32, 64, 2), 4: (32, 32, 4), 8: (32, 32, 4)}}
 for _f, _like in (("Q4_1", "Q4_0"), ("Q5_0", "Q4_0"), ("Q5_1", "Q4_0"), ("IQ4_NL", "Q4_0"), ("IQ4_XS", "Q4_0"),
-                  ("Q2_K", "Q6_K"), ("Q3_K", "Q6_K")):  # not measured yet: as PREFERRED does
+                  ("Q5_K", "Q4_K"), ("Q2_K", "Q6_K"), ("Q3_K", "Q6_K")):  # not measured yet: as PREFERRED does
     INT_DOT_PREFERRED[_f] = INT_DOT_PREFERRED[_like]
 
 
@@ -174,7 +169,11 @@ class OneRow:
 INT_DOT_ONE_ROW: dict[str, list[tuple[tuple[int, int], tuple[int, int], OneRow]]] = {
     "Q4_0": [((4096, 8192), (4096, 4096), OneRow(128, 1, 4, True, subgroup=True)),
              ((16384, 32768), (4096, 4096), OneRow(32, 4, 1, False)),
-             ((4096, 8192), (8192, 16384), OneRow(64, 1, 1, True))]}
+             ((4096, 8192), (8192, 16384), OneRow(64, 1, 1, True))],
+    # Q4_K (2026-12-02, bench_matvec_launch.py, GB/s): qkv 1431 in SG_PREFERRED's subgroup-rows launch against
+    # 1344 in INT_DOT_PREFERRED's; o, gate_up and down faster in INT_DOT_PREFERRED's (1081/2545/2099 against
+    # 1040/2351/1573)
+    "Q4_K": [((6144, 8192), (4096, 4096), OneRow(128, 2, 4, False, subgroup=True))]}
 
 
 def one_row_entry(fmt: QuantFormat, n: int, k: int) -> OneRow | None:
@@ -311,8 +310,9 @@ def sg_overrides() -> dict[int, tuple[int, int, int, int, bool, bool]]:
 # (2026-12-02, bench_matvec_launch.py, Q4_0 at the 8B products qkv/o/gate_up/down, GB/s): 2 rows, workgroup
 # 1351/1189/2687/1615 against subgroup 1348/863/2504/1508; 4 rows 1210/979/1884/1632 against 1024/858/1861/1140;
 # 8 rows down (K = 14336) 1078 against 929, the K = 4096 products within 5% either way (744/637/1114 against
-# 782/663/1138). Formats not measured yet keep the subgroup launch past one row.
-AUTO_WORKGROUP_ROWS = {"Q4_0": 4}
+# 782/663/1138). Q4_K at 8 rows (same day and script): down 996 against 705, the K = 4096 products slower
+# (qkv/o/gate_up 629/456/880 against 716/565/950). Formats not measured yet keep the subgroup launch past one row.
+AUTO_WORKGROUP_ROWS = {"Q4_0": 4, "Q4_K": 1}
 
 
 def subgroup_rows_default(dev: Device, batch: int | None = None, fmt: QuantFormat | None = None, k: int = 0,

@@ -3,8 +3,7 @@
 // generated matmul to read when a batch has too many rows for the matvec. One define picks the format:
 // W_Q8_0, W_Q4_0, W_Q4_1, W_Q5_0, W_Q5_1, W_Q2_K, W_Q3_K, W_Q4_K, W_Q5_K, W_Q6_K, W_IQ4_NL, W_IQ4_XS (16-byte words in
 // `w`, and for the formats vkgraph.quant.SPLIT names the bytes moved out of each block in `s`), W_F16, W_BF16.
-// An invocation decodes one unit (UNIT_ELEMS elements, the matvec's unit but for Q4_K: half of it) and writes its
-// 16-byte output words.
+// An invocation decodes one unit (UNIT_ELEMS elements, the matvec's unit) and writes its 16-byte output words.
 // Values are formed in float32 in the order vkgraph.quant.dequantize forms them (every product but Q6_K's last
 // is exact), then rounded to float16 in integer arithmetic (ties to even): packHalf2x16's rounding mode is the
 // implementation's, so the result is bit-exact to numpy's dequantize(...).astype(float16) on any device.
@@ -212,7 +211,7 @@ void main() {
     store16(row, e, lo[0], lo[1], lo[2], lo[3]);
     store16(row, e + 32, hi[0], hi[1], hi[2], hi[3]);
 #elif defined(W_Q4_K)
-    // (d * sc) * q - dmin * m (both products exact); unit = nibble word k of a super-block (half of matvec_q4_k's)
+    // (d * sc) * q - dmin * m (both products exact); unit = nibble word k of a super-block, as in matvec_q4_k
     const uint sb = base + (u >> 3) * 9;
     const uvec4 h = w[sb], v = w[sb + 1 + (u & 7u)];
     const uint j = (u & 7u) >> 1, sh = 16u * (j & 1u);
