@@ -25,13 +25,7 @@
 // which attend calls once its first tile's loads are in flight; tiles take that position's words from new_k/new_v
 // in place of the K/V buffers (a token that the same dispatch writes, which other workgroups of it may not see).
 #include "common.glsl"
-
-#ifdef KV_F16
-#define KV_PER_WORD 8
-#else
-#define KV_PER_WORD 4
-#endif
-#define WORDS_PER_TOKEN (HEAD_SIZE / KV_PER_WORD)
+#include "kv_words.glsl"
 // -DSHARED_F32=1 (keys), 2 (values) or 3 (both), with KV_F16: those are converted to float32 once, as they go into
 // shared memory, rather than by every invocation that reads them (each key once per query row that scores it, each
 // value once per row that accumulates it); shared memory then holds 4 of them a word

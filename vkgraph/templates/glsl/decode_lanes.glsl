@@ -26,13 +26,7 @@
 #extension GL_KHR_shader_subgroup_basic : enable
 #extension GL_KHR_shader_subgroup_shuffle : enable
 #include "common.glsl"
-
-#ifdef KV_F16
-#define KV_PER_WORD 8
-#else
-#define KV_PER_WORD 4
-#endif
-#define WORDS_PER_TOKEN (HEAD_SIZE / KV_PER_WORD)
+#include "kv_words.glsl"
 #define PAIRS (ROWS * HEAD_SIZE / 4)
 #define WPL ((WORDS_PER_TOKEN + LANES - 1) / LANES)   // words of a token per invocation
 #define V4W (KV_PER_WORD / 4)                          // vec4s per word
