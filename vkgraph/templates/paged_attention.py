@@ -376,16 +376,15 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
         extra = [new.slot_mapping, *(new.rope or (context_lens, context_lens)), cache.key, cache.value]
         push.update(src_stride=new.src_stride, q_off=new.q_off, k_off=new.k_off, v_off=new.v_off)
     lanes = _lanes(dev, form, group, d, cache.dtype) if form.kind == "lanes" else 0
-    if lanes:
-        kern = catalog.compile(dev, "paged_decode", spec={"WG": form.wg},
-                               defines=_defines(dev, d, cache.dtype, GROUP=group, LANES=lanes, UNROLL=form.unroll,
-                                                BLOCK_SIZE=cache.block_size, **flags))
-    else:
+    if lanes:  # decode_lanes.glsl
+        wg, core = form.wg, {"LANES": lanes, "UNROLL": form.unroll}
+    else:  # attention_common.glsl's tiles
+        wg, core = ATTN_WG, {"TILE": tile}
         if shared_f32:
             flags["SHARED_F32"] = ("k" in shared_f32) + 2 * ("v" in shared_f32)
-        kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
-                               defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile,
-                                                BLOCK_SIZE=cache.block_size, **flags))
+    kern = catalog.compile(dev, "paged_decode", spec={"WG": wg},
+                           defines=_defines(dev, d, cache.dtype, GROUP=group, **core, BLOCK_SIZE=cache.block_size,
+                                            **flags))
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
                                  acts.xq, acts.xd, acts.xs, *extra], (parts, hkv, num_seqs), push=push)
     if part_tokens:
