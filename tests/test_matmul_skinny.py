@@ -1,15 +1,12 @@
 """Products of few rows over quantized weights (templates.matmul_skinny): the configuration follows the device's
 limits, every program compiles, and results match numpy in float64, on devices without cooperative matrices
-with the matrix operations emulated (`emulated`), on a device that has them as they are."""
+with the matrix operations emulated (test_matmul_coop.emulate_coop), on a device that has them as they are."""
 
 from __future__ import annotations
 
-import dataclasses
-import re
-
 import numpy as np
 import pytest
-from test_matmul_coop import COOP, F16, compiles, fake_limits, needs_f16
+from test_matmul_coop import COOP, F16, compiles, emulate_coop, fake_limits, needs_f16
 from test_matmul_quant import _check
 
 import vkgraph.realize as realize_mod
@@ -19,68 +16,10 @@ from vkgraph.templates import matmul_skinny as ms
 from vkgraph.templates import matvec as mv
 from vkgraph.templates.matvec import upload_weights
 
-# the fragments of an emulated program: A and B are (offset, stride, column-major, in x) where they lie in shared
-# memory or in x (read when multiplied: the program decodes no slice between a fragment's load and its products);
-# lane l of a subgroup holds rows l, l + SG, .. of each accumulator
-_EMULATION = """
-float h_sm(int i) { return unpackHalf2x16(sm[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }
-float h_x(int i) { return unpackHalf2x16(x[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }
-float f_at(ivec4 f, int r, int c) {
-    int i = f.z != 0 ? (f.x + c * f.y) * 8 + r : (f.x + r * f.y) * 8 + c;
-    return f.w != 0 ? h_x(i) : h_sm(i);
-}
-void m_zero(out float m[AR * FN]) { for (int i = 0; i < AR * FN; i++) m[i] = 0.0; }
-void m_store(float m[AR * FN], int off, int stride) {
-    int l = int(gl_SubgroupInvocationID);
-    for (int i = 0; i < AR; i++) for (int c = 0; c < FN; c++)
-        sm[off + (l + i * SG) * stride + (c >> 2)][c & 3] = floatBitsToUint(m[i * FN + c]);
-}
-void m_mma(ivec4 a, ivec4 b, inout float m[AR * FN]) {
-    int l = int(gl_SubgroupInvocationID);
-    [[dont_unroll]] for (int i = 0; i < AR; i++) [[dont_unroll]] for (int c = 0; c < FN; c++) {
-        float t = m[i * FN + c];
-        [[dont_unroll]] for (int k = 0; k < FK; k++) t += f_at(a, l + i * SG, k) * f_at(b, k, c);
-        m[i * FN + c] = t;
-    }
-}
-"""
-_COOPMAT = r"coopmat<[^>]*>"
-
-
-def emulated(src: str, sg: int) -> str:
-    """A matmul_skinny program with its cooperative matrices emulated, for a device of fixed subgroup size sg."""
-    fm, fn, fk = _dims(src)
-    # the matrix operations' loops kept rolled: the emulated programs otherwise take lavapipe tens of seconds to build
-    src = src.replace("#extension GL_KHR_cooperative_matrix : require",
-                      "#extension GL_EXT_control_flow_attributes : require")
-    src = re.sub(rf"{_COOPMAT} (\w+) = {_COOPMAT}\(0\.0\);", r"float \1[AR * FN]; m_zero(\1);", src)
-    src = re.sub(rf"{_COOPMAT} (\w+)\[(\d+)\];", r"ivec4 \1[\2];", src)
-    src = re.sub(r"coopMatLoad\(([^,]+), (sm|x), (.+), (\d+), gl_CooperativeMatrixLayout(Row|Column)Major\);",
-                 lambda m: f"{m[1]} = ivec4({m[3]}, {m[4]}, {int(m[5] == 'Column')}, {int(m[2] == 'x')});", src)
-    src = re.sub(r"(\w+) = coopMatMulAdd\(([^,]+), ([^,]+), \1\);", r"m_mma(\2, \3, \1);", src)
-    src = re.sub(r"coopMatStore\((\w+), sm, (.+), (\d+), gl_CooperativeMatrixLayoutRowMajor\);",
-                 r"m_store(\1, \2, \3);", src)
-    assert "coopMat" not in src and "coopmat" not in src
-    consts = f"const int SG = {sg}, FM = {fm}, FN = {fn}, FK = {fk}, AR = {fm // sg};"
-    return re.sub(r"(shared uvec4 sm\[\d+\];)", lambda m: m[1] + "\n" + consts + _EMULATION, src)
-
-
-def _dims(src: str) -> tuple[int, int, int]:
-    fm, fn = (int(v) for v in re.search(r"(\d+), (\d+), gl_MatrixUseAccumulator", src).groups())
-    fk = int(re.search(r"(\d+), \d+, gl_MatrixUseB", src).group(1))
-    return fm, fn, fk
-
 
 def _emulate(monkeypatch, coop=COOP):
-    """Limits listing `coop` for this device, and its pipelines built from coopMat source emulated."""
-    dev = get_device()
-    lim = dataclasses.replace(realize_mod.limits(), coop=coop)
-    if lim.subgroup < 1 or 16 % lim.subgroup or lim.min_subgroup != lim.max_subgroup:
-        pytest.skip("the emulation needs a fixed subgroup size that divides 16")
-    get = dev.pipelines.get
-    monkeypatch.setattr(dev.pipelines, "get",
-                        lambda src, **kw: get(emulated(src, lim.subgroup) if "coopMat" in src else src, **kw))
-    return lim
+    """emulate_coop with the matrix operations' loops rolled (the emulated programs build in seconds)."""
+    return emulate_coop(monkeypatch, coop, rolled=True)
 
 
 def _int8_acts(dev, rng, m: int, k: int):
