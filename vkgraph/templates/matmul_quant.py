@@ -141,6 +141,17 @@ def _codec(fmt: str, w_stride: int, s_stride: int) -> list[str]:
             _HALF, _SCALED, _CODECS[fmt], *([_DECODE] if "vec4 val(" in _CODECS[fmt] else [])]
 
 
+def _check_weights(weights: DeviceWeights) -> Any:
+    """Check that W's buffers hold its N rows at their strides; returns the buffer to bind as the scales (W's body
+    where the format keeps none apart, Q4_K: bound, never read)."""
+    n = weights.shape[0]
+    check_buffer("weights.body", weights.body, n * weights.w_stride * 16)
+    if weights.scales is None:
+        return weights.body
+    check_buffer("weights.scales", weights.scales, (n * weights.s_stride + 1) // 2 * 4)
+    return weights.scales
+
+
 def shape_class(fmt: str, m: int, n: int, k: int) -> str:
     """The key of measured tiles (codegen.tune) for products over fmt blocks: the format, then matmul_coop's class."""
     return f"{fmt}:{matmul_coop.shape_class(m, n, k, 1, dtypes.float16)}"
@@ -700,9 +711,7 @@ def matmul_quant(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: in
         x.check(m, k)
     else:
         check_buffer("x", x, m * k * 2)
-    check_buffer("weights.body", weights.body, n * weights.w_stride * 16)
-    if weights.scales is not None:
-        check_buffer("weights.scales", weights.scales, (n * weights.s_stride + 1) // 2 * 4)
+    scales = _check_weights(weights)
     nbytes = ks * m * n * 4
     check_binding_range(dev, f"matmul_quant output [{ks}, {m}, {n}]", nbytes)
     if residual is not None:
@@ -717,7 +726,6 @@ def matmul_quant(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: in
                      int8)
         kern = weights.pipelines[key] = dev.pipeline(src, name=f"matmul_quant_{fmt.lower()}")
     groups = grid_2d(dev, math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * ks)
-    scales = weights.scales if weights.scales is not None else weights.body  # Q4_K: bound, never read
     bufs = [x.xq if int8 else x, weights.body, scales, out] + ([residual] if residual is not None else [])
     if int8:
         bufs.append(x.xd)

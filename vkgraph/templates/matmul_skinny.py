@@ -41,7 +41,7 @@ from typing import Any
 from ..codegen.lower import Limits
 from ..runtime import Device
 from .common import check_binding_range, check_buffer, grid_2d
-from .matmul_quant import _X8, BLOCK, FORMATS, _check_format, _codec
+from .matmul_quant import _X8, BLOCK, FORMATS, _check_format, _check_weights, _codec
 from .matvec import DeviceWeights, Q8Acts
 
 MAX_ROWS = 32  # activation rows: accumulators grow with them (m / FN fragments per fragment of W rows)
@@ -419,9 +419,7 @@ def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: i
         check_buffer(f"x (float16, {m} rows of {k})", x, m * k * 2)
     else:
         check_buffer(f"x (float16, {mb} rows of {k})", x, mb * k * 2)
-    check_buffer("weights.body", weights.body, n * weights.w_stride * 16)
-    if weights.scales is not None:
-        check_buffer("weights.scales", weights.scales, (n * weights.s_stride + 1) // 2 * 4)
+    scales = _check_weights(weights)
     nbytes = m * n * 4
     check_binding_range(dev, f"matmul_skinny output [{m}, {n}]", nbytes)
     if residual is not None:
@@ -445,7 +443,6 @@ def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: i
                      residual is not None)
         kern = weights.pipelines[key] = dev.pipeline(src, name=f"matmul_skinny_{fmt.lower()}")
     groups = grid_2d(dev, math.ceil(n / cfg.rows(frag)) * cfg.ks)
-    scales = weights.scales if weights.scales is not None else weights.body  # Q4_K: bound, never read
     bufs = [x.xq if int8 else x, weights.body, scales, out, *extra, *([residual] if residual is not None else []),
             *([x.xd] if int8 else [])]
     dev.dispatch(kern, bufs, groups, push={"m": m, "groups_x": groups[0]})
