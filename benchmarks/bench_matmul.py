@@ -81,13 +81,8 @@ def search(m: int, n: int, k: int, dname: str, reps: int = 5, wt: bool = False) 
                  for p in lowered.programs]
         built.append((cfg, lowered, steps))
     raise_clocks()
-    times: dict = {}
-    for rnd, order in enumerate((built, built[::-1])):
-        for cfg, _, steps in order:
-            print(f"  {dname} {m}x{k}x{n} {cfg.label()} (round {rnd + 1}): ", end="", flush=True)
-            us = replay_us(dev, lambda steps=steps: [dev.dispatch(*st) for st in steps], reps, per_graph=10)
-            times[cfg] = min(times.get(cfg, us), us)
-            print(f"{2 * m * n * k / us / 1e6:.1f} TFLOP/s", flush=True)
+    runs = {cfg: lambda steps=steps: [dev.dispatch(*st) for st in steps] for cfg, _, steps in built}
+    times = _time_twice(dev, f"{dname} {m}x{k}x{n}", 2 * m * n * k, runs, reps, 10)
     for _, lowered, _ in built:
         for ref in lowered.scratch:
             ref.buf.release()
@@ -99,6 +94,19 @@ def search(m: int, n: int, k: int, dname: str, reps: int = 5, wt: bool = False) 
 SHAPES = [("4096^3", 4096, 4096, 4096, False), ("prefill 512x4096 @ 4096x4096 (w.T)", 512, 4096, 4096, True),
           ("prefill 512x4096 @ 4096x14336 (w.T)", 512, 4096, 14336, True),
           ("prefill 512x14336 @ 14336x4096 (w.T)", 512, 14336, 4096, True)]
+
+
+def _time_twice(dev: Any, name: str, flop: int, runs: dict, reps: int, per_graph: int) -> dict:
+    """Microseconds of each configuration's run (common.replay_us, `per_graph` calls a graph), timed twice, in one
+    order and in reverse, at its better figure; each named before it runs and printed in TFLOP/s."""
+    times: dict = {}
+    for rnd, order in enumerate((list(runs), list(runs)[::-1])):
+        for cfg in order:
+            print(f"  {name} {cfg.label()} (round {rnd + 1}): ", end="", flush=True)
+            us = replay_us(dev, runs[cfg], reps, per_graph=per_graph)
+            times[cfg] = min(times.get(cfg, us), us)
+            print(f"{flop / us / 1e6:.1f} TFLOP/s", flush=True)
+    return times
 
 
 def _shapes(sizes: str, shapes: list) -> list:
@@ -137,17 +145,14 @@ def search_quant(lin: QuantLinear, x: Any, m: int, reps: int = 5) -> dict:
     tiles = [c for c in tiles if c not in wrong]
     dev.synchronize()
     raise_clocks()
-    times: dict = {}
-    for rnd, order in enumerate((tiles, tiles[::-1])):
-        for cfg in order:
-            calls = iter(range(1 << 30))
+    runs = {}
+    for cfg in tiles:
+        calls = iter(range(1 << 30))
 
-            def run(cfg=cfg, calls=calls) -> None:
-                mq.matmul_quant(dev, lim, lin.weights, x, m, cfg, out=outs[next(calls) % QUANT_PER_GRAPH])
-            us = replay_us(dev, run, reps, per_graph=QUANT_PER_GRAPH)
-            times[cfg] = min(times.get(cfg, us), us)
-            print(f"  {lin.format} {m}x{k}x{n} {cfg.label()} (round {rnd + 1}): "
-                  f"{2 * m * n * k / us / 1e6:.1f} TFLOP/s", flush=True)
+        def run(cfg=cfg, calls=calls) -> None:
+            mq.matmul_quant(dev, lim, lin.weights, x, m, cfg, out=outs[next(calls) % QUANT_PER_GRAPH])
+        runs[cfg] = run
+    times = _time_twice(dev, f"{lin.format} {m}x{k}x{n}", 2 * m * n * k, runs, reps, QUANT_PER_GRAPH)
     best = min(times, key=times.get)
     tune.record(tune.path(flag("VKGRAPH_CACHE_DIR"), lim.device), mq.shape_class(lin.format, m, n, k), best)
     realize.forget_limits()
