@@ -53,7 +53,6 @@ from vkgraph.realize import limits
 from vkgraph.runtime import get_device
 from vkgraph.templates import matmul_quant as mq
 from vkgraph.templates import matvec as mv
-from vkgraph.templates.common import pow2_floor
 
 SHAPES = {"8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                  ("head", 128256, 4096)],
@@ -202,7 +201,7 @@ def _wg_configs(dev, f, base: mv.MatvecConfig, k: int, batch: int) -> list[mv.Ma
     if "shuffle" in dev.info.subgroup_ops:  # the subgroup-rows launch beside them, as its table would take it
         units = k // mv.UNIT_ELEMS[f.name]
         for wg, rows, unroll in WG_SWEEP_SUBGROUP:
-            tpr = max(1, min(dev.info.min_subgroup_size, 32, pow2_floor(max(units // unroll, 1))))
+            tpr = mv.group_width(dev, units, unroll)
             if wg >= dev.info.max_subgroup_size and wg % tpr == 0 and wg <= dev.info.max_workgroup_invocations:
                 found.append(replace(base, wg=wg, rows=rows, unroll=unroll, tpr=tpr, fold=False))
     return [c for c in dict.fromkeys(found) if c != base]

@@ -245,6 +245,12 @@ def rows_per_call(dev: Device) -> int:
     return MAX_BATCH_SUBGROUP if wide else MAX_BATCH
 
 
+def group_width(dev: Device, units: int, unroll: int) -> int:
+    """The subgroup-rows launch's invocations per group where no override gives them: as wide as a row's `units`
+    allow with `unroll` units per invocation at least, within the device's smallest subgroup and 32."""
+    return max(1, min(dev.info.min_subgroup_size, 32, pow2_floor(max(units // unroll, 1))))
+
+
 def _subgroup_rows_config(dev: Device, fmt: QuantFormat, n: int, units: int, bucket: int,
                           int_dot: bool, entry: OneRow | None = None) -> MatvecConfig:
     """SG_PREFERRED with the group as wide as the row's units allow (`unroll` units per invocation at least),
@@ -257,7 +263,7 @@ def _subgroup_rows_config(dev: Device, fmt: QuantFormat, n: int, units: int, buc
         chosen = (entry.wg, entry.rows, entry.unroll, entry.fold, False)
     wg, rows, unroll, tpr, fold, stage = sg_overrides().get(bucket, (*chosen[:3], 0, *chosen[3:]))
     if not tpr:
-        tpr = max(1, min(info.min_subgroup_size, 32, pow2_floor(max(units // unroll, 1))))
+        tpr = group_width(dev, units, unroll)
     # no more units in flight than a row has per invocation; a CPU device has no memory latency to hide, and
     # unrolled bodies only lengthen its compiles
     unroll = 1 if info.device_type == "cpu" else max(1, min(unroll, -(-units // tpr)))
