@@ -101,16 +101,8 @@ def test_matvec_subgroup_rows_configs(fmt, config):
 def test_matvec_subgroup_rows_int_dot(fmt, config):
     _needs_int_dot()
     _needs_shuffle()
-    dev = device()
-    rng = np.random.default_rng(3)
     n, k, batch = 29, 11 * 32 if fmt != "Q4_K" else 512, 5
-    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, 3)
-    x = rng.standard_normal((batch, k)).astype(np.float32)
-    ref = _device_quantized(dev, x) @ qt.dequantize().astype(np.float64).T
-    since = snapshot()
-    y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), batch,
-                  config=dataclasses.replace(config, int_dot=True))
-    check(dev.download(y, np.float32, (batch, n)), ref, since)
+    _int_dot_case(np.random.default_rng(3), fmt, n, k, batch, dataclasses.replace(config, int_dot=True), 3)
 
 
 @pytest.mark.parametrize("batch", [17, 32])
@@ -144,14 +136,7 @@ def test_matvec_int_dot_options(fmt, n, blocks, batch, rows, tpr, unroll, wg_gro
     cfg = dataclasses.replace(cfg, stage=stage and mv.stage_fits(dev, f, cfg, batch))
     assert cfg.stage == stage  # every drawn case fits lavapipe's shared memory
     k = _k_for(fmt, 1 + blocks % 3 if f.block_size == 256 else blocks)
-    rng = np.random.default_rng(seed)
-    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, seed)
-    x = rng.standard_normal((batch, k)).astype(np.float32)
-    res = rng.standard_normal((batch, n)).astype(np.float32)
-    ref = _device_quantized(dev, x) @ qt.dequantize().astype(np.float64).T + res
-    since = snapshot()
-    y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), batch, config=cfg, residual=upload(dev, res))
-    check(dev.download(y, np.float32, (batch, n)), ref, since)
+    _int_dot_case(np.random.default_rng(seed), fmt, n, k, batch, cfg, seed, residual=True)
 
 
 def test_matvec_int_dot_table(monkeypatch):
@@ -218,13 +203,7 @@ def test_matvec_int_dot_one_row_entries():
     for fmt, entries in mv.INT_DOT_ONE_ROW.items():
         f = quant.FORMATS[fmt]
         for (n_lo, _), (k_lo, _), _ in entries:
-            cfg = mv.choose_config(dev, f, n_lo, k_lo, 1, int_dot=True)
-            qt = weights(rng.standard_normal((37, k_lo)).astype(np.float32), fmt, 11)
-            x = rng.standard_normal((1, k_lo)).astype(np.float32)
-            ref = _device_quantized(dev, x) @ qt.dequantize().astype(np.float64).T
-            since = snapshot()
-            y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), 1, config=cfg)
-            check(dev.download(y, np.float32, (1, 37)), ref, since)
+            _int_dot_case(rng, fmt, 37, k_lo, 1, mv.choose_config(dev, f, n_lo, k_lo, 1, int_dot=True), 11)
 
 
 def test_matvec_auto_launch_by_rows(monkeypatch):
@@ -257,17 +236,10 @@ def test_matvec_int_dot_workgroup_unroll(fmt, batch, subgroups, rows, unroll, fo
     _needs_int_dot()
     if "arithmetic" not in device().info.subgroup_ops:
         pytest.skip("no subgroup arithmetic on this device")
-    dev = device()
-    rng = np.random.default_rng(batch + unroll)
     n, k = 27, 25 * 32 if fmt != "Q4_K" else 768
-    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, 5)
-    x = rng.standard_normal((batch, k)).astype(np.float32)
-    ref = _device_quantized(dev, x) @ qt.dequantize().astype(np.float64).T
-    cfg = mv.MatvecConfig(subgroups * dev.info.min_subgroup_size, rows, True, True, unroll=unroll,
+    cfg = mv.MatvecConfig(subgroups * device().info.min_subgroup_size, rows, True, True, unroll=unroll,
                           fold=fold and fmt in mv.FOLD_FORMATS)
-    since = snapshot()
-    y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), batch, config=cfg)
-    check(dev.download(y, np.float32, (batch, n)), ref, since)
+    _int_dot_case(np.random.default_rng(batch + unroll), fmt, n, k, batch, cfg, 5)
 
 
 def test_matvec_int_dot_options_refused():
@@ -462,6 +434,23 @@ def _device_quantized(dev, x: np.ndarray) -> np.ndarray:
 def _needs_int_dot():
     if not device().info.integer_dot_product:
         pytest.skip("no shaderIntegerDotProduct on this device")
+
+
+def _int_dot_case(rng, fmt, n, k, batch, config, wseed, residual=False):
+    """matvec with `config` (the integer path) against float64 numpy on the dequantized weights and the activations
+    as quantize_q8 leaves them: weights [n, k] (quantized with seed wseed), x [batch, k] and, with `residual`, a
+    residual [batch, n] added, drawn from rng in that order."""
+    dev = device()
+    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, wseed)
+    x = rng.standard_normal((batch, k)).astype(np.float32)
+    res = rng.standard_normal((batch, n)).astype(np.float32) if residual else None
+    ref = _device_quantized(dev, x) @ qt.dequantize().astype(np.float64).T
+    if res is not None:
+        ref = ref + res
+    since = snapshot()
+    y = mv.matvec(dev, mv.upload_weights(dev, qt), upload(dev, x), batch, config=config,
+                  residual=None if res is None else upload(dev, res))
+    check(dev.download(y, np.float32, (batch, n)), ref, since)
 
 
 def _run_int_dot(fmt, n, k, batch, act, bias, residual, rows=None, seed=0):
