@@ -47,8 +47,7 @@ def _block_tables(rng, lens, bs, num_blocks, shared_prefix):
     return tables
 
 
-def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, shared_prefix=False, softcap=0.0,
-                 form=None):
+def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, shared_prefix=False, softcap=0.0):
     dev = device()
     need = sum(-(-n // bs) for n in lens) + 1
     kc, vc = _random_cache(rng, need, hkv, bs, d, dtype)
@@ -61,8 +60,7 @@ def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, share
     lens_buf = upload(dev, np.array(lens, np.int32))
     out = pa.paged_decode(dev, cache, upload(dev, q), upload(dev, tables), lens_buf,
                           num_seqs=len(lens), num_heads=hkv * group, max_blocks_per_seq=tables.shape[1],
-                          max_context_len=max(lens), window=window, part_tokens=part_tokens, softcap=softcap,
-                          form=form)
+                          max_context_len=max(lens), window=window, part_tokens=part_tokens, softcap=softcap)
     got = dev.download(out, np.float32, q.shape)
     ref = np.zeros(q.shape)
     for b, n in enumerate(lens):
@@ -83,29 +81,7 @@ def test_paged_decode_fuzz(data, d, dtype, hkv, group, bs, seed):
     window = data.draw(st.sampled_from([0, 0, 1, 40]))
     part = data.draw(st.sampled_from([None, 0, 32, 64]))
     _decode_case(np.random.default_rng(seed), lens, hkv, group, d, bs, dtype, window, part,
-                 shared_prefix=data.draw(st.booleans()), softcap=data.draw(st.sampled_from([0.0, 0.0, 1.5])),
-                 form=data.draw(st.sampled_from(FORMS)))
-
-
-# the kernel's walks of the context (DecodeForm): tiles with float16 or float32 keys and values in shared memory, and
-# lanes; LANE_FORMS: "lanes" with clusters smaller than a subgroup (several per subgroup, as 16 invocations of a 32-wide
-# one), an odd unroll, a wider and a narrower workgroup
-FORMS = [pa.DecodeForm(), pa.DecodeForm(shared_f32="kv"), pa.DecodeForm(shared_f32="k"), pa.DecodeForm(shared_f32="v"),
-         pa.DecodeForm("lanes")]
-LANE_FORMS = [pa.DecodeForm("lanes", 64, 2, lanes=4), pa.DecodeForm("lanes", 256, 3)]
-
-
-@pytest.mark.parametrize("form", LANE_FORMS)
-def test_paged_decode_lanes(form):
-    """The "lanes" form where the device suits it (lavapipe does), over GQA, float16 and float32 caches, head sizes
-    whose words do not fill the clusters, a window, a soft cap, split and unsplit, and the new tokens written."""
-    dev = device()
-    assert pa._lanes(dev, form, 1, 64, "f16")
-    rng = np.random.default_rng(form.wg + form.lanes)
-    _decode_case(rng, [150, 7, 90], 2, 4, 64, 16, "f16", 0, 0, form=form)
-    _decode_case(rng, [300, 1, 33], 1, 2, 80, 8, "f32", 40, None, softcap=1.5, form=form)
-    _new_token_case(rng, [70, 1, 33, 0, 0, 200], 2, 4, 64, 16, "f16", 0, 32, rope=True, stale=(1,), moved=(4,),
-                    form=form)
+                 shared_prefix=data.draw(st.booleans()), softcap=data.draw(st.sampled_from([0.0, 0.0, 1.5])))
 
 
 @pytest.mark.parametrize("part", [None, 0, 32])
@@ -322,8 +298,7 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x[..., :h] * c - x[..., h:] * s, x[..., h:] * c + x[..., :h] * s], -1)
 
 
-def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int8=False, stale=(), moved=(),
-                    form=None):
+def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int8=False, stale=(), moved=()):
     """paged_decode writing each sequence's new token itself (NewTokens) against write_kv then paged_decode (the
     two-kernel route), on two copies of one cache, and against numpy. lens: context lengths with the new token;
     0 is a padding row (slot -1, nothing attended), and rows in `stale` also get slot -1 but attend their context
@@ -366,7 +341,7 @@ def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int
         pa.write_kv(dev, caches[0], rbuf, rbuf, sbuf, b, src_stride=stride, k_off=k_off, v_off=v_off)
         q2 = upload(dev, np.ascontiguousarray(rows[:, q_off:k_off]))
     two = pa.paged_decode(dev, caches[0], q2, tbuf, lbuf, **kw)
-    one = pa.paged_decode(dev, caches[1], rbuf, tbuf, lbuf, **kw, form=form,
+    one = pa.paged_decode(dev, caches[1], rbuf, tbuf, lbuf, **kw,
                           new_tokens=pa.NewTokens(sbuf, stride, q_off, k_off, v_off, rope=tabs))
     assert templates_used(since) >= {"kv_write", "paged_decode"}
     # the cache: every word as the two-kernel route leaves it (float16 rounding allows one unit in the last place)
@@ -432,15 +407,13 @@ def test_paged_decode_writes_new_tokens(data, d, dtype, hkv, group, bs, seed):
     window = data.draw(st.sampled_from([0, 0, 1, 40]))
     part = data.draw(st.sampled_from([None, 0, 32, 64]))
     _new_token_case(np.random.default_rng(seed), lens, hkv, group, d, bs, dtype, window, part,
-                    rope=data.draw(st.booleans()), stale=stale, moved=moved[:bs],
-                    form=data.draw(st.sampled_from(FORMS)))
+                    rope=data.draw(st.booleans()), stale=stale, moved=moved[:bs])
 
 
 @pytest.mark.parametrize("part", [0, 32])
-@pytest.mark.parametrize("form", FORMS)
-def test_paged_decode_writes_new_tokens_int8(part, form):
+def test_paged_decode_writes_new_tokens_int8(part):
     """The new tokens written by the attention that writes the output product's int8 rows, split or not; a row of
     no context with a slot (written, attending nothing) beside a padding row, and a row of slot -1 that attends the
     cache as it is."""
     _new_token_case(np.random.default_rng(11), [70, 1, 33, 0, 0], 2, 2, 64, 16, "f16", 0, part, rope=True, int8=True,
-                    stale=(1,), moved=(4,), form=form)
+                    stale=(1,), moved=(4,))

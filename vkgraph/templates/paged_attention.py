@@ -74,16 +74,15 @@ def _defines(dev: Device, head_size: int, dtype: str, **extra: int) -> dict[str,
     return d
 
 
-def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str, shared_f32: str = "") -> int:
-    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl); shared_f32: the keys ("k"),
-    # values ("v") or both held as float32
-    per_token = sum(head_size * (4 if part in shared_f32 else KV_DTYPES[dtype]) + 16 for part in "kv")
+def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str) -> int:
+    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl)
+    per_token = 2 * (head_size * KV_DTYPES[dtype] + 16)
     return rows * head_size * 4 + tile * per_token + rows * tile * 4 + 3 * rows * 4
 
 
-def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str, shared_f32: str = "") -> int:
+def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str) -> int:
     for tile in TILES:
-        if _shared_bytes(rows, tile, head_size, dtype, shared_f32) <= dev.info.max_shared_memory:
+        if _shared_bytes(rows, tile, head_size, dtype) <= dev.info.max_shared_memory:
             return tile
     raise ValueError(f"{rows} query rows of head size {head_size} do not fit the device's shared memory")
 
@@ -243,55 +242,6 @@ def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_
     return 0 if part >= max_context_len else part
 
 
-@dataclass(frozen=True)
-class DecodeForm:
-    """How paged_decode's kernel walks the context. "tiles" (attention_common.glsl): tiles of keys and values
-    through shared memory, the workgroup's invocations split over the query rows; `shared_f32` (float16 caches):
-    the keys ("k"), values ("v") or both ("kv") converted to float32 once as they go into shared memory, instead of
-    by each row's invocation that reads them. "lanes" (decode_lanes.glsl): keys and values straight into
-    registers, clusters of `lanes` invocations (0: chosen for the device) each taking one token at a time, `unroll`
-    tokens of each cluster loaded a step ahead; `wg` invocations."""
-
-    kind: str = "tiles"
-    wg: int = ATTN_WG
-    unroll: int = 4
-    lanes: int = 0
-    shared_f32: str = ""
-
-    @classmethod
-    def parse(cls, text: str) -> DecodeForm:
-        """"tiles", "tiles:f32" (shared_f32 "kv"), "tiles:f32k", "tiles:f32v", "lanes" or "lanes:WGxUNROLL" (e.g.
-        lanes:256x4), as the benchmark takes them."""
-        kind, _, rest = text.partition(":")
-        if kind == "tiles" and rest in ("", "f32", "f32k", "f32v"):
-            return cls(kind, shared_f32={"": "", "f32": "kv", "f32k": "k", "f32v": "v"}[rest])
-        if kind != "lanes":
-            raise ValueError(f"decode form {text!r}: tiles, tiles:f32[k|v], lanes or lanes:WGxUNROLL")
-        if not rest:
-            return cls(kind)
-        wg, _, unroll = rest.partition("x")
-        return cls(kind, int(wg), int(unroll or 4))
-
-
-def _lanes(dev: Device, form: DecodeForm, group: int, head_size: int, dtype: str) -> int:
-    """Invocations per token of the "lanes" form, or 0 where the device or the shape does not suit it: a power of
-    two of at most 16 (a token's 16-byte words spread over them), the smallest subgroup and the token's words,
-    with its query and output slices (group x the dimensions an invocation holds, each) at most 64 floats."""
-    info = dev.info
-    words = head_size * KV_DTYPES[dtype] // 16
-    lanes = form.lanes or 1 << (min(16, info.min_subgroup_size, words).bit_length() - 1)
-    if "shuffle" not in info.subgroup_ops or lanes > min(info.min_subgroup_size, words) or lanes & (lanes - 1):
-        return 0
-    per_lane = -(-words // lanes) * (16 // KV_DTYPES[dtype])
-    if group * per_lane > 64 or form.wg % info.max_subgroup_size or form.wg > info.max_workgroup_invocations:
-        return 0
-    shared = group * head_size * 4 + form.wg // lanes * group * 8 + group * 8
-    return lanes if shared <= info.max_shared_memory else 0
-
-
-DEFAULT_FORM = DecodeForm()
-
-
 def _softcap(cap: float) -> float:
     if not (math.isfinite(cap) and cap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0: none), got {cap}")
@@ -301,8 +251,7 @@ def _softcap(cap: float) -> float:
 def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, context_lens: Any, *,
                  num_seqs: int, num_heads: int, max_blocks_per_seq: int, max_context_len: int,
                  scale: float | None = None, window: int = 0, softcap: float = 0.0, part_tokens: int | None = None,
-                 out: Any | None = None, int8: bool = False, new_tokens: NewTokens | None = None,
-                 form: DecodeForm | None = None) -> Any:
+                 out: Any | None = None, int8: bool = False, new_tokens: NewTokens | None = None) -> Any:
     """Attention of one query token per sequence over its cached context; returns out [B, num_heads, D].
 
     q: float32 [num_seqs, num_heads, D]; block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens:
@@ -312,8 +261,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     holds the rows [B, num_heads * D] as the integer matvec's input (matvec.Q8Acts.layout), written by the kernel
     that finishes the output instead of float32; D % 32 == 0. new_tokens: the same dispatch writes each sequence's
     new key and value into the cache and attends them from registers (see NewTokens; `q` is then the q/k/v rows),
-    where write_kv would run before it. form: the kernel's walk of the context (DecodeForm; None: the default,
-    "lanes" falls back to "tiles" where the device or the shape does not suit it).
+    where write_kv would run before it.
     """
     d, hkv = cache.head_size, cache.num_kv_heads
     if num_heads % hkv:
@@ -345,11 +293,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     check_buffer("out", out, nbytes)
     # the int8 parts, or `out` bound where the float output is written
     acts = Q8Acts.in_buffer(out, num_seqs, num_heads * d) if int8 else Q8Acts(out, out, out)
-    form = form or DEFAULT_FORM
-    shared_f32 = form.shared_f32 if form.kind == "tiles" and cache.dtype == "f16" else ""
-    if set(shared_f32) - set("kv"):
-        raise ValueError(f"shared_f32 names the keys (k), the values (v) or both (kv), got {shared_f32!r}")
-    tile = _choose_tile(dev, group, d, cache.dtype, shared_f32)
+    tile = _choose_tile(dev, group, d, cache.dtype)
     if part_tokens is None:
         part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, tile)
     if part_tokens < 0 or part_tokens % tile:
@@ -375,15 +319,8 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
             flags["ROPE"] = 1
         extra = [new.slot_mapping, *(new.rope or (context_lens, context_lens)), cache.key, cache.value]
         push.update(src_stride=new.src_stride, q_off=new.q_off, k_off=new.k_off, v_off=new.v_off)
-    lanes = _lanes(dev, form, group, d, cache.dtype) if form.kind == "lanes" else 0
-    if lanes:  # decode_lanes.glsl
-        wg, core = form.wg, {"LANES": lanes, "UNROLL": form.unroll}
-    else:  # attention_common.glsl's tiles
-        wg, core = ATTN_WG, {"TILE": tile}
-        if shared_f32:
-            flags["SHARED_F32"] = ("k" in shared_f32) + 2 * ("v" in shared_f32)
-    kern = catalog.compile(dev, "paged_decode", spec={"WG": wg},
-                           defines=_defines(dev, d, cache.dtype, GROUP=group, **core, BLOCK_SIZE=cache.block_size,
+    kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
+                           defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile, BLOCK_SIZE=cache.block_size,
                                             **flags))
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
                                  acts.xq, acts.xd, acts.xs, *extra], (parts, hkv, num_seqs), push=push)

@@ -25,22 +25,15 @@
 // which attend calls once its first tile's loads are in flight; tiles take that position's words from new_k/new_v
 // in place of the K/V buffers (a token that the same dispatch writes, which other workgroups of it may not see).
 #include "common.glsl"
-#include "kv_words.glsl"
-// -DSHARED_F32=1 (keys), 2 (values) or 3 (both), with KV_F16: those are converted to float32 once, as they go into
-// shared memory, rather than by every invocation that reads them (each key once per query row that scores it, each
-// value once per row that accumulates it); shared memory then holds 4 of them a word
-#if defined(KV_F16) && defined(SHARED_F32) && (SHARED_F32 & 1) != 0
-#define K_PER_SWORD 4
+// The K/V cache's 16-byte words: KV_PER_WORD values a word (float16 with -DKV_F16, else float32), WORDS_PER_TOKEN
+// words a token of HEAD_SIZE; in shared memory a token's words are STRIDE apart (one word of padding, see above)
+#ifdef KV_F16
+#define KV_PER_WORD 8
 #else
-#define K_PER_SWORD KV_PER_WORD
+#define KV_PER_WORD 4
 #endif
-#if defined(KV_F16) && defined(SHARED_F32) && (SHARED_F32 & 2) != 0
-#define V_PER_SWORD 4
-#else
-#define V_PER_SWORD KV_PER_WORD
-#endif
-#define K_STRIDE (HEAD_SIZE / K_PER_SWORD + 1)
-#define V_STRIDE (HEAD_SIZE / V_PER_SWORD + 1)
+#define WORDS_PER_TOKEN (HEAD_SIZE / KV_PER_WORD)
+#define STRIDE (WORDS_PER_TOKEN + 1)
 #define PAIRS (ROWS * HEAD_SIZE / 4)
 
 layout(local_size_x_id = 0) in;
@@ -54,8 +47,8 @@ float row_m[SCORE_N];   // the running max of the row this invocation scores
 #endif
 
 shared vec4 sQ[ROWS * HEAD_SIZE / 4];
-shared uvec4 sK[TILE * K_STRIDE];
-shared uvec4 sV[TILE * V_STRIDE];
+shared uvec4 sK[TILE * STRIDE];
+shared uvec4 sV[TILE * STRIDE];
 shared vec4 sP[ROWS * TILE / 4];   // TILE is a multiple of 4
 shared float sM[ROWS], sL[ROWS], sAlpha[ROWS];
 #ifdef NEW_KV
@@ -79,30 +72,17 @@ vec4 kv4(uvec4 wd, uint e) {   // four values from dimension e of the word holdi
 #endif
 }
 
-#if K_PER_SWORD == 4
-vec4 k4(uint t, uint e) { return uintBitsToFloat(sK[t * K_STRIDE + e / 4]); }
-#else
-vec4 k4(uint t, uint e) { return kv4(sK[t * K_STRIDE + e / KV_PER_WORD], e); }
-#endif
-#if V_PER_SWORD == 4
-vec4 v4(uint t, uint e) { return uintBitsToFloat(sV[t * V_STRIDE + e / 4]); }
-#else
-vec4 v4(uint t, uint e) { return kv4(sV[t * V_STRIDE + e / KV_PER_WORD], e); }
+#ifdef KV_F16
+vec4 k4(uint t, uint e) { return kv4(sK[t * STRIDE + e / KV_PER_WORD], e); }
+vec4 v4(uint t, uint e) { return kv4(sV[t * STRIDE + e / KV_PER_WORD], e); }
+#else   // a word is four float32 values
+vec4 k4(uint t, uint e) { return uintBitsToFloat(sK[t * STRIDE + e / 4]); }
+vec4 v4(uint t, uint e) { return uintBitsToFloat(sV[t * STRIDE + e / 4]); }
 #endif
 
 void put_word(uint t, uint w, uvec4 k, uvec4 v) {   // word w of the tile's token t, as the K/V buffers hold it
-#if K_PER_SWORD != KV_PER_WORD
-    sK[t * K_STRIDE + 2 * w] = floatBitsToUint(unpack_half4(k.xy));
-    sK[t * K_STRIDE + 2 * w + 1] = floatBitsToUint(unpack_half4(k.zw));
-#else
-    sK[t * K_STRIDE + w] = k;
-#endif
-#if V_PER_SWORD != KV_PER_WORD
-    sV[t * V_STRIDE + 2 * w] = floatBitsToUint(unpack_half4(v.xy));
-    sV[t * V_STRIDE + 2 * w + 1] = floatBitsToUint(unpack_half4(v.zw));
-#else
-    sV[t * V_STRIDE + w] = v;
-#endif
+    sK[t * STRIDE + w] = k;
+    sV[t * STRIDE + w] = v;
 }
 
 // Loads the queries (already scaled) into sQ: q_at(row, e) gives four values of row from dimension e.
