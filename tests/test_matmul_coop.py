@@ -459,7 +459,9 @@ def emulated(src: str, sg: int, rolled: bool = False) -> str:
     products; lane l of a subgroup holds rows l, l + sg, .. of each accumulator. Everything but the matrix
     operations (staging, pipelining, K split, epilogue) is the program's own. rolled: the matrix operations'
     loops kept rolled (matmul_skinny's emulated programs otherwise take lavapipe tens of seconds to build; with them
-    rolled, lavapipe ran matmul_quant's order-2 prefill tile into NaN, so the others' are unrolled)."""
+    rolled, matmul_quant's two-stage 64x64x32 prefill tile with two slices in flight gave garbage at K = 512 in every
+    decoding order (0, 1 and 2) and was right at K = 96 and 256, and unrolled at all four, as on an H200: so the
+    others' are unrolled)."""
     fm, fn, fk = _dims(src)
     from_x = re.search(r"coopMatLoad\([^,]+, x, ", src) is not None
     src = src.replace("#extension GL_KHR_cooperative_matrix : require\n",
