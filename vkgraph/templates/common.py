@@ -24,6 +24,18 @@ def check_binding_range(dev: Device, name: str, nbytes: int) -> None:
         raise ValueError(f"{name}: {nbytes} bytes exceed the device's maxStorageBufferRange of {limit}")
 
 
+def product_output(dev: Device, name: str, nbytes: int, out: Any | None, residual: Any | None) -> Any:
+    """The output buffer of a product of `nbytes` (`out`, or a new one) once the binding fits the device and the
+    residual (if any) and `out` hold `nbytes`; `name` says which output in the range error."""
+    check_binding_range(dev, name, nbytes)
+    if residual is not None:
+        check_buffer("residual", residual, nbytes)
+    if out is None:
+        out = dev.alloc(nbytes)
+    check_buffer("out", out, nbytes)
+    return out
+
+
 def grid_2d(dev: Device, groups: int) -> tuple[int, int, int]:
     """Spread `groups` workgroups over x and y within the device's per-axis limit (x * y >= groups)."""
     max_x = dev.info.max_workgroup_count[0]

@@ -35,7 +35,7 @@ from ..codegen import matmul_coop
 from ..codegen.lower import Limits
 from ..dtype import dtypes
 from ..runtime import Device
-from .common import check_binding_range, check_buffer, grid_2d
+from .common import check_buffer, grid_2d, product_output
 from .matvec import DeviceWeights, Q8Acts
 
 BLOCK = 32  # K is a whole number of 32-element (sub-)blocks
@@ -713,12 +713,7 @@ def matmul_quant(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: in
         check_buffer("x", x, m * k * 2)
     scales = _check_weights(weights)
     nbytes = ks * m * n * 4
-    check_binding_range(dev, f"matmul_quant output [{ks}, {m}, {n}]", nbytes)
-    if residual is not None:
-        check_buffer("residual", residual, nbytes)
-    if out is None:
-        out = dev.alloc(nbytes)
-    check_buffer("out", out, nbytes)
+    out = product_output(dev, f"matmul_quant output [{ks}, {m}, {n}]", nbytes, out, residual)
     key = ("mmq", k, cfg, residual is not None, int8)
     kern = weights.pipelines.get(key)
     if kern is None:

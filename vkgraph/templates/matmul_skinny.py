@@ -40,7 +40,7 @@ from typing import Any
 
 from ..codegen.lower import Limits
 from ..runtime import Device
-from .common import check_binding_range, check_buffer, grid_2d
+from .common import check_binding_range, check_buffer, grid_2d, product_output
 from .matmul_quant import _X8, BLOCK, FORMATS, _check_format, _check_weights, _codec
 from .matvec import DeviceWeights, Q8Acts
 
@@ -421,12 +421,7 @@ def matmul_skinny(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: i
         check_buffer(f"x (float16, {mb} rows of {k})", x, mb * k * 2)
     scales = _check_weights(weights)
     nbytes = m * n * 4
-    check_binding_range(dev, f"matmul_skinny output [{m}, {n}]", nbytes)
-    if residual is not None:
-        check_buffer("residual", residual, nbytes)
-    if out is None:
-        out = dev.alloc(nbytes)
-    check_buffer("out", out, nbytes)
+    out = product_output(dev, f"matmul_skinny output [{m}, {n}]", nbytes, out, residual)
     extra = []
     if cfg.ks > 1:
         if scratch is None:
