@@ -19,7 +19,7 @@ import argparse
 import itertools
 
 import numpy as np
-from bench_kernels import _weight_copies
+from bench_kernels import _release_weights, _weight_copies
 from common import raise_clocks, replay_us
 
 from vkgraph.runtime import get_device
@@ -100,10 +100,7 @@ def probe(dev, pf, sink, rng, name: str, fmt: str, groups: int, reps: int) -> No
           ("norm+pf+mv", (True, True, True)), ("pf+mv", (False, True, True)), ("pf", (False, True, False)))}
     print(f"{name:>8s} {n:>6d}x{k:<5d} {t['mv']:7.2f} {t['norm']:7.2f} {t['norm+mv']:8.2f} {t['norm+pf+mv']:10.2f} "
           f"{t['pf+mv']:7.2f} {t['pf']:6.2f}  {nbytes / t['mv'] / 1e3:8.0f}", flush=True)
-    for w in ws:
-        w.body.release()
-        if w.scales is not None:
-            w.scales.release()
+    _release_weights(ws)
     for b in (x, gamma, acts_buf, y):
         b.release()
 
