@@ -120,18 +120,19 @@ def raise_clocks(seconds: float = 1.5) -> None:
         return
     w = Tensor(np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32)).cast(dtypes.float16)
     w = w.realize()
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(20):
-            (w @ w).realize()
-        dev.synchronize()
+    _keep_busy(lambda: (w @ w).realize(), dev.synchronize, seconds)
 
 
 def raise_torch_clocks(torch: Any, seconds: float = 1.5) -> None:
     """`raise_clocks` for a PyTorch reference: float16 4096^3 products on the CUDA device for about `seconds`."""
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    _keep_busy(lambda: w @ w, torch.cuda.synchronize, seconds)
+
+
+def _keep_busy(product: Callable[[], object], sync: Callable[[], object], seconds: float) -> None:
+    """Call `product` in bursts of 20, each waited for by `sync`, for about `seconds`."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         for _ in range(20):
-            w @ w
-        torch.cuda.synchronize()
+            product()
+        sync()
