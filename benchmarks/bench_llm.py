@@ -69,6 +69,18 @@ def weight_bytes(w: ModelWeights) -> int:
     return total
 
 
+def warm_engine(model: LlamaModel, vocab: int, batch: int, max_tokens: int) -> Engine:
+    """An engine of `batch` requests of 16 prompt tokens each, past its warm-up: the prefill, then the JIT's eager
+    call, capture and first replay of the decode step (four steps), the device idle."""
+    engine = Engine(model, max_batch=batch)
+    for i in range(batch):
+        engine.add_request([(i * 7 + j) % vocab for j in range(16)], max_tokens=max_tokens, stop_token_ids=[])
+    for _ in range(4):
+        engine.step()
+    get_device().synchronize()
+    return engine
+
+
 def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt_len: int) -> dict:
     block = 16
     decode_blocks = -(-(16 + decode_steps + 16) // block)
@@ -76,14 +88,7 @@ def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt
     model = LlamaModel(w, num_blocks=max(batches) * decode_blocks + 2 * per_seq + 16, max_blocks_per_seq=per_seq)
     out = {}
     for b in batches:
-        engine = Engine(model, max_batch=b)
-        for i in range(b):
-            engine.add_request([(i * 7 + j) % w.config.vocab_size for j in range(16)], max_tokens=decode_steps + 8,
-                               stop_token_ids=[])
-        engine.step()  # admits and prefills everyone
-        for _ in range(3):  # the first decode steps capture the graph
-            engine.step()
-        get_device().synchronize()
+        engine = warm_engine(model, w.config.vocab_size, b, decode_steps + 8)
         raise_clocks()  # an idle H200 sits at 345 MHz: short timed runs after loading read 2-4x slow
         times = []
         for _ in range(decode_steps):

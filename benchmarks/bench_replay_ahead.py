@@ -17,11 +17,10 @@ import statistics
 import sys
 import time
 
-from bench_llm import SHAPES, random_model
+from bench_llm import SHAPES, random_model, warm_engine
 from common import raise_clocks
 
 from vkgraph.nn.config import ModelConfig
-from vkgraph.nn.engine import Engine
 from vkgraph.nn.llama import LlamaModel
 from vkgraph.runtime import capture, get_device
 
@@ -29,12 +28,7 @@ from vkgraph.runtime import capture, get_device
 def run(model: LlamaModel, vocab: int, batch: int, steps: int) -> tuple[float, float]:
     """(median step seconds, host waits per timed step inside a graph's replay) of one engine's decode."""
     dev = get_device()
-    engine = Engine(model, max_batch=batch)
-    for i in range(batch):
-        engine.add_request([(i * 7 + j) % vocab for j in range(16)], max_tokens=steps + 12, stop_token_ids=[])
-    for _ in range(4):  # prefill, then the JIT's eager call, capture and first replay
-        engine.step()
-    dev.synchronize()
+    engine = warm_engine(model, vocab, batch, steps + 12)
     queue = dev.queue
     real = queue.wait
     waits = 0

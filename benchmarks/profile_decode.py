@@ -32,13 +32,12 @@ from collections import defaultdict
 os.environ["VKGRAPH_PROFILE"] = "1"
 os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
 
-from bench_llm import SHAPES, random_model, weight_bytes  # noqa: E402
+from bench_llm import SHAPES, random_model, warm_engine, weight_bytes  # noqa: E402
 from bench_runtime import bench_copy_kernel  # noqa: E402
 from common import raise_clocks  # noqa: E402
 
 from vkgraph.flags import flag  # noqa: E402
 from vkgraph.nn.config import ModelConfig  # noqa: E402
-from vkgraph.nn.engine import Engine  # noqa: E402
 from vkgraph.nn.llama import LlamaModel  # noqa: E402
 from vkgraph.runtime import get_device  # noqa: E402
 
@@ -80,12 +79,7 @@ def barrier_us(dev, reps: int = 7) -> float:
 
 def profile(dev, model, vocab: int, batch: int, steps: int) -> tuple[float, float, dict]:
     """(median JIT step seconds, dispatches per step, {kernel: [dispatches, GPU us]} over the eager steps)."""
-    engine = Engine(model, max_batch=batch)
-    for i in range(batch):
-        engine.add_request([(i * 7 + j) % vocab for j in range(16)], max_tokens=2 * steps + 8, stop_token_ids=[])
-    for _ in range(4):  # prefill, then the JIT's eager call, capture and first replay
-        engine.step()
-    dev.synchronize()
+    engine = warm_engine(model, vocab, batch, 2 * steps + 8)
     raise_clocks()  # loading and capture left the GPU idle, its clocks low: short timed runs read 2-4x slow
     walls = []
     for _ in range(steps):
