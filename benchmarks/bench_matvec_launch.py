@@ -106,12 +106,13 @@ def product_run(dev, ws, x, y, batch: int, cfg: mv.MatvecConfig) -> Callable[[],
 
 def mm_us(dev, ws, x, y, batch: int, cfg: mq.Tile, reps: int) -> float:
     """GPU microseconds of one matmul_quant product of `batch` int8 rows with tile cfg."""
+    return replay_us(dev, mm_run(dev, ws, x, y, batch, cfg), reps)
+
+
+def mm_run(dev, ws, x, y, batch: int, cfg: mq.Tile) -> Callable[[], None]:
+    """One matmul_quant product as mm_us times it, each call on the next of the weight copies `ws`."""
     lim, calls = limits(), itertools.count()
-
-    def run() -> None:
-        mq.matmul_quant(dev, lim, ws[next(calls) % len(ws)], x, batch, cfg, out=y)
-
-    return replay_us(dev, run, reps)
+    return lambda: mq.matmul_quant(dev, lim, ws[next(calls) % len(ws)], x, batch, cfg, out=y)
 
 
 def _mm_tiles(base: mq.Tile, k: int) -> list[mq.Tile]:
@@ -253,8 +254,9 @@ def wg_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, rounds: int, b
           flush=True)
 
 
-def _cell(nbytes: int, us: float) -> str:
-    return f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
+def _cell(nbytes: int, us: float | str | None) -> str:
+    """GB/s of `nbytes` and microseconds, or the error text given in their place, or '-' where there was none."""
+    return "-" if us is None else us if isinstance(us, str) else f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 from bench_kernels import _release_weights, _weight_copies
-from bench_matvec_launch import _acts, product_run
+from bench_matvec_launch import _acts, _cell, mm_run, product_run
 from common import capture_graph, raise_clocks, replay_many_us
 
 from vkgraph.quant import FORMATS
@@ -57,11 +57,6 @@ XS_SWEEP = [ms.Skinny(sg, bk, depth, frags, 1, wn, 1) for sg, bk, depth, frags, 
     (2, 64, 3, 1, 2), (1, 64, 4, 1, 4))]
 
 
-def _tile_run(dev, lim, ws, q8, y, rows: int, tile: mq.Tile) -> Callable[[], None]:
-    calls = itertools.count()
-    return lambda: mq.matmul_quant(dev, lim, ws[next(calls) % len(ws)], q8, rows, tile, out=y)
-
-
 def _skinny_run(dev, lim, ws, x, y, rows: int, cfg: ms.Skinny, sc: ms.Scratch) -> Callable[[], None]:
     calls = itertools.count()
     return lambda: ms.matmul_skinny(dev, lim, ws[next(calls) % len(ws)], x, rows, cfg, out=y, scratch=sc)
@@ -85,10 +80,6 @@ def _label(c: ms.Skinny) -> str:
 def _result(nbytes: int, times: dict, graphs: dict, rows: int, key: Any) -> str:
     """The cell of (rows, key): its time, or the error its capture raised, or '-' where there was none."""
     return _cell(nbytes, times.get((rows, key), graphs.get((rows, key))))
-
-
-def _cell(nbytes: int, us: float | str | None) -> str:
-    return "-" if us is None else us if isinstance(us, str) else f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
 
 
 def main() -> None:
@@ -135,7 +126,7 @@ def main() -> None:
                 graphs[rows, "matvec"] = _capture(dev, product_run(dev, ws, x, y, rows, cfg_mv))
                 tile = mq.decode_config(lim, rows, n, k) if fmt in mq.FORMATS else None
                 if tile is not None:
-                    graphs[rows, "tile"] = _capture(dev, _tile_run(dev, lim, ws, q8, y, rows, tile))
+                    graphs[rows, "tile"] = _capture(dev, mm_run(dev, ws, q8, y, rows, tile))
                 configs = {"skinny": ms.config(lim, rows, n, k) if fmt in ms.FORMATS else None,
                            "skinny8": ms.config(lim, rows, n, k, int8=True) if fmt in ms.FORMATS else None}
                 if a.sweep and frag and fmt in ms.FORMATS and str(rows) in a.sweep_rows.split(","):
