@@ -53,6 +53,7 @@ from vkgraph.realize import limits
 from vkgraph.runtime import get_device
 from vkgraph.templates import matmul_quant as mq
 from vkgraph.templates import matvec as mv
+from vkgraph.templates.common import pow2_ceil
 
 SHAPES = {"8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                  ("head", 128256, 4096)],
@@ -192,7 +193,8 @@ def _wg_configs(dev, f, base: mv.MatvecConfig, k: int, batch: int) -> list[mv.Ma
     """--wg-sweep's candidates in WG_SWEEP's order (most likely first): workgroups no wider than a row's units
     and at least a subgroup, no more rounds in flight than the row has, at most 16 loads in flight and 32 sums
     per invocation; then WG_SWEEP_SUBGROUP's, with the group as wide as choose_config makes it."""
-    span = 1 << (max(k // mv.UNIT_ELEMS[f.name], 1) - 1).bit_length()  # a row's units, to a power of two
+    units = k // mv.UNIT_ELEMS[f.name]
+    span = pow2_ceil(units)  # a row's units, to a power of two
     found = []
     for wg, rows, unroll in WG_SWEEP:
         if wg > max(span, dev.info.max_subgroup_size) or wg < dev.info.max_subgroup_size or wg * unroll > max(
@@ -200,7 +202,6 @@ def _wg_configs(dev, f, base: mv.MatvecConfig, k: int, batch: int) -> list[mv.Ma
             continue
         found.append(replace(base, wg=wg, rows=rows, unroll=unroll, tpr=0, fold=False))
     if "shuffle" in dev.info.subgroup_ops:  # the subgroup-rows launch beside them, as its table would take it
-        units = k // mv.UNIT_ELEMS[f.name]
         for wg, rows, unroll in WG_SWEEP_SUBGROUP:
             tpr = mv.group_width(dev, units, unroll)
             if wg >= dev.info.max_subgroup_size and wg % tpr == 0 and wg <= dev.info.max_workgroup_invocations:
