@@ -264,14 +264,20 @@ class CommandGraph:
             q.admit()
             if self.destroyed:
                 raise DeviceClosed("this command graph was destroyed (or its device closed)")
+            kept = len(self._bindings)
+            recorded = False
             try:
                 binding = self._binding(inputs)
                 values = tuple(v.value for v in self.variables)
                 slot = self._slot(binding, values)
                 if slot.binding is not binding or slot.values != values:
+                    recorded = True
                     self._record(slot, binding, values)
             finally:
-                self._release_unused()
+                # a binding falls out of use only where a command buffer was recorded again or a new one was made:
+                # otherwise every kept binding is still some command buffer's, as after the last replay
+                if recorded or len(self._bindings) != kept:
+                    self._release_unused()
             sub = slot.sub
             pending = q.take_recording()
             if pending is not None:  # one submit, one fence: the graph takes the pending work's number, so a wait
