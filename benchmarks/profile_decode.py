@@ -1,13 +1,15 @@
 """Where a decode step's GPU time goes: per-kernel timestamps of eager decode steps of a random-weight model.
 
     python benchmarks/profile_decode.py [--shape llama3-8b|llama3.2-1b|small] [--format Q4_0] [--batches 1,8]
-                                        [--fusion 0,1] [--launch workgroup,subgroup] [--mm 8,0] [--steps 5]
+                                        [--fusion 0,1] [--glu 1,0] [--launch workgroup,subgroup] [--mm 8,0]
+                                        [--steps 5]
                                         [--matvec-sg "/8:128,4,2,0,1,1"]
                                         [--copy-mib 1024] [--kernels]
 
 Per batch size (and per VKGRAPH_DECODE_FUSION setting, on the same model: 0 is the unfused layers), runs the
 engine's decode step captured (JIT, timed by wall clock) and then without the JIT (the same kernels, recorded
-one by one) under VKGRAPH_PROFILE (and per VKGRAPH_MATVEC_LAUNCH setting in --launch: the matvec
+one by one) under VKGRAPH_PROFILE (and per VKGRAPH_GLU_EPILOGUE setting in --glu: the MLP's gated unit in the
+gate/up product's epilogue, or a kernel of its own; per VKGRAPH_MATVEC_LAUNCH setting in --launch: the matvec
 launches; per VKGRAPH_DECODE_MM_ROWS setting in --mm: from how many rows the products take matmul_quant's
 small-row tiles, 0 never; per VKGRAPH_MATVEC_SG setting in --matvec-sg, separated by '/', an empty one for the
 tables' parameters), and prints the dispatches per step and the GPU time inside them; with
@@ -112,6 +114,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1", help="decode batch sizes, e.g. 1,8,32")
     ap.add_argument("--fusion", default="1",
                     help="VKGRAPH_DECODE_FUSION settings to run on the same model, e.g. 0,1 (unfused, then fused)")
+    ap.add_argument("--glu", default=None,
+                    help="VKGRAPH_GLU_EPILOGUE settings to run on the same model, e.g. 1,0 (default: the flag's)")
     ap.add_argument("--launch", default="auto",
                     help="VKGRAPH_MATVEC_LAUNCH settings to run on the same model, e.g. workgroup,subgroup")
     ap.add_argument("--mm", default="",
@@ -134,16 +138,19 @@ def main() -> None:
     bytes_ms = nbytes / (gbs * 1e9) * 1e3
     print(f"{dev.info.name}: {a.shape} {a.format}, {nbytes / 1e9:.3f} GB of weights per step; copy bandwidth "
           f"{gbs:.0f} GB/s ({bytes_ms:.3f} ms per step); dependent dispatch {barrier:.2f} us (chain of {CHAIN})")
-    print(f"{'fusion':>6s} {'launch':>9s} {'mm':>3s} {'batch':>5s} {'dispatches':>10s}"
+    print(f"{'fusion':>6s} {'glu':>3s} {'launch':>9s} {'mm':>3s} {'batch':>5s} {'dispatches':>10s}"
           f" {'GPU busy ms':>11s} {'floor ms':>9s} {'JIT ms':>8s} "
           f"{'explained':>9s} {'tok/s':>9s} {'floor tok/s':>11s}", flush=True)
     mm_rows = a.mm.split(",") if a.mm else [str(flag("VKGRAPH_DECODE_MM_ROWS"))]
     sg_settings = a.matvec_sg.split("/") if a.matvec_sg is not None else [flag("VKGRAPH_MATVEC_SG")]
-    for sg, fusion, launch, mm in itertools.product(sg_settings, a.fusion.split(","), a.launch.split(","), mm_rows):
+    glus = a.glu.split(",") if a.glu is not None else [str(flag("VKGRAPH_GLU_EPILOGUE"))]
+    for sg, fusion, glu, launch, mm in itertools.product(sg_settings, a.fusion.split(","), glus, a.launch.split(","),
+                                                         mm_rows):
         if len(sg_settings) > 1:
             print(f"VKGRAPH_MATVEC_SG={sg!r}", flush=True)
         os.environ["VKGRAPH_MATVEC_SG"] = sg  # read when a matvec is recorded
         os.environ["VKGRAPH_DECODE_FUSION"] = fusion  # read when the step's graph is built
+        os.environ["VKGRAPH_GLU_EPILOGUE"] = glu  # read when the step's graph is built
         os.environ["VKGRAPH_MATVEC_LAUNCH"] = launch  # read when a matvec is recorded
         os.environ["VKGRAPH_DECODE_MM_ROWS"] = mm  # read when the step's graph is built
         for b in batches:
@@ -151,8 +158,8 @@ def main() -> None:
             busy = sum(v[1] for v in per.values()) / a.steps
             floor_ms = bytes_ms + dispatches * barrier / 1e3
             jit_ms = wall * 1e3
-            print(f"{fusion:>6s} {launch:>9s} {mm:>3s} {b:5d} {dispatches:10.0f} {busy / 1e3:11.3f} {floor_ms:9.3f} "
-                  f"{jit_ms:8.3f} "
+            print(f"{fusion:>6s} {glu:>3s} {launch:>9s} {mm:>3s} {b:5d} {dispatches:10.0f} {busy / 1e3:11.3f} "
+                  f"{floor_ms:9.3f} {jit_ms:8.3f} "
                   f"{floor_ms / jit_ms:9.0%} {b / wall:9.1f} {b / (floor_ms / 1e3):11.1f}", flush=True)
             if a.kernels:
                 print(f"  {'kernel':28s} {'per step':>9s} {'us/step':>10s} {'share':>7s}")

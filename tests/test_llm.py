@@ -588,10 +588,11 @@ def test_fused_decode_layers_match_unfused(models, int_dot, kind, monkeypatch):
             got = model(Tensor(np.array([11], np.int32)), step).numpy()
         return got, c.count
 
-    before, glu = templates.DISPATCHES["kv_write"], templates.DISPATCHES["glu_q8"]
+    before, glu = templates.DISPATCHES["kv_write"], templates.DISPATCHES["matvec_q4_0+glu_q8"]
     quantized = templates.DISPATCHES["quantize_q8"]
     fused, fused_kernels = decode(n)
-    assert (templates.DISPATCHES["glu_q8"] > glu) == (int_dot == "1")
+    # the gate/up product writes the down product's int8 activations itself (test_glu_epilogue_... below)
+    assert (templates.DISPATCHES["matvec_q4_0+glu_q8"] > glu) == (int_dot == "1")
     # with heads of 32 every integer-path product's input comes from the kernel before it (the norms, the gated
     # unit, the attention): no quantization kernel of its own; heads of 16 leave the output product's to quantize_q8
     assert (templates.DISPATCHES["quantize_q8"] == quantized) == (int_dot == "0" or w.config.head_dim % 32 == 0)
@@ -601,6 +602,43 @@ def test_fused_decode_layers_match_unfused(models, int_dot, kind, monkeypatch):
     assert templates.DISPATCHES["rmsnorm_q8"] == q8 and templates.DISPATCHES["kv_write"] > before
     assert fused_kernels < unfused_kernels
     assert nerr(fused, unfused) < (1e-2 if int_dot == "1" else 1e-5)
+
+
+@pytest.mark.parametrize("kind,rows", [("Q4_0", 1), ("Q8_0", 3), ("Q4_0-head32", 8)])
+def test_glu_epilogue_decode_matches_glu_q8(models, kind, rows, monkeypatch):
+    """A decode step of `rows` sequences whose gate/up products write the down products' int8 activations in their
+    epilogue (two kernels per MLP) against the same model with VKGRAPH_GLU_EPILOGUE=0 (gate/up, glu_q8, down), on
+    the integer path: the logits (the epilogue's launch may sum the products in another order: a rare rounding
+    step of an int8 activation), and one kernel fewer per layer."""
+    from vkgraph import templates
+    from vkgraph.realize import count_kernels
+    from vkgraph.runtime import get_device
+
+    if not get_device().info.integer_dot_product or "shuffle" not in get_device().info.subgroup_ops:
+        pytest.skip("no shaderIntegerDotProduct or subgroup shuffles on this device")
+    monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
+    w, model = build(models[kind])
+    prompt = [5, 17, 42, 99, 7, 3]
+    n = len(prompt)
+    model(Tensor(np.array(prompt, np.int32)), StepInputs(
+        Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
+        cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)).numpy()
+    # rows queries continuing the prompt's sequence, each at its own position (its key written first)
+    pos = np.arange(n, n + rows, dtype=np.int32)
+    step = StepInputs(Tensor(pos), Tensor(pos), block_tables=Tensor(np.tile(np.arange(6, dtype=np.int32), (rows, 1))),
+                      context_lens=Tensor(pos + 1))
+    tokens = Tensor(np.array([11, 3, 250, 9, 60, 2, 8, 100][:rows], np.int32))
+    label = f"matvec_{w.layers[0].w_gate.format.name.lower()}+glu_q8"
+    runs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("VKGRAPH_GLU_EPILOGUE", setting)
+        epilogue, glu = templates.DISPATCHES[label], templates.DISPATCHES["glu_q8"]
+        with count_kernels() as c:
+            runs[setting] = model(tokens, step).numpy(), c.count
+        assert (templates.DISPATCHES[label] - epilogue, templates.DISPATCHES["glu_q8"] - glu) == (
+            (w.config.n_layers, 0) if setting == "1" else (0, w.config.n_layers))
+    assert runs["1"][1] == runs["0"][1] - w.config.n_layers
+    assert nerr(runs["1"][0], runs["0"][0]) < 2e-3
 
 
 @pytest.mark.parametrize("kind,kv_dtype,int_dot", [("Q4_0", "f16", "0"), ("Q4_0-head32", "f32", "1"),

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_templates_common import check, device, quantize_q8_ref, snapshot, upload, weights
 
-from vkgraph import quant
+from vkgraph import quant, templates
 from vkgraph.templates import matvec as mv
 from vkgraph.templates import norms
 
@@ -628,3 +628,70 @@ def test_glu_q8_matches_numpy(gelu, rows, f):
     np.testing.assert_allclose(d, d_ref, rtol=1e-5)
     assert (s == q.reshape(-1, 16).astype(np.int32).sum(1)).all() and (d.reshape(rows, -1)[:, 0] == 0).all()
     check(q.astype(np.float64), q_ref.astype(np.float64), since, tol=1e-2)
+
+
+def _q8_parts(dev, buf, rows, f):
+    """The three parts of a Q8Acts buffer as host arrays (the padding between them left out)."""
+    a = mv.Q8Acts.in_buffer(buf, rows, f)
+    return (dev.download(a.xq, np.int8, (rows, f)), dev.download(a.xd, np.float32, (rows * f // 32,)),
+            dev.download(a.xs, np.int32, (rows * f // 16,)))
+
+
+# The gated unit in the gate/up product's epilogue (-DGLU_Q8) against the product's floats through glu_q8 under the
+# same launch: bit for bit. Odd numbers of blocks of h (F = 96, 352), 1 to 8 activation rows, both activations,
+# the integer path (float rows quantized first, or a Q8Acts) and the float one.
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("batch,f,gelu,int_dot", [(1, 96, False, True), (3, 352, True, True), (8, 96, False, True),
+                                                  (3, 96, True, False)])
+def test_matvec_glu_q8_equals_unfused(fmt, batch, f, gelu, int_dot):
+    _needs_shuffle()
+    if int_dot:
+        _needs_int_dot()
+    dev = device()
+    rng = np.random.default_rng(batch * f + gelu)
+    k = 512
+    qt = weights(rng.standard_normal((2 * f, k)).astype(np.float32), fmt, batch)
+    dw = mv.upload_weights(dev, qt)
+    x = rng.standard_normal((batch, k)).astype(np.float32)
+    x[:, :] *= np.linspace(0.1, 3, batch)[:, None]  # rows of different scales
+    xb = upload(dev, x)
+    cfg = mv.glu_config(dev, qt.format, f, k, batch, int_dot=int_dot)
+    assert cfg is not None and cfg.int_dot == int_dot and cfg.rows_per_workgroup == 64
+    y = mv.matvec(dev, dw, xb, batch, config=cfg)
+    want = _q8_parts(dev, norms.glu_q8(dev, y, batch, f, gelu_tanh=gelu), batch, f)
+    label = f"{mv.TEMPLATE[fmt]}+glu_q8"
+    before = templates.DISPATCHES[label]
+    since = snapshot()
+    got = _q8_parts(dev, mv.matvec_glu_q8(dev, dw, xb, batch, gelu_tanh=gelu, config=cfg), batch, f)
+    assert templates.DISPATCHES[label] == before + 1
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    # and against numpy: the gated unit of the dequantized product, quantized (within the int8 rounding)
+    xr = _device_quantized(dev, x) if int_dot else x.astype(np.float64)
+    gu = xr @ qt.dequantize().astype(np.float64).T
+    g, u = gu[:, :f], gu[:, f:]
+    a = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if gelu else g / (1 + np.exp(-g))
+    h = got[0].astype(np.float64).reshape(batch, -1, 32) * got[1].reshape(batch, -1, 1)
+    check(h.reshape(batch, f), a * u, since, tol=2e-2)
+    if int_dot:  # the same from activations already quantized (as rmsnorm_q8 writes them), chosen launch
+        acts = mv.Q8Acts(*mv.quantize_activations(dev, xb, batch, k))
+        again = _q8_parts(dev, mv.matvec_glu_q8(dev, dw, acts, batch, gelu_tanh=gelu), batch, f)
+        if mv.glu_config(dev, qt.format, f, k, batch, int_dot=True) == cfg:
+            for g, w in zip(again, want, strict=True):
+                np.testing.assert_array_equal(g, w)
+
+
+def test_matvec_glu_q8_refused():
+    _needs_shuffle()
+    dev = device()
+    qt = weights(np.ones((96, 64), np.float32), "Q4_0")
+    dw = mv.upload_weights(dev, qt)
+    x = upload(dev, np.ones((1, 64), np.float32))
+    with pytest.raises(ValueError, match="F % 32"):
+        mv.matvec_glu_q8(dev, dw, x, 1)  # 96 rows: F = 48
+    assert mv.glu_config(dev, qt.format, 48, 64, 1) is None
+    dw = mv.upload_weights(dev, weights(np.ones((64, 64), np.float32), "Q4_0"))
+    with pytest.raises(ValueError, match="64 rows per workgroup"):
+        mv.matvec_glu_q8(dev, dw, x, 1, config=mv.MatvecConfig(64, 2, True, tpr=4))
+    with pytest.raises(ValueError, match="batch"):
+        mv.matvec_glu_q8(dev, dw, x, 33)

@@ -179,6 +179,19 @@ class ParallelLinear:
         """Whether `rows` rows of input may come as Int8Activations: one stacked product that takes them."""
         return len(self.parts) == 1 and self.parts[0].takes_int8(rows)
 
+    def glu_q8(self, x: Tensor | Int8Activations, gelu_tanh: bool = False) -> Int8Activations | None:
+        """For gate/up: act(gate(x)) * up(x) as the down product's int8 activations, written by the one stacked
+        product's epilogue (QuantLinear.glu_q8), or None where that cannot run (parts apart, float weights, a bias,
+        rows the epilogue does not take, VKGRAPH_GLU_EPILOGUE=0)."""
+        if len(self.parts) != 1 or len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
+            return None
+        part = self.parts[0]
+        if part.quant is None or part.bias is not None:
+            return None
+        if not part.quant.takes_glu(math.prod(x.shape[:-1]), isinstance(x, Int8Activations)):
+            return None
+        return part.quant.glu_q8(x, gelu_tanh)
+
     def stacked(self, x: Tensor | Int8Activations) -> Tensor | None:
         """The one stacked product's output [..., sum of the widths], or None where the parts run apart."""
         return self.parts[0](x) if len(self.parts) == 1 else None
@@ -266,8 +279,11 @@ class MLP:
 
     def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
         if self.gelu in (None, "tanh") and self.down.takes_int8(math.prod(x.shape[:-1])):
+            # one kernel: the product, its epilogue the gated unit written as the down product's int8 input
+            if (h := self.gate_up.glu_q8(x, gelu_tanh=self.gelu == "tanh")) is not None:
+                return self.down(h, residual=residual)
             stacked = self.gate_up.stacked(x)
-            if stacked is not None:  # one kernel: the gated unit, written as the down product's int8 input
+            if stacked is not None:  # a kernel of its own: the gated unit, written as the down product's int8 input
                 return self.down(glu_q8(stacked, gelu_tanh=self.gelu == "tanh"), residual=residual)
         gate, up = self.gate_up(x)
         act = gate.silu() if self.gelu is None else gate.gelu(self.gelu)

@@ -155,6 +155,36 @@ class QuantLinear:
             return decode_fusion()
         return mv.takes_int8(self.weights.format, rows, self.in_features)
 
+    def takes_glu(self, rows: int, int8: bool) -> bool:
+        """Whether this weight, a stacked gate/up matrix [2F, K], may compute an MLP's gated unit for `rows` rows of
+        input (int8: as Int8Activations) in the matvec's epilogue (glu_q8): the matvec runs them (not
+        matmul_quant's tiles), in one call that takes the epilogue (templates.matvec.glu_takes)."""
+        if (rows >= DEQUANT_ROWS and self.can_dequantize) or self.decode_tile(rows) is not None:
+            return False
+        return decode_fusion() and mv.glu_takes(self.weights.format, self.out_features // 2, self.in_features, rows,
+                                                int8)
+
+    def glu_q8(self, x: Tensor | Int8Activations, gelu_tanh: bool = False) -> Int8Activations:
+        """act(x @ W_gate.T) * (x @ W_up.T) (act: SiLU, or the tanh GELU) of this stacked gate/up matrix, written by
+        the matvec's epilogue as the down product's int8 activations: one kernel where the product and glu_q8's
+        would be two (see takes_glu)."""
+        rows, k, f = math.prod(x.shape[:-1]), self.in_features, self.out_features // 2
+        int8 = isinstance(x, Int8Activations)
+        if x.shape[-1] != k or not self.takes_glu(rows, int8):
+            raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{k}) takes no gated-unit epilogue for "
+                             f"{rows} rows of {x.shape[-1]} here (see takes_glu)")
+        w = self.weights
+
+        def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            _bind(dev, w, ins[1:])
+            xin = mv.Q8Acts.in_buffer(ins[0], rows, k) if int8 else ins[0]
+            mv.matvec_glu_q8(dev, w, xin, rows, gelu_tanh=gelu_tanh, out=out)
+
+        ins = [x.words if int8 else x.float().reshape(rows, k), *self.tensors]
+        words = custom(run, ins, (mv.Q8Acts.layout(rows, f)[0] // 4,), dtypes.uint32, key=(id(self), gelu_tanh, int8),
+                       name=f"matvec_{self.format}_glu_q8")
+        return Int8Activations(words, tuple(x.shape[:-1]), f)
+
     def decode_tile(self, rows: int) -> Any:
         """The small-row tile of templates.matmul_quant for `rows` (VKGRAPH_DECODE_MM_ROWS .. DEQUANT_ROWS - 1)
         activation rows of a decode step (inside `decoding()`), or None where they take the matvec (a prefill,

@@ -63,9 +63,10 @@ def get(name: str) -> Template:
 
 
 def compile(dev: Device, name: str, *, spec: dict[str, Any] | None = None,
-            defines: dict[str, Any] | None = None) -> Pipeline:
-    """The template compiled for `dev` (cached by the runtime on source, defines and spec)."""
-    return dev.pipeline(get(name).source, spec=spec, defines=defines, name=name, include_dirs=[GLSL_DIR])
+            defines: dict[str, Any] | None = None, label: str | None = None) -> Pipeline:
+    """The template compiled for `dev` (cached by the runtime on source, defines and spec). `label`: the name its
+    dispatches are counted and profiled under, where a variant should stand apart from the template's name."""
+    return dev.pipeline(get(name).source, spec=spec, defines=defines, name=label or name, include_dirs=[GLSL_DIR])
 
 
 def dispatch(dev: Device, pipeline: Pipeline, buffers: list[Any], groups: tuple[int, int, int],

@@ -3,7 +3,8 @@
 `upload_weights` moves a QuantizedTensor to the device in the templates' layout (see vkgraph.quant);
 `matvec` dispatches the format's template with launch parameters chosen from the device's features;
 `upload_experts` and `matvec_id` do the same for a mixture of experts' matrices, stacked and indexed per
-(token, slot) pair (llama.cpp's mul_mat_id), so a step reads only the chosen experts' weights.
+(token, slot) pair (llama.cpp's mul_mat_id), so a step reads only the chosen experts' weights;
+`matvec_glu_q8` runs a stacked gate/up product whose epilogue writes the down product's int8 activations.
 """
 
 from __future__ import annotations
@@ -392,12 +393,15 @@ def _check_act_dtype(act_dtype: str) -> int:
 
 
 def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, act_dtype: str, *,
-            has_bias: bool = False, has_residual: bool = False, expert_ids: bool = False) -> Any:
-    """The format's template compiled for this launch variant, cached on `weights`."""
-    key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids)
+            has_bias: bool = False, has_residual: bool = False, expert_ids: bool = False, glu: str = "") -> Any:
+    """The format's template compiled for this launch variant, cached on `weights`. `glu`: "silu" or "gelu_tanh"
+    for the GLU_Q8 epilogue (matvec_glu_q8), "" for y."""
+    key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids, glu)
     kern = weights.pipelines.get(key)
     if kern is None:
         defines = {}
+        if glu:
+            defines.update(GLU_Q8=1, **_glu_defines(dev, glu))
         if cfg.tpr:
             if expert_ids:
                 raise ValueError("matvec_id takes the workgroup launch (tpr=0)")
@@ -430,8 +434,9 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             defines["W_BF16"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
                 "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
-        kern = weights.pipelines[key] = catalog.compile(dev, TEMPLATE[weights.format.name], spec=spec,
-                                                      defines=defines)
+        name = TEMPLATE[weights.format.name]
+        kern = weights.pipelines[key] = catalog.compile(dev, name, spec=spec, defines=defines,
+                                                      label=f"{name}+glu_q8" if glu else None)
     return kern
 
 
@@ -476,9 +481,11 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
 
 def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x: Any, x_rows: int, act_dtype: str,
             out: Any, groups: tuple[int, int, int], *, bias: Any = None, residual: Any = None, ids: Any = None,
-            n_pairs: int = 0, x_div: int = 1, n_experts: int = 1) -> None:
-    """Dispatch a compiled matvec template (unused bindings get the weights); with cfg.int_dot the x_rows
-    activation rows are quantized to int8 first, and the copies released once the matvec is recorded."""
+            n_pairs: int = 0, x_div: int = 1, n_experts: int = 1, glu: Q8Acts | None = None) -> None:
+    """Dispatch a compiled matvec template (unused read bindings get the weights, unused written ones `out`, so
+    they order nothing that the dispatch does not write anyway); with cfg.int_dot the x_rows activation rows are
+    quantized to int8 first, and the copies released once the matvec is recorded. `glu`: the GLU_Q8 epilogue's
+    output."""
     w = weights.body
     acts = [x, w, w]
     quantized = cfg.int_dot and not isinstance(x, Q8Acts)
@@ -486,13 +493,106 @@ def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x
         acts = [x.xq, x.xd, x.xs]
     elif cfg.int_dot:
         acts = list(quantize_activations(dev, x, x_rows, weights.shape[1], act_dtype))
-    catalog.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:]],
-                     groups, push={"n_rows": weights.shape[0] // n_experts, "k": weights.shape[1],
-                                   "w_stride": weights.w_stride, "s_stride": weights.s_stride, "groups_x": groups[0],
-                                   "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
+    written = [glu.xq, glu.xd, glu.xs] if glu is not None else [out, out, out]
+    catalog.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:],
+                                 *written], groups,
+                     push={"n_rows": weights.shape[0] // n_experts, "k": weights.shape[1],
+                           "w_stride": weights.w_stride, "s_stride": weights.s_stride, "groups_x": groups[0],
+                           "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
     if quantized:
         for buf in acts:
             buf.release()
+
+
+GLU_ACTS = ("silu", "gelu_tanh")
+# invocations per workgroup of the GLU_Q8 epilogue's launch at most: not measured yet (bench_glu_epilogue.py
+# --max-wg sweeps it). Groups of a subgroup's 32 lanes with 2 rows each would make 1024, one workgroup an SM where
+# its registers allow no second, all waiting at the barrier for the slowest group; 4 rows per group make 512.
+GLU_MAX_WG = 512
+
+
+def glu_config(dev: Device, fmt: QuantFormat, f: int, k: int, batch: int, *, int_dot: bool | None = None,
+               max_wg: int = GLU_MAX_WG) -> MatvecConfig | None:
+    """The launch of a stacked gate/up product [2f, k] whose epilogue writes the down product's int8 activations
+    (matvec_glu_q8), or None where that epilogue cannot run (f % 32, no subgroup shuffles, a workgroup that would
+    not be whole subgroups). A workgroup there owns one block of 32 columns of h: its 32 gate rows and 32 up rows.
+    The parameters are those choose_config gives the product (`int_dot` as there), in the subgroup-rows launch:
+    a workgroup launch's workgroup becomes one group as wide as it (within the device's smallest subgroup),
+    its rows per group rounded down to a power of two (a divisor of 32), doubled where 64 rows would need more
+    than `max_wg` invocations (or the device's limit); WG / tpr groups of them make the 64 rows."""
+    info = dev.info
+    if f < 32 or f % 32 or not 1 <= batch <= MAX_BATCH_SUBGROUP or "shuffle" not in info.subgroup_ops:
+        return None
+    cfg = choose_config(dev, fmt, 2 * f, k, batch, int_dot=int_dot, subgroup_rows=True if batch > MAX_BATCH else None)
+    tpr = cfg.tpr or min(pow2_floor(cfg.wg), info.min_subgroup_size)
+    rows = pow2_floor(min(cfg.rows, 32))
+    while rows < 32 and 64 // rows * tpr > min(max_wg, info.max_workgroup_invocations):
+        rows *= 2
+    wg = 64 // rows * tpr
+    if wg % info.max_subgroup_size:
+        return None
+    glu = MatvecConfig(wg, rows, True, cfg.int_dot, tpr, cfg.unroll, fold=cfg.fold)
+    # the stage arrays beside the epilogue's sums (and q8_lanes.glsl's exchange where it takes shared memory)
+    spare = 256 * batch + (0 if info.min_subgroup_size >= 8 else 8 * wg)
+    stage = cfg.stage and stage_fits(dev, fmt, glu, batch) and (
+        stage_bytes(fmt, glu, batch) + 1024 + spare <= info.max_shared_memory)
+    return replace(glu, stage=stage)
+
+
+def _glu_defines(dev: Device, glu: str) -> dict[str, int]:
+    if glu not in GLU_ACTS:
+        raise ValueError(f"the GLU_Q8 epilogue's activation is one of {GLU_ACTS}, got {glu!r}")
+    # a block's 8 invocations meet through shuffles where every subgroup holds whole blocks (the launch's
+    # workgroup is whole subgroups: _check_subgroup_rows)
+    return ({"SUBGROUP_SHUFFLE": 1} if dev.info.min_subgroup_size >= 8 else {}) | (
+        {"GELU_TANH": 1} if glu == "gelu_tanh" else {})
+
+
+def matvec_glu_q8(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, gelu_tanh: bool = False,
+                  act_dtype: str = "f32", out: Any | None = None, config: MatvecConfig | None = None) -> Any:
+    """h = act(x W_gate^T) * (x W_up^T) from a stacked gate/up matrix [2F, K] (gate rows first; act SiLU, or the
+    tanh GELU), written by the product's own epilogue (-DGLU_Q8) as the down product's int8 activations: returns
+    the buffer `out` (or a new one) holding Q8Acts.layout(batch, F), the blocks norms.glu_q8 writes from matvec's
+    output under the same launch. x as for `matvec` (float rows, or a Q8Acts for the integer path). `config`: a
+    glu_config (its workgroups 64 rows in the subgroup-rows launch); None chooses one, ValueError where none runs.
+    Records one dispatch (and the activations' quantization where float rows take the integer path)."""
+    n, k = weights.shape
+    f = n // 2
+    act_bytes = _check_act_dtype(act_dtype)
+    if n % 64:
+        raise ValueError(f"the GLU_Q8 epilogue takes a stacked gate/up matrix of 2F rows, F % 32 == 0; got {n} rows")
+    if not 1 <= batch <= MAX_BATCH_SUBGROUP:
+        raise ValueError(f"batch must be 1..{MAX_BATCH_SUBGROUP} for the GLU_Q8 epilogue, got {batch}")
+    if isinstance(x, Q8Acts):
+        x.check(batch, k)
+    else:
+        check_buffer("x", x, batch * k * act_bytes)
+    cfg = config or glu_config(dev, weights.format, f, k, batch, int_dot=True if isinstance(x, Q8Acts) else None)
+    if cfg is None:
+        raise ValueError(f"no GLU_Q8 launch on {dev.info.name} for F={f} (see glu_config)")
+    if not cfg.tpr or cfg.rows_per_workgroup != 64 or 32 % cfg.rows:
+        raise ValueError(f"the GLU_Q8 epilogue takes the subgroup-rows launch with 64 rows per workgroup in groups "
+                         f"of a divisor of 32 rows, got {cfg}")
+    if isinstance(x, Q8Acts) and not cfg.int_dot:
+        raise ValueError("int8-quantized activations need the integer dot-product path (config.int_dot)")
+    if out is None:
+        out = dev.alloc(Q8Acts.layout(batch, f)[0])
+    acts = Q8Acts.in_buffer(out, batch, f)
+    kern = _kernel(dev, weights, cfg, batch, act_dtype, glu="gelu_tanh" if gelu_tanh else "silu")
+    _launch(dev, weights, cfg, kern, x, batch, act_dtype, acts.xq, grid_2d(dev, f // 32), glu=acts)
+    return out
+
+
+def glu_takes(fmt: QuantFormat, f: int, k: int, rows: int, int8: bool) -> bool:
+    """Whether a stacked gate/up product [2f, k] of this format on the default device may write the down product's
+    int8 activations itself for `rows` activation rows (int8: they come as a Q8Acts) in one matvec_glu_q8 call:
+    VKGRAPH_GLU_EPILOGUE on, the rows within one call of the default launch, a glu_config."""
+    dev = get_device()
+    if not flag("VKGRAPH_GLU_EPILOGUE") or not 1 <= rows <= rows_per_call(dev):
+        return False
+    if int8 and not (fmt.name in INT_DOT_FORMATS and dev.info.integer_dot_product):
+        return False
+    return glu_config(dev, fmt, f, k, rows, int_dot=True if int8 else None) is not None
 
 
 def _check_int_dot(dev: Device, fmt: QuantFormat) -> None:

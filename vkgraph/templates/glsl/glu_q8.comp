@@ -2,10 +2,11 @@
 // The gated unit of an MLP straight into the integer dot-product matvec's input: from the rows of the stacked
 // gate/up product gu [rows, 2F] (gate in columns 0..F, up in F..2F), h = act(gate) * up [rows, F], written as
 // quantize_q8.comp writes activations (per block of 32: int8 values in xq, the scale max |h| / 127 in xd, the
-// int8 sums of the two halves in xs). act is SiLU, g / (1 + exp(-g)), or with -DGELU_TANH the tanh GELU,
-// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))). One invocation per vec4 of h, 8 to a block, which meet its
-// largest |h| and half sums (q8_lanes.glsl): at decode's few rows every lane has one load pair and one exp of
-// work, spread over many workgroups, where one invocation per block left most lanes idle. F % 32 == 0.
+// int8 sums of the two halves in xs). act is SiLU, or with -DGELU_TANH the tanh GELU (glu_act.glsl). One
+// invocation per vec4 of h, 8 to a block, which meet its largest |h| and half sums (q8_lanes.glsl): at decode's
+// few rows every lane has one load pair and one exp of work, spread over many workgroups, where one invocation
+// per block left most lanes idle. F % 32 == 0. The matvec's -DGLU_Q8 epilogue writes the same blocks from the
+// gate/up product's own sums (matvec_common.glsl), where that launch applies.
 #include "common.glsl"
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 64;
@@ -22,15 +23,7 @@ layout(push_constant) uniform Push {
 } pc;
 
 #include "q8_lanes.glsl"
-
-vec4 act(vec4 g) {
-#ifdef GELU_TANH
-    const vec4 z = 0.7978845608028654 * (g + 0.044715 * g * g * g);
-    return 0.5 * g * (1.0 + (1.0 - 2.0 / (exp(2.0 * z) + 1.0)));  // tanh without inf / inf at large |z|
-#else
-    return g / (1.0 + exp(-g));
-#endif
-}
+#include "glu_act.glsl"
 
 void main() {
     // no early return: every invocation takes part in its block's exchange
@@ -39,6 +32,6 @@ void main() {
     const uint f4 = pc.f / 4;
     const uint g0 = (e / f4) * 2 * f4 + e % f4;  // its gate vec4; the up vec4 is f4 further
     vec4 h = vec4(0.0);
-    if (valid) h = act(gu[g0]) * gu[g0 + f4];
+    if (valid) h = glu_act(gu[g0]) * gu[g0 + f4];
     store_q8_part(e / 8, e % 8, h, valid);
 }

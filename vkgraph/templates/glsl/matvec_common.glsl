@@ -42,6 +42,13 @@
 // offset by ids[p] * n_rows through the row passed to load_unit, so every format gets it. The binding and
 // push constants are declared in both modes (the interface parser does not preprocess); plain dispatches
 // bind `w` there.
+//
+// -DGLU_Q8 (the subgroup-rows launch; with -DGELU_TANH for GeGLU): the product is a stacked gate/up matrix (rows
+// 0..F gate, F..2F up, n_rows = 2F, F % 32 == 0) and the epilogue writes the down product's int8 activations
+// h = act(gate) * up instead of y, as glu_q8.comp writes them from y (glu_act.glsl, q8_lanes.glsl: the same
+// arithmetic). Workgroup j owns block j of h's columns: its WG / TPR groups of ROWS rows (the host makes them
+// 64 rows) take gate rows 32j.. 32j + 31 then up rows F + 32j .., their sums meet in shared memory, and 8
+// invocations per block of each activation row quantize it into the bindings GluQ, GluD and GluS (Q8Acts).
 #extension GL_KHR_shader_subgroup_arithmetic : enable
 #extension GL_KHR_shader_subgroup_shuffle : enable   // SG_ROWS
 #include "common.glsl"
@@ -72,6 +79,9 @@ layout(set = 0, binding = 5) readonly buffer Residual { float res[]; };
 layout(set = 0, binding = 6) readonly buffer Ids { uint ids[]; };
 layout(set = 0, binding = 7) readonly buffer XD { float xd[]; };   // INT_DOT: activation block scales
 layout(set = 0, binding = 8) readonly buffer XSum { int xsum[]; }; // INT_DOT: int8 sums per 16 activations
+layout(set = 0, binding = 9) writeonly buffer GluQ { uint glu_q[]; };   // GLU_Q8: h's int8 values (else: y, unwritten)
+layout(set = 0, binding = 10) writeonly buffer GluD { float glu_d[]; }; // GLU_Q8: h's block scales
+layout(set = 0, binding = 11) writeonly buffer GluS { int glu_s[]; };   // GLU_Q8: h's half-block int8 sums
 
 layout(push_constant) uniform Push {
     uint n_rows;      // N
@@ -152,6 +162,42 @@ shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * N
 #endif
 #if defined(STAGE_X) && !(defined(SG_ROWS) && defined(INT_DOT))
 #error "STAGE_X is a form of the subgroup-rows launch's integer path"
+#endif
+#if defined(GLU_Q8) && !defined(SG_ROWS)
+#error "GLU_Q8 is an epilogue of the subgroup-rows launch"
+#endif
+
+#ifdef GLU_Q8
+#define Q8_PART_ONLY
+#include "q8_lanes.glsl"
+#include "glu_act.glsl"
+shared float glu_sums[64 * NB];   // the workgroup's sums: [gate rows 0..31, up rows 0..31][activation row]
+
+// after every group has put its sums in glu_sums: block `blk` of h's columns for every activation row, one vec4
+// of h per slot (8 to a block), all slots taking part in the exchange
+void glu_store(uint blk, bool live) {
+    const uint blocks = pc.n_rows / 64;   // of one activation row of h
+    for (uint e0 = 0; e0 < NB * 8; e0 += WG) {
+        const uint e = e0 + lane_slot(), b = e / 8, part = e % 8;
+        const bool valid = live && e < NB * 8;
+        vec4 h = vec4(0.0);
+        if (valid) {
+            vec4 g, u;
+            [[unroll]] for (uint j = 0; j < 4; j++) {
+                g[j] = glu_sums[(4 * part + j) * NB + b];
+                u[j] = glu_sums[(32 + 4 * part + j) * NB + b];
+            }
+            h = glu_act(g) * u;
+        }
+        const Q8Part p = q8_part(h);
+        if (valid) {
+            const uint ob = b * blocks + blk;   // the block's index in the rows of h
+            glu_q[ob * 8 + part] = p.word;
+            if (part == 0) glu_d[ob] = p.d;
+            if (part % 4 == 0) glu_s[2 * ob + part / 4] = p.half_sum;
+        }
+    }
+}
 #endif
 
 float acc[ROWS * NB];
@@ -295,6 +341,12 @@ void main() {
     x_row0 = pair / pc.x_div;
     const uint row0 = (wg_linear / pc.n_pairs) * ROWS;
     const uint wrow0 = min(ids[pair], pc.n_experts - 1) * pc.n_rows;
+#elif defined(SG_ROWS) && defined(GLU_Q8)
+    // the group's first of the workgroup's 64 rows: gate rows of block wg_linear, then its up rows
+    const uint lane = tid % TPR, lrow0 = (tid / TPR) * ROWS, f = pc.n_rows / 2;
+    const bool glu_live = wg_linear < f / 32;   // not grid padding
+    const uint row0 = !glu_live ? pc.n_rows : (lrow0 < 32 ? 0 : f - 32) + wg_linear * 32 + lrow0;
+    const uint wrow0 = 0;
 #elif defined(SG_ROWS)
     const uint lane = tid % TPR;
     const uint row0 = (wg_linear * (WG / TPR) + tid / TPR) * ROWS;
@@ -349,8 +401,16 @@ void main() {
     [[unroll]] for (uint i = 0; i < ROWS * NB; i++) {
         float v = acc[i];
         [[unroll]] for (uint m = TPR / 2; m > 0; m >>= 1) v += subgroupShuffleXor(v, m);
+#ifdef GLU_Q8
+        if (lane == i % TPR) glu_sums[lrow0 * NB + i] = v;
+#else
         if (lane == i % TPR) store(row0, i, v);
+#endif
     }
+#ifdef GLU_Q8
+    barrier();
+    glu_store(wg_linear, glu_live);
+#endif
 #else
     // UNROLL rounds of WG units at once: the loads of all of them (UNROLL * ROWS words) are issued before any is
     // decoded, so an invocation keeps that many in flight where a row has units for them (K past WG units)

@@ -1,0 +1,100 @@
+"""The MLP's gated unit in the gate/up product's epilogue against its own kernel, at decode's rows.
+
+    python benchmarks/bench_glu_epilogue.py [--formats Q4_0,Q4_K] [--batches 1,2,4,8] [--shapes 8b,1b,small]
+                                            [--max-wg 512] [--reps 10]
+
+Per format, shape (gate/up of a Llama-3-8B or Llama-3.2-1B layer: F = 14336 or 8192 over K = 4096 or 2048) and
+activation rows, three ways from the same int8 activations (as rmsnorm_q8 leaves them) to the down product's
+int8 input, each timed as benchmarks/common.replay_us times a product (100 calls captured into one command graph,
+replayed in turn with the others; weights cycled through copies past the L2), so the barrier between the two
+kernels of the unfused ways is in their time:
+- unfused: the product under its default launch (choose_config), then glu_q8 (today's route with
+  VKGRAPH_GLU_EPILOGUE=0);
+- same launch: the product under the epilogue's launch (matvec.glu_config) writing floats, then glu_q8;
+- epilogue: matvec_glu_q8, one kernel.
+Printed: microseconds per way, the weights' GB/s of the epilogue, and its launch; per value of --max-wg (the
+epilogue launch's largest workgroup, matvec.GLU_MAX_WG by default) a line of the last two ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import numpy as np
+from bench_kernels import _release_weights, _weight_copies
+from common import capture_graph, raise_clocks, replay_many_us
+
+from vkgraph.runtime import get_device
+from vkgraph.templates import matvec as mv
+from vkgraph.templates import norms
+
+SHAPES = {"8b": (14336, 4096), "1b": (8192, 2048), "small": (1024, 512)}  # small: a smoke test on a CPU device
+
+
+def ways(dev, ws: list[mv.DeviceWeights], x: mv.Q8Acts, y, h, batch: int, f: int, max_wg: int
+         ) -> tuple[dict, mv.MatvecConfig]:
+    """The three ways' runs (see the module doc), each call on the next of the weight copies, and the epilogue's
+    launch."""
+    cfg = mv.glu_config(dev, ws[0].format, f, ws[0].shape[1], batch, int_dot=True, max_wg=max_wg)
+    calls = itertools.count()
+
+    def unfused(config: mv.MatvecConfig | None):
+        def run() -> None:
+            mv.matvec(dev, ws[next(calls) % len(ws)], x, batch, out=y, config=config)
+            norms.glu_q8(dev, y, batch, f, out=h)
+        return run
+
+    def epilogue() -> None:
+        mv.matvec_glu_q8(dev, ws[next(calls) % len(ws)], x, batch, out=h, config=cfg)
+
+    return {"unfused": unfused(None), "same launch": unfused(cfg), "epilogue": epilogue}, cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default="Q4_0,Q4_K")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--shapes", default="8b")
+    ap.add_argument("--max-wg", default=str(mv.GLU_MAX_WG), help="the epilogue launch's largest workgroups, e.g. "
+                    "256,512,1024")
+    ap.add_argument("--reps", type=int, default=10, help="rounds of replays of the 100-call graphs")
+    a = ap.parse_args()
+    dev = get_device()
+    if not dev.info.integer_dot_product:
+        raise SystemExit(f"{dev.info.name} has no integer dot products: the epilogue's inputs are int8 here")
+    rng = np.random.default_rng(0)
+    print(f"gate/up product + gated unit -> int8 activations, us per MLP, {dev.info.name}")
+    print(f"{'format':>6s} {'shape':>5s} {'rows':>4s} {'unfused':>8s} {'same launch':>11s} {'epilogue':>8s} "
+          f"{'saved':>6s} {'GB/s':>6s}  launch")
+    for fmt, shape in itertools.product(a.formats.split(","), a.shapes.split(",")):
+        f, k = SHAPES[shape]
+        ws = _weight_copies(dev, rng, fmt, 2 * f, k)
+        for batch in (int(b) for b in a.batches.split(",")):
+            xf = dev.alloc(batch * k * 4)
+            dev.upload(xf, rng.standard_normal(batch * k).astype(np.float32))
+            x = mv.Q8Acts(*mv.quantize_activations(dev, xf, batch, k))
+            y, h = dev.alloc(batch * 2 * f * 4), dev.alloc(mv.Q8Acts.layout(batch, f)[0])
+            graphs, cfgs = {}, {}
+            for max_wg in (int(m) for m in a.max_wg.split(",")):
+                runs, cfgs[max_wg] = ways(dev, ws, x, y, h, batch, f, max_wg)
+                for name, run in runs.items():
+                    if name != "unfused" or not graphs:
+                        graphs[name, max_wg] = capture_graph(dev, run)
+            raise_clocks()
+            us = replay_many_us(dev, graphs, a.reps)
+            for g in graphs.values():
+                g.destroy()
+            unfused = next(t for (name, _), t in us.items() if name == "unfused")
+            for max_wg, cfg in cfgs.items():
+                same, epi = us["same launch", max_wg], us["epilogue", max_wg]
+                print(f"{fmt:>6s} {shape:>5s} {batch:4d} {unfused:8.2f} {same:11.2f} {epi:8.2f} "
+                      f"{unfused - epi:6.2f} {ws[0].nbytes / epi / 1e3:6.0f}  wg={cfg.wg} rows={cfg.rows} "
+                      f"tpr={cfg.tpr} unroll={cfg.unroll} fold={int(cfg.fold)} stage={int(cfg.stage)}", flush=True)
+            for buf in (xf, x.xq, x.xd, x.xs, y, h):
+                buf.release()
+        _release_weights(ws)
+
+
+if __name__ == "__main__":
+    main()
