@@ -259,6 +259,22 @@ def test_engine_generates_the_same_tokens_on_two_devices(devices):
     tp.close()
 
 
+def test_a_prompt_that_continues_a_cached_prefix_generates_what_one_device_does(devices):
+    # the second prompt's first two blocks are the first's, cached: its prefill attends over them from the cache,
+    # which the ranks only do if the step's prefix lengths and tables reach them
+    w = make_weights(tiny_model.tiny_config(**SMALL), "Q8_0", seed=5)
+    first = [(7 * i + 3) % 256 for i in range(2 * BLOCK + 3)]
+    prompts = [first, first[:2 * BLOCK] + [11, 12, 13, 14]]
+
+    def run(model) -> list[list[int]]:
+        engine = Engine(model, max_batch=2)
+        return [[ev.token for ev in engine.generate([p], max_tokens=4)] for p in prompts]
+
+    tp = TensorParallelModel(w, 2, devices=devices, **KW)
+    assert run(tp) == run(LlamaModel(w, **KW))
+    tp.close()
+
+
 def test_a_rank_that_fails_stops_the_others_and_the_next_step_runs(devices):
     w = make_weights(tiny_model.tiny_config(**SMALL), "Q8_0", seed=4)
     tp = TensorParallelModel(w, 2, devices=devices, **KW)

@@ -202,8 +202,9 @@ class ShardModel:
                  logit_rows: Tensor | None = None) -> Tensor:
         """Logits (rows, vocab) float32 on the lead rank (all tokens, or those at `logit_rows`); elsewhere the final
         residual stream (realizing it runs the rank's part of the step)."""
-        s = (step.positions, step.slot_mapping, step.block_tables, step.context_lens, step.cu_seqlens,
-             step.max_seq_len)
+        # every field, in order: a cached prefix's lengths and tables and the decode mark change what attention
+        # computes, not only how fast
+        s = tuple(getattr(step, f.name) for f in fields(step))
         x = self._embed(tokens)
         for attn, ffn in zip(self._attn, self._ffn):
             x = all_reduce(attn(x, *s))
