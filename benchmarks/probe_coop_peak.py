@@ -1,6 +1,6 @@
 """Ceilings of VK_KHR_cooperative_matrix on this device, measured, against the generated matmul and torch.matmul.
 
-    python benchmarks/probe_coop_peak.py [--sms 132] [--reps 3] [--sections matmul,reg,all,shared,stage]
+    python benchmarks/probe_coop_peak.py [--sms 132] [--reps 3] [--sections matmul,reg,shared,stage,all]
 
 Hand-written GLSL compute kernels, built through the device's normal pipeline and timed through replayed command
 graphs (benchmarks/common: every section's pipelines built and its graphs captured first, then the clocks raised),
@@ -15,8 +15,6 @@ CUDA, where it imports).
   A and B fragments loaded once from memory; per trip of the loop each accumulator takes A * B, then -A * B (so
   random operands keep the sums bounded, at a real product's power draw). One workgroup of 1..16 subgroups per
   multiprocessor (the warps resident per multiprocessor are the subgroups), float16 x float16 + float32 16x16x16.
-- all: every fragment shape the device lists at subgroup scope for float16, bfloat16 and int8 operands, at two
-  grids, eight workgroups per multiprocessor (as many resident as fit).
 - shared: the A and B fragments loaded from shared memory at every 16-deep step, as matmul_coop's tile loads them
   (its rows padded by 16 bytes, operands row- or column-major, 32-deep slices), no global traffic: the fragment-load
   ceiling of the tile's subgroup grid; with the two barriers per slice of its one-stage configuration, and
@@ -25,8 +23,10 @@ CUDA, where it imports).
   its padded shared layout, its two barriers per slice, its grouped tile order), no multiplies: GB/s of staged
   bytes (every workgroup's, most from the L2) and the TFLOP/s the product would reach if the multiplies were free;
   with one slice in flight (the tile's) and two, and loads alone (no shared stores).
+- all: every fragment shape the device lists at subgroup scope for float16, bfloat16 and int8 operands, at two
+  grids, eight workgroups per multiprocessor (as many resident as fit).
 
-On a device without cooperative matrices (lavapipe) it says so and exits.
+A summary ends the output. On a device without cooperative matrices (lavapipe) it says so and exits.
 """
 
 from __future__ import annotations
@@ -374,7 +374,7 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=132, help="multiprocessors (H200: 132)")
     ap.add_argument("--reps", type=int, default=3, help="rounds of replays (median)")
     ap.add_argument("--flop", type=float, default=2e12, help="work per call of each probe kernel")
-    ap.add_argument("--sections", default="matmul,reg,all,shared,stage")
+    ap.add_argument("--sections", default="matmul,reg,shared,stage,all")
     a = ap.parse_args()
     sections = a.sections.split(",")
     dev = get_device()
@@ -442,16 +442,6 @@ def main() -> None:
             tile_like = next(v.label for v in vs if ": 8 subgroups x 4x4" in v.label)
             summary += [(f"registers, best: {best}", rates[best]),
                         ("registers, as the tile's subgroups: " + tile_like, rates[tile_like])]
-        if "all" in sections:
-            vs = []
-            for s in shapes:
-                if s.a != s.b or s.a not in ("float16", "bfloat16", "int8") or s.c != s.result:
-                    continue
-                f = Frag(s.m, s.n, s.k, s.a, s.c)
-                src = buf(operand_bytes(f, rng))
-                vs += [reg_variant(f, nsub, gm, gn, 8 * a.sms, src) for nsub, gm, gn in ((4, 2, 4), (8, 4, 4))]
-            time_section(dev, "every listed fragment shape, fragments in registers (int8: TOPS, of twice the peak)",
-                         vs, a.reps, 2, torch_tf)
         if "shared" in sections:
             tiles = [SharedTile(2, 4, 4, 4), SharedTile(2, 4, 4, 4, barriers=2), SharedTile(2, 4, 4, 4, b_col=True),
                      SharedTile(2, 4, 4, 4, a_col=True), SharedTile(2, 4, 4, 4, pad=0),
@@ -485,6 +475,16 @@ def main() -> None:
             for v in vs:
                 print(f"{v.label}: {staged / (2.0 * size**3 / rates[v.label] / 1e6) / 1e3:.0f} GB/s staged")
             summary.append((f"staging alone: {vs[0].label}", rates[vs[0].label]))
+        if "all" in sections:
+            vs = []
+            for s in shapes:
+                if s.a != s.b or s.a not in ("float16", "bfloat16", "int8") or s.c != s.result:
+                    continue
+                f = Frag(s.m, s.n, s.k, s.a, s.c)
+                src = buf(operand_bytes(f, rng))
+                vs += [reg_variant(f, nsub, gm, gn, 8 * a.sms, src) for nsub, gm, gn in ((4, 2, 4), (8, 4, 4))]
+            time_section(dev, "every listed fragment shape, fragments in registers (int8: TOPS, of twice the peak)",
+                         vs, a.reps, 2, torch_tf)
         print(f"\n== summary, float16 TFLOP/s (of {PEAK_TFLOPS}{', of torch.matmul 4096^3' if torch_tf else ''})")
         for what, rate in summary + ([("torch.matmul 4096^3", torch_tf)] if torch_tf else []):
             vs_torch = f"  {rate / torch_tf:5.2f}x" if torch_tf else ""
