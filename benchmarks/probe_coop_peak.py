@@ -230,8 +230,9 @@ def shared_source(t: SharedTile, sg: int) -> str:
 def stage_source(cfg: Config, size: int, sg: int, pf: int = 1, store: bool = True) -> str:
     """cfg's global -> shared staging of a size^3 float16 product, A and B row-major, without multiplies: per slice
     each invocation reads its 16-byte chunks of A and B, and (store) after a barrier writes them to matmul_coop's
-    padded layout, then reads one chunk back after a second barrier; pf slices in flight in registers. Workgroups
-    walk the tiles in matmul_coop's grouped order."""
+    padded layout, then reads one chunk back after a second barrier; pf slices in flight in registers. The tiles are
+    taken in matmul_coop's grouped order, workgroup w taking tiles w, w + groups, .. (one each when dispatched with
+    as many workgroups as tiles; with one per multiprocessor, the occupancy of a tile that fits once)."""
     nt = cfg.wm * cfg.wn * sg
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     a_stride, b_stride = (bk + 8) // 8, (bn + 8) // 8
@@ -245,12 +246,12 @@ def stage_source(cfg: Config, size: int, sg: int, pf: int = 1, store: bool = Tru
         "layout(set = 0, binding = 2) writeonly buffer Dst { uvec4 dst[]; };",
         "void main() {",
         "int lid = int(gl_LocalInvocationID.x);",
-        "int grp = int(gl_WorkGroupID.x);",
+        "uvec4 x = uvec4(0u);",
+        f"for (int grp = int(gl_WorkGroupID.x); grp < {tiles_m * tiles_n}; grp += int(gl_NumWorkGroups.x)) {{",
         f"int gfirst = (grp / {GROUP_M * tiles_n}) * {GROUP_M};",
         f"int gsize = min({tiles_m} - gfirst, {GROUP_M});",
         "int tm = gfirst + (grp % gsize);",
-        f"int tn = (grp % {GROUP_M * tiles_n}) / gsize;",
-        "uvec4 x = uvec4(0u);"]
+        f"int tn = (grp % {GROUP_M * tiles_n}) / gsize;"]
     sets = ("r", "q")[:pf]
     for s in sets:
         lines += [f"uvec4 {s}a{c};" for c in range(per_a)] + [f"uvec4 {s}b{c};" for c in range(per_b)]
@@ -289,7 +290,7 @@ def stage_source(cfg: Config, size: int, sg: int, pf: int = 1, store: bool = Tru
     else:
         lines += [f"for (int kt = 0; kt < {nk}; kt += 2) {{"] + step("kt", "r") + [f"if (kt + 1 < {nk}) {{"] + \
             step("(kt + 1)", "q") + ["}", "}"]
-    lines.append(f"dst[grp * {nt} + lid] = x;")
+    lines += ["}", f"dst[gl_WorkGroupID.x * {nt} + lid] = x;"]
     return "\n".join(lines + ["}"]) + "\n"
 
 
@@ -462,19 +463,22 @@ def main() -> None:
             size = 4096
             a_op = buf(rng.uniform(-1, 1, size * size).astype(np.float16))
             b_op = buf(rng.uniform(-1, 1, size * size).astype(np.float16))
-            groups = (size // TILE.bm) * (size // TILE.bn)
-            staged = groups * (size // TILE.bk) * (TILE.bm + TILE.bn) * TILE.bk * 2
+            tiles = (size // TILE.bm) * (size // TILE.bn)
+            staged = tiles * (size // TILE.bk) * (TILE.bm + TILE.bn) * TILE.bk * 2
             vs = []
-            for pf, store in ((1, True), (2, True), (1, False)):
+            # workgroups: one per tile (as many resident as fit), or one per multiprocessor
+            for pf, store, groups in ((1, True, tiles), (1, True, a.sms), (2, True, a.sms), (1, False, a.sms)):
                 kern = dev.pipeline(stage_source(TILE, size, sg, pf, store), name="coop_stage")
-                what = f"{'loads and shared stores' if store else 'loads alone'}, {pf} slice(s) in flight"
+                what = (f"{'loads and shared stores' if store else 'loads alone'}, {pf} slice(s) in flight, "
+                        f"{'a workgroup per tile' if groups == tiles else '1/SM'}")
                 vs.append(Variant(f"staging {size}^3 in {TILE.label()}: {what}", 2.0 * size**3,
-                                  lambda kern=kern: dev.dispatch(kern, [a_op, b_op, dst], (groups, 1, 1)),
+                                  lambda kern=kern, groups=groups: dev.dispatch(kern, [a_op, b_op, dst],
+                                                                                (groups, 1, 1)),
                                   note=f"{staged / 1e9:.2f} GB staged a call"))
             rates = time_section(dev, "staging alone: TFLOP/s if the multiplies were free", vs, a.reps, 10, torch_tf)
             for v in vs:
                 print(f"{v.label}: {staged / (2.0 * size**3 / rates[v.label] / 1e6) / 1e3:.0f} GB/s staged")
-            summary.append((f"staging alone: {vs[0].label}", rates[vs[0].label]))
+            summary += [(f"staging alone: {v.label}", rates[v.label]) for v in vs[:2]]
         if "all" in sections:
             vs = []
             for s in shapes:

@@ -41,25 +41,26 @@ def test_kernels_compile(dev, probe):
 
 def test_staging_reads_the_tiles(dev, probe):
     """Loads alone: each invocation's XOR of its chunks equals numpy's over the same chunks, in the grouped tile
-    order; with shared stores, one slice in flight and two give the same result."""
+    order, with a workgroup per tile and with 3 workgroups taking every third; with shared stores, one slice in
+    flight and two give the same result."""
     sg, size, cfg = dev.info.subgroup_size, 256, Config(64, 128, 32, 2, 2, 1)
-    nt, groups = cfg.wm * cfg.wn * sg, (256 // 64) * (256 // 128)
+    nt, tiles = cfg.wm * cfg.wn * sg, (256 // 64) * (256 // 128)
     rng = np.random.default_rng(0)
     a, b = (rng.integers(0, 2**32, (size, size // 8, 4), dtype=np.uint32) for _ in range(2))
-    ba, bb, out = dev.alloc(a.nbytes), dev.alloc(b.nbytes), dev.alloc(groups * nt * 16)
+    ba, bb, out = dev.alloc(a.nbytes), dev.alloc(b.nbytes), dev.alloc(tiles * nt * 16)
     dev.upload(ba, a)
     dev.upload(bb, b)
     got = {}
     try:
-        for pf, store in ((1, False), (1, True), (2, True)):
+        for pf, store, groups in ((1, False, tiles), (1, False, 3), (1, True, tiles), (2, True, tiles)):
             dev.dispatch(dev.pipeline(probe.stage_source(cfg, size, sg, pf, store)), [ba, bb, out], (groups, 1, 1))
-            got[pf, store] = dev.download(out, np.uint32, (groups, nt, 4))
+            got[pf, store, groups] = dev.download(out, np.uint32, (groups, nt, 4))
     finally:
         for buf in (ba, bb, out):
             buf.release()
-    ref = np.zeros((groups, nt, 4), np.uint32)
+    ref = np.zeros((tiles, nt, 4), np.uint32)
     tiles_m, tiles_n = size // cfg.bm, size // cfg.bn
-    for g in range(groups):
+    for g in range(tiles):
         first = g // (8 * tiles_n) * 8
         rows = min(tiles_m - first, 8)
         tm, tn = first + g % rows, g % (8 * tiles_n) // rows
@@ -68,8 +69,9 @@ def test_staging_reads_the_tiles(dev, probe):
             b_slice = b[kt * cfg.bk:(kt + 1) * cfg.bk, tn * cfg.bn // 8:(tn + 1) * cfg.bn // 8]
             for chunks in (a_slice.reshape(-1, nt, 4), b_slice.reshape(-1, nt, 4)):
                 ref[g] ^= np.bitwise_xor.reduce(chunks, axis=0)
-    np.testing.assert_array_equal(got[1, False], ref)
-    np.testing.assert_array_equal(got[1, True], got[2, True])
+    np.testing.assert_array_equal(got[1, False, tiles], ref)
+    np.testing.assert_array_equal(got[1, False, 3], [np.bitwise_xor.reduce(ref[w::3], axis=0) for w in range(3)])
+    np.testing.assert_array_equal(got[1, True, tiles], got[2, True, tiles])
 
 
 def test_exits_without_cooperative_matrices(dev, probe, monkeypatch, capsys):
