@@ -1,7 +1,7 @@
 """The MLP's gated unit in the gate/up product's epilogue against its own kernel, at decode's rows.
 
     python benchmarks/bench_glu_epilogue.py [--formats Q4_0,Q4_K] [--batches 1,2,4,8] [--shapes 8b,1b,small]
-                                            [--max-wg 512] [--reps 10]
+                                            [--max-wg 512] [--launches "16,4,2;8,4,4"] [--reps 10]
 
 Per format, shape (gate/up of a Llama-3-8B or Llama-3.2-1B layer: F = 14336 or 8192 over K = 4096 or 2048) and
 activation rows, three ways from the same int8 activations (as rmsnorm_q8 leaves them) to the down product's
@@ -12,19 +12,22 @@ kernels of the unfused ways is in their time:
   VKGRAPH_GLU_EPILOGUE=0);
 - same launch: the product under the epilogue's launch (matvec.glu_config) writing floats, then glu_q8;
 - epilogue: matvec_glu_q8, one kernel.
-Printed: microseconds per way, the weights' GB/s of the epilogue, and its launch; per value of --max-wg (the
-epilogue launch's largest workgroup, matvec.GLU_MAX_WG by default) a line of the last two ways.
+Printed: microseconds per way, the weights' GB/s of the epilogue, and its launch, a line per epilogue launch: the
+one glu_config chooses under each value of --max-wg (its largest workgroup, matvec.GLU_MAX_WG by default), then
+those of --launches (group width, rows per group, units in flight; 64 rows per workgroup).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 
 import numpy as np
 from bench_kernels import _release_weights, _weight_copies
 from common import capture_graph, raise_clocks, replay_many_us
 
+from vkgraph.quant import FORMATS
 from vkgraph.runtime import get_device
 from vkgraph.templates import matvec as mv
 from vkgraph.templates import norms
@@ -32,11 +35,22 @@ from vkgraph.templates import norms
 SHAPES = {"8b": (14336, 4096), "1b": (8192, 2048), "small": (1024, 512)}  # small: a smoke test on a CPU device
 
 
-def ways(dev, ws: list[mv.DeviceWeights], x: mv.Q8Acts, y, h, batch: int, f: int, max_wg: int
-         ) -> tuple[dict, mv.MatvecConfig]:
-    """The three ways' runs (see the module doc), each call on the next of the weight copies, and the epilogue's
-    launch."""
-    cfg = mv.glu_config(dev, ws[0].format, f, ws[0].shape[1], batch, int_dot=True, max_wg=max_wg)
+def launches(dev, fmt: str, f: int, k: int, batch: int, max_wgs: list[int], given: list[tuple[int, int, int]]
+             ) -> list[mv.MatvecConfig]:
+    """The epilogue launches to time: glu_config's under each of `max_wgs`, then each (group width, rows per
+    group, units in flight) of `given` with glu_config's fold (64 rows per workgroup), without repeats."""
+    out = []
+    for max_wg in max_wgs:
+        out.append(mv.glu_config(dev, FORMATS[fmt], f, k, batch, int_dot=True, max_wg=max_wg))
+    for tpr, rows, unroll in given:
+        out.append(replace(out[0], wg=64 // rows * tpr, rows=rows, tpr=tpr, unroll=unroll, stage=False))
+    return list(dict.fromkeys(out))
+
+
+def ways(dev, ws: list[mv.DeviceWeights], x: mv.Q8Acts, y, h, batch: int, f: int,
+         cfgs: list[mv.MatvecConfig]) -> dict:
+    """The runs of the three ways (see the module doc), the last two per launch in `cfgs`, each call on the next of
+    the weight copies."""
     calls = itertools.count()
 
     def unfused(config: mv.MatvecConfig | None):
@@ -45,10 +59,16 @@ def ways(dev, ws: list[mv.DeviceWeights], x: mv.Q8Acts, y, h, batch: int, f: int
             norms.glu_q8(dev, y, batch, f, out=h)
         return run
 
-    def epilogue() -> None:
-        mv.matvec_glu_q8(dev, ws[next(calls) % len(ws)], x, batch, out=h, config=cfg)
+    def epilogue(config: mv.MatvecConfig):
+        def run() -> None:
+            mv.matvec_glu_q8(dev, ws[next(calls) % len(ws)], x, batch, out=h, config=config)
+        return run
 
-    return {"unfused": unfused(None), "same launch": unfused(cfg), "epilogue": epilogue}, cfg
+    runs = {("unfused", None): unfused(None)}
+    for cfg in cfgs:
+        runs["same launch", cfg] = unfused(cfg)
+        runs["epilogue", cfg] = epilogue(cfg)
+    return runs
 
 
 def main() -> None:
@@ -58,8 +78,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="8b")
     ap.add_argument("--max-wg", default=str(mv.GLU_MAX_WG), help="the epilogue launch's largest workgroups, e.g. "
                     "256,512,1024")
+    ap.add_argument("--launches", default="", help="more epilogue launches, e.g. '16,4,2;8,4,4' (group width, rows "
+                    "per group, units in flight)")
     ap.add_argument("--reps", type=int, default=10, help="rounds of replays of the 100-call graphs")
     a = ap.parse_args()
+    given = [tuple(int(v) for v in e.split(",")) for e in a.launches.split(";") if e.strip()]
     dev = get_device()
     if not dev.info.integer_dot_product:
         raise SystemExit(f"{dev.info.name} has no integer dot products: the epilogue's inputs are int8 here")
@@ -75,19 +98,15 @@ def main() -> None:
             dev.upload(xf, rng.standard_normal(batch * k).astype(np.float32))
             x = mv.Q8Acts(*mv.quantize_activations(dev, xf, batch, k))
             y, h = dev.alloc(batch * 2 * f * 4), dev.alloc(mv.Q8Acts.layout(batch, f)[0])
-            graphs, cfgs = {}, {}
-            for max_wg in (int(m) for m in a.max_wg.split(",")):
-                runs, cfgs[max_wg] = ways(dev, ws, x, y, h, batch, f, max_wg)
-                for name, run in runs.items():
-                    if name != "unfused" or not graphs:
-                        graphs[name, max_wg] = capture_graph(dev, run)
+            cfgs = launches(dev, fmt, f, k, batch, [int(m) for m in a.max_wg.split(",")], given)
+            graphs = {key: capture_graph(dev, run) for key, run in ways(dev, ws, x, y, h, batch, f, cfgs).items()}
             raise_clocks()
             us = replay_many_us(dev, graphs, a.reps)
             for g in graphs.values():
                 g.destroy()
-            unfused = next(t for (name, _), t in us.items() if name == "unfused")
-            for max_wg, cfg in cfgs.items():
-                same, epi = us["same launch", max_wg], us["epilogue", max_wg]
+            unfused = us["unfused", None]
+            for cfg in cfgs:
+                same, epi = us["same launch", cfg], us["epilogue", cfg]
                 print(f"{fmt:>6s} {shape:>5s} {batch:4d} {unfused:8.2f} {same:11.2f} {epi:8.2f} "
                       f"{unfused - epi:6.2f} {ws[0].nbytes / epi / 1e3:6.0f}  wg={cfg.wg} rows={cfg.rows} "
                       f"tpr={cfg.tpr} unroll={cfg.unroll} fold={int(cfg.fold)} stage={int(cfg.stage)}", flush=True)
