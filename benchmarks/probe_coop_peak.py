@@ -6,23 +6,26 @@ Hand-written GLSL compute kernels, built through the device's normal pipeline an
 graphs (benchmarks/common: every section's pipelines built and its graphs captured first, then the clocks raised),
 in TFLOP/s (2 * M * N * K per fragment product), beside the fraction of the dense float16 datasheet peak
 (PEAK_TFLOPS; int8: twice it, in TOPS) and of torch.matmul's float16 4096^3 rate in the same process (PyTorch on
-CUDA, where it imports).
+CUDA, where it imports; timed first and again last, the clocks raised 3 s before each).
 
-- matmul: matmul_coop's 4096^3 float16 product in its tile for that shape (TILE, the fastest of its search), and
-  the same tile on outputs of one and two tiles per multiprocessor (`--sms`): the second's time over the first's
-  says whether two of its workgroups run at once on a multiprocessor (about 1x) or one (about 2x).
+- matmul: matmul_coop's 4096^3 float16 product in its tile for that shape (TILE, the fastest of its search) and
+  in MORE_TILES, and TILE on outputs of one and two tiles per multiprocessor (`--sms`): the second's time over the
+  first's says whether two of its workgroups run at once on a multiprocessor (about 1x) or one (about 2x).
 - reg: coopMatMulAdd with every fragment in registers: per subgroup a grid of 1..16 independent accumulators, its
   A and B fragments loaded once from memory; per trip of the loop each accumulator takes A * B, then -A * B (so
   random operands keep the sums bounded, at a real product's power draw). One workgroup of 1..16 subgroups per
   multiprocessor (the warps resident per multiprocessor are the subgroups), float16 x float16 + float32 16x16x16.
 - shared: the A and B fragments loaded from shared memory at every 16-deep step, as matmul_coop's tile loads them
   (its rows padded by 16 bytes, operands row- or column-major, 32-deep slices), no global traffic: the fragment-load
-  ceiling of the tile's subgroup grid; with the two barriers per slice of its one-stage configuration, and
-  unpadded rows for comparison. Each step's fragment offsets change with the trip, so no load leaves the loop.
+  ceiling of the tile's subgroup grid; with the two barriers per slice of its one-stage configuration (or one),
+  unpadded rows for comparison, other subgroup grids, and 128 x 128 tiles at one and two workgroups per
+  multiprocessor, 32- and 64-deep slices. Each step's fragment offsets change with the trip, so no load leaves the
+  loop.
 - stage: the tile's global -> shared staging for the 4096^3 product alone (16-byte loads into registers, stores to
   its padded shared layout, its two barriers per slice, its grouped tile order), no multiplies: GB/s of staged
   bytes (every workgroup's, most from the L2) and the TFLOP/s the product would reach if the multiplies were free;
-  with one slice in flight (the tile's) and two, and loads alone (no shared stores).
+  with one slice in flight (the tile's) and two, a workgroup per tile or a set number per multiprocessor (each
+  walking tiles), loads alone (no shared stores), and the 128 x 128 x 64 tile.
 - all: every fragment shape the device lists at subgroup scope for float16, bfloat16 and int8 operands, at two
   grids, eight workgroups per multiprocessor (as many resident as fit).
 
@@ -49,6 +52,9 @@ from vkgraph.runtime import get_device  # noqa: E402
 
 PEAK_TFLOPS = 989.5  # dense float16 with float32 accumulation, H100/H200 SXM datasheet; int8: twice it
 TILE = Config(128, 256, 32, 2, 4, 1)  # matmul_coop's fastest 4096^3 tile on an H200 (benchmarks/RESULTS.md)
+# the same with two slices in flight, and 64-deep slices of 128 x 128 (half the barriers per multiply; 8 accumulators
+# a subgroup, so two workgroups may fit a multiprocessor)
+MORE_TILES = (Config(128, 256, 32, 2, 4, 1, 2), Config(128, 128, 64, 2, 4, 1))
 GLSL = {"float16": "float16_t", "bfloat16": "float16_t", "int8": "int8_t", "float32": "float", "int32": "int32_t"}
 SIZE = {"float16": 2, "bfloat16": 2, "int8": 1, "float32": 4, "int32": 4}
 SRC_UNITS = 4096  # 16-byte units of random operand data the probes load fragments from
@@ -342,7 +348,8 @@ def time_section(dev: Any, title: str, variants: list[Variant], reps: int, per_g
 
 
 def matmul_variants(dev: Any, sms: int) -> list[Variant]:
-    """matmul_coop's program in TILE for 4096^3 and for outputs of sms and 2 * sms tiles (K 4096)."""
+    """matmul_coop's program for 4096^3 in TILE and in the other tiles whose ceilings the probes measure
+    (MORE_TILES), and in TILE for outputs of sms and 2 * sms tiles (K 4096)."""
     from vkgraph import graph, realize
     from vkgraph.codegen import matmul_coop
     from vkgraph.dtype import dtypes
@@ -355,19 +362,30 @@ def matmul_variants(dev: Any, sms: int) -> list[Variant]:
     out = []
     tm = 4  # output tile rows per column of tiles in the occupancy shapes: sms / 4 columns (132: 33)
     tn = sms // tm
-    for label, m, n in (("4096^3", 4096, 4096), (f"{tm * tn} tiles", tm * TILE.bm, tn * TILE.bn),
-                        (f"{2 * tm * tn} tiles", 2 * tm * TILE.bm, tn * TILE.bn)):
+    for label, m, n, cfg in ([("4096^3", 4096, 4096, TILE), (f"{tm * tn} tiles", tm * TILE.bm, tn * TILE.bn, TILE),
+                              (f"{2 * tm * tn} tiles", 2 * tm * TILE.bm, tn * TILE.bn, TILE)]
+                             + [("4096^3", 4096, 4096, c) for c in MORE_TILES]):
         k = 4096
         srcs = [graph.buffer(realize.upload(rng.standard_normal(s, dtype=np.float32), d), 0, d, s)
                 for s in ((m, k), (k, n))]
         mm = graph.matmul(srcs[0], srcs[1], d)
         kern = Kernel(mm, realize.allocate(d, mm.numel), ShapeTracker.contiguous(mm.shape))
-        lowered = matmul_coop.lower_coop(kern, mm, lim, {}, TILE, d)
+        lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg, d)
         steps = [(dev.pipeline(p.src, name=p.name), [ref.buf for ref, _, _ in p.bindings], p.groups, p.push or None)
                  for p in lowered.programs]
-        out.append(Variant(f"matmul_coop {label}: {m}x{k} @ {k}x{n}, {TILE.label()}", 2 * m * n * k,
+        out.append(Variant(f"matmul_coop {label}: {m}x{k} @ {k}x{n}, {cfg.label()}", 2 * m * n * k,
                            lambda steps=steps: [dev.dispatch(*st) for st in steps]))
     return out
+
+
+def torch_rate(torch: Any, when: str) -> float:
+    """torch.matmul's float16 4096^3 TFLOP/s (CUDA events, clocks raised for 3 s first), printed."""
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    raise_torch_clocks(torch, 3.0)
+    rate = 2 * 4096**3 / torch_time_us(torch, lambda: x @ x, 20) / 1e6
+    print(f"torch.matmul float16 4096^3 ({when}): {rate:.1f} TFLOP/s ({100 * rate / PEAK_TFLOPS:.1f}% of "
+          f"{PEAK_TFLOPS})", flush=True)
+    return rate
 
 
 def main() -> None:
@@ -390,15 +408,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
 
     torch = cuda_torch()
-    torch_tf = None
-    if torch is not None:
-        x = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
-        raise_torch_clocks(torch)
-        torch_tf = 2 * 4096**3 / torch_time_us(torch, lambda: x @ x, 20) / 1e6
-        print(f"torch.matmul float16 4096^3: {torch_tf:.1f} TFLOP/s ({100 * torch_tf / PEAK_TFLOPS:.1f}% of "
-              f"{PEAK_TFLOPS})", flush=True)
-        del x
-    else:
+    torch_tf = torch_rate(torch, "first") if torch is not None else None
+    if torch is None:
         print("torch with CUDA not importable: no torch column")
 
     bufs = []
@@ -428,10 +439,10 @@ def main() -> None:
         if "matmul" in sections:
             vs = matmul_variants(dev, a.sms)
             rates = time_section(dev, "matmul_coop, float16 (TFLOP/s)", vs, a.reps, 10, torch_tf)
-            one, two = (rates[v.label] for v in vs[1:])
+            one, two = (rates[v.label] for v in vs[1:3])
             print(f"twice the tiles took {2 * one / two:.2f}x the time (1.0: two workgroups of the tile run at once on "
                   "a multiprocessor; 2.0: one)")
-            summary.append((f"matmul_coop 4096^3 in {TILE.label()}", rates[vs[0].label]))
+            summary += [(v.label, rates[v.label]) for i, v in enumerate(vs) if i == 0 or i > 2]
         if "reg" in sections:
             src = buf(operand_bytes(F16, rng))
             grids = [(1, 1), (1, 2), (2, 2), (2, 4), (4, 4)]
@@ -444,13 +455,19 @@ def main() -> None:
             summary += [(f"registers, best: {best}", rates[best]),
                         ("registers, as the tile's subgroups: " + tile_like, rates[tile_like])]
         if "shared" in sections:
-            tiles = [SharedTile(2, 4, 4, 4), SharedTile(2, 4, 4, 4, barriers=2), SharedTile(2, 4, 4, 4, b_col=True),
-                     SharedTile(2, 4, 4, 4, a_col=True), SharedTile(2, 4, 4, 4, pad=0),
-                     SharedTile(2, 2, 4, 4), SharedTile(4, 4, 2, 4), SharedTile(4, 2, 4, 4)]
+            # (tile, workgroups per multiprocessor): TILE's subgroups first, then its barriers (one per slice as
+            # in two-stage tiles, two as in one-stage ones), then MORE_TILES' 128 x 128 subgroups: with 32- and
+            # 64-deep slices, one and two workgroups a multiprocessor (whether a second hides the barriers)
+            tiles = [(SharedTile(2, 4, 4, 4), (1, 4)), (SharedTile(2, 4, 4, 4, barriers=2), (1,)),
+                     (SharedTile(2, 4, 4, 4, barriers=1), (1,)), (SharedTile(2, 4, 4, 4, b_col=True), (1,)),
+                     (SharedTile(2, 4, 4, 4, a_col=True), (1,)), (SharedTile(2, 4, 4, 4, pad=0), (1,)),
+                     (SharedTile(2, 2, 4, 4), (1,)), (SharedTile(4, 4, 2, 4), (1,)), (SharedTile(4, 2, 4, 4), (1,)),
+                     (SharedTile(2, 4, 4, 2), (1, 2)), (SharedTile(2, 4, 4, 2, barriers=2), (1, 2)),
+                     (SharedTile(2, 4, 4, 2, barriers=2, bk=64), (1, 2))]
             vs = []
-            for t in tiles:
+            for t, per_sms in tiles:
                 kern = dev.pipeline(shared_source(t, sg), name="coop_shared")
-                for per_sm in ((1, 4) if t == tiles[0] else (1,)):
+                for per_sm in per_sms:
                     groups = per_sm * a.sms
                     iters = _iters(a.flop, groups * t.flop_per_trip())
                     vs.append(Variant(f"{t.label()}, {per_sm}/SM", float(groups * t.flop_per_trip() * iters),
@@ -458,27 +475,34 @@ def main() -> None:
                                           kern, [src16, dst], (groups, 1, 1), push={"iters": iters})))
             rates = time_section(dev, "fragments loaded from shared memory every step, float16 -> float32 16x16x16",
                                  vs, a.reps, 2, torch_tf)
-            summary += [(f"shared memory: {v.label}", rates[v.label]) for v in (vs[0], vs[2])]
+            summary += [(f"shared memory: {v.label}", rates[v.label]) for v in vs
+                        if v is vs[0] or "barrier" in v.label]
         if "stage" in sections:
             size = 4096
             a_op = buf(rng.uniform(-1, 1, size * size).astype(np.float16))
             b_op = buf(rng.uniform(-1, 1, size * size).astype(np.float16))
-            tiles = (size // TILE.bm) * (size // TILE.bn)
-            staged = tiles * (size // TILE.bk) * (TILE.bm + TILE.bn) * TILE.bk * 2
-            vs = []
-            # workgroups: one per tile (as many resident as fit), or one per multiprocessor
-            for pf, store, groups in ((1, True, tiles), (1, True, a.sms), (2, True, a.sms), (1, False, a.sms)):
-                kern = dev.pipeline(stage_source(TILE, size, sg, pf, store), name="coop_stage")
+            vs, staged_by = [], {}
+            # (tile, slices in flight, shared stores, workgroups per multiprocessor: 0 for one per tile, as many
+            # resident as fit)
+            for cfg, pf, store, per_sm in ((TILE, 1, True, 0), (TILE, 1, True, 1), (TILE, 2, True, 1),
+                                           (TILE, 2, True, 0), (TILE, 1, False, 1), (MORE_TILES[1], 1, True, 1),
+                                           (MORE_TILES[1], 1, True, 2), (MORE_TILES[1], 1, True, 0)):
+                tiles = (size // cfg.bm) * (size // cfg.bn)
+                staged = tiles * size * (cfg.bm + cfg.bn) * 2
+                groups = per_sm * a.sms or tiles
+                kern = dev.pipeline(stage_source(cfg, size, sg, pf, store), name="coop_stage")
                 what = (f"{'loads and shared stores' if store else 'loads alone'}, {pf} slice(s) in flight, "
-                        f"{'a workgroup per tile' if groups == tiles else '1/SM'}")
-                vs.append(Variant(f"staging {size}^3 in {TILE.label()}: {what}", 2.0 * size**3,
+                        f"{f'{per_sm}/SM' if per_sm else 'a workgroup per tile'}")
+                staged_by[f"staging {size}^3 in {cfg.label()}: {what}"] = staged
+                vs.append(Variant(f"staging {size}^3 in {cfg.label()}: {what}", 2.0 * size**3,
                                   lambda kern=kern, groups=groups: dev.dispatch(kern, [a_op, b_op, dst],
                                                                                 (groups, 1, 1)),
                                   note=f"{staged / 1e9:.2f} GB staged a call"))
             rates = time_section(dev, "staging alone: TFLOP/s if the multiplies were free", vs, a.reps, 10, torch_tf)
             for v in vs:
-                print(f"{v.label}: {staged / (2.0 * size**3 / rates[v.label] / 1e6) / 1e3:.0f} GB/s staged")
-            summary += [(f"staging alone: {v.label}", rates[v.label]) for v in vs[:2]]
+                print(f"{v.label}: {staged_by[v.label] / (2.0 * size**3 / rates[v.label] / 1e6) / 1e3:.0f} GB/s "
+                      "staged")
+            summary += [(f"staging alone: {v.label}", rates[v.label]) for v in vs[:3]]
         if "all" in sections:
             vs = []
             for s in shapes:
@@ -489,8 +513,12 @@ def main() -> None:
                 vs += [reg_variant(f, nsub, gm, gn, 8 * a.sms, src) for nsub, gm, gn in ((4, 2, 4), (8, 4, 4))]
             time_section(dev, "every listed fragment shape, fragments in registers (int8: TOPS, of twice the peak)",
                          vs, a.reps, 2, torch_tf)
-        print(f"\n== summary, float16 TFLOP/s (of {PEAK_TFLOPS}{', of torch.matmul 4096^3' if torch_tf else ''})")
-        for what, rate in summary + ([("torch.matmul 4096^3", torch_tf)] if torch_tf else []):
+        if torch is not None:
+            summary += [("torch.matmul 4096^3, first", torch_tf), ("torch.matmul 4096^3, last",
+                                                                     torch_rate(torch, "last"))]
+        vs_first = ", of torch.matmul 4096^3, first" if torch_tf else ""
+        print(f"\n== summary, float16 TFLOP/s (of {PEAK_TFLOPS}{vs_first})")
+        for what, rate in summary:
             vs_torch = f"  {rate / torch_tf:5.2f}x" if torch_tf else ""
             print(f"{what:<100s} {rate:7.1f} {100 * rate / PEAK_TFLOPS:5.1f}%{vs_torch}")
     finally:

@@ -33,8 +33,10 @@ def test_kernels_compile(dev, probe):
     srcs = [probe.reg_source(probe.Frag(*s), nsub, gm, gn, 32) for s in H200 for nsub, gm, gn in ((1, 1, 1), (8, 4, 4))]
     srcs += [probe.shared_source(t, 32) for t in (probe.SharedTile(2, 4, 4, 4, barriers=2),
                                                    probe.SharedTile(2, 4, 4, 4, a_col=True),
-                                                   probe.SharedTile(4, 2, 4, 4, b_col=True, pad=0))]
-    srcs += [probe.stage_source(probe.TILE, 4096, 32, pf, store) for pf, store in ((1, True), (2, True), (1, False))]
+                                                   probe.SharedTile(4, 2, 4, 4, b_col=True, pad=0),
+                                                   probe.SharedTile(2, 4, 4, 2, barriers=2, bk=64))]
+    srcs += [probe.stage_source(cfg, 4096, 32, pf, store) for cfg in (probe.TILE,) + probe.MORE_TILES
+             for pf, store in ((1, True), (2, True), (1, False))]
     for src in srcs:
         assert dev.compiler.compile(src, target="vulkan1.3")
 
