@@ -115,7 +115,8 @@ def main() -> None:
     ap.add_argument("--fusion", default="1",
                     help="VKGRAPH_DECODE_FUSION settings to run on the same model, e.g. 0,1 (unfused, then fused)")
     ap.add_argument("--glu", default=None,
-                    help="VKGRAPH_GLU_EPILOGUE settings to run on the same model, e.g. 1,0 (default: the flag's)")
+                    help="VKGRAPH_GLU_EPILOGUE settings to run on the same model, e.g. 1,8,0 (the most rows the "
+                    "gate/up product's epilogue takes; 0 never; default: the flag's)")
     ap.add_argument("--launch", default="auto",
                     help="VKGRAPH_MATVEC_LAUNCH settings to run on the same model, e.g. workgroup,subgroup")
     ap.add_argument("--mm", default="",

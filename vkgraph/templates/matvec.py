@@ -505,10 +505,14 @@ def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x
 
 
 GLU_ACTS = ("silu", "gelu_tanh")
-# invocations per workgroup of the GLU_Q8 epilogue's launch at most: not measured yet (bench_glu_epilogue.py
-# --max-wg sweeps it). Groups of a subgroup's 32 lanes with 2 rows each would make 1024, one workgroup an SM where
-# its registers allow no second, all waiting at the barrier for the slowest group; 4 rows per group make 512.
+# invocations per workgroup of the GLU_Q8 epilogue's launch at most (bench_glu_epilogue.py --max-wg sweeps it).
+# Groups of a subgroup's 32 lanes with 2 rows each would make 1024, one workgroup an SM where its registers allow
+# no second, all waiting at the barrier for the slowest group. Narrower groups keep each invocation's registers
+# (rows, units in flight) as the product's launch has them: on the H200 (2026-12-02, 8B Q4_0, 8 rows) doubling
+# the rows per group instead (4 rows, 512 invocations) made the gate/up call with the gated unit 62 us, against 50
+# for the product under its own launch and 4.8 for glu_q8.
 GLU_MAX_WG = 512
+GLU_MIN_TPR = 8  # the narrowest group glu_config makes to fit GLU_MAX_WG before it adds rows per group
 
 
 def glu_config(dev: Device, fmt: QuantFormat, f: int, k: int, batch: int, *, int_dot: bool | None = None,
@@ -518,15 +522,19 @@ def glu_config(dev: Device, fmt: QuantFormat, f: int, k: int, batch: int, *, int
     not be whole subgroups). A workgroup there owns one block of 32 columns of h: its 32 gate rows and 32 up rows.
     The parameters are those choose_config gives the product (`int_dot` as there), in the subgroup-rows launch:
     a workgroup launch's workgroup becomes one group as wide as it (within the device's smallest subgroup),
-    its rows per group rounded down to a power of two (a divisor of 32), doubled where 64 rows would need more
-    than `max_wg` invocations (or the device's limit); WG / tpr groups of them make the 64 rows."""
+    its rows per group rounded down to a power of two (a divisor of 32). Where 64 rows would need more than
+    `max_wg` invocations (or the device's limit), the groups narrow (to GLU_MIN_TPR lanes), then take more rows
+    each; WG / tpr groups make the 64 rows."""
     info = dev.info
     if f < 32 or f % 32 or not 1 <= batch <= MAX_BATCH_SUBGROUP or "shuffle" not in info.subgroup_ops:
         return None
     cfg = choose_config(dev, fmt, 2 * f, k, batch, int_dot=int_dot, subgroup_rows=True if batch > MAX_BATCH else None)
     tpr = cfg.tpr or min(pow2_floor(cfg.wg), info.min_subgroup_size)
     rows = pow2_floor(min(cfg.rows, 32))
-    while rows < 32 and 64 // rows * tpr > min(max_wg, info.max_workgroup_invocations):
+    limit = min(max_wg, info.max_workgroup_invocations)
+    while tpr > GLU_MIN_TPR and 64 // rows * tpr > limit:
+        tpr //= 2
+    while rows < 32 and 64 // rows * tpr > limit:
         rows *= 2
     wg = 64 // rows * tpr
     if wg % info.max_subgroup_size:
@@ -586,9 +594,10 @@ def matvec_glu_q8(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *
 def glu_takes(fmt: QuantFormat, f: int, k: int, rows: int, int8: bool) -> bool:
     """Whether a stacked gate/up product [2f, k] of this format on the default device may write the down product's
     int8 activations itself for `rows` activation rows (int8: they come as a Q8Acts) in one matvec_glu_q8 call:
-    VKGRAPH_GLU_EPILOGUE on, the rows within one call of the default launch, a glu_config."""
+    rows within VKGRAPH_GLU_EPILOGUE (the most rows it takes; 0: never) and one call of the default launch, a
+    glu_config."""
     dev = get_device()
-    if not flag("VKGRAPH_GLU_EPILOGUE") or not 1 <= rows <= rows_per_call(dev):
+    if not 1 <= rows <= min(flag("VKGRAPH_GLU_EPILOGUE"), rows_per_call(dev)):
         return False
     if int8 and not (fmt.name in INT_DOT_FORMATS and dev.info.integer_dot_product):
         return False
