@@ -700,8 +700,8 @@ def test_matvec_glu_q8_refused():
 def test_glu_config_from_the_product_launch(monkeypatch):
     """glu_config on an H200-like device (subgroups of 32, 1024 invocations) at the 8B gate/up shape: the product's
     own launch parameters (INT_DOT_ONE_ROW's workgroup of one subgroup at one row, SG_PREFERRED's groups at 8) in the
-    subgroup-rows launch, 64 rows a workgroup within GLU_MAX_WG or a given max_wg (narrower groups first, then more
-    rows per group); none without shuffles or with F % 32."""
+    subgroup-rows launch, 64 rows a workgroup within GLU_MAX_WG or a given max_wg (more rows per group within
+    GLU_MAX_SUMS, else narrower groups); none without shuffles or with F % 32."""
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "auto")
     info = dataclasses.replace(device().info, subgroup_size=32, min_subgroup_size=32, max_subgroup_size=32,
                                max_workgroup_invocations=1024, device_type="discrete-gpu",
@@ -716,8 +716,13 @@ def test_glu_config_from_the_product_launch(monkeypatch):
     entry = mv.one_row_entry(q40, 28672, 4096)
     if entry is not None and not entry.subgroup:  # the table's launch at one row: a workgroup of one subgroup
         assert launch(1) == (64 // entry.rows * 32, entry.rows, 32, entry.unroll, 64)
-    # groups of 32 lanes with 2 rows would make 1024 invocations: narrower groups, then more rows per group
+    # groups of 32 lanes with 2 rows would make 1024 invocations: at 8 activation rows narrower groups (4 rows
+    # would be 32 sums an invocation), at one more rows per group
     assert launch(8) == (512, 2, 16, mv.SG_PREFERRED[8][2], 64)
+    q80 = mv.glu_config(h200, quant.FORMATS["Q8_0"], 14336, 4096, 1, int_dot=True)
+    product = mv.choose_config(h200, quant.FORMATS["Q8_0"], 28672, 4096, 1, int_dot=True)
+    if not product.tpr and product.rows == 1 and product.wg >= 32:  # INT_DOT_PREFERRED's workgroup of one row
+        assert (q80.wg, q80.rows, q80.tpr) == (512, 4, 32)
     assert launch(8, max_wg=1024) == (1024, 2, 32, mv.SG_PREFERRED[8][2], 64)
     assert launch(8, max_wg=64)[:3] == (64, 8, mv.GLU_MIN_TPR)
     assert mv.glu_config(h200, q40, 14336 + 16, 4096, 1) is None

@@ -507,12 +507,13 @@ def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x
 GLU_ACTS = ("silu", "gelu_tanh")
 # invocations per workgroup of the GLU_Q8 epilogue's launch at most (bench_glu_epilogue.py --max-wg sweeps it).
 # Groups of a subgroup's 32 lanes with 2 rows each would make 1024, one workgroup an SM where its registers allow
-# no second, all waiting at the barrier for the slowest group. Narrower groups keep each invocation's registers
-# (rows, units in flight) as the product's launch has them: on the H200 (2026-12-02, 8B Q4_0, 8 rows) doubling
-# the rows per group instead (4 rows, 512 invocations) made the gate/up call with the gated unit 62 us, against 50
-# for the product under its own launch and 4.8 for glu_q8.
+# no second, all waiting at the barrier for the slowest group. To fit, glu_config adds rows per group while an
+# invocation's sums (rows x activation rows) stay within GLU_MAX_SUMS, then narrows the groups (to GLU_MIN_TPR
+# lanes): on the H200 (2026-12-02, 8B Q4_0) 4 rows a group won at one activation row (4 sums; the gate/up call with
+# the gated unit 22.6 us against 21.4 + 4.4 apart) and lost at 8 (32 sums: 62 us against 50 + 4.8).
 GLU_MAX_WG = 512
-GLU_MIN_TPR = 8  # the narrowest group glu_config makes to fit GLU_MAX_WG before it adds rows per group
+GLU_MAX_SUMS = 8
+GLU_MIN_TPR = 8
 
 
 def glu_config(dev: Device, fmt: QuantFormat, f: int, k: int, batch: int, *, int_dot: bool | None = None,
@@ -523,8 +524,8 @@ def glu_config(dev: Device, fmt: QuantFormat, f: int, k: int, batch: int, *, int
     The parameters are those choose_config gives the product (`int_dot` as there), in the subgroup-rows launch:
     a workgroup launch's workgroup becomes one group as wide as it (within the device's smallest subgroup),
     its rows per group rounded down to a power of two (a divisor of 32). Where 64 rows would need more than
-    `max_wg` invocations (or the device's limit), the groups narrow (to GLU_MIN_TPR lanes), then take more rows
-    each; WG / tpr groups make the 64 rows."""
+    `max_wg` invocations (or the device's limit), the groups take more rows each within GLU_MAX_SUMS sums an
+    invocation, then narrow (to GLU_MIN_TPR lanes), then take more rows; WG / tpr groups make the 64 rows."""
     info = dev.info
     if f < 32 or f % 32 or not 1 <= batch <= MAX_BATCH_SUBGROUP or "shuffle" not in info.subgroup_ops:
         return None
@@ -532,10 +533,11 @@ def glu_config(dev: Device, fmt: QuantFormat, f: int, k: int, batch: int, *, int
     tpr = cfg.tpr or min(pow2_floor(cfg.wg), info.min_subgroup_size)
     rows = pow2_floor(min(cfg.rows, 32))
     limit = min(max_wg, info.max_workgroup_invocations)
-    while tpr > GLU_MIN_TPR and 64 // rows * tpr > limit:
-        tpr //= 2
     while rows < 32 and 64 // rows * tpr > limit:
-        rows *= 2
+        if 2 * rows * batch > GLU_MAX_SUMS and tpr > GLU_MIN_TPR:
+            tpr //= 2
+        else:
+            rows *= 2
     wg = 64 // rows * tpr
     if wg % info.max_subgroup_size:
         return None
