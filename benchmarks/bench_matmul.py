@@ -10,7 +10,8 @@
     python benchmarks/bench_matmul.py --int8 --tune   # the same, int8 tiles searched first
 
 Shapes (M x K @ K x N): 4096^3, and the Llama-3-8B prefill products of 512 tokens, with the weight stored
-(N, K) and read transposed as `x @ w.T` is (the attention and MLP projections). GPU time per product: vkgraph's
+(N, K) and read transposed as `x @ w.T` is (the attention and MLP projections; with --quant also the fused qkv and
+gate_up products, 512x4096x6144 and 512x4096x28672). GPU time per product: vkgraph's
 through a replayed command graph (benchmarks/common.replay_us), PyTorch's through CUDA events; inputs random.
 The last column is the fraction of the dense float16/bfloat16 peak, PEAK_TFLOPS (the H100/H200 SXM datasheet).
 With --quant, the prefill products run through QuantLinear over random blocks of the formats given (float32
@@ -94,6 +95,10 @@ def search(m: int, n: int, k: int, dname: str, reps: int = 5, wt: bool = False) 
 SHAPES = [("4096^3", 4096, 4096, 4096, False), ("prefill 512x4096 @ 4096x4096 (w.T)", 512, 4096, 4096, True),
           ("prefill 512x4096 @ 4096x14336 (w.T)", 512, 4096, 14336, True),
           ("prefill 512x14336 @ 14336x4096 (w.T)", 512, 14336, 4096, True)]
+# the quantized products also in the Llama-3-8B layer's fused shapes: qkv (6144 columns) and gate_up (28672), whose
+# shape classes differ from the unfused ones'
+QUANT_SHAPES = [*SHAPES[1:], ("prefill qkv 512x4096 @ 4096x6144 (w.T)", 512, 4096, 6144, True),
+                ("prefill gate_up 512x4096 @ 4096x28672 (w.T)", 512, 4096, 28672, True)]
 
 
 def _time_twice(dev: Any, name: str, flop: int, runs: dict, reps: int, per_graph: int) -> dict:
@@ -169,7 +174,7 @@ def quant(formats: list[str], reps: int, torch: Any, tune_tiles: bool = False, s
     print(f"\n{'quantized prefill product':40s}{'coop':>8s}{'default':>9s}{'f16 copy':>10s}{'torch f16':>11s}"
           f"{'ratio':>7s}  tile (coop: tuned where measured; default: matmul_quant.config without)")
     for fmt in formats:
-        for label, m, k, n, _ in _shapes(sizes, SHAPES[1:]):
+        for label, m, k, n, _ in _shapes(sizes, QUANT_SHAPES):
             flop = 2 * m * n * k
             lin = QuantLinear(random_blocks(rng, fmt, n, k, d_range=(1e-3, 1e-2)))
             tx = Tensor(rng.standard_normal((m, k), dtype=np.float32)).realize()
