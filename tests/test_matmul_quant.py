@@ -31,43 +31,46 @@ from vkgraph.tensor import Tensor
 def test_config_follows_the_device():
     lim = fake_limits()
     few = mq.DEFAULT_FEW
-    # 512 rows: the wide tile for 28672 and 14336 columns (448 and 224 tiles), twice the workgroups for fewer
+    # 512 rows: the wide tile for every product of the 8B layer (qkv, o, gate_up, down: 96, 64, 448, 64 tiles);
+    # fewer rows than its 256, or outputs of fewer tiles: twice the workgroups
     assert mq.config(lim, 512, 28672, 4096) == mq.config(lim, 512, 14336, 4096) == mq.DEFAULT
-    assert mq.config(lim, 512, 4096, 4096) == mq.config(lim, 512, 6144, 4096) == mq.config(lim, 200, 14336, 4096) == few
-    assert mq.config(lim, 4096, 4096, 4096) == mq.DEFAULT and mq.config(lim, 512, 4096, 14336) == few
+    assert mq.config(lim, 512, 4096, 4096) == mq.config(lim, 512, 6144, 4096) == mq.config(lim, 512, 4096, 14336)
+    assert mq.config(lim, 4096, 4096, 4096) == mq.DEFAULT == mq.config(lim, 512, 4096, 4096)
+    assert mq.config(lim, 200, 14336, 4096) == mq.config(lim, 128, 4096, 4096) == mq.config(lim, 512, 2048, 4096) == few
     assert mq.DEFAULT.bk % mq.CHUNK == 0 and few.bk % mq.CHUNK == 0
     assert mq.config(fake_limits(coop=()), 512, 4096, 4096) is None
     assert mq.config(fake_limits(min_subgroup=32, max_subgroup=64), 512, 4096, 4096) is None
     assert mq.config(lim, 512, 4096, 48) is None  # K not whole blocks
     assert mq.config(fake_limits(max_shared=32768), 512, 4096, 4096) == mq.Prefill(64, 64, 32, 2, 2)
     # the float16 product's measured tiles (another staging) are not taken, nor its default
-    f16 = matmul_coop.shape_class(512, 4096, 4096, 1, template_ops.dtypes.float16)
-    assert mq.config(dataclasses.replace(lim, tuned=((f16, (128, 128, 64, 2, 4, 1)),)), 512, 4096, 4096) == few
-    assert matmul_coop.default_config(512, 4096, 4096, 1, lim, (16, 16, 16)) != few
+    f16 = matmul_coop.shape_class(128, 4096, 4096, 1, template_ops.dtypes.float16)
+    assert mq.config(dataclasses.replace(lim, tuned=((f16, (128, 128, 32, 2, 4, 1)),)), 128, 4096, 4096) == few
+    assert matmul_coop.default_config(128, 4096, 4096, 1, lim, (16, 16, 16)) != few
     # a tile measured for the format's own products is taken where its slices are whole blocks dividing K
-    q4 = mq.shape_class("Q4_0", 512, 4096, 4096)
+    q4 = mq.shape_class("Q4_0", 128, 4096, 4096)
     own = dataclasses.replace(lim, tuned=((q4, (64, 128, 32, 2, 4, 2)),))
-    assert mq.config(own, 512, 4096, 4096, "Q4_0") == mq.Prefill(64, 128, 32, 2, 4, 2)
-    assert mq.config(own, 512, 4096, 4096, "Q8_0") == few
+    assert mq.config(own, 128, 4096, 4096, "Q4_0") == mq.Prefill(64, 128, 32, 2, 4, 2)
+    assert mq.config(own, 128, 4096, 4096, "Q8_0") == few
     shallow = dataclasses.replace(lim, tuned=((q4, (128, 256, 16, 2, 4, 2)),))
-    assert mq.config(shallow, 512, 4096, 4096, "Q4_0").bk == 16  # half blocks: W's chunks
+    assert mq.config(shallow, 128, 4096, 4096, "Q4_0").bk == 16  # half blocks: W's chunks
     shallow = dataclasses.replace(lim, tuned=((q4, (128, 256, 8, 2, 4, 2)),))
-    assert mq.config(shallow, 512, 4096, 4096, "Q4_0") == few  # BK 8: not whole chunks
-    deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 512, 4096, 4096 + 64), (128, 128, 64, 2, 4, 1)),))
-    assert mq.config(deep, 512, 4096, 4096 + 64, "Q4_0").bk == 64
-    deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 512, 4096, 4096 + 32), (128, 128, 64, 2, 4, 1)),))
+    assert mq.config(shallow, 128, 4096, 4096, "Q4_0") == few  # BK 8: not whole chunks
+    deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 128, 4096, 4096 + 64), (128, 128, 64, 2, 4, 1)),))
+    assert mq.config(deep, 128, 4096, 4096 + 64, "Q4_0").bk == 64
+    deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 128, 4096, 4096 + 32), (128, 128, 64, 2, 4, 1)),))
     # K not a whole number of 64-deep slices: the measured tile and DEFAULT_FEW give way to the first fallback
-    assert mq.config(deep, 512, 4096, 4096 + 32, "Q4_0") == mq.FALLBACKS[0]
+    assert mq.config(deep, 128, 4096, 4096 + 32, "Q4_0") == mq.FALLBACKS[0]
+    assert mq.config(lim, 512, 4096, 4096 + 32) == mq.DEFAULT  # 32 deep
     # a K split is taken where K is a whole number of its parts' slices (QuantLinear sums the planes)
     split = dataclasses.replace(lim, tuned=((q4, (128, 128, 32, 2, 4, 2, 2, 4)),))
-    assert mq.config(split, 512, 4096, 4096, "Q4_0") == mq.Prefill(128, 128, 32, 2, 4, 2, 2, 4)
-    # the ninth number is the order of decoding and products
+    assert mq.config(split, 128, 4096, 4096, "Q4_0") == mq.Prefill(128, 128, 32, 2, 4, 2, 2, 4)
+    # the ninth number is the order of decoding and products, the tenth the form of the levels
     spread = dataclasses.replace(lim, tuned=((q4, (128, 128, 32, 2, 4, 2, 2, 1, 2)),))
-    assert mq.config(spread, 512, 4096, 4096, "Q4_0").order == 2
-    one = dataclasses.replace(lim, tuned=((q4, (128, 128, 64, 2, 4, 1, 1, 1, 1)),))
-    assert mq.config(one, 512, 4096, 4096, "Q4_0") == mq.Prefill(128, 128, 64, 2, 4, 1, 1, 1, 1)
-    bad = dataclasses.replace(lim, tuned=((q4, (128, 128, 64, 2, 4, 1, 1, 1, 3)),))
-    assert mq.config(bad, 512, 4096, 4096, "Q4_0") == few
+    assert mq.config(spread, 128, 4096, 4096, "Q4_0").order == 2
+    one = dataclasses.replace(lim, tuned=((q4, (128, 128, 64, 2, 4, 1, 1, 1, 1, 1)),))
+    assert mq.config(one, 128, 4096, 4096, "Q4_0") == mq.Prefill(128, 128, 64, 2, 4, 1, 1, 1, 1, 1)
+    for bad in ((128, 128, 64, 2, 4, 1, 1, 1, 3), (128, 128, 64, 2, 4, 1, 1, 1, 0, 2)):
+        assert mq.config(dataclasses.replace(lim, tuned=((q4, bad),)), 128, 4096, 4096, "Q4_0") == few
 
 
 def test_search_candidates():
@@ -149,10 +152,12 @@ def test_staging_matches_numpy(fmt, bn, bk, nt):
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
-def test_staging_is_numpy_rounded_to_float16(fmt):
-    """Q8_0 and Q4_0 are staged in float16 arithmetic (each level 1024 + q from its bits, the offset taken off,
-    one multiply by the scale): every value is numpy's dequantization rounded to float16 (round to nearest even),
-    bit for bit, over scales that make subnormal, huge, infinite, zero, negative and NaN products."""
+@pytest.mark.parametrize("form", sorted(mq._LEVELS))
+def test_staging_is_numpy_rounded_to_float16(fmt, form):
+    """Q8_0 and Q4_0 are staged in float16 arithmetic (each level 1024 + q from its bits, in every form of
+    `levels`, the offset taken off, one multiply by the scale's bits as float16): every value is numpy's
+    dequantization rounded to float16 (round to nearest even), bit for bit, over scales that make subnormal, huge,
+    infinite, zero, negative and NaN products."""
     n, k = 64, 256
     qt = random_blocks(np.random.default_rng(4), fmt, n, k)
     blocks = qt.data.reshape(-1, qt.format.type_size)
@@ -164,7 +169,8 @@ def test_staging_is_numpy_rounded_to_float16(fmt):
     dev = get_device()
     weights = upload_weights(dev, qt)
     out = dev.alloc(n * k * 2)
-    kern = dev.pipeline(mq.stage_source(fmt, n, k, weights.w_stride, weights.s_stride, 32, 32, 64), name="stage")
+    kern = dev.pipeline(mq.stage_source(fmt, n, k, weights.w_stride, weights.s_stride, 32, 32, 64, form),
+                        name="stage")
     dev.dispatch(kern, [weights.body, weights.scales, out], (n // 32, k // 32, 1))
     got = dev.download(out, np.float16, (n, k))
     with np.errstate(invalid="ignore", over="ignore"):
@@ -238,6 +244,15 @@ def test_one_stage_decoding_during_the_products_emulated_matches_numpy(cfg, monk
     _prefill_tile_case(lim, "Q6_K", cfg, 40, 72, 512)
 
 
+def test_byte_shuffled_levels_emulated_match_numpy(monkeypatch):
+    """The default wide tile's form of the levels (byte vectors shuffled, FORM 1) in a one-stage product, emulated,
+    over ragged rows and columns."""
+    lim = emulate_coop(monkeypatch)
+    cfg = mq.Prefill(64, 64, 32, 2, 2, 1, 1, 1, 0, 1)
+    _prefill_tile_case(lim, "Q4_0", cfg, 70, 100, 256)
+    _prefill_tile_case(lim, "Q8_0", cfg, 40, 64, 128)
+
+
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
 
 
@@ -255,7 +270,8 @@ def _check(got: np.ndarray, x16: np.ndarray, w: np.ndarray, extra: np.ndarray | 
     assert not bad.any(), f"{bad.sum()} of {bad.size} off; worst {np.max(np.abs(got - ref) / tol)} x tolerance"
 
 
-_DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.CHUNK == 0] + [c for c in mq.CANDIDATES if c.order or c.bk == 16]
+_DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.CHUNK == 0] + [
+    c for c in mq.CANDIDATES if c.order or c.bk == 16 or c.form != mq.FORM]
 _WHOLE = [c for c in _DEEP if c.ks == 1]  # tiles that write y itself (a K split writes partial planes)
 
 

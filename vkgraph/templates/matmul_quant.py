@@ -9,11 +9,12 @@ tile, and no float16 copy is written or read.
 The tiling is matmul_coop's (codegen/matmul_coop.py, which explains it): a workgroup computes a BM x BN tile of
 y with WM x WN subgroups, slices BK deep are staged through shared memory, the next slice's words are read into
 registers while the current one is multiplied. x comes as float16 rows [M, K]; W's slice of each row is BK / 16
-chunks of 16 values. Per format, `_CODECS` holds two GLSL functions: `load_q` reads a chunk's raw words (up to
-three 16-byte words and one float16 scale: Q8_0 16 int8 values; Q4_0 a block's word, whose low or high nibbles
-are the chunk; Q4_K a super-block's header and one nibble word; Q6_K a low-bits word, a high-bits word and the
-scales word) in the load phase, and `decode_q` turns them into 16 float16 values in the store phase: Q8_0 and
-Q4_0 in float16 arithmetic (`_SCALED`: numpy's value rounded to nearest even, bit for bit), Q4_K and Q6_K as
+chunks of 16 values. Per format, `_CODECS` holds two GLSL functions: `load_q` reads
+a chunk's raw words (up to three 16-byte words and the bits of one float16 scale: Q8_0 16 int8 values; Q4_0 a
+block's word, whose low or high nibbles are the chunk; Q4_K a super-block's header and one nibble word; Q6_K a
+low-bits word, a high-bits word and the scales word) in the load phase, and `decode_q` turns them into 16 float16
+values in the store phase: Q8_0 and Q4_0 in float16 arithmetic (`_SCALED`: numpy's value rounded to nearest even,
+bit for bit, no conversion instruction), Q4_K and Q6_K as
 dequant_f16.comp decodes them (rounded by packHalf2x16, in the device's rounding mode). Where a step decodes
 relative to its products is the tile's ORDER (`Prefill`). `stage_source` runs the product's staging of W alone
 (both functions, the same code), without cooperative matrices, so every device checks it against numpy.
@@ -40,53 +41,69 @@ from .matvec import DeviceWeights, Q8Acts
 
 BLOCK = 32  # K is a whole number of 32-element (sub-)blocks
 CHUNK = 16  # W is staged in chunks of 16 values (half a Q8_0/Q4_0 block), so a prefill slice is a multiple of 16 deep
-_HALF = "float half_at(uint i) { return unpackHalf2x16(s[i >> 1] >> (16u * (i & 1u))).x; }"
+# a float16 scale's raw bits (the low half of the returned word; the high half is the next scale or zero): the scales
+# stay bits until they are used, so Q8_0's and Q4_0's go into float16 arithmetic with no conversion at all
+_SCALE_BITS = "uint scale_bits(uint i) { return s[i >> 1] >> (16u * (i & 1u)); }"
 # Q8_0's and Q4_0's values are small integers times a float16 scale: each byte b goes into a float16's low mantissa
 # bits (0x6400 | b is 1024 + b exactly), the offset (1024 plus the format's zero) comes off exactly, and one float16
 # multiply rounds the product, which equals numpy's dequantized value (exact in float32) rounded to float16. Two
 # values an instruction and no conversion instructions, which run at a quarter of the arithmetic rate or less on
-# NVIDIA GPUs; the other formats convert each value (`val`) and round it with packHalf2x16.
+# NVIDIA GPUs; the other formats convert each value (`val`) and round it with packHalf2x16. `levels` puts bytes
+# b0..b3 of v beside the 0x64 bytes: form 0 with shifts and masks, form 1 as a shuffle of byte vectors (one byte
+# permute per pair where the compiler has one, NVIDIA's PRMT).
+_LEVELS = {
+    0: """
+uvec2 levels(uint v) {  // (1024 + b0, 1024 + b1), (1024 + b2, 1024 + b3) as float16 pairs
+    return ((uvec2(v, v >> 16) & 0xFFu) | (uvec2(v << 8, v >> 8) & 0xFF0000u)) | 0x64006400u;
+}""",
+    1: """
+#extension GL_EXT_shader_explicit_arithmetic_types_int8 : require
+uvec2 levels(uint v) {  // (1024 + b0, 1024 + b1), (1024 + b2, 1024 + b3) as float16 pairs
+    u8vec4 b = unpack8(v);
+    uint8_t e = uint8_t(0x64u);
+    return uvec2(pack32(u8vec4(b.x, e, b.y, e)), pack32(u8vec4(b.z, e, b.w, e)));
+}"""}
 _SCALED = """
-uvec2 scaled(uint v, f16vec2 off, f16vec2 d) {  // bytes b0..b3 of v: pairs (b0, b1), (b2, b3), less off, times d
-    uvec2 p = ((uvec2(v, v >> 16) & 0xFFu) | (uvec2(v << 8, v >> 8) & 0xFF0000u)) | 0x64006400u;
-    return uvec2(packFloat2x16((unpackFloat2x16(p.x) - off) * d), packFloat2x16((unpackFloat2x16(p.y) - off) * d));
+void scaled16(uvec4 v, f16vec2 off, f16vec2 d, out uvec4 lo, out uvec4 hi) {  // 16 bytes of v, less off, times d
+    uvec2 p0 = levels(v.x), p1 = levels(v.y), p2 = levels(v.z), p3 = levels(v.w);
+    lo = uvec4(packFloat2x16((unpackFloat2x16(p0.x) - off) * d), packFloat2x16((unpackFloat2x16(p0.y) - off) * d),
+               packFloat2x16((unpackFloat2x16(p1.x) - off) * d), packFloat2x16((unpackFloat2x16(p1.y) - off) * d));
+    hi = uvec4(packFloat2x16((unpackFloat2x16(p2.x) - off) * d), packFloat2x16((unpackFloat2x16(p2.y) - off) * d),
+               packFloat2x16((unpackFloat2x16(p3.x) - off) * d), packFloat2x16((unpackFloat2x16(p3.y) - off) * d));
 }"""
+FORM = 0  # the form of `levels` where a tile names none (decode tiles, matmul_skinny, the staging checks)
 # Per format: GLSL of load_q(row, e0, r0, r1, r2, sc), which reads the raw words of W[row, e0 .. e0 + 16) (e0 % 16
-# == 0), and decode_q(e0, r0, r1, r2, sc, lo, hi), which turns them into the 16 values as float16 pairs. WS and SS
-# are W's row strides in 16-byte words and in float16 scales. Each follows dequant_f16.comp's decoding.
+# == 0) and the bits of its float16 scale (where it has one apart), and decode_q(e0, r0, r1, r2, sc, lo, hi), which
+# turns them into the 16 values as float16 pairs. WS and SS are W's row strides in 16-byte words and in float16
+# scales. Each follows dequant_f16.comp's decoding.
 _CODECS = {
     "Q8_0": """
-void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out float sc) {
+void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out uint sc) {
     r0 = w[row * WS + e0 / 16]; r1 = uvec4(0u); r2 = uvec4(0u);
-    sc = half_at(uint(row * SS + e0 / 32));
+    sc = scale_bits(uint(row * SS + e0 / 32));
 }
-void decode_q(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, out uvec4 lo, out uvec4 hi) {
+void decode_q(int e0, uvec4 r0, uvec4 r1, uvec4 r2, uint sc, out uvec4 lo, out uvec4 hi) {
     // int8 q, as the byte q + 128 (sign bit flipped): 1024 + q + 128 - 1152 = q
-    f16vec2 d = f16vec2(float16_t(sc)), off = f16vec2(float16_t(1152.0));
-    r0 ^= 0x80808080u;
-    lo = uvec4(scaled(r0.x, off, d), scaled(r0.y, off, d));
-    hi = uvec4(scaled(r0.z, off, d), scaled(r0.w, off, d));
+    scaled16(r0 ^ 0x80808080u, f16vec2(float16_t(1152.0)), unpackFloat2x16(sc).xx, lo, hi);
 }""",
     "Q4_0": """
-void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out float sc) {
+void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out uint sc) {
     r0 = w[row * WS + e0 / 32]; r1 = uvec4(0u); r2 = uvec4(0u);
-    sc = half_at(uint(row * SS + e0 / 32));
+    sc = scale_bits(uint(row * SS + e0 / 32));
 }
-void decode_q(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, out uvec4 lo, out uvec4 hi) {
+void decode_q(int e0, uvec4 r0, uvec4 r1, uvec4 r2, uint sc, out uvec4 lo, out uvec4 hi) {
     // low nibbles: values 0-15, high: 16-31; nibble q: 1024 + q - 1032 = q - 8
-    f16vec2 d = f16vec2(float16_t(sc)), off = f16vec2(float16_t(1032.0));
-    r0 = (r0 >> (4u * uint((e0 >> 4) & 1))) & 0x0F0F0F0Fu;
-    lo = uvec4(scaled(r0.x, off, d), scaled(r0.y, off, d));
-    hi = uvec4(scaled(r0.z, off, d), scaled(r0.w, off, d));
+    uvec4 q = (r0 >> (4u * uint((e0 >> 4) & 1))) & 0x0F0F0F0Fu;
+    scaled16(q, f16vec2(float16_t(1032.0)), unpackFloat2x16(sc).xx, lo, hi);
 }""",
     "Q4_K": """
-void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out float sc) {
+void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out uint sc) {
     // a super-block: a header word (d, dmin, 12 bytes of scales and mins), then 8 nibble words; word 2j + t holds
     // values 64j + 16t .. (low nibbles) and 64j + 32 + 16t .. (high nibbles)
     int sbw = row * WS + (e0 >> 8) * 9, wi = e0 & 255;
-    r0 = w[sbw]; r1 = w[sbw + 1 + 2 * (wi >> 6) + ((wi >> 4) & 1)]; r2 = uvec4(0u); sc = 0.0;
+    r0 = w[sbw]; r1 = w[sbw + 1 + 2 * (wi >> 6) + ((wi >> 4) & 1)]; r2 = uvec4(0u); sc = 0u;
 }
-vec4 val(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, int i) {  // (d * scale) * q - dmin * min
+vec4 val(int e0, uvec4 r0, uvec4 r1, uvec4 r2, uint sc, int i) {  // (d * scale) * q - dmin * min
     int wi = e0 & 255, j = wi >> 6, hf = (wi >> 5) & 1;
     uint sh = 16u * uint(j & 1);
     uint y = r0.y >> sh, z = r0.z >> sh, x4 = r0.w >> sh;
@@ -103,24 +120,24 @@ vec4 val(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, int i) {  // (d * scale
     return a * vec4(bytes_of((r1[i] >> (4u * uint(hf))) & 0x0F0F0F0Fu)) - b;
 }""",
     "Q6_K": """
-void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out float sc) {
+void load_q(int row, int e0, out uvec4 r0, out uvec4 r1, out uvec4 r2, out uint sc) {
     // a super-block: 8 low-bits words, 4 high-bits words, the int8 scales word; d in the scales buffer. Values
     // 128hh + 32r + 16t ..: low bits in word 4hh + 2(r & 1) + t (nibble r >> 1), high bits in word 8 + 2hh + t
     int sbw = row * WS + (e0 >> 8) * 13, wi = e0 & 255;
     int hh = wi >> 7, r = (wi >> 5) & 3, t = (wi >> 4) & 1;
     r0 = w[sbw + 4 * hh + 2 * (r & 1) + t]; r1 = w[sbw + 8 + 2 * hh + t]; r2 = w[sbw + 12];
-    sc = half_at(uint(row * SS + (e0 >> 8)));
+    sc = scale_bits(uint(row * SS + (e0 >> 8)));
 }
-vec4 val(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, int i) {  // (d * scale) * (q - 32)
+vec4 val(int e0, uvec4 r0, uvec4 r1, uvec4 r2, uint sc, int i) {  // (d * scale) * (q - 32)
     int wi = e0 & 255, hh = wi >> 7, r = (wi >> 5) & 3, t = (wi >> 4) & 1, bi = t + 2 * r;
     uvec2 scs = hh == 0 ? r2.xy : r2.zw;
-    float ds = sc * float(bitfieldExtract(int(scs[bi >> 2]), 8 * (bi & 3), 8));
+    float ds = unpackHalf2x16(sc).x * float(bitfieldExtract(int(scs[bi >> 2]), 8 * (bi & 3), 8));
     uint l = r0[i] >> (4u * uint(r >> 1));
     return ds * (vec4(bytes_of((l & 0x0F0F0F0Fu) | (((r1[i] >> (2u * uint(r))) & 0x03030303u) << 4))) - 32.0);
 }""",
 }
 _DECODE = """
-void decode_q(int e0, uvec4 r0, uvec4 r1, uvec4 r2, float sc, out uvec4 lo, out uvec4 hi) {
+void decode_q(int e0, uvec4 r0, uvec4 r1, uvec4 r2, uint sc, out uvec4 lo, out uvec4 hi) {
     vec4 v0 = val(e0, r0, r1, r2, sc, 0), v1 = val(e0, r0, r1, r2, sc, 1);
     vec4 v2 = val(e0, r0, r1, r2, sc, 2), v3 = val(e0, r0, r1, r2, sc, 3);
     lo = uvec4(packHalf2x16(v0.xy), packHalf2x16(v0.zw), packHalf2x16(v1.xy), packHalf2x16(v1.zw));
@@ -134,11 +151,12 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"matmul_quant: unsupported format {fmt!r}; known: {FORMATS}")
 
 
-def _codec(fmt: str, w_stride: int, s_stride: int) -> list[str]:
-    """The helper functions of format fmt's decoding, for W's strides (the program enables float16 arithmetic)."""
+def _codec(fmt: str, w_stride: int, s_stride: int, form: int = FORM) -> list[str]:
+    """The helper functions of format fmt's decoding, for W's strides, `levels` in form `form` (the program
+    enables float16 arithmetic)."""
     return [f"const int WS = {w_stride}, SS = {s_stride};",
             "uvec4 bytes_of(uint v) { return uvec4(v, v >> 8, v >> 16, v >> 24) & 0xFFu; }",
-            _HALF, _SCALED, _CODECS[fmt], *([_DECODE] if "vec4 val(" in _CODECS[fmt] else [])]
+            _SCALE_BITS, _LEVELS[form], _SCALED, _CODECS[fmt], *([_DECODE] if "vec4 val(" in _CODECS[fmt] else [])]
 
 
 def _check_weights(weights: DeviceWeights) -> Any:
@@ -162,61 +180,52 @@ class Prefill(matmul_coop.Config):
     """A prefill tile: matmul_coop's Config plus ORDER, where each step decodes the next slice of W: 0 after the
     current slice's products (behind a branch: the products, then the decoding), 1 before them, 2 between their
     16-deep steps (see `source`). Two stages take the decoded slice into the other stage at once; one stage keeps
-    it in registers until every subgroup is done with the current slice."""
+    it in registers until every subgroup is done with the current slice. FORM: how Q8_0's and Q4_0's bytes are
+    placed into float16 levels (`_LEVELS`; the same values either way, a tile's speed not: RESULTS.md)."""
 
     order: int = 0
+    form: int = FORM
 
     def key(self) -> list[int]:
-        return [*super().key(), self.order]
+        return [*super().key(), self.order, self.form]
 
     def label(self) -> str:
-        return super().label() + (f"/o{self.order}" if self.order else "")
+        return super().label() + (f"/o{self.order}" if self.order else "") + (f"/f{self.form}" if self.form else "")
 
     def fits(self, frag: tuple[int, int, int], lim: Limits, itemsize: int = 2) -> bool:
-        return super().fits(frag, lim, itemsize) and self.order in (0, 1, 2)
+        return super().fits(frag, lim, itemsize) and self.order in (0, 1, 2) and self.form in _LEVELS
 
 
-# The prefill product's tiles where none was measured for the format's class (bench_matmul.py --quant Q4_0 --tune on
-# an H200, 2026-12-02, RESULTS.md): 128 x 256 x 32 in one stage, 64 x 64 per subgroup, decoding between the products,
-# 207 and 212 TFLOP/s on 512 x 4096 x 14336 and 512 x 14336 x 4096 (the tile before, 128 x 128 x 32 in two stages:
-# 172 and 157 with this decoding, 126 with the one before), where the output has WIDE_TILES such tiles; else
-# 128 x 128 x 64 in one stage with subgroups of 32 x 64 (206 and 200), twice the workgroups (the float16 product's
-# 128 x 256 tiles ran at half its speed on 64 workgroups); else, where K is no whole number of 64-deep slices, the
-# best 32-deep tile with two stages (189 and 163); else 64 x 64 (a device of little shared memory).
-DEFAULT = Prefill(128, 256, 32, 2, 4, 1, 1, 1, 2)
+# The prefill product's tiles where none was measured for the format's class (`bench_matmul.py --quant Q4_0 --tune`
+# on an H200, 2026-12-02, eleventh session, RESULTS.md): 256 x 128 x 32 in one stage, 64 x 64 per subgroup, the
+# levels as byte shuffles (FORM 1), the fastest on the Llama-3-8B layer's products at 512 rows: gate_up 214 TFLOP/s,
+# down 217 (where its 64 workgroups beat 128 x 128 x 64's 128: 199; with the levels' shifts 198), qkv 190 (128 x 128
+# x 64: 191), where the rows fill its tiles and the output has WIDE_TILES of them; else 128 x 128 x 64 in one stage
+# with subgroups of 32 x 64; else, where K is no whole number of 64-deep slices, the best 32-deep tile with two stages;
+# else 64 x 64 (a device of little shared memory).
+DEFAULT = Prefill(256, 128, 32, 4, 2, 1, 1, 1, 0, 1)
 DEFAULT_FEW = Prefill(128, 128, 64, 4, 2, 1)
 FALLBACKS = (Prefill(128, 128, 32, 4, 2), Prefill(64, 64, 32, 2, 2))
-WIDE_TILES = 128
+WIDE_TILES = 64
 # The tiles `bench_matmul.py --quant --tune` measures (those that fit the device, take whole slices of K and, with
-# K split, split an output of few tiles), each in the orders worth timing. Two stages: at 48 KiB of shared memory
-# 128 x 128 x 32 is the largest 32-deep tile (in each prefetch depth and subgroup layout, 16 subgroups too); 16-deep
-# slices (half a Q8_0/Q4_0 block) fit 128 x 256 and 256 x 128 (64 x 64 per subgroup: the fewest fragment loads
-# per product; 256 rows also decode W once for twice the rows). One stage: the float16 product's fastest tiles
-# (128 x 128 x 64, 128 x 256 x 32, 256 x 128 x 32, RESULTS.md, ninth session). K split for outputs of few tiles
-# (N = 4096 at 512 rows: 128 of 128 x 128, 64 of 256 x 128). The ninth session read a 16-subgroup tile at 128
-# TFLOP/s in its search and 63 through QuantLinear, both while the clocks fell between compiles
-# (bench_matmul.search_quant builds every pipeline before it times any now).
+# K split, split an output of few tiles). Its searches (RESULTS.md, tenth and eleventh sessions) put one stage first:
+# 256 x 128 x 32 and 128 x 256 x 32 with 64 x 64 per subgroup (the fewest fragment loads per product), 128 x 128 x 64
+# with 32 x 64, each in both forms of `levels` or in the orders that came close. Two stages: at 48 KiB
+# 128 x 128 x 32 is the largest 32-deep tile. K split for outputs of few tiles (N = 4096 at 512 rows: 64 of
+# 256 x 128, 128 of 128 x 128). Left out, 10-55% behind the best: tiles of 16 subgroups, of 64 rows or 64 x 32 per
+# subgroup, 16-deep slices, 128 x 192 (one workgroup a multiprocessor for qkv), an invocation staging both chunks of
+# a block (fewer instructions, yet 5-15% slower), and A fragments read from x in device memory with W alone in
+# shared memory (two stages of 128 x 256 x 32: 90-127).
 _S2, _S1 = 2, 1
 CANDIDATES = (
-    *(Prefill(128, 128, 32, 2, 4, _S2, pf, 1, o) for pf, o in ((1, 0), (1, 2), (2, 0), (2, 1), (2, 2))),
-    Prefill(128, 128, 32, 4, 2, _S2, 1, 1, 0), Prefill(128, 128, 32, 4, 2, _S2, 2, 1, 2),
-    Prefill(128, 128, 32, 2, 2, _S2, 2, 1, 0), Prefill(128, 128, 32, 2, 2, _S2, 2, 1, 2),
-    Prefill(128, 128, 32, 4, 4, _S2, 1, 1, 0), Prefill(128, 128, 32, 4, 4, _S2, 1, 1, 2),
-    Prefill(64, 128, 32, 2, 4, _S2, 2, 1, 0), Prefill(64, 128, 32, 2, 4, _S2, 2, 1, 2),
-    *(Prefill(bm, bn, 16, wm, wn, _S2, 2, 1, o) for bm, bn, wm, wn in ((128, 256, 2, 4), (256, 128, 4, 2))
-      for o in (0, 1, 2)),
-    Prefill(256, 128, 16, 4, 2, _S2, 1, 1, 0), Prefill(256, 128, 16, 4, 2, _S2, 1, 1, 2),
-    *(Prefill(128, 128, 64, 2, 4, _S1, 1, 1, o) for o in (0, 1, 2)), Prefill(128, 128, 64, 2, 4, _S1, 2),
+    DEFAULT, Prefill(256, 128, 32, 4, 2, _S1), Prefill(256, 128, 32, 4, 2, _S1, 1, 1, 2, 1),
+    *(Prefill(128, 256, 32, 2, 4, _S1, 1, 1, o, f) for o, f in ((2, 0), (0, 1), (0, 0))),
+    DEFAULT_FEW, Prefill(128, 128, 64, 4, 2, _S1, 1, 1, 0, 1), Prefill(128, 128, 64, 4, 2, _S1, 1, 1, 1),
     Prefill(128, 128, 64, 2, 4, _S1, 2, 1, 2),
-    Prefill(128, 128, 64, 4, 2, _S1, 1, 1, 0), Prefill(128, 128, 64, 4, 2, _S1, 1, 1, 2),
-    *(Prefill(bm, bn, 32, wm, wn, _S1, 1, 1, o) for bm, bn, wm, wn in ((128, 256, 2, 4), (256, 128, 4, 2))
-      for o in (0, 2)),
+    FALLBACKS[0], Prefill(128, 128, 32, 2, 4, _S2, 2, 1, 1), Prefill(128, 128, 32, 2, 4, _S2, 2, 1, 2),
     # K split
-    Prefill(128, 128, 32, 2, 4, _S2, 2, 2, 0), Prefill(128, 128, 32, 2, 4, _S2, 2, 2, 2),
-    Prefill(128, 128, 32, 2, 4, _S2, 2, 4, 2), Prefill(256, 128, 16, 4, 2, _S2, 2, 2, 1),
-    Prefill(256, 128, 16, 4, 2, _S2, 2, 4, 1), Prefill(128, 256, 16, 2, 4, _S2, 2, 2, 1),
-    Prefill(128, 256, 32, 2, 4, _S1, 1, 2, 2), Prefill(256, 128, 32, 4, 2, _S1, 1, 2, 2),
-    Prefill(128, 128, 64, 2, 4, _S1, 1, 2, 2))
+    Prefill(256, 128, 32, 4, 2, _S1, 1, 2, 0, 1), Prefill(128, 256, 32, 2, 4, _S1, 1, 2, 2),
+    Prefill(128, 128, 64, 4, 2, _S1, 1, 2, 0))
 
 
 def candidates(lim: Limits, m: int, n: int, k: int) -> list[Prefill]:
@@ -231,9 +240,10 @@ def candidates(lim: Limits, m: int, n: int, k: int) -> list[Prefill]:
 def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> Prefill | None:
     """The tile configuration for an m x n product over K = k on this device, or None where the device has no
     fitting float16 cooperative matrices (or k is not a whole number of blocks): the one measured for fmt's
-    products of this class (benchmarks/bench_matmul.py --quant --tune), else DEFAULT where the output has
-    WIDE_TILES of its tiles, else DEFAULT_FEW, else FALLBACKS (the first that fits the device and takes whole slices
-    of K). The float16 product's choices are not taken: its staging is another program's."""
+    products of this class (benchmarks/bench_matmul.py --quant --tune), else DEFAULT where the rows fill its tiles
+    (M at least its BM) and the output has WIDE_TILES of them, else DEFAULT_FEW, else FALLBACKS (the first that
+    fits the device and takes whole slices of K). The float16 product's choices are not taken: its staging is
+    another program's."""
     if not lim.coop or lim.min_subgroup != lim.max_subgroup or lim.subgroup < 1 or k % BLOCK or m < 1 or n < 1:
         return None
     frag = matmul_coop.fragment(lim, "float16")
@@ -243,7 +253,7 @@ def config(lim: Limits, m: int, n: int, k: int, fmt: str = "") -> Prefill | None
     for c, v in lim.tuned:
         if c == cls and (cfg := Prefill(*v)).fits(frag, lim) and _whole(cfg, k):
             return cfg
-    wide = math.ceil(m / DEFAULT.bm) * math.ceil(n / DEFAULT.bn) >= WIDE_TILES
+    wide = m >= DEFAULT.bm and math.ceil(m / DEFAULT.bm) * math.ceil(n / DEFAULT.bn) >= WIDE_TILES
     for cfg in ((DEFAULT,) if wide else ()) + (DEFAULT_FEW, *FALLBACKS):
         if _whole(cfg, k) and cfg.fits(frag, lim):
             return cfg
@@ -317,7 +327,7 @@ def decode_config(lim: Limits, m: int, n: int, k: int) -> Tile | None:
 def _declare_w(emit: Any, bn: int, bk: int, nt: int, reg: str = "") -> None:
     for c in range(math.ceil(bn * (bk // 16) / nt)):
         emit(f"uvec4 br{c}{reg}_0 = uvec4(0u), br{c}{reg}_1 = uvec4(0u), br{c}{reg}_2 = uvec4(0u);")
-        emit(f"float bs{c}{reg} = 0.0;")
+        emit(f"uint bs{c}{reg} = 0u;")
 
 
 def _deal(e: str, kb: int, rows: int) -> tuple[str, str]:
@@ -348,7 +358,7 @@ def _load_w(emit: Any, n: int, bn: int, bk: int, nt: int, k0: str, reg: str = ""
             emit(f"  {load} }}")
             continue
         emit(f"  if ({guard}row < {n}) {load}")
-        emit(f"  else {{ {r}_0 = uvec4(0u); {r}_1 = uvec4(0u); {r}_2 = uvec4(0u); bs{c}{reg} = 0.0; }} }}")
+        emit(f"  else {{ {r}_0 = uvec4(0u); {r}_1 = uvec4(0u); {r}_2 = uvec4(0u); bs{c}{reg} = 0u; }} }}")
 
 
 def _store_w(emit: Any, bn: int, bk: int, nt: int, at: str, k0: str, reg: str = "", only: int | None = None,
@@ -434,10 +444,12 @@ def stage_x_source(m: int, k: int, bm: int, bk: int, nt: int) -> str:
     return "\n".join(L)
 
 
-def stage_source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, bn: int, bk: int, nt: int) -> str:
+def stage_source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, bn: int, bk: int, nt: int,
+                 form: int = FORM) -> str:
     """A program that runs only the product's staging of W: workgroup (tn, kt) of nt invocations loads and decodes
-    the bn x bk slice of rows tn * bn .. at element kt * bk into shared memory, as the product does, then copies
-    it out to float16 [n, k] (16-byte words). For checking the staging against numpy on any device."""
+    the bn x bk slice of rows tn * bn .. at element kt * bk into shared memory, as the product does (`levels` in
+    form `form`), then copies it out to float16 [n, k] (16-byte words). For checking the staging against numpy on
+    any device."""
     _check_format(fmt)
     stride = (bk + 8) // 8
     L = ["#version 450", "#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require",
@@ -445,7 +457,7 @@ def stage_source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, bn: int
          "layout(set = 0, binding = 0) readonly buffer W { uvec4 w[]; };",
          "layout(set = 0, binding = 1) readonly buffer S { uint s[]; };",
          "layout(set = 0, binding = 2) writeonly buffer O { uvec4 o[]; };",
-         f"shared uvec4 sm[{bn * stride}];", *_codec(fmt, w_stride, s_stride), "void main() {",
+         f"shared uvec4 sm[{bn * stride}];", *_codec(fmt, w_stride, s_stride, form), "void main() {",
          "int lid = int(gl_LocalInvocationID.x), tn = int(gl_WorkGroupID.x), kt = int(gl_WorkGroupID.y);"]
     _declare_w(L.append, bn, bk, nt)
     _load_w(L.append, n, bn, bk, nt, f"kt * {bk}")
@@ -475,7 +487,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     fm, fn, fk = frag
     bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
     wk, ks, pf = _splits(cfg)
-    order = cfg.order if isinstance(cfg, Prefill) else 0
+    order, form = (cfg.order, cfg.form) if isinstance(cfg, Prefill) else (0, FORM)
     if residual and ks > 1:
         raise ValueError("matmul_quant: a product split over K writes partial planes; add the residual to their sum")
     nt = wm * wn * wk * subgroup
@@ -681,7 +693,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         head.append("layout(set = 0, binding = 4) readonly buffer R { float res[]; };")
     head += ["layout(push_constant) uniform Push { uint m; uint groups_x; } pc;",
              f"shared uvec4 sm[{smem}];",
-             *_codec(fmt, w_stride, s_stride), *([_X8] if int8 else []),
+             *_codec(fmt, w_stride, s_stride, form), *([_X8] if int8 else []),
              "void main() {"]
     return "\n".join(head + L + ["}", ""])
 

@@ -184,7 +184,7 @@ def _declare(emit: Any, units: int, halves: int, reg: str) -> None:
     for c in range(units):
         for h in range(halves):
             emit(f"uvec4 w{reg}_{c}_{h}_0 = uvec4(0u), w{reg}_{c}_{h}_1 = uvec4(0u), w{reg}_{c}_{h}_2 = uvec4(0u);")
-            emit(f"float s{reg}_{c}_{h} = 0.0;")
+            emit(f"uint s{reg}_{c}_{h} = 0u;")
 
 
 def _load(emit: Any, n: int, whole: bool, rows: int, units: int, halves: int, sgs: int, k0: str, reg: str) -> None:
@@ -199,7 +199,7 @@ def _load(emit: Any, n: int, whole: bool, rows: int, units: int, halves: int, sg
             emit(f"  {loads} }}")
         else:
             zero = " ".join(f"w{reg}_{c}_{h}_0 = uvec4(0u); w{reg}_{c}_{h}_1 = uvec4(0u); w{reg}_{c}_{h}_2 = uvec4(0u);"
-                            f" s{reg}_{c}_{h} = 0.0;" for h in range(halves))
+                            f" s{reg}_{c}_{h} = 0u;" for h in range(halves))
             emit(f"  if (row < {n}) {{ {loads} }} else {{ {zero} }} }}")
 
 
