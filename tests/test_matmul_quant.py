@@ -253,6 +253,20 @@ def test_byte_shuffled_levels_emulated_match_numpy(monkeypatch):
     _prefill_tile_case(lim, "Q8_0", cfg, 40, 64, 128)
 
 
+def test_w_stages_emulated_match_numpy(monkeypatch):
+    """W in two stages of its own beside one of x (WSTAGES 2: each slice decoded into W's other stage between the
+    products), emulated, over ragged rows and columns."""
+    _prefill_tile_case(emulate_coop(monkeypatch), "Q4_0", mq.Prefill(64, 64, 32, 2, 2, 1, 1, 1, 0, 1, 2), 70, 100, 256)
+
+
+@pytest.mark.slow
+def test_w_stages_variants_emulated_match_numpy(monkeypatch):
+    """WSTAGES 2 over whole column tiles and an odd number of slices, and with K split in two."""
+    lim = emulate_coop(monkeypatch)
+    _prefill_tile_case(lim, "Q4_0", mq.Prefill(64, 64, 32, 2, 2, 1, 1, 1, 0, 1, 2), 70, 128, 96)
+    _prefill_tile_case(lim, "Q8_0", mq.Prefill(64, 64, 32, 2, 2, 1, 1, 2, 0, 0, 2), 40, 100, 512)
+
+
 # ---- on a device with cooperative matrices ---------------------------------------------------------------------
 
 
@@ -271,7 +285,7 @@ def _check(got: np.ndarray, x16: np.ndarray, w: np.ndarray, extra: np.ndarray | 
 
 
 _DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.CHUNK == 0] + [
-    c for c in mq.CANDIDATES if c.order or c.bk == 16 or c.form != mq.FORM]
+    c for c in mq.CANDIDATES if c.order or c.bk == 16 or c.form != mq.FORM or c.wstages > 1]
 _WHOLE = [c for c in _DEEP if c.ks == 1]  # tiles that write y itself (a K split writes partial planes)
 
 

@@ -3,7 +3,7 @@
 A file `<cache dir>/matmul/<device>.json` maps shape classes (matmul_coop.shape_class: the compute type and the
 sizes rounded to powers of two) to [BM, BN, BK, WM, WN, stages, PF, KS] (matmul_coop.Config; tables written before
 PF and KS existed hold six or seven numbers, the missing ones read as 1); the quantized prefill products'
-classes add templates.matmul_quant.Prefill's ORDER and FORM (older tables fewer: the missing ones take their
+classes add templates.matmul_quant.Prefill's ORDER, FORM and WSTAGES (older tables fewer: the missing ones take their
 defaults). `realize` loads the device's table into `Limits.tuned` (unless VKGRAPH_MATMUL_TUNE=0), so lowering
 keys on it; `benchmarks/bench_matmul.py --tune` measures the configurations of `matmul_coop.CONFIGS` on the device
 and records the fastest.
@@ -30,7 +30,7 @@ def load(p: Path) -> tuple[tuple[str, tuple[int, ...]], ...]:
     try:
         raw = json.loads(p.read_text())
         return tuple(sorted((str(k), tuple(int(x) for x in v) + (1,) * (8 - len(v))) for k, v in raw.items()
-                            if isinstance(v, list) and 6 <= len(v) <= 10))
+                            if isinstance(v, list) and 6 <= len(v) <= 11))
     except (OSError, ValueError, AttributeError, TypeError):
         return ()
 

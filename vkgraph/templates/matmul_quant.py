@@ -181,19 +181,30 @@ class Prefill(matmul_coop.Config):
     current slice's products (behind a branch: the products, then the decoding), 1 before them, 2 between their
     16-deep steps (see `source`). Two stages take the decoded slice into the other stage at once; one stage keeps
     it in registers until every subgroup is done with the current slice. FORM: how Q8_0's and Q4_0's bytes are
-    placed into float16 levels (`_LEVELS`; the same values either way, a tile's speed not: RESULTS.md)."""
+    placed into float16 levels (`_LEVELS`; the same values either way, a tile's speed not: RESULTS.md). WSTAGES 2
+    (with one stage of x, one slice in flight): W's slices get two stages of their own and two register sets, so
+    each step decodes the next slice straight into W's other stage between its products (read a step earlier: no
+    wait on the read, no decoded values held in registers), and only x's words are stored after the barrier."""
 
     order: int = 0
     form: int = FORM
+    wstages: int = 1
 
     def key(self) -> list[int]:
-        return [*super().key(), self.order, self.form]
+        return [*super().key(), self.order, self.form, self.wstages]
 
     def label(self) -> str:
-        return super().label() + (f"/o{self.order}" if self.order else "") + (f"/f{self.form}" if self.form else "")
+        return (super().label() + (f"/o{self.order}" if self.order else "") + (f"/f{self.form}" if self.form else "")
+                + ("/w2" if self.wstages == 2 else ""))
+
+    def shared_bytes(self, itemsize: int = 2) -> int:
+        p = 16 // itemsize
+        return super().shared_bytes(itemsize) + (self.wstages - 1) * itemsize * max(
+            self.bn * (self.bk + p), self.bk * (self.bn + p))
 
     def fits(self, frag: tuple[int, int, int], lim: Limits, itemsize: int = 2) -> bool:
-        return super().fits(frag, lim, itemsize) and self.order in (0, 1, 2) and self.form in _LEVELS
+        return (super().fits(frag, lim, itemsize) and self.order in (0, 1, 2) and self.form in _LEVELS
+                and (self.wstages == 1 or self.wstages == 2 and self.stages == 1 and self.pf == 1))
 
 
 # The prefill product's tiles where none was measured for the format's class (`bench_matmul.py --quant Q4_0 --tune`
@@ -212,10 +223,10 @@ WIDE_TILES = 64
 # 256 x 128 x 32 and 128 x 256 x 32 with 64 x 64 per subgroup (the fewest fragment loads per product), 128 x 128 x 64
 # with 32 x 64, each in both forms of `levels` or in the orders that came close. Two stages: at 48 KiB
 # 128 x 128 x 32 is the largest 32-deep tile. K split for outputs of few tiles (N = 4096 at 512 rows: 64 of
-# 256 x 128, 128 of 128 x 128). Left out, 10-55% behind the best: tiles of 16 subgroups, of 64 rows or 64 x 32 per
-# subgroup, 16-deep slices, 128 x 192 (one workgroup a multiprocessor for qkv), an invocation staging both chunks of
-# a block (fewer instructions, yet 5-15% slower), and A fragments read from x in device memory with W alone in
-# shared memory (two stages of 128 x 256 x 32: 90-127).
+# 256 x 128, 128 of 128 x 128). WSTAGES 2 fits 256 x 128 x 32 in 40 KiB. Left out, 10-55% behind the best: tiles
+# of 16 subgroups, of 64 rows or 64 x 32 per subgroup, 16-deep slices, 128 x 192 (one workgroup a multiprocessor for
+# qkv), an invocation staging both chunks of a block (fewer instructions, yet 5-15% slower), and A fragments read
+# from x in device memory with W alone in shared memory (two stages of 128 x 256 x 32: 90-127).
 _S2, _S1 = 2, 1
 CANDIDATES = (
     DEFAULT, Prefill(256, 128, 32, 4, 2, _S1), Prefill(256, 128, 32, 4, 2, _S1, 1, 1, 2, 1),
@@ -223,6 +234,9 @@ CANDIDATES = (
     DEFAULT_FEW, Prefill(128, 128, 64, 4, 2, _S1, 1, 1, 0, 1), Prefill(128, 128, 64, 4, 2, _S1, 1, 1, 1),
     Prefill(128, 128, 64, 2, 4, _S1, 2, 1, 2),
     FALLBACKS[0], Prefill(128, 128, 32, 2, 4, _S2, 2, 1, 1), Prefill(128, 128, 32, 2, 4, _S2, 2, 1, 2),
+    # W in two stages of its own beside one of x
+    *(Prefill(256, 128, 32, 4, 2, _S1, 1, 1, 0, f, 2) for f in (1, 0)), Prefill(128, 128, 32, 4, 2, _S1, 1, 1, 0, 1, 2),
+    Prefill(256, 128, 32, 4, 2, _S1, 1, 2, 0, 1, 2),
     # K split
     Prefill(256, 128, 32, 4, 2, _S1, 1, 2, 0, 1), Prefill(128, 256, 32, 2, 4, _S1, 1, 2, 2),
     Prefill(128, 128, 64, 4, 2, _S1, 1, 2, 0))
@@ -487,7 +501,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     fm, fn, fk = frag
     bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
     wk, ks, pf = _splits(cfg)
-    order, form = (cfg.order, cfg.form) if isinstance(cfg, Prefill) else (0, FORM)
+    order, form, wsplit = (cfg.order, cfg.form, cfg.wstages == 2) if isinstance(cfg, Prefill) else (0, FORM, False)
     if residual and ks > 1:
         raise ValueError("matmul_quant: a product split over K writes partial planes; add the residual to their sum")
     nt = wm * wn * wk * subgroup
@@ -500,7 +514,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     a_size, b_size = bm * a_stride, bn * b_stride
     stage = a_size + b_size
     c_stride = (tn_ + 4) // 4  # a row of a subgroup's accumulators, float32, padded by 4
-    smem = max(cfg.stages * stage, wm * wn * wk * fm * c_stride)
+    smem = max(cfg.stages * stage + wsplit * b_size, wm * wn * wk * fm * c_stride)
     chunks_a = bm * (bk // 8)
     per_a = math.ceil(chunks_a / nt)
     rounds_w = math.ceil(bn * (bk // 16) / nt)  # W's chunks per invocation
@@ -510,8 +524,12 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     L: list[str] = []
     emit = L.append
 
-    def load_slice(k0: str, reg: str) -> None:
+    def load_slice(k0: str, reg: str, w_reg: str | None = None) -> None:
+        """x's and W's words of the slice from element k0 into registers reg (W's into w_reg where given; "-":
+        x's alone)."""
         k0 = f"kz0 + {k0}"
+        if w_reg != "-":
+            _load_w(emit, n, bn, bk, nt, k0, reg if w_reg is None else w_reg)
         if int8:
             _load_x8(emit, k, bm, bk, nt, k0, "int(pc.m)", reg)
         else:  # x: row-major float16, 16-byte words; zero past row M
@@ -520,7 +538,6 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
                 emit(f"{{ int e = lid + {c * nt}; int row = tm * {bm} + {srow};")
                 emit(f"  ar{c}{reg} = ({guard}row < int(pc.m)) ? "
                      f"x[row * {k // 8} + ({k0}) / 8 + ({scol})] : uvec4(0u); }}")
-        _load_w(emit, n, bn, bk, nt, k0, reg)
 
     def store_parts(at: str, k0: str, reg: str, part: str = "") -> list[Any]:
         """The staging of a slice into shared memory from `at` as parts that may be emitted apart: W's rounds of
@@ -573,6 +590,8 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         else:
             emit(f"uvec4 {', '.join(f'ar{c}{reg} = uvec4(0u)' for c in range(per_a))};")
         _declare_w(emit, bn, bk, nt, reg)
+    if wsplit:
+        _declare_w(emit, bn, bk, nt, "p")
     if order and cfg.stages == 1:
         for c in range(rounds_w):
             emit(f"uvec4 dl{c} = uvec4(0u), dh{c} = uvec4(0u);")
@@ -580,7 +599,46 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
     store_slice("0", "0", "")
     if pf == 2 and nk > 1:
         load_slice(f"{bk}", "p")
+    if wsplit and nk > 1:  # W runs a slice ahead of x: slice j's words in set j % 2 ("", "p")
+        _load_w(emit, n, bn, bk, nt, f"kz0 + {bk}", "p")
     emit("barrier();")
+
+    def w_step(kt: str, load_reg: str, decode_reg: str) -> None:
+        """WSTAGES 2: slice kt multiplied (x at 0, W in stage kt % 2) while x's slice kt + 1 and W's kt + 2 are read
+        (W's into set load_reg); W's slice kt + 1, read a step earlier (set decode_reg), is decoded into W's other
+        stage between the products, unconditionally (past the last slice into the stage no one reads again); after
+        the barrier x's words are stored, and a second barrier ends the step."""
+        emit(f"int cur = {a_size} + (({kt}) & 1) * {b_size};")
+        emit(f"if (({kt}) + 1 < {nk}) {{")
+        load_slice(f"(({kt}) + 1) * {bk}", "", "-")
+        emit("}")
+        emit(f"if (({kt}) + 2 < {nk}) {{")
+        _load_w(emit, n, bn, bk, nt, f"kz0 + (({kt}) + 2) * {bk}", load_reg)
+        emit("}")
+        parts = [partial(_store_w, emit, bn, bk, nt, f"{2 * a_size + b_size} - cur", f"kz0 + (({kt}) + 1) * {bk}",
+                         decode_reg, only=c) for c in range(rounds_w)]
+        emit(f"{a_t} fa[{ffm}];")
+        emit(f"{b_t} fb[{ffn}];")
+        ksteps = range(0, bk, fk)
+        for s_, kk in enumerate(ksteps):
+            for i in range(ffm):
+                emit(f"coopMatLoad(fa[{i}], sm, (arow + {i * fm}) * {a_stride} + {kk // 8}, "
+                     f"{a_stride}, gl_CooperativeMatrixLayoutRowMajor);")
+            for j in range(ffn):
+                emit(f"coopMatLoad(fb[{j}], sm, cur + (bcol + {j * fn}) * {b_stride} + {kk // 8}, "
+                     f"{b_stride}, gl_CooperativeMatrixLayoutColumnMajor);")
+            for i in range(ffm):
+                for j in range(ffn):
+                    emit(f"acc{i}_{j} = coopMatMulAdd(fa[{i}], fb[{j}], acc{i}_{j});")
+            for p_, part in enumerate(parts):  # part p after the 16-deep step p * steps // parts
+                if p_ * len(ksteps) // len(parts) == s_:
+                    part()
+        emit("barrier();")
+        emit(f"if (({kt}) + 1 < {nk}) {{")
+        for p in store_parts("0", f"(({kt}) + 1) * {bk}", "")[rounds_w:]:  # x's words alone
+            p()
+        emit("}")
+        emit("barrier();")
 
     def step(kt: str, load_reg: str, store_reg: str) -> None:
         """Slice kt multiplied from shared memory while slice kt + pf is read into registers load_reg; slice
@@ -629,7 +687,16 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         emit("}")
         emit("barrier();")
 
-    if pf == 1:
+    if wsplit:  # two steps a trip, so each names W's register sets: even steps read into "", odd ones into "p"
+        emit(f"for (int kt = 0; kt < {nk}; kt += 2) {{")
+        emit("{")
+        w_step("kt", "", "p")
+        emit("}")
+        emit(f"if (kt + 1 < {nk}) {{")
+        w_step("kt + 1", "p", "")
+        emit("}")
+        emit("}")
+    elif pf == 1:
         emit(f"for (int kt = 0; kt < {nk}; kt++) {{")
         step("kt", "", "")
         emit("}")
