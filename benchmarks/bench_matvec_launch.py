@@ -21,7 +21,8 @@ width) and prints the best three. --nb-sweep times the integer path's candidates
 (matvec.SG_INT_DOT_PREFERRED's entries): rows per group and units in flight, each with and without fold (a
 unit's runs summed as integers first) and stage (a round's activations staged in shared memory per workgroup),
 and the workgroup launch with and without fold; it prints the chosen configuration's figure, the best of each
-(fold, stage) pair and the ten fastest, at most --budget seconds per product and batch. --wg-sweep times the
+(fold, stage) pair and the ten fastest, all captured first (at most --budget seconds per product and batch), then
+replayed in turn after the clocks are raised. --wg-sweep times the
 workgroup launch around the default configuration ("chosen"): invocations per
 workgroup, rows per workgroup and rounds of units in flight per invocation (`unroll`), all compiled and captured
 first (at most --budget seconds per product and batch), then replayed in turn --reps times after the clocks are
@@ -160,16 +161,23 @@ def _nb_name(c: mv.MatvecConfig) -> str:
 
 def nb_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, old: mv.MatvecConfig, reps: int,
              budget: float) -> None:
-    """Time _nb_configs for --budget seconds at most and print what --nb-sweep promises (GB/s of weight bytes)."""
+    """Capture _nb_configs for --budget seconds at most, then replay them in turn after the clocks are raised (as
+    wg_sweep: no compile between timings), and print what --nb-sweep promises (GB/s of weight bytes)."""
     nbytes = ws[0].shape[0] * f.row_bytes(ws[0].shape[1])
-    start, times = time.perf_counter(), {}
-    for cfg in [base, *_nb_configs(dev, f, base, old, batch)]:
-        if cfg in times:
-            continue
-        if time.perf_counter() - start > budget:
-            print(f"      nb: budget spent after {len(times)} configurations", flush=True)
-            break
-        times[cfg] = product_us(dev, ws, x, y, batch, cfg, reps)
+    start, graphs = time.perf_counter(), {}
+    try:
+        for cfg in [base, *_nb_configs(dev, f, base, old, batch)]:
+            if cfg in graphs:
+                continue
+            if time.perf_counter() - start > budget:
+                print(f"      nb: budget spent after {len(graphs)} configurations", flush=True)
+                break
+            graphs[cfg] = capture_graph(dev, product_run(dev, ws, x, y, batch, cfg))
+        raise_clocks(1.0)
+        times = replay_many_us(dev, graphs, reps)
+    finally:
+        for graph in graphs.values():
+            graph.destroy()
     gbs = {c: nbytes / t / 1e3 for c, t in times.items()}
     best = {}
     for c in sorted(gbs, key=gbs.get, reverse=True):
