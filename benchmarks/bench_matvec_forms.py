@@ -78,6 +78,7 @@ def head_to_head(forms: list[tuple[str, str]], argv: list[str]) -> None:
     a = ap.parse_args(argv)
     dev = get_device()
     rng = np.random.default_rng(0)
+    print(f"{dev.info.name}: GB/s of weight bytes per form; (r): the form's speed over base's, same launch")
     for fmt in a.formats.split(","):
         f, base = FORMATS[fmt], mv.TEMPLATE[fmt]
         variants = [(define, define_form(name, define)) for name, define in forms if name == base]
