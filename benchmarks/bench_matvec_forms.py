@@ -1,7 +1,7 @@
 """bench_matvec_launch.py with another form of the matvec templates, for old against new on one checkout:
 
     python benchmarks/bench_matvec_forms.py --mantissa-cvt [bench_matvec_launch.py's arguments]
-    python benchmarks/bench_matvec_forms.py --h2h matvec_q4_k:COEFFS_PER_RUN[,TEMPLATE:DEFINE ...]
+    python benchmarks/bench_matvec_forms.py --h2h TEMPLATE:DEFINE[,TEMPLATE:DEFINE ...]
                                             [--formats Q4_K] [--batches 1,8] [--shapes 8b] [--products o,down]
                                             [--rounds 6]
 

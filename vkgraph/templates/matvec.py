@@ -136,8 +136,12 @@ BATCH_ROWS = {"Q4_0": {2: 8, 4: 8, 8: 8}, "Q8_0": {2: 4, 4: 8, 8: 8}}
 # The integer dot-product path: (invocations per workgroup up to K = 4096, beyond it, rows per
 # workgroup) by activation rows, measured on an H200 (`tune_matvec.py --paths int8`). With the weights' decoding
 # reduced to a few integer instructions, one subgroup per workgroup and few rows won at every batch.
+# Q8_0 at one row: two rows per workgroup, 256 invocations where K <= 4096 (2026-12-02, bench_matvec_launch.py
+# --wg-sweep at the 8B products, GB/s against the earlier 128 invocations on one row in the same run: qkv 2545
+# against 2456, o 2050 against 1984, gate_up 3874 against 3731, down (128 invocations) 3236 against 3179, head 4373
+# against 4238); every product's fastest had two rows, within 1.5% of it.
 INT_DOT_PREFERRED = {"Q4_0": {1: (128, 128, 2), 2: (32, 64, 2), 4: (32, 32, 2), 8: (32, 64, 2)},
-                     "Q8_0": {1: (128, 128, 1), 2: (32, 64, 2), 4: (32, 64, 2), 8: (32, 32, 2)},
+                     "Q8_0": {1: (256, 128, 2), 2: (32, 64, 2), 4: (32, 64, 2), 8: (32, 32, 2)},
                      "Q4_K": {1: (128, 128, 4), 2: (32, 64, 4), 4: (32, 64, 4), 8: (32, 64, 4)},
                      "Q6_K": {1: (32, 64, 2), 2: (32, 64, 2), 4: (32, 32, 4), 8: (32, 32, 4)}}
 for _f, _like in (("Q4_1", "Q4_0"), ("Q5_0", "Q4_0"), ("Q5_1", "Q4_0"), ("IQ4_NL", "Q4_0"), ("IQ4_XS", "Q4_0"),
@@ -162,19 +166,25 @@ class OneRow:
 # The integer path at one activation row by product shape, where other launch parameters measured faster than
 # INT_DOT_PREFERRED's: by format, entries ((smallest N, largest N), (smallest K, largest K), OneRow), the first
 # entry whose ranges hold the product's N and K taken; each range spans the measured shapes and less than twice
-# them, so shapes not measured (the 1B model's K = 2048, the head) keep INT_DOT_PREFERRED's. Measured on an H200
-# (2026-12-02, `bench_matvec_launch.py --wg-sweep`, Q4_0 at the 8B products, GB/s against INT_DOT_PREFERRED's 128
-# invocations and 2 rows in the same interleaved run): qkv 1618 against 1411 and o 1230 against 1155 with 32-lane
-# groups of one row, 4 units in flight, fold; gate_up 3168 against 2897 with one subgroup of 4 rows; down 2588
-# against 2428 with 64 invocations on one row, fold.
+# them, so shapes not measured (the 1B model's K = 2048; the head, where no entry names it) keep
+# INT_DOT_PREFERRED's. Measured on an H200 (2026-12-02, `bench_matvec_launch.py --wg-sweep`, Q4_0 at the 8B products,
+# GB/s against INT_DOT_PREFERRED's 128 invocations and 2 rows in the same interleaved run): qkv 1618 against 1411
+# and o 1230 against 1155 with 32-lane groups of one row, 4 units in flight, fold; gate_up 3168 against 2897 with
+# one subgroup of 4 rows; down 2588 against 2428 with 64 invocations on one row, fold.
 INT_DOT_ONE_ROW: dict[str, list[tuple[tuple[int, int], tuple[int, int], OneRow]]] = {
     "Q4_0": [((4096, 8192), (4096, 4096), OneRow(128, 1, 4, True, subgroup=True)),
              ((16384, 32768), (4096, 4096), OneRow(32, 4, 1, False)),
              ((4096, 8192), (8192, 16384), OneRow(64, 1, 1, True))],
-    # Q4_K (2026-12-02, bench_matvec_launch.py, GB/s): qkv 1431 in SG_PREFERRED's subgroup-rows launch against
-    # 1344 in INT_DOT_PREFERRED's; o, gate_up and down faster in INT_DOT_PREFERRED's (1081/2545/2099 against
-    # 1040/2351/1573)
-    "Q4_K": [((6144, 8192), (4096, 4096), OneRow(128, 2, 4, False, subgroup=True))]}
+    # Q4_K (2026-12-02, bench_matvec_launch.py --wg-sweep, the one-word unit with both runs' scales unpacked at once,
+    # GB/s in the finals against INT_DOT_PREFERRED's 128 invocations and 4 rows, and the earlier subgroup-rows entry
+    # for qkv, in the same run): two rows per workgroup won on every product. qkv 1442 (first pass 1504) against 1300
+    # (sg) and 1484; o 1180 (1161) against 1137; gate_up 2779 (2787) against 2410; down 2258 (2134) against 1848;
+    # the head one subgroup of 4 rows, 3763 (3713) against 3106.
+    "Q4_K": [((6144, 8192), (4096, 4096), OneRow(32, 2, 4, False)),
+             ((4096, 5120), (4096, 4096), OneRow(64, 2, 2, False)),
+             ((16384, 32768), (4096, 4096), OneRow(32, 2, 4, False)),
+             ((4096, 8192), (8192, 16384), OneRow(128, 2, 4, False)),
+             ((65536, 200000), (4096, 4096), OneRow(32, 4, 1, False))]}
 
 
 def one_row_entry(fmt: QuantFormat, n: int, k: int) -> OneRow | None:

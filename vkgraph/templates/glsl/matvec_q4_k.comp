@@ -24,60 +24,31 @@ vec4 run_levels(Unit q, uint j, uint i) { return j == 0 ? nibbles_lo(q.v[i]) : n
 
 vec4 x_factor(uint j) { return j == 0 ? NIB_LO : NIB_HI; }
 
-// The integer path's high nibbles are dotted where they lie, as 16 times their levels (run_idot): run 1's scale is
-// then taken as sc / 16, exactly (the same float product).
-#if defined(INT_DOT) && !defined(NIBBLE_SHIFT)
-#define HI_SCALE 0.0625
-#else
-#define HI_SCALE 1.0
-#endif
-
 // run j is sub-block 2 * (k / 2) + j: (d * scale, -dmin * min) from get_scale_min_k4; bytes 4..15 of the
-// header are h.y, h.z, h.w. The 6-bit scale and min become floats through the mantissa of 2^23 (exact), not
-// through conversions, which run at a fraction of the float rate on NVIDIA.
-#ifdef COEFFS_PER_RUN
-// the earlier form, for bench_matvec_forms --h2h: each run's fields apart, a branch on the sub-block's half
-vec2 run_coeffs(Unit q, uint u, uint j) {
-    const uint p = (u & 7u) >> 1, sh = 16u * (p & 1u) + 8u * j;
-    const uint y = q.h.y >> sh, z = q.h.z >> sh, x4 = q.h.w >> sh;
-    uint sc, mn;
-    if (p < 2) {
-        sc = y & 63u;
-        mn = z & 63u;
-    } else {
-        sc = (x4 & 0xFu) | ((y >> 2) & 0x30u);
-        mn = ((x4 >> 4) & 0xFu) | ((z >> 2) & 0x30u);
-    }
-    const vec2 dm = unpackHalf2x16(q.h.x);
-    const vec2 sm = uintBitsToFloat(uvec2(sc, mn) | 0x4B000000u) - 8388608.0;
-    return vec2(dm.x * (j == 0 ? 1.0 : HI_SCALE) * sm.x, -dm.y * sm.y);
-}
-#else
-// Both runs' fields are unpacked at once, as bytes j of `sc` and `mn` (the shifts and masks are the same for both
-// runs of a unit, so the two calls share them), without a branch (the 8 lanes of a super-block take both sides).
-// Run 1's scale lands in the mantissa of 2^23 * HI_SCALE: sc * HI_SCALE with no multiply.
+// header are h.y, h.z, h.w. Both runs' fields are unpacked at once, as bytes j of `sc` and `mn` (the shifts and
+// masks are the same for both runs of a unit, so the two calls share them), without a branch (the 8 lanes of a
+// super-block take both sides). The 6-bit scale and min become floats through the mantissa of 2^23 (exact), not
+// through conversions, which run at a fraction of the float rate on NVIDIA. On the integer path run 1's scale
+// is sc / 16, from the mantissa of 2^19 (exact, no multiply): run_idot dots its nibbles where they lie.
 vec2 run_coeffs(Unit q, uint u, uint j) {
     const uint p = (u >> 1) & 3u, sh = 16u * (p & 1u);
     const uint y = q.h.y >> sh, z = q.h.z >> sh, x4 = q.h.w >> sh;
     const bool first = p < 2u;   // sub-blocks 0..3: 6-bit fields; 4..7: a nibble of x4 and two high bits
     const uint sc = first ? y & 0x3F3Fu : (x4 & 0x0F0Fu) | ((y >> 2) & 0x3030u);
     const uint mn = first ? z & 0x3F3Fu : ((x4 >> 4) & 0x0F0Fu) | ((z >> 2) & 0x3030u);
-    const vec2 top = vec2(j == 0 ? 8388608.0 : 8388608.0 * HI_SCALE, 8388608.0);   // 2^23, or 2^19 for run 1
+#ifdef INT_DOT
+    const vec2 top = vec2(j == 0 ? 8388608.0 : 524288.0, 8388608.0);   // 2^23, or 2^19 for run 1's scale
+#else
+    const vec2 top = vec2(8388608.0);
+#endif
     const vec2 sm = uintBitsToFloat(((uvec2(sc, mn) >> (8u * j)) & 0xFFu) | floatBitsToUint(top)) - top;
     return unpackHalf2x16(q.h.x) * vec2(sm.x, -sm.y);
 }
-#endif
 
 #ifdef INT_DOT
-// run 0 is the low nibbles, run 1 the high ones, as in run_levels; the high ones are left in place (16 times
-// their levels: the dot product stays below 2^19, exact as a float, and run 1's scale is sc / 16, exactly, so
-// the product is the same float) instead of shifted down, four shifts fewer per unit and row (-DNIBBLE_SHIFT:
-// shifted, the earlier form, for bench_matvec_forms --h2h)
-int run_idot(Unit q, uint j, uvec4 xq, int xs) {
-#ifdef NIBBLE_SHIFT
-    return dot16_s8u8(xq, (q.v >> (4 * j)) & 0x0F0F0F0Fu);
-#else
-    return dot16_s8u8(xq, q.v & (j == 0 ? 0x0F0F0F0Fu : 0xF0F0F0F0u));
-#endif
-}
+// run 0 is the low nibbles, run 1 the high ones, as in run_levels; the high ones are dotted where they lie, as 16
+// times their levels (the dot product stays below 2^19, exact as a float; run_coeffs takes sc / 16, so the product
+// is the same float), four shifts fewer per unit and row than shifting them down: 8-22% faster at 8 activation
+// rows on the H200's K = 4096 products (bench_matvec_forms --h2h, 2026-12-02; one row within 3%)
+int run_idot(Unit q, uint j, uvec4 xq, int xs) { return dot16_s8u8(xq, q.v & (j == 0 ? 0x0F0F0F0Fu : 0xF0F0F0F0u)); }
 #endif
