@@ -178,11 +178,12 @@ INT_DOT_ONE_ROW: dict[str, list[tuple[tuple[int, int], tuple[int, int], OneRow]]
     # Q4_K (2026-12-02, bench_matvec_launch.py --wg-sweep, the one-word unit with both runs' scales unpacked at once,
     # GB/s in the finals against INT_DOT_PREFERRED's 128 invocations and 4 rows, and the earlier subgroup-rows entry
     # for qkv, in the same run): two rows per workgroup won on every product. qkv 1442 (first pass 1504) against 1300
-    # (sg) and 1484; o 1180 (1161) against 1137; gate_up 2779 (2787) against 2410; down 2258 (2134) against 1848;
-    # the head one subgroup of 4 rows, 3763 (3713) against 3106.
+    # (sg) and 1484; o 1180 (1161) against 1137; gate_up 2756 (2745) against 2410, one round in flight (four read
+    # 2779, but glu_config takes the product's rounds and rows, 4 rows a group there: 16 Q4_K units in flight an
+    # invocation); down 2258 (2134) against 1848; the head one subgroup of 4 rows, 3763 (3713) against 3106.
     "Q4_K": [((6144, 8192), (4096, 4096), OneRow(32, 2, 4, False)),
              ((4096, 5120), (4096, 4096), OneRow(64, 2, 2, False)),
-             ((16384, 32768), (4096, 4096), OneRow(32, 2, 4, False)),
+             ((16384, 32768), (4096, 4096), OneRow(32, 2, 1, False)),
              ((4096, 8192), (8192, 16384), OneRow(128, 2, 4, False)),
              ((65536, 200000), (4096, 4096), OneRow(32, 4, 1, False))]}
 
