@@ -1,11 +1,12 @@
 """Matvec templates against float64 numpy on the dequantized weights, for every format."""
 
 import dataclasses
+import math
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_templates_common import check, device, quantize_q8_ref, snapshot, upload, weights
 
@@ -728,3 +729,165 @@ def test_glu_config_from_the_product_launch(monkeypatch):
     assert mv.glu_config(h200, q40, 14336 + 16, 4096, 1) is None
     flat = SimpleNamespace(info=dataclasses.replace(info, subgroup_ops=frozenset({"basic", "arithmetic"})))
     assert mv.glu_config(flat, q40, 14336, 4096, 1) is None
+
+
+# ---- the norm in the matvec's prologue (NormedRows: -DNORM_X) ----
+
+def _special_rows(rng, shape, kind: str) -> np.ndarray:
+    """Activation rows as a residual stream may hold them: ordinary, a row of zeros, rows whose squares overflow
+    float32 (with one value near its largest, whose product with the norm's weight overflows too), tiny rows
+    (squares far below eps), all negative."""
+    x = rng.standard_normal(shape) * 3
+    if kind == "zeros":
+        x[0] = 0
+    elif kind == "huge":
+        x *= 1e30
+        x[-1, 0] = 3e38
+    elif kind == "tiny":
+        x *= 1e-18
+    elif kind == "negative":
+        x = -np.abs(x)
+    return x.astype(np.float32)
+
+
+def _normed_case(fmt, n, k, batch, kind, config, seed, bias=False, residual=False, eps=1e-5):
+    """matvec over NormedRows with `config` (None: norm_config's) against float64 numpy: the rows normalized as
+    numpy's rms_norm in float64, quantized as the kernel quantizes them (quantize_q8_ref of x * 2^-e * g in
+    float32, e from the row's largest |x|: the same int8 values as the rows' RMSNorm has, up to a rare rounding
+    step) times the dequantized weights; and against the unquantized norm within the int8 rounding's reach."""
+    dev = device()
+    rng = np.random.default_rng(seed)
+    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, seed)
+    w64 = qt.dequantize().astype(np.float64)
+    x = _special_rows(rng, (batch, k), kind)
+    g = rng.standard_normal(k).astype(np.float32)
+    g[:32] = 0  # a block of zeros: scale 0
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    r = rng.standard_normal((batch, n)).astype(np.float32) if residual else None
+    extra = (b if bias else 0) + (r if residual else np.zeros((batch, n)))
+    x64 = x.astype(np.float64)
+    inv = 1 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + eps)
+    _, e = np.frexp(np.abs(x).max(1, keepdims=True))
+    e = np.clip(e, -126, 126)
+    q, d = quantize_q8_ref(np.ldexp(x, -e).astype(np.float32) * g)
+    blocks = (q.reshape(-1, 32).astype(np.float64) * d[:, None]).reshape(batch, k)
+    want = blocks @ w64.T * (np.ldexp(1.0, e) * inv) + extra
+    since = snapshot()
+    y = mv.matvec(dev, mv.upload_weights(dev, qt), mv.NormedRows(upload(dev, x), upload(dev, g), eps), batch,
+                  config=config, bias=None if b is None else upload(dev, b),
+                  residual=None if r is None else upload(dev, r))
+    got = dev.download(y, np.float32, (batch, n))
+    assert mv.TEMPLATE[fmt] + "+norm" in set(templates.DISPATCHES - since)
+    check(got, want, since)
+    normed = x64 * inv * g
+    exact = normed @ w64.T + extra
+    # the int8 rounding's reach, relative to the terms (not to a sum that cancels), with float32's rounding of the
+    # bias and residual added; each row on its own, so a huge row does not hide a tiny one
+    terms = np.abs(normed) @ np.abs(w64).T
+    for row in range(batch):
+        allowed = 1e-2 * np.linalg.norm(terms[row]) + 1e-6 * np.linalg.norm(extra[row])
+        assert np.linalg.norm(got[row] - exact[row]) <= allowed, (kind, row)
+    return got
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_matvec_normed_rows_equals_rmsnorm_q8_route(fmt, batch):
+    """The norm in the product's prologue gives what rmsnorm_q8's int8 blocks and the matvec over them give (the
+    same int8 values: a rare rounding step apart), with bias and residual; no other kernel runs."""
+    _needs_int_dot()
+    dev = device()
+    n, k, eps = 45, 512, 1e-5
+    if mv.norm_config(dev, quant.FORMATS[fmt], n, k, batch) is None:
+        pytest.skip("no launch for normalized rows on this device")
+    got = _normed_case(fmt, n, k, batch, "normal", None, batch, bias=True, residual=True, eps=eps)
+    rng = np.random.default_rng(batch)  # the case's draws again, in its order
+    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, batch)
+    x = _special_rows(rng, (batch, k), "normal")
+    g = rng.standard_normal(k).astype(np.float32)
+    g[:32] = 0
+    b = rng.standard_normal(n).astype(np.float32)
+    r = rng.standard_normal((batch, n)).astype(np.float32)
+    acts = mv.Q8Acts.in_buffer(norms.rmsnorm_q8(dev, upload(dev, x), upload(dev, g), batch, k, eps=eps), batch, k)
+    since = snapshot()
+    route = mv.matvec(dev, mv.upload_weights(dev, qt), acts, batch, bias=upload(dev, b), residual=upload(dev, r))
+    check(got, dev.download(route, np.float32, (batch, n)), since, tol=2e-3)
+
+
+# launches the prologue takes: group widths, rows per group, units in flight (rounds past K or short of it), several
+# groups per workgroup, fold, formats with super-blocks; special rows
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fmt=st.sampled_from(["Q4_0", "Q8_0", "Q5_1", "IQ4_XS", "Q4_K", "Q6_K"]), n=st.integers(1, 40),
+       blocks=st.integers(1, 12), batch=st.integers(1, 8), kind=st.sampled_from(["normal", "zeros", "huge", "tiny",
+                                                                                   "negative"]),
+       rows=st.integers(1, 3), tpr=st.sampled_from([2, 4, 8]), unroll=st.integers(1, 3),
+       wg_groups=st.sampled_from([1, 2, 4]), fold=st.booleans(), bias=st.booleans(), residual=st.booleans(),
+       seed=st.integers(0, 1000))
+@example(fmt="Q4_0", n=33, blocks=12, batch=8, kind="huge", rows=2, tpr=8, unroll=1, wg_groups=4, fold=True,
+         bias=False, residual=True, seed=1)
+@example(fmt="Q4_K", n=7, blocks=2, batch=3, kind="tiny", rows=1, tpr=8, unroll=1, wg_groups=2, fold=False,
+         bias=True, residual=False, seed=2)
+@example(fmt="Q8_0", n=20, blocks=5, batch=1, kind="zeros", rows=3, tpr=4, unroll=2, wg_groups=1, fold=True,
+         bias=False, residual=False, seed=3)
+def test_matvec_normed_rows_drawn(fmt, n, blocks, batch, kind, rows, tpr, unroll, wg_groups, fold, bias, residual,
+                                  seed):
+    _needs_int_dot()
+    dev = device()
+    if not {"shuffle", "arithmetic"} <= dev.info.subgroup_ops or dev.info.min_subgroup_size < 8:
+        pytest.skip("normalized rows need subgroup shuffles and arithmetic on subgroups of 8 lanes or more")
+    f = quant.FORMATS[fmt]
+    tpr = min(tpr, dev.info.min_subgroup_size)
+    span = max(32, f.block_size)  # rounds of whole blocks and super-blocks
+    step = span // math.gcd(span, tpr * mv.UNIT_ELEMS[fmt])
+    unroll = -(-unroll // step) * step
+    cfg = mv.MatvecConfig(max(wg_groups * tpr, dev.info.max_subgroup_size), rows, True, True, tpr, unroll,
+                          fold=fold and fmt in mv.FOLD_FORMATS, stage=True)
+    assert mv.stage_fits(dev, f, cfg, batch, norm=True)
+    k = _k_for(fmt, 1 + blocks % 3 if f.block_size == 256 else blocks)
+    _normed_case(fmt, n, k, batch, kind, cfg, seed, bias=bias, residual=residual)
+
+
+def test_matvec_normed_rows_long_rows():
+    """Llama-3-8B's q/k/v width (K = 4096: many rounds on a CPU device's launch) at 8 activation rows."""
+    _needs_int_dot()
+    if mv.norm_config(device(), quant.FORMATS["Q4_0"], 96, 4096, 8) is None:
+        pytest.skip("no launch for normalized rows on this device")
+    _normed_case("Q4_0", 96, 4096, 8, "normal", None, 5, residual=True)
+
+
+def test_norm_config_table_and_refusals(monkeypatch):
+    """NORM_PREFERRED by activation rows, VKGRAPH_NORM_PROLOGUE_SG's entries in its place, rounds raised to whole
+    super-blocks; no launch past MAX_BATCH rows, NORM_MAX_ROWS weight rows, formats off the integer path or K not
+    a multiple of 32; matvec refuses normalized rows where no launch takes them."""
+    _needs_int_dot()
+    dev = device()
+    q40, q4k = quant.FORMATS["Q4_0"], quant.FORMATS["Q4_K"]
+    if mv.norm_config(dev, q40, 4096, 4096, 1) is None:
+        pytest.skip("no launch for normalized rows on this device")
+    for batch in (1, 3, 8):
+        cfg = mv.norm_config(dev, q40, 4096, 4096, batch)
+        wg, rows, _, _, fold = mv.NORM_PREFERRED[1 << (batch - 1).bit_length()]
+        assert (cfg.rows, cfg.fold, cfg.stage, cfg.int_dot) == (rows, fold, True, True) and cfg.tpr > 0
+    cfg = mv.norm_config(dev, q4k, 4096, 4096, 1)
+    assert cfg.tpr * cfg.unroll * mv.UNIT_ELEMS["Q4_K"] % 256 == 0 and not cfg.fold
+    for fmt, n, k, batch in ((q40, 4096, 4096, 9), (q40, mv.NORM_MAX_ROWS + 1, 4096, 1),
+                             (quant.FORMATS["F16"], 64, 64, 1), (q40, 64, 48, 1)):
+        assert mv.norm_config(dev, fmt, n, k, batch) is None
+    monkeypatch.setenv("VKGRAPH_NORM_PROLOGUE_SG", "1:64,3,1,4,0")
+    cfg = mv.norm_config(dev, q40, 4096, 4096, 1)
+    assert (cfg.wg, cfg.rows, cfg.tpr, cfg.fold) == (max(64, dev.info.max_subgroup_size), 3, 4, False)
+    for bad in ("3:64,1,1,0,0", "1:64,1,1,0", "1:64,0,1,0,0", "1:64,1,1,0,2", "1:a,1,1,0,0"):
+        monkeypatch.setenv("VKGRAPH_NORM_PROLOGUE_SG", bad)
+        with pytest.raises(ValueError, match="VKGRAPH_NORM_PROLOGUE_SG"):
+            mv.norm_config(dev, q40, 4096, 4096, 1)
+    monkeypatch.delenv("VKGRAPH_NORM_PROLOGUE_SG")
+    w = mv.upload_weights(dev, quant.quantize(np.ones((8, 64), np.float32), "Q4_0"))
+    rows = mv.NormedRows(upload(dev, np.ones((2, 64), np.float32)), upload(dev, np.ones(64, np.float32)), 1e-5)
+    with pytest.raises(ValueError, match="stage"):
+        mv.matvec(dev, w, rows, 2, config=mv.MatvecConfig(32, 1, True, True, tpr=8, unroll=1))
+    nine = mv.NormedRows(upload(dev, np.ones((9, 64), np.float32)), rows.gain, 1e-5)
+    with pytest.raises(ValueError, match="no launch"):
+        mv.matvec(dev, w, nine, 9)
+    f16 = mv.upload_weights(dev, quant.quantize(np.ones((8, 64), np.float32), "F16"))
+    with pytest.raises(ValueError, match="integer dot-product path takes"):
+        mv.matvec(dev, f16, rows, 2)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,7 +19,7 @@ from ..flags import flag
 from ..quant import QuantFormat, QuantizedTensor, kernel_layout, stack_rows
 from ..runtime import Device, get_device
 from . import catalog
-from .common import check_binding_range, check_buffer, decode_fusion, grid_2d, pow2_floor
+from .common import check_binding_range, check_buffer, decode_fusion, grid_2d, pow2_ceil, pow2_floor
 
 TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_1": "matvec_q4_1", "Q5_0": "matvec_q5_0",
             "Q5_1": "matvec_q5_1", "Q2_K": "matvec_q2_k", "Q3_K": "matvec_q3_k", "Q4_K": "matvec_q4_k",
@@ -285,21 +286,86 @@ def _subgroup_rows_config(dev: Device, fmt: QuantFormat, n: int, units: int, buc
     return replace(cfg, stage=bool(stage) and stage_fits(dev, fmt, cfg, bucket))
 
 
-def stage_bytes(fmt: QuantFormat, cfg: MatvecConfig, batch: int) -> int:
+def stage_bytes(fmt: QuantFormat, cfg: MatvecConfig, batch: int, norm: bool = False) -> int:
     """Shared memory of STAGE_X's arrays: per activation row and element of a round, the int8 value and half a
-    byte of the 16-byte record per block of 32 (scale and two half sums; the value array rounded to even words)."""
+    byte of the 16-byte record per block of 32 (scale and two half sums; the value array rounded to even words);
+    with `norm` (NORM_X) a float per activation row and subgroup of 8 lanes or more."""
     words = batch * cfg.tpr * cfg.unroll * UNIT_ELEMS[fmt.name] // 16
-    return (words + words % 2) * 16 + words // 2 * 16
+    return (words + words % 2) * 16 + words // 2 * 16 + (batch * (cfg.wg // 8) * 4 if norm else 0)
 
 
-def stage_fits(dev: Device, fmt: QuantFormat, cfg: MatvecConfig, batch: int) -> bool:
+def stage_fits(dev: Device, fmt: QuantFormat, cfg: MatvecConfig, batch: int, norm: bool = False) -> bool:
     """Whether STAGE_X takes this launch: the integer path of the subgroup-rows launch, a round of units that
     covers whole blocks of activations and whole super-blocks of weights (its units then cover consecutive
-    elements), and the arrays (for `batch` rows) within the device's shared memory, 1 KiB left for the rest."""
+    elements), and the arrays (for `batch` rows; `norm`: NORM_X's too) within the device's shared memory, 1 KiB
+    left for the rest."""
     elems = cfg.tpr * cfg.unroll * UNIT_ELEMS.get(fmt.name, 1)
     whole = elems % max(32, fmt.block_size) == 0
     return (cfg.int_dot and cfg.tpr > 0 and fmt.name in INT_DOT_FORMATS and whole
-            and stage_bytes(fmt, cfg, batch) + 1024 <= dev.info.max_shared_memory)
+            and stage_bytes(fmt, cfg, batch, norm) + 1024 <= dev.info.max_shared_memory)
+
+
+# A matvec that normalizes its own input (NormedRows, -DNORM_X) takes the subgroup-rows launch with its activations
+# staged: by activation rows bucket, (invocations per workgroup, rows per group, units in flight, group width (0:
+# derived), fold where the format takes it). Every workgroup normalizes and quantizes its activation rows' whole K
+# (from L2: 16 KiB per row at K = 4096, against about 2.3 KiB of Q4_0 weights per weight row), so a workgroup owns
+# many weight rows (32 here) to keep that traffic below the weights'. Not measured on a GPU yet
+# (VKGRAPH_NORM_PROLOGUE_SG replaces entries for a sweep): at K = 4096 one Q4_0 row is one round (32 lanes of 4
+# units) up to 4 activation rows; at 8 two rounds, whose staged int8 rows fit 48 KiB.
+NORM_PREFERRED: dict[int, tuple[int, int, int, int, bool]] = {
+    1: (512, 2, 4, 32, True), 2: (512, 2, 4, 32, True), 4: (512, 2, 4, 32, True), 8: (512, 2, 2, 32, True)}
+# Products of more rows keep the norm's kernel: their workgroups' reads of the activations (N / rows per workgroup
+# times the rows' K floats) grow with N while the dispatch they save stays one (Llama-3's output head, 128256 rows
+# at 8 activation rows: 1 GiB from L2)
+NORM_MAX_ROWS = 65536
+
+
+def norm_overrides() -> dict[int, tuple[int, int, int, int, bool]]:
+    """VKGRAPH_NORM_PROLOGUE_SG: NORM_PREFERRED entries replaced without a code change, e.g.
+    "1:256,2,4,32,1;8:512,1,2,16,0" (activation rows bucket: invocations per workgroup, rows per group, units in
+    flight, group width (0: derived), fold (0 or 1))."""
+    out = {}
+    for entry in filter(None, (e.strip() for e in flag("VKGRAPH_NORM_PROLOGUE_SG").split(";"))):
+        try:
+            bucket, values = entry.split(":")
+            nums = [int(v) for v in values.split(",")]
+            if int(bucket) not in NORM_PREFERRED or len(nums) != 5 or min(nums[:3]) < 1 or nums[3] < 0 or nums[4] > 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"VKGRAPH_NORM_PROLOGUE_SG entry {entry!r}: expected ROWS_BUCKET:WG,ROWS,UNROLL,TPR,FOLD "
+                             f"with a bucket in {sorted(NORM_PREFERRED)}") from None
+        out[int(bucket)] = (nums[0], nums[1], nums[2], nums[3], bool(nums[4]))
+    return out
+
+
+def norm_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> MatvecConfig | None:
+    """The launch of a matvec over NormedRows (NORM_PREFERRED, VKGRAPH_NORM_PROLOGUE_SG), or None where the device
+    or the shape does not take one: up to MAX_BATCH activation rows, an INT_DOT_FORMATS weight of at most
+    NORM_MAX_ROWS rows, K % 32 == 0, subgroup shuffles and arithmetic on subgroups of 8 lanes or more, rounds of
+    whole super-blocks (units in flight raised to them) and the staged arrays within the device's shared memory."""
+    info = dev.info
+    if (not 1 <= batch <= MAX_BATCH or fmt.name not in INT_DOT_FORMATS or not info.integer_dot_product or k % 32
+            or n > NORM_MAX_ROWS or not {"shuffle", "arithmetic"} <= set(info.subgroup_ops)
+            or info.min_subgroup_size < 8):
+        return None
+    bucket = 1 << (batch - 1).bit_length()
+    wg, rows, unroll, tpr, fold = norm_overrides().get(bucket, NORM_PREFERRED[bucket])
+    units = k // UNIT_ELEMS[fmt.name]
+    tpr = min(tpr, info.min_subgroup_size) if tpr else group_width(dev, units, unroll)
+    if info.device_type == "cpu":
+        # as _subgroup_rows_config: no latency to hide, shorter compiles; and lavapipe ran the tiny test model's
+        # products 3.7x faster (56 against 9 ms at 8 activation rows) in workgroups of 64 than of 512
+        unroll, wg = 1, min(wg, 64)
+    # a round of tpr * unroll units must cover whole blocks of 32 and whole super-blocks
+    span = max(32, fmt.block_size)
+    step = span // math.gcd(span, tpr * UNIT_ELEMS[fmt.name])
+    unroll = -(-unroll // step) * step
+    wg = max(min(wg, pow2_ceil(-(-n // rows)) * tpr, pow2_floor(info.max_workgroup_invocations)),
+             info.max_subgroup_size, tpr)
+    if unroll > 16:
+        return None
+    cfg = MatvecConfig(wg, rows, True, True, tpr, unroll, fold=fold and fmt.name in FOLD_FORMATS, stage=True)
+    return cfg if stage_fits(dev, fmt, cfg, batch, norm=True) else None
 
 
 def sg_overrides() -> dict[int, tuple[int, int, int, int, bool, bool]]:
@@ -396,6 +462,15 @@ def takes_int8(fmt: QuantFormat, rows: int, k: int) -> bool:
     return rows >= 1 and fits and int_dot_default(dev, fmt)
 
 
+def takes_norm(fmt: QuantFormat, rows: int, n: int, k: int) -> bool:
+    """Whether `rows` activation rows of width k into an [n, k] matvec of this format on the default device may
+    come as NormedRows: VKGRAPH_NORM_PROLOGUE on, the integer path (int_dot_default), a launch that takes them
+    (norm_config). Never with VKGRAPH_DECODE_FUSION=0."""
+    dev = get_device()
+    return (bool(flag("VKGRAPH_NORM_PROLOGUE")) and decode_fusion() and int_dot_default(dev, fmt)
+            and norm_config(dev, fmt, n, k, rows) is not None)
+
+
 def _check_act_dtype(act_dtype: str) -> int:
     """Bytes per activation of `act_dtype`; ValueError when the templates do not take it."""
     if act_dtype not in ACT_DTYPES:
@@ -404,10 +479,11 @@ def _check_act_dtype(act_dtype: str) -> int:
 
 
 def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, act_dtype: str, *,
-            has_bias: bool = False, has_residual: bool = False, expert_ids: bool = False, glu: str = "") -> Any:
+            has_bias: bool = False, has_residual: bool = False, expert_ids: bool = False, glu: str = "",
+            norm_eps: float | None = None) -> Any:
     """The format's template compiled for this launch variant, cached on `weights`. `glu`: "silu" or "gelu_tanh"
-    for the GLU_Q8 epilogue (matvec_glu_q8), "" for y."""
-    key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids, glu)
+    for the GLU_Q8 epilogue (matvec_glu_q8), "" for y; `norm_eps`: over NormedRows (the NORM_X prologue)."""
+    key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids, glu, norm_eps)
     kern = weights.pipelines.get(key)
     if kern is None:
         defines = {}
@@ -430,9 +506,16 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
                 raise ValueError(f"fold takes the integer path of {FOLD_FORMATS}, not {weights.format.name} "
                                  f"(int_dot={cfg.int_dot})")
             defines["FOLD"] = 1
+        norm = norm_eps is not None
+        if norm:
+            info = dev.info
+            if not (cfg.stage and {"shuffle", "arithmetic"} <= set(info.subgroup_ops) and info.min_subgroup_size >= 8):
+                raise ValueError("normalized rows (NormedRows) need the staged integer path of the subgroup-rows "
+                                 "launch (stage) and subgroup shuffles and arithmetic on subgroups of 8 lanes or more")
+            defines["NORM_X"] = 1
         if cfg.stage:
-            if not stage_fits(dev, weights.format, cfg, batch):
-                need = stage_bytes(weights.format, cfg, batch)
+            if not stage_fits(dev, weights.format, cfg, batch, norm):
+                need = stage_bytes(weights.format, cfg, batch, norm)
                 raise ValueError(f"stage needs the integer path of the subgroup-rows launch, rounds of tpr * unroll "
                                  f"units over whole blocks and super-blocks, and {need} bytes of shared memory "
                                  f"within the device's {dev.info.max_shared_memory} - 1024")
@@ -445,9 +528,13 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             defines["W_BF16"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
                 "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
+        if norm:
+            spec["EPS"] = norm_eps
+        # the variants counted and profiled apart from the plain products
         name = TEMPLATE[weights.format.name]
+        label = name + ("+norm" if norm else "") + ("+glu_q8" if glu else "")
         kern = weights.pipelines[key] = catalog.compile(dev, name, spec=spec, defines=defines,
-                                                      label=f"{name}+glu_q8" if glu else None)
+                                                      label=label if label != name else None)
     return kern
 
 
@@ -458,8 +545,9 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
 
     x holds `batch` rows of K activations (float32, or float16 with act_dtype="f16"), or is a `Q8Acts`: the
     rows already quantized for the integer path (e.g. by norms.rmsnorm_q8), which then needs no quantization
-    kernel. bias is float32 [N], residual float32 [batch, N] (it may be `out` itself); y is float32. Records
-    the dispatch; does not wait.
+    kernel, or `NormedRows`: float32 rows the matvec normalizes and quantizes itself (norm_config's launch, or
+    `config` with stage). bias is float32 [N], residual float32 [batch, N] (it may be `out` itself); y is
+    float32. Records the dispatch; does not wait.
     """
     n, k = weights.shape
     act_bytes = _check_act_dtype(act_dtype)
@@ -467,7 +555,16 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     if not 1 <= batch <= limit:
         raise ValueError(f"batch must be 1..{limit} for this launch, got {batch} (more rows: several calls, or "
                          "dequantize and matmul)")
-    if isinstance(x, Q8Acts):
+    norm_eps = None
+    if isinstance(x, NormedRows):
+        x.check(batch, k)
+        _check_int_dot(dev, weights.format)
+        config = config or norm_config(dev, weights.format, n, k, batch)
+        if config is None or not config.int_dot:
+            raise ValueError(f"{dev.info.name} has no launch for {batch} normalized rows of {weights.format.name} "
+                             f"{weights.shape} (norm_config)")
+        norm_eps = x.eps
+    elif isinstance(x, Q8Acts):
         x.check(batch, k)
         if config is not None and not config.int_dot:
             raise ValueError("int8-quantized activations need the integer dot-product path (config.int_dot)")
@@ -484,7 +581,7 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
         check_buffer("residual", residual, batch * n * 4)
     cfg = config or choose_config(dev, weights.format, n, k, batch)
     kern = _kernel(dev, weights, cfg, batch, act_dtype, has_bias=bias is not None,
-                   has_residual=residual is not None)
+                   has_residual=residual is not None, norm_eps=norm_eps)
     _launch(dev, weights, cfg, kern, x, batch, act_dtype, out, grid_2d(dev, -(-n // cfg.rows_per_workgroup)), bias=bias,
             residual=residual)
     return out
@@ -499,9 +596,11 @@ def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x
     output."""
     w = weights.body
     acts = [x, w, w]
-    quantized = cfg.int_dot and not isinstance(x, Q8Acts)
+    quantized = cfg.int_dot and not isinstance(x, Q8Acts | NormedRows)
     if isinstance(x, Q8Acts):
         acts = [x.xq, x.xd, x.xs]
+    elif isinstance(x, NormedRows):
+        acts = [x.x, x.gain, w]
     elif cfg.int_dot:
         acts = list(quantize_activations(dev, x, x_rows, weights.shape[1], act_dtype))
     written = [glu.xq, glu.xd, glu.xs] if glu is not None else [out, out, out]
@@ -681,6 +780,24 @@ class Q8Acts:
         for name, buf, nbytes in (("xq", self.xq, rows * k), ("xd", self.xd, rows * k // 8),
                                   ("xs", self.xs, rows * k // 4)):
             check_buffer(name, buf, nbytes)
+
+
+@dataclass(frozen=True)
+class NormedRows:
+    """Activations given as RMSNorm's input: float32 rows x [rows, K], the norm's weight `gain` (float32 [K]) and
+    `eps`. The matvec takes x / sqrt(mean(x^2) + eps) * gain as its activations, normalized and quantized to int8
+    blocks (as norms.rmsnorm_q8 writes them) by every workgroup in its prologue: no kernel runs between the
+    residual stream and the product."""
+
+    x: Any
+    gain: Any
+    eps: float
+
+    def check(self, rows: int, k: int) -> None:
+        if k % 32:
+            raise ValueError(f"normalized rows are quantized in blocks of 32: K % 32 == 0 needed, got K={k}")
+        check_buffer("x", self.x, rows * k * 4)
+        check_buffer("gain", self.gain, k * 4)
 
 
 def upload_experts(dev: Device, experts: list[QuantizedTensor]) -> DeviceWeights:

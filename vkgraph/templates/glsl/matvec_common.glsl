@@ -35,7 +35,8 @@
 // is a minimum of its own (HAS_MIN: Q4_K). This computes W times the int8-quantized activations, as
 // llama.cpp's integer path does. Two options of the integer path, launch parameters measured per activation rows:
 // -DFOLD (UNIT_COEFFS formats) sums a unit's runs as integers before its one scale, and -DSTAGE_X (subgroup-rows
-// launch) reads the activations from a copy in shared memory (both described where they are used).
+// launch) reads the activations from a copy in shared memory (both described where they are used). -DNORM_X (with
+// STAGE_X): the activations come as float32 rows that the kernel normalizes (RMSNorm) and quantizes itself.
 //
 // -DEXPERT_IDS (mul_mat_id): `w` holds n_experts matrices of n_rows rows each, stacked; pair p of n_pairs
 // computes y[p] = W[ids[p]] x[p / x_div] (NB = 1, no bias or residual). The weight row and its scale row are
@@ -61,8 +62,9 @@ layout(constant_id = 3) const bool USE_SUBGROUP = false;  // subgroupAdd is avai
 layout(constant_id = 4) const bool HAS_BIAS = false;
 layout(constant_id = 5) const bool HAS_RESIDUAL = false;
 layout(constant_id = 6) const uint SUBGROUP = 32;     // the device's subgroup size, for the shared scratch
+layout(constant_id = 7) const float EPS = 0.0;        // NORM_X: the norm's epsilon
 
-#if defined(INT_DOT)
+#if defined(INT_DOT) && !defined(NORM_X)
 #define XVEC uvec4
 #elif defined(A_F16)
 #define XVEC uvec2
@@ -77,7 +79,7 @@ layout(set = 0, binding = 3) buffer Y { float y[]; };
 layout(set = 0, binding = 4) readonly buffer Bias { float bias[]; };
 layout(set = 0, binding = 5) readonly buffer Residual { float res[]; };
 layout(set = 0, binding = 6) readonly buffer Ids { uint ids[]; };
-layout(set = 0, binding = 7) readonly buffer XD { float xd[]; };   // INT_DOT: activation block scales
+layout(set = 0, binding = 7) readonly buffer XD { float xd[]; };   // INT_DOT: activation block scales (NORM_X: g)
 layout(set = 0, binding = 8) readonly buffer XSum { int xsum[]; }; // INT_DOT: int8 sums per 16 activations
 layout(set = 0, binding = 9) writeonly buffer GluQ { uint glu_q[]; };   // GLU_Q8: h's int8 values (else: y, unwritten)
 layout(set = 0, binding = 10) writeonly buffer GluD { float glu_d[]; }; // GLU_Q8: h's block scales
@@ -133,9 +135,16 @@ vec4 run_levels(Unit q, uint j, uint i);
 vec4 x_factor(uint j);
 #endif
 
+#ifdef NORM_X
+float nf[NB];   // per activation row: the factor its blocks' products take (norm_finish)
+#endif
+
 void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r * NB + b
     const uint b = i % NB, row = row0 + i / NB;
     if (row >= pc.n_rows) return;
+#ifdef NORM_X
+    v *= nf[b];
+#endif
     if (HAS_BIAS) v += bias[row];
     if (HAS_RESIDUAL) v += res[b * pc.n_rows + row];
     y[Y_ROW(b) * pc.n_rows + row] = v;
@@ -199,6 +208,9 @@ void glu_store(uint blk, bool live) {
     }
 }
 #endif
+#if defined(NORM_X) && !defined(STAGE_X)
+#error "NORM_X stages the normalized activations (STAGE_X)"
+#endif
 
 float acc[ROWS * NB];
 Unit q[UNROLL * ROWS];   // the units in flight: q[t * ROWS + r] is unit t of row r
@@ -224,8 +236,110 @@ uvec4 load_rec(uint b, uint e) { return sxm[b * (SX_ELEMS / 32) + ((e - x0) >> 5
 float load_xd(uint b, uint e) { return uintBitsToFloat(load_rec(b, e).x); }
 int load_xs(uint b, uint e) { return int(load_rec(b, e)[1 + ((e >> 4) & 1u)]); }
 
+#ifdef NORM_X
+// -DNORM_X: x holds the float32 rows and xd the norm's weight g [K]; the activations are y = x * g / rms(x) with
+// rms(x) = sqrt(mean(x^2) + EPS), quantized per block of 32 as rmsnorm_q8 writes them. The quantization of a block
+// does not change when the block is scaled (the int8 values of c * y are those of y, the scale c times y's), so
+// each round stages the blocks of t * g, t = x * 2^-e (exactly), and the row's 1 / rms and 2^e scale only the
+// finished sums (nf, applied by store). First a pass over the whole row finds its largest |x| and with it e, so
+// that |t| <= 4: the sum of t^2 neither overflows (rows whose squares overflow float32) nor vanishes (tiny rows),
+// and t * g stays finite where x * g would not. Every workgroup does this for its rows' whole K (from L2).
+shared float nred[NB * (WG / 8)];   // per activation row and subgroup (at least 8 lanes): largest |x|, later sum t^2
+float nscale[NB];   // 2^-e per activation row
+float nss[NB];   // this invocation's sum of t^2 per activation row (`precise` where added, see norm_round: on the
+                 // array itself lavapipe lost its values)
+
+// the invocation's place among whole subgroups of at least 8 lanes, so that slots 8j .. 8j + 7 are lanes of one
+// subgroup whatever order the device gives its subgroups (the host checks the launch)
+uint norm_slot() { return gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID; }
+
+// each subgroup's largest |x| per activation row into nred (read after a barrier)
+void row_max_pass() {
+    float m[NB];
+    [[unroll]] for (uint b = 0; b < NB; b++) m[b] = 0.0;
+    for (uint i = norm_slot(); i < pc.k / 4; i += WG) {
+        [[unroll]] for (uint b = 0; b < NB; b++) {
+            const vec4 a = abs(x[X_ROW(b) * (pc.k / 4) + i]);
+            m[b] = max(m[b], max(max(a.x, a.y), max(a.z, a.w)));
+        }
+    }
+    [[unroll]] for (uint b = 0; b < NB; b++) {
+        const float v = subgroupMax(m[b]);
+        if (gl_SubgroupInvocationID == 0) nred[b * (WG / 8) + gl_SubgroupID] = v;
+    }
+}
+
+// the rows' scales from their largest |x| (after row_max_pass and a barrier)
+void norm_scales() {
+    [[unroll]] for (uint b = 0; b < NB; b++) {
+        float m = 0.0;
+        for (uint g = 0; g < gl_NumSubgroups; g++) m = max(m, nred[b * (WG / 8) + g]);
+        int e;
+        frexp(m, e);   // m = f * 2^e, 0.5 <= f < 1
+        // clamped so that 2^-e and 2^e are normal floats: rows past 2^126 then scale to within 4, and subnormal rows
+        // scale up by 2^126 exactly; a row of zeros (or of infinities or NaN, which then propagate) is not scaled
+        e = m > 0.0 && m <= 3.4028235e38 ? clamp(e, -126, 126) : 0;
+        nscale[b] = ldexp(1.0, -e);
+        nss[b] = 0.0;
+    }
+}
+
+// stage the round from element x0 as int8 blocks of t * g: piece p (4 elements) of a row is slot p % WG's, the 8
+// pieces of a block 8 lanes of one subgroup, which meet its largest |t * g| and half sums through shuffles
+void norm_round() {
+    const uint slot = norm_slot();
+    for (uint p0 = 0; p0 < SX_ELEMS / 4; p0 += WG) {   // the same trips in every invocation: all take part
+        const uint p = p0 + slot, e = x0 + 4 * p;
+        const bool valid = p < SX_ELEMS / 4 && e < pc.k;   // whole blocks either way (K % 32 == 0)
+        const vec4 g = valid ? vec4(xd[e], xd[e + 1], xd[e + 2], xd[e + 3]) : vec4(0.0);
+        [[unroll]] for (uint b = 0; b < NB; b++) {
+            // `precise`: t is x times a power of two; a compiler that moved the scale out of the squares (2^-2e
+            // underflows or overflows float32) would sum zeros or infinities
+            precise const vec4 t = valid ? x[(X_ROW(b) * pc.k + e) / 4] * nscale[b] : vec4(0.0);
+            precise const float sq = dot(t, t);
+            nss[b] += sq;
+            const vec4 y = t * g;
+            const vec4 a = abs(y);
+            float m = max(max(a.x, a.y), max(a.z, a.w));
+            [[unroll]] for (uint l = 1; l < 8; l <<= 1) m = max(m, subgroupShuffleXor(m, l));
+            const float d = m / 127.0;
+            const float id = d > 0.0 ? 1.0 / d : 0.0;
+            const ivec4 q = clamp(ivec4(roundEven(y * id)), -127, 127);
+            int h = (q.x + q.y) + (q.z + q.w);
+            [[unroll]] for (uint l = 1; l < 4; l <<= 1) h += subgroupShuffleXor(h, l);
+            const int h_next = subgroupShuffleXor(h, 4u);   // the other half's sum
+            if (valid) {
+                const uvec4 c = uvec4(q) & 0xFFu;
+                sxq[sq_at(b * (SX_ELEMS / 16) + p / 4)][p % 4] = c.x | (c.y << 8) | (c.z << 16) | (c.w << 24);
+                if (p % 8 == 0) sxm[b * (SX_ELEMS / 32) + p / 8] = uvec4(floatBitsToUint(d), uint(h), uint(h_next), 0);
+            }
+        }
+    }
+}
+
+// after the last round: each row's factor nf = 2^e / rms(x) = 1 / sqrt(mean(t^2) + EPS * 2^-2e), or where EPS * 2^-2e
+// overflows (a row far below EPS's scale) 2^e / sqrt(2^2e * mean(t^2) + EPS)
+void norm_finish() {
+    [[unroll]] for (uint b = 0; b < NB; b++) {
+        const float v = subgroupAdd(nss[b]);
+        if (gl_SubgroupInvocationID == 0) nred[b * (WG / 8) + gl_SubgroupID] = v;   // nred's maxima all read by now
+    }
+    barrier();
+    [[unroll]] for (uint b = 0; b < NB; b++) {
+        float ss = 0.0;
+        for (uint g = 0; g < gl_NumSubgroups; g++) ss += nred[b * (WG / 8) + g];
+        const float mean = ss / float(pc.k), s = nscale[b], big = 1.0 / s;
+        precise const float es = EPS * s * s;
+        nf[b] = isinf(es) ? big * inversesqrt(big * big * mean + EPS) : inversesqrt(mean + es);
+    }
+}
+#endif
+
 // copy the round from element x0 (pieces past K are left as they are: no unit reads them)
 void stage_round(uint tid) {
+#ifdef NORM_X
+    norm_round();
+#else
     const uint pieces = min(SX_ELEMS, pc.k - x0) / 16;   // 16-element pieces per row (K % 32 == 0)
     for (uint i = tid; i < NB * (SX_ELEMS / 16); i += WG) {
         const uint b = i / (SX_ELEMS / 16), p = i % (SX_ELEMS / 16);
@@ -239,6 +353,7 @@ void stage_round(uint tid) {
             sxm[i] = uvec4(floatBitsToUint(xd[g]), hs, 0);
         }
     }
+#endif
 }
 #else
 uvec4 load_xq(uint b, uint e) { return x[(X_ROW(b) * pc.k + e) >> 4]; }
@@ -372,7 +487,13 @@ void main() {
                 }
             }
         }
+#ifdef NORM_X
+        if (c0 == 0) row_max_pass();   // the first round's weights in flight meanwhile
+#endif
         barrier();   // every group is done with the previous round
+#ifdef NORM_X
+        if (c0 == 0) norm_scales();
+#endif
         x0 = c0 * UNIT_ELEMS;
         stage_round(tid);
         barrier();
@@ -382,6 +503,9 @@ void main() {
             }
         }
     }
+#ifdef NORM_X
+    norm_finish();
+#endif
 #elif defined(SG_ROWS)
     const uint group_units = row0 < pc.n_rows ? units : 0;   // a group past the last row only joins the sums
     for (uint u0 = lane; u0 < group_units; u0 += TPR * UNROLL) {
