@@ -641,6 +641,56 @@ def test_glu_epilogue_decode_matches_glu_q8(models, kind, rows, monkeypatch):
     assert nerr(runs["8"][0], runs["0"][0]) < 2e-3
 
 
+@pytest.mark.parametrize("kind", ["Q4_0-head32", "Q8_0"])
+def test_norms_in_the_products_prologue_match_their_kernels(models, kind, monkeypatch):
+    """VKGRAPH_NORM_PROLOGUE=1: a decode step's norms before the integer-path products (q/k/v, gate/up, the LM head)
+    run in those products' prologue (matvec_<format>+norm; gate/up with the gated unit in its epilogue too,
+    +norm+glu_q8), with no norm kernel; logits against the same step with the norms' own kernels (0) at 1, 3 and 8
+    sequences, on one random cache. A prefill keeps the norms' kernels."""
+    from vkgraph import templates
+    from vkgraph.realize import count_kernels
+    from vkgraph.runtime import get_device
+
+    if not get_device().info.integer_dot_product:
+        pytest.skip("no shaderIntegerDotProduct on this device")
+    monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
+    monkeypatch.setenv("VKGRAPH_GLU_EPILOGUE", "8")  # gate/up with both at every batch here
+    w, model = build(models[kind])
+    label = f"matvec_{kind.split('-')[0].lower()}+norm"
+    both = label + "+glu_q8"  # gate/up: the norm in its prologue, the gated unit in its epilogue
+    rng = np.random.default_rng(0)
+    for c in model.caches:
+        for name in ("key", "value"):
+            setattr(c, name, Tensor(rng.standard_normal(getattr(c, name).shape[0]).astype(np.float32).view(np.uint32)))
+
+    def run(step: StepInputs, ids: np.ndarray, setting: str) -> tuple[np.ndarray, int, int, int, int]:
+        monkeypatch.setenv("VKGRAPH_NORM_PROLOGUE", setting)
+        before = {name: templates.DISPATCHES[name] for name in ("rmsnorm_q8", label, both)}
+        with count_kernels() as c:
+            logits = model(Tensor(ids), step).numpy()
+        runs = {name: templates.DISPATCHES[name] - n for name, n in before.items()}
+        return logits, c.count, runs["rmsnorm_q8"], runs[label] + runs[both], runs[both]
+
+    for batch in (1, 3, 8):
+        lens = rng.integers(1, 6 * BLOCK, batch)
+        table = rng.permutation(48)[:batch * 6].reshape(batch, 6).astype(np.int32)
+        slots = table[np.arange(batch), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK
+        step = StepInputs(Tensor((lens - 1).astype(np.int32)), Tensor(slots.astype(np.int32)),
+                          block_tables=Tensor(table), context_lens=Tensor(lens.astype(np.int32)), decode=True)
+        ids = rng.integers(0, w.config.vocab_size, batch).astype(np.int32)
+        on, on_kernels, on_norms, on_prologues, on_both = run(step, ids, "1")
+        off, off_kernels, off_norms, off_prologues, _ = run(step, ids, "0")  # rewrites the same cache slots
+        assert on_norms == off_prologues == 0 and on_prologues == off_norms >= 2 * len(model.layers)
+        assert on_both == len(model.layers)
+        assert on_kernels == off_kernels - on_prologues
+        # the same int8 values either way, but a last-bit difference may move a rounding step
+        assert nerr(on, off) < 1e-2, batch
+    n = 5
+    prefill = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
+                         cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
+    assert run(prefill, np.arange(1, n + 1, dtype=np.int32), "1")[3] == 0
+
+
 @pytest.mark.parametrize("kind,kv_dtype,int_dot", [("Q4_0", "f16", "0"), ("Q4_0-head32", "f32", "1"),
                                                    ("gemma2", "f32", "0"), ("float32", "f16", "0")])
 def test_decode_step_writes_the_new_tokens_in_the_attention(models, kind, kv_dtype, int_dot, tmp_path, monkeypatch):
@@ -661,6 +711,7 @@ def test_decode_step_writes_the_new_tokens_in_the_attention(models, kind, kv_dty
     if int_dot == "1" and not get_device().info.integer_dot_product:
         pytest.skip("no shaderIntegerDotProduct on this device")
     monkeypatch.setenv("VKGRAPH_INT_DOT", int_dot)
+    monkeypatch.setenv("VKGRAPH_NORM_PROLOGUE", "0")  # the norms' kernels in both routes: only the attention differs
     if kind == "gemma2":
         path = tiny_model.write_model(tmp_path, tiny_model.tiny_config(**tiny_model.gemma2_overrides()),
                                       gguf_types=())["hf"]

@@ -855,6 +855,40 @@ def test_matvec_normed_rows_long_rows():
     _normed_case("Q4_0", 96, 4096, 8, "normal", None, 5, residual=True)
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("batch,kind", [(1, "normal"), (3, "huge"), (8, "normal")])
+def test_matvec_glu_q8_over_normed_rows(fmt, batch, kind):
+    """The norm in the gate/up product's prologue and the gated unit in its epilogue, one kernel: the blocks
+    glu_q8 writes from the same launch's product over the normalized rows, bit for bit, and numpy's gated unit of
+    the dequantized product of numpy's norm within the int8 rounding."""
+    _needs_int_dot()
+    dev = device()
+    f, k = 96, 512
+    cfg = mv.glu_norm_config(dev, quant.FORMATS[fmt], f, k, batch)
+    if cfg is None:
+        pytest.skip("no launch for normalized rows on this device")
+    assert cfg.rows_per_workgroup == 64 and cfg.stage and cfg.int_dot
+    rng = np.random.default_rng(batch)
+    qt = weights(rng.standard_normal((2 * f, k)).astype(np.float32), fmt, batch)
+    dw = mv.upload_weights(dev, qt)
+    x = _special_rows(rng, (batch, k), kind)
+    g = rng.standard_normal(k).astype(np.float32)
+    rows = mv.NormedRows(upload(dev, x), upload(dev, g), 1e-5)
+    want = _q8_parts(dev, norms.glu_q8(dev, mv.matvec(dev, dw, rows, batch, config=cfg), batch, f), batch, f)
+    label = f"{mv.TEMPLATE[fmt]}+norm+glu_q8"
+    before = templates.DISPATCHES[label]
+    since = snapshot()
+    got = _q8_parts(dev, mv.matvec_glu_q8(dev, dw, rows, batch), batch, f)
+    assert templates.DISPATCHES[label] == before + 1
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    x64 = x.astype(np.float64)
+    gu = (x64 / np.sqrt((x64 ** 2).mean(1, keepdims=True) + 1e-5) * g) @ qt.dequantize().astype(np.float64).T
+    a = gu[:, :f] / (1 + np.exp(-gu[:, :f])) * gu[:, f:]
+    h = got[0].astype(np.float64).reshape(batch, -1, 32) * got[1].reshape(batch, -1, 1)
+    check(h.reshape(batch, f), a, since, tol=2e-2)
+
+
 def test_norm_config_table_and_refusals(monkeypatch):
     """NORM_PREFERRED by activation rows, VKGRAPH_NORM_PROLOGUE_SG's entries in its place, rounds raised to whole
     super-blocks; no launch past MAX_BATCH rows, NORM_MAX_ROWS weight rows, formats off the integer path or K not

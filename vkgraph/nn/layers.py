@@ -22,6 +22,7 @@ from .template_ops import (
     ExpertLinear,
     Int8Activations,
     KVCache,
+    PendingNorm,
     QuantLinear,
     flash_takes,
     glu_q8,
@@ -59,7 +60,11 @@ class Linear:
         """Whether `rows` rows of input may come as Int8Activations (see QuantLinear.takes_int8)."""
         return self.quant is not None and self.quant.takes_int8(rows)
 
-    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
+    def takes_norm(self, rows: int) -> bool:
+        """Whether `rows` rows of input may come as a PendingNorm (see QuantLinear.takes_norm)."""
+        return self.quant is not None and self.quant.takes_norm(rows)
+
+    def __call__(self, x: Tensor | Int8Activations | PendingNorm, residual: Tensor | None = None) -> Tensor:
         if self.quant is not None:
             y = self.quant(x, residual=residual if self.bias is None else None)
         else:
@@ -78,10 +83,16 @@ class RMSNorm:
         self.weight = Tensor(np.asarray(weight, np.float32)).realize()
         self.eps = eps
 
-    def __call__(self, x: Tensor, into: Linear | ParallelLinear | None = None) -> Tensor | Int8Activations:
-        """The normalised x; where `into` (the one consumer of the result) takes int8 activations for these
-        rows, the norm writes them directly (one kernel instead of the norm's and the quantization's)."""
-        if into is not None and into.takes_int8(math.prod(x.shape[:-1])):
+    def __call__(self, x: Tensor, into: Linear | ParallelLinear | None = None
+                 ) -> Tensor | Int8Activations | PendingNorm:
+        """The normalised x. Where `into` (the one consumer of the result) normalizes its input itself (a decode
+        step's integer matvec, takes_norm), x with the norm pending: no kernel of the norm's own; else where `into`
+        takes int8 activations for these rows, the norm writes them directly (one kernel instead of the norm's and
+        the quantization's)."""
+        rows = math.prod(x.shape[:-1])
+        if into is not None and into.takes_norm(rows):
+            return PendingNorm(x, self.weight, self.eps)
+        if into is not None and into.takes_int8(rows):
             return rms_norm_q8(x, self.weight, self.eps)
         return x.rms_norm(self.weight, self.eps)
 
@@ -179,7 +190,7 @@ class ParallelLinear:
         """Whether `rows` rows of input may come as Int8Activations: one stacked product that takes them."""
         return len(self.parts) == 1 and self.parts[0].takes_int8(rows)
 
-    def glu_q8(self, x: Tensor | Int8Activations, gelu_tanh: bool = False) -> Int8Activations | None:
+    def glu_q8(self, x: Tensor | Int8Activations | PendingNorm, gelu_tanh: bool = False) -> Int8Activations | None:
         """For gate/up: act(gate(x)) * up(x) as the down product's int8 activations, written by the one stacked
         product's epilogue (QuantLinear.glu_q8), or None where that cannot run (parts apart, float weights, a bias,
         rows the epilogue does not take, VKGRAPH_GLU_EPILOGUE=0)."""
@@ -188,15 +199,20 @@ class ParallelLinear:
         part = self.parts[0]
         if part.quant is None or part.bias is not None:
             return None
-        if not part.quant.takes_glu(math.prod(x.shape[:-1]), isinstance(x, Int8Activations)):
+        if not part.quant.takes_glu(math.prod(x.shape[:-1]), isinstance(x, Int8Activations),
+                                    isinstance(x, PendingNorm)):
             return None
         return part.quant.glu_q8(x, gelu_tanh)
 
-    def stacked(self, x: Tensor | Int8Activations) -> Tensor | None:
+    def takes_norm(self, rows: int) -> bool:
+        """Whether `rows` rows of input may come as a PendingNorm: one stacked product that takes it."""
+        return len(self.parts) == 1 and self.parts[0].takes_norm(rows)
+
+    def stacked(self, x: Tensor | Int8Activations | PendingNorm) -> Tensor | None:
         """The one stacked product's output [..., sum of the widths], or None where the parts run apart."""
         return self.parts[0](x) if len(self.parts) == 1 else None
 
-    def __call__(self, x: Tensor | Int8Activations) -> list[Tensor]:
+    def __call__(self, x: Tensor | Int8Activations | PendingNorm) -> list[Tensor]:
         if len(self.parts) > 1:
             return [p(x) for p in self.parts]
         return self.split(self.parts[0](x))
@@ -221,7 +237,7 @@ class Attention:
         self.qkv = ParallelLinear([wq, wk, wv], [bq, bk, bv], float_dtype)
         self.o = Linear(wo, float_dtype=float_dtype)
 
-    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None, rope: tuple[Tensor, Tensor],
+    def __call__(self, x: Tensor | Int8Activations | PendingNorm, residual: Tensor | None, rope: tuple[Tensor, Tensor],
                  cache: KVCache, step: StepInputs) -> Tensor:
         t = x.shape[0]
         fused = self.qkv.stacked(x) if decode_fusion() else None
@@ -277,7 +293,7 @@ class MLP:
         self.down = Linear(w_down, float_dtype=float_dtype)
         self.gelu = gelu
 
-    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
+    def __call__(self, x: Tensor | Int8Activations | PendingNorm, residual: Tensor | None = None) -> Tensor:
         if self.gelu in (None, "tanh") and self.down.takes_int8(math.prod(x.shape[:-1])):
             # one kernel: the product, its epilogue the gated unit written as the down product's int8 input
             if (h := self.gate_up.glu_q8(x, gelu_tanh=self.gelu == "tanh")) is not None:

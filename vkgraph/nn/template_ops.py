@@ -67,6 +67,20 @@ class Int8Activations:
         return (*self.lead, self.k)
 
 
+@dataclass(frozen=True)
+class PendingNorm:
+    """x.rms_norm(weight, eps) over the last axis, not computed: what RMSNorm hands a decode step's integer-path
+    product that normalizes and quantizes its input itself (QuantLinear.takes_norm), so no norm kernel runs."""
+
+    x: Tensor
+    weight: Tensor
+    eps: float
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.x.shape
+
+
 def rms_norm_q8(x: Tensor, weight: Tensor, eps: float) -> Int8Activations:
     """x.rms_norm(weight, eps) over the last axis, written by one kernel as int8 activations (norms.rmsnorm_q8);
     K % 32 == 0."""
@@ -155,35 +169,53 @@ class QuantLinear:
             return decode_fusion()
         return mv.takes_int8(self.weights.format, rows, self.in_features)
 
-    def takes_glu(self, rows: int, int8: bool) -> bool:
+    def takes_glu(self, rows: int, int8: bool, norm: bool = False) -> bool:
         """Whether this weight, a stacked gate/up matrix [2F, K], may compute an MLP's gated unit for `rows` rows of
-        input (int8: as Int8Activations) in the matvec's epilogue (glu_q8): the matvec runs them (not
-        matmul_quant's tiles), in one call that takes the epilogue (templates.matvec.glu_takes)."""
+        input (int8: as Int8Activations; norm: as a PendingNorm) in the matvec's epilogue (glu_q8): the matvec runs
+        them (not matmul_quant's tiles), in one call that takes the epilogue (templates.matvec.glu_takes)."""
         if (rows >= DEQUANT_ROWS and self.can_dequantize) or self.decode_tile(rows) is not None:
             return False
+        if norm and not self.takes_norm(rows):
+            return False
         return decode_fusion() and mv.glu_takes(self.weights.format, self.out_features // 2, self.in_features, rows,
-                                                int8)
+                                                int8, norm)
 
-    def glu_q8(self, x: Tensor | Int8Activations, gelu_tanh: bool = False) -> Int8Activations:
+    def glu_q8(self, x: Tensor | Int8Activations | PendingNorm, gelu_tanh: bool = False) -> Int8Activations:
         """act(x @ W_gate.T) * (x @ W_up.T) (act: SiLU, or the tanh GELU) of this stacked gate/up matrix, written by
         the matvec's epilogue as the down product's int8 activations: one kernel where the product and glu_q8's
-        would be two (see takes_glu)."""
+        would be two (see takes_glu); a PendingNorm's norm runs in the same kernel's prologue."""
         rows, k, f = math.prod(x.shape[:-1]), self.in_features, self.out_features // 2
-        int8 = isinstance(x, Int8Activations)
-        if x.shape[-1] != k or not self.takes_glu(rows, int8):
+        int8, norm = isinstance(x, Int8Activations), isinstance(x, PendingNorm)
+        if x.shape[-1] != k or not self.takes_glu(rows, int8, norm):
             raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{k}) takes no gated-unit epilogue for "
                              f"{rows} rows of {x.shape[-1]} here (see takes_glu)")
         w = self.weights
+        if int8:
+            acts = [x.words]
+        elif norm:
+            acts = [x.x.float().reshape(rows, k), x.weight.float()]
+        else:
+            acts = [x.float().reshape(rows, k)]
 
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
-            _bind(dev, w, ins[1:])
-            xin = mv.Q8Acts.in_buffer(ins[0], rows, k) if int8 else ins[0]
+            _bind(dev, w, ins[len(acts):])
+            if int8:
+                xin = mv.Q8Acts.in_buffer(ins[0], rows, k)
+            else:
+                xin = mv.NormedRows(ins[0], ins[1], x.eps) if norm else ins[0]
             mv.matvec_glu_q8(dev, w, xin, rows, gelu_tanh=gelu_tanh, out=out)
 
-        ins = [x.words if int8 else x.float().reshape(rows, k), *self.tensors]
-        words = custom(run, ins, (mv.Q8Acts.layout(rows, f)[0] // 4,), dtypes.uint32, key=(id(self), gelu_tanh, int8),
-                       name=f"matvec_{self.format}_glu_q8")
+        key = (id(self), gelu_tanh, int8, x.eps if norm else None)
+        words = custom(run, acts + self.tensors, (mv.Q8Acts.layout(rows, f)[0] // 4,), dtypes.uint32, key=key,
+                       name=f"matvec_{self.format}_glu_q8" + ("+norm" if norm else ""))
         return Int8Activations(words, tuple(x.shape[:-1]), f)
+
+    def takes_norm(self, rows: int) -> bool:
+        """Whether `rows` rows of activations may come as a PendingNorm: in a decode step (inside `decoding()`), on
+        the integer matvec (not decode_tile's tiles) in one call, where the device has a launch for it
+        (templates.matvec.takes_norm; VKGRAPH_NORM_PROLOGUE)."""
+        return (_DECODING.get() and rows <= mv.MAX_BATCH and self.decode_tile(rows) is None
+                and mv.takes_norm(self.weights.format, rows, self.out_features, self.in_features))
 
     def decode_tile(self, rows: int) -> Any:
         """The small-row tile of templates.matmul_quant for `rows` (VKGRAPH_DECODE_MM_ROWS .. DEQUANT_ROWS - 1)
@@ -210,6 +242,8 @@ class QuantLinear:
         w, n, k = self.weights, self.out_features, self.in_features
         if isinstance(x, Int8Activations):
             return self._from_int8(x, rows, residual)
+        if isinstance(x, PendingNorm):
+            return self._from_norm(x, rows, residual)
         if (cfg := self.coop_tile(rows) if rows >= DEQUANT_ROWS else self.decode_tile(rows)) is not None:
             return self._coop(x, rows, cfg, residual)
         if rows >= DEQUANT_ROWS and self.can_dequantize:
@@ -288,6 +322,23 @@ class QuantLinear:
 
         return custom(run, acts + self.tensors, (*x.lead, n), dtypes.float32, key=(id(self),),
                       name=f"matvec_{self.format}")
+
+
+    def _from_norm(self, x: PendingNorm, rows: int, residual: Tensor | None) -> Tensor:
+        """The matvec over x's rows normalized and quantized in its own prologue (templates.matvec.NormedRows)."""
+        if not self.takes_norm(rows):
+            raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}) takes no pending "
+                             f"norm for {rows} rows here (see takes_norm)")
+        w, n, k = self.weights, self.out_features, self.in_features
+        acts = [x.x.float().reshape(rows, k), x.weight.float()] + ([residual.float()] if residual is not None else [])
+
+        def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            _bind(dev, w, ins[len(acts):])
+            mv.matvec(dev, w, mv.NormedRows(ins[0], ins[1], x.eps), rows, out=out,
+                      residual=ins[2] if residual is not None else None)
+
+        return custom(run, acts + self.tensors, (*x.shape[:-1], n), dtypes.float32, key=(id(self), x.eps),
+                      name=f"matvec_{self.format}+norm")
 
 
 class ExpertLinear:

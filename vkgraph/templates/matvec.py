@@ -512,7 +512,7 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             if not (cfg.stage and {"shuffle", "arithmetic"} <= set(info.subgroup_ops) and info.min_subgroup_size >= 8):
                 raise ValueError("normalized rows (NormedRows) need the staged integer path of the subgroup-rows "
                                  "launch (stage) and subgroup shuffles and arithmetic on subgroups of 8 lanes or more")
-            defines["NORM_X"] = 1
+            defines.update(NORM_X=1, SUBGROUP_SHUFFLE=1)
         if cfg.stage:
             if not stage_fits(dev, weights.format, cfg, batch, norm):
                 need = stage_bytes(weights.format, cfg, batch, norm)
@@ -659,6 +659,25 @@ def glu_config(dev: Device, fmt: QuantFormat, f: int, k: int, batch: int, *, int
     return replace(glu, stage=stage)
 
 
+def glu_norm_config(dev: Device, fmt: QuantFormat, f: int, k: int, batch: int) -> MatvecConfig | None:
+    """The launch of a stacked gate/up product [2f, k] over NormedRows whose epilogue writes the down product's
+    int8 activations (matvec_glu_q8 with both): glu_config's integer-path launch (64 rows a workgroup, many as the
+    prologue wants) with its activations staged, rounds raised to whole blocks and super-blocks, where norm_config's
+    conditions hold and the staged arrays fit beside the epilogue's sums; None elsewhere."""
+    info = dev.info
+    if norm_config(dev, fmt, 2 * f, k, batch) is None:
+        return None
+    cfg = glu_config(dev, fmt, f, k, batch, int_dot=True)
+    if cfg is None:
+        return None
+    span = max(32, fmt.block_size)
+    step = span // math.gcd(span, cfg.tpr * UNIT_ELEMS[fmt.name])
+    cfg = replace(cfg, unroll=-(-cfg.unroll // step) * step, stage=True)
+    fits = stage_fits(dev, fmt, cfg, batch, norm=True) and (
+        stage_bytes(fmt, cfg, batch, norm=True) + 1024 + 256 * batch <= info.max_shared_memory)
+    return cfg if cfg.unroll <= 16 and fits else None
+
+
 def _glu_defines(dev: Device, glu: str) -> dict[str, int]:
     if glu not in GLU_ACTS:
         raise ValueError(f"the GLU_Q8 epilogue's activation is one of {GLU_ACTS}, got {glu!r}")
@@ -673,9 +692,10 @@ def matvec_glu_q8(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *
     """h = act(x W_gate^T) * (x W_up^T) from a stacked gate/up matrix [2F, K] (gate rows first; act SiLU, or the
     tanh GELU), written by the product's own epilogue (-DGLU_Q8) as the down product's int8 activations: returns
     the buffer `out` (or a new one) holding Q8Acts.layout(batch, F), the blocks norms.glu_q8 writes from matvec's
-    output under the same launch. x as for `matvec` (float rows, or a Q8Acts for the integer path). `config`: a
-    glu_config (its workgroups 64 rows in the subgroup-rows launch); None chooses one, ValueError where none runs.
-    Records one dispatch (and the activations' quantization where float rows take the integer path)."""
+    output under the same launch. x as for `matvec` (float rows, a Q8Acts for the integer path, or NormedRows
+    normalized in the prologue). `config`: a glu_config (its workgroups 64 rows in the subgroup-rows launch; for
+    NormedRows a glu_norm_config); None chooses one, ValueError where none runs. Records one dispatch (and the
+    activations' quantization where float rows take the integer path)."""
     n, k = weights.shape
     f = n // 2
     act_bytes = _check_act_dtype(act_dtype)
@@ -683,13 +703,18 @@ def matvec_glu_q8(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *
         raise ValueError(f"the GLU_Q8 epilogue takes a stacked gate/up matrix of 2F rows, F % 32 == 0; got {n} rows")
     if not 1 <= batch <= MAX_BATCH_SUBGROUP:
         raise ValueError(f"batch must be 1..{MAX_BATCH_SUBGROUP} for the GLU_Q8 epilogue, got {batch}")
-    if isinstance(x, Q8Acts):
+    norm = isinstance(x, NormedRows)
+    if isinstance(x, Q8Acts | NormedRows):
         x.check(batch, k)
     else:
         check_buffer("x", x, batch * k * act_bytes)
-    cfg = config or glu_config(dev, weights.format, f, k, batch, int_dot=True if isinstance(x, Q8Acts) else None)
+    if norm:
+        _check_int_dot(dev, weights.format)
+        cfg = config or glu_norm_config(dev, weights.format, f, k, batch)
+    else:
+        cfg = config or glu_config(dev, weights.format, f, k, batch, int_dot=True if isinstance(x, Q8Acts) else None)
     if cfg is None:
-        raise ValueError(f"no GLU_Q8 launch on {dev.info.name} for F={f} (see glu_config)")
+        raise ValueError(f"no GLU_Q8 launch on {dev.info.name} for F={f} (see glu_config, glu_norm_config)")
     if not cfg.tpr or cfg.rows_per_workgroup != 64 or 32 % cfg.rows:
         raise ValueError(f"the GLU_Q8 epilogue takes the subgroup-rows launch with 64 rows per workgroup in groups "
                          f"of a divisor of 32 rows, got {cfg}")
@@ -698,19 +723,22 @@ def matvec_glu_q8(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *
     if out is None:
         out = dev.alloc(Q8Acts.layout(batch, f)[0])
     acts = Q8Acts.in_buffer(out, batch, f)
-    kern = _kernel(dev, weights, cfg, batch, act_dtype, glu="gelu_tanh" if gelu_tanh else "silu")
+    kern = _kernel(dev, weights, cfg, batch, act_dtype, glu="gelu_tanh" if gelu_tanh else "silu",
+                   norm_eps=x.eps if norm else None)
     _launch(dev, weights, cfg, kern, x, batch, act_dtype, acts.xq, grid_2d(dev, f // 32), glu=acts)
     return out
 
 
-def glu_takes(fmt: QuantFormat, f: int, k: int, rows: int, int8: bool) -> bool:
+def glu_takes(fmt: QuantFormat, f: int, k: int, rows: int, int8: bool, norm: bool = False) -> bool:
     """Whether a stacked gate/up product [2f, k] of this format on the default device may write the down product's
-    int8 activations itself for `rows` activation rows (int8: they come as a Q8Acts) in one matvec_glu_q8 call:
-    rows within VKGRAPH_GLU_EPILOGUE (the most rows it takes; 0: never) and one call of the default launch, a
-    glu_config."""
+    int8 activations itself for `rows` activation rows (int8: they come as a Q8Acts; norm: as NormedRows) in one
+    matvec_glu_q8 call: rows within VKGRAPH_GLU_EPILOGUE (the most rows it takes; 0: never) and one call of the
+    default launch, a glu_config (a glu_norm_config)."""
     dev = get_device()
     if not 1 <= rows <= min(flag("VKGRAPH_GLU_EPILOGUE"), rows_per_call(dev)):
         return False
+    if norm:
+        return takes_norm(fmt, rows, 2 * f, k) and glu_norm_config(dev, fmt, f, k, rows) is not None
     if int8 and not (fmt.name in INT_DOT_FORMATS and dev.info.integer_dot_product):
         return False
     return glu_config(dev, fmt, f, k, rows, int_dot=True if int8 else None) is not None

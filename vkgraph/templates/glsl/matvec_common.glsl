@@ -139,12 +139,18 @@ vec4 x_factor(uint j);
 float nf[NB];   // per activation row: the factor its blocks' products take (norm_finish)
 #endif
 
+float finished(float v, uint b) {   // a whole sum of activation row b (NORM_X: times the row's factor)
+#ifdef NORM_X
+    return v * nf[b];
+#else
+    return v;
+#endif
+}
+
 void store(uint row0, uint i, float v) {  // the epilogue for partial sum i = r * NB + b
     const uint b = i % NB, row = row0 + i / NB;
     if (row >= pc.n_rows) return;
-#ifdef NORM_X
-    v *= nf[b];
-#endif
+    v = finished(v, b);
     if (HAS_BIAS) v += bias[row];
     if (HAS_RESIDUAL) v += res[b * pc.n_rows + row];
     y[Y_ROW(b) * pc.n_rows + row] = v;
@@ -176,9 +182,11 @@ shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * N
 #error "GLU_Q8 is an epilogue of the subgroup-rows launch"
 #endif
 
-#ifdef GLU_Q8
+#if defined(GLU_Q8) || defined(NORM_X)
 #define Q8_PART_ONLY
 #include "q8_lanes.glsl"
+#endif
+#ifdef GLU_Q8
 #include "glu_act.glsl"
 shared float glu_sums[64 * NB];   // the workgroup's sums: [gate rows 0..31, up rows 0..31][activation row]
 
@@ -245,19 +253,18 @@ int load_xs(uint b, uint e) { return int(load_rec(b, e)[1 + ((e >> 4) & 1u)]); }
 // that |t| <= 4: the sum of t^2 neither overflows (rows whose squares overflow float32) nor vanishes (tiny rows),
 // and t * g stays finite where x * g would not. Every workgroup does this for its rows' whole K (from L2).
 shared float nred[NB * (WG / 8)];   // per activation row and subgroup (at least 8 lanes): largest |x|, later sum t^2
+#ifndef SUBGROUP_SHUFFLE
+#error "NORM_X meets a block's 8 lanes through subgroup shuffles"
+#endif
 float nscale[NB];   // 2^-e per activation row
 float nss[NB];   // this invocation's sum of t^2 per activation row (`precise` where added, see norm_round: on the
                  // array itself lavapipe lost its values)
-
-// the invocation's place among whole subgroups of at least 8 lanes, so that slots 8j .. 8j + 7 are lanes of one
-// subgroup whatever order the device gives its subgroups (the host checks the launch)
-uint norm_slot() { return gl_SubgroupID * gl_SubgroupSize + gl_SubgroupInvocationID; }
 
 // each subgroup's largest |x| per activation row into nred (read after a barrier)
 void row_max_pass() {
     float m[NB];
     [[unroll]] for (uint b = 0; b < NB; b++) m[b] = 0.0;
-    for (uint i = norm_slot(); i < pc.k / 4; i += WG) {
+    for (uint i = lane_slot(); i < pc.k / 4; i += WG) {
         [[unroll]] for (uint b = 0; b < NB; b++) {
             const vec4 a = abs(x[X_ROW(b) * (pc.k / 4) + i]);
             m[b] = max(m[b], max(max(a.x, a.y), max(a.z, a.w)));
@@ -285,9 +292,10 @@ void norm_scales() {
 }
 
 // stage the round from element x0 as int8 blocks of t * g: piece p (4 elements) of a row is slot p % WG's, the 8
-// pieces of a block 8 lanes of one subgroup, which meet its largest |t * g| and half sums through shuffles
+// pieces of a block 8 lanes of one subgroup (q8_lanes.glsl with SUBGROUP_SHUFFLE, which the host sets), which meet
+// its largest |t * g| and half sums as every writer of int8 blocks does (q8_part)
 void norm_round() {
-    const uint slot = norm_slot();
+    const uint slot = lane_slot();
     for (uint p0 = 0; p0 < SX_ELEMS / 4; p0 += WG) {   // the same trips in every invocation: all take part
         const uint p = p0 + slot, e = x0 + 4 * p;
         const bool valid = p < SX_ELEMS / 4 && e < pc.k;   // whole blocks either way (K % 32 == 0)
@@ -298,20 +306,11 @@ void norm_round() {
             precise const vec4 t = valid ? x[(X_ROW(b) * pc.k + e) / 4] * nscale[b] : vec4(0.0);
             precise const float sq = dot(t, t);
             nss[b] += sq;
-            const vec4 y = t * g;
-            const vec4 a = abs(y);
-            float m = max(max(a.x, a.y), max(a.z, a.w));
-            [[unroll]] for (uint l = 1; l < 8; l <<= 1) m = max(m, subgroupShuffleXor(m, l));
-            const float d = m / 127.0;
-            const float id = d > 0.0 ? 1.0 / d : 0.0;
-            const ivec4 q = clamp(ivec4(roundEven(y * id)), -127, 127);
-            int h = (q.x + q.y) + (q.z + q.w);
-            [[unroll]] for (uint l = 1; l < 4; l <<= 1) h += subgroupShuffleXor(h, l);
-            const int h_next = subgroupShuffleXor(h, 4u);   // the other half's sum
+            const Q8Part q = q8_part(t * g);
+            const int h_next = subgroupShuffleXor(q.half_sum, 4u);   // the other half's sum
             if (valid) {
-                const uvec4 c = uvec4(q) & 0xFFu;
-                sxq[sq_at(b * (SX_ELEMS / 16) + p / 4)][p % 4] = c.x | (c.y << 8) | (c.z << 16) | (c.w << 24);
-                if (p % 8 == 0) sxm[b * (SX_ELEMS / 32) + p / 8] = uvec4(floatBitsToUint(d), uint(h), uint(h_next), 0);
+                sxq[sq_at(b * (SX_ELEMS / 16) + p / 4)][p % 4] = q.word;
+                if (p % 8 == 0) sxm[b * (SX_ELEMS / 32) + p / 8] = uvec4(floatBitsToUint(q.d), q.half_sum, h_next, 0);
             }
         }
     }
@@ -526,7 +525,7 @@ void main() {
         float v = acc[i];
         [[unroll]] for (uint m = TPR / 2; m > 0; m >>= 1) v += subgroupShuffleXor(v, m);
 #ifdef GLU_Q8
-        if (lane == i % TPR) glu_sums[lrow0 * NB + i] = v;
+        if (lane == i % TPR) glu_sums[lrow0 * NB + i] = finished(v, i % NB);
 #else
         if (lane == i % TPR) store(row0, i, v);
 #endif
