@@ -3,7 +3,7 @@
     python benchmarks/profile_decode.py [--shape llama3-8b|llama3.2-1b|small] [--format Q4_0] [--batches 1,8]
                                         [--fusion 0,1] [--glu 1,0] [--launch workgroup,subgroup] [--mm 8,0]
                                         [--steps 5]
-                                        [--matvec-sg "/8:128,4,2,0,1,1"] [--norm 0,1]
+                                        [--matvec-sg "/8:128,4,2,0,1,1"] [--norm 0,8]
                                         [--norm-sg "/1:1024,1,4,32,1"]
                                         [--copy-mib 1024] [--kernels]
 
@@ -13,10 +13,11 @@ one by one) under VKGRAPH_PROFILE (and per VKGRAPH_GLU_EPILOGUE setting in --glu
 gate/up product's epilogue, or a kernel of its own; per VKGRAPH_MATVEC_LAUNCH setting in --launch: the matvec
 launches; per VKGRAPH_DECODE_MM_ROWS setting in --mm: from how many rows the products take matmul_quant's
 small-row tiles, 0 never; per VKGRAPH_MATVEC_SG setting in --matvec-sg, separated by '/', an empty one for the
-tables' parameters; per VKGRAPH_NORM_PROLOGUE setting in --norm: 1 runs the norms before the q/k/v and gate/up
-products in those products' prologue, 0 in kernels of their own; per VKGRAPH_NORM_PROLOGUE_SG setting in
---norm-sg, as --matvec-sg), and prints the dispatches per step and the GPU time inside them; with --kernels also
-per kernel name: dispatches per step, GPU microseconds per step, and the share of the step.
+tables' parameters; per VKGRAPH_NORM_PROLOGUE setting in --norm: the most activation rows at which the norms
+before the products of up to matvec.NORM_MAX_ROWS rows (q/k/v) run in their prologue, 0 never; per
+VKGRAPH_NORM_PROLOGUE_SG setting in --norm-sg, as --matvec-sg), and prints the dispatches per step and the GPU time
+inside them; with --kernels also per kernel name: dispatches per step, GPU microseconds per step, and the share of
+the step.
 
 Then the floor of a step on this device, from two probes: the copy bandwidth (bench_runtime's grid-stride
 copy of --copy-mib MiB, bytes read + written per second) and the cost of one dependent dispatch (a chain of
@@ -127,7 +128,7 @@ def main() -> None:
     ap.add_argument("--matvec-sg", default=None,
                     help="VKGRAPH_MATVEC_SG settings separated by '/', e.g. '/8:128,4,2,0,1,1' (empty: the tables)")
     ap.add_argument("--norm", default="",
-                    help="VKGRAPH_NORM_PROLOGUE settings to run on the same model, e.g. 0,1 (default: the flag's)")
+                    help="VKGRAPH_NORM_PROLOGUE settings to run on the same model, e.g. 0,8 (default: the flag's)")
     ap.add_argument("--norm-sg", default=None,
                     help="VKGRAPH_NORM_PROLOGUE_SG settings separated by '/', e.g. '/1:1024,1,4,32,1' (empty: the "
                          "table's)")

@@ -643,10 +643,10 @@ def test_glu_epilogue_decode_matches_glu_q8(models, kind, rows, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["Q4_0-head32", "Q8_0"])
 def test_norms_in_the_products_prologue_match_their_kernels(models, kind, monkeypatch):
-    """VKGRAPH_NORM_PROLOGUE=1: a decode step's norms before the integer-path products (q/k/v, gate/up, the LM head)
+    """VKGRAPH_NORM_PROLOGUE=8: a decode step's norms before the integer-path products (q/k/v, gate/up, the LM head)
     run in those products' prologue (matvec_<format>+norm; gate/up with the gated unit in its epilogue too,
     +norm+glu_q8), with no norm kernel; logits against the same step with the norms' own kernels (0) at 1, 3 and 8
-    sequences, on one random cache. A prefill keeps the norms' kernels."""
+    sequences, on one random cache. A prefill, and rows past the flag's, keep the norms' kernels."""
     from vkgraph import templates
     from vkgraph.realize import count_kernels
     from vkgraph.runtime import get_device
@@ -671,14 +671,18 @@ def test_norms_in_the_products_prologue_match_their_kernels(models, kind, monkey
         runs = {name: templates.DISPATCHES[name] - n for name, n in before.items()}
         return logits, c.count, runs["rmsnorm_q8"], runs[label] + runs[both], runs[both]
 
-    for batch in (1, 3, 8):
+    def step_of(batch: int) -> tuple[StepInputs, np.ndarray]:
+        """A decode step of `batch` sequences of drawn lengths and block tables, and its token ids."""
         lens = rng.integers(1, 6 * BLOCK, batch)
         table = rng.permutation(48)[:batch * 6].reshape(batch, 6).astype(np.int32)
         slots = table[np.arange(batch), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK
         step = StepInputs(Tensor((lens - 1).astype(np.int32)), Tensor(slots.astype(np.int32)),
                           block_tables=Tensor(table), context_lens=Tensor(lens.astype(np.int32)), decode=True)
-        ids = rng.integers(0, w.config.vocab_size, batch).astype(np.int32)
-        on, on_kernels, on_norms, on_prologues, on_both = run(step, ids, "1")
+        return step, rng.integers(0, w.config.vocab_size, batch).astype(np.int32)
+
+    for batch in (1, 3, 8):
+        step, ids = step_of(batch)
+        on, on_kernels, on_norms, on_prologues, on_both = run(step, ids, "8")
         off, off_kernels, off_norms, off_prologues, _ = run(step, ids, "0")  # rewrites the same cache slots
         assert on_norms == off_prologues == 0 and on_prologues == off_norms >= 2 * len(model.layers)
         assert on_both == len(model.layers)
@@ -688,7 +692,8 @@ def test_norms_in_the_products_prologue_match_their_kernels(models, kind, monkey
     n = 5
     prefill = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
                          cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
-    assert run(prefill, np.arange(1, n + 1, dtype=np.int32), "1")[3] == 0
+    assert run(prefill, np.arange(1, n + 1, dtype=np.int32), "8")[3] == 0
+    assert run(*step_of(3), "2")[3] == 0  # past the flag's rows
 
 
 @pytest.mark.parametrize("kind,kv_dtype,int_dot", [("Q4_0", "f16", "0"), ("Q4_0-head32", "f32", "1"),

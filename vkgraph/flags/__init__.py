@@ -57,9 +57,10 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_MATVEC_SG", str, "", "subgroup-rows launch parameters replacing matvec.SG_PREFERRED and "
              "SG_INT_DOT_PREFERRED, e.g. '1:128,2,4;32:256,4,1,16;8:128,4,2,0,1,1' (activation rows bucket: "
              "workgroup size, rows per group, units in flight[, group width (0: derived)[, fold, stage]])"),
-        Flag("VKGRAPH_NORM_PROLOGUE", int, 1, "1: a decode step's RMSNorm before an integer-path matvec runs inside "
-             "it (the matvec normalizes and quantizes its input rows itself, profiled as matvec_<format>+norm); 0: "
-             "the norm's own kernel (rmsnorm_q8) writes the int8 rows"),
+        Flag("VKGRAPH_NORM_PROLOGUE", int, 1, "the most activation rows (0 never) of a decode step whose RMSNorm "
+             "before an integer-path matvec of up to matvec.NORM_MAX_ROWS rows (q/k/v) runs inside it (the matvec "
+             "normalizes and quantizes its input rows itself, profiled as matvec_<format>+norm); elsewhere the "
+             "norm's own kernel (rmsnorm_q8) writes the int8 rows. 1: faster on an H200 at one row, slower at 8"),
         Flag("VKGRAPH_NORM_PROLOGUE_SG", str, "", "launch parameters replacing matvec.NORM_PREFERRED, e.g. "
              "'1:256,2,4,32,1;8:512,1,2,16,0' (activation rows bucket: workgroup size, rows per group, units in "
              "flight, group width (0: derived), fold)"),

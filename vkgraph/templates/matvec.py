@@ -315,9 +315,11 @@ def stage_fits(dev: Device, fmt: QuantFormat, cfg: MatvecConfig, batch: int, nor
 NORM_PREFERRED: dict[int, tuple[int, int, int, int, bool]] = {
     1: (512, 2, 4, 32, True), 2: (512, 2, 4, 32, True), 4: (512, 2, 4, 32, True), 8: (512, 2, 2, 32, True)}
 # Products of more rows keep the norm's kernel: their workgroups' reads of the activations (N / rows per workgroup
-# times the rows' K floats) grow with N while the dispatch they save stays one (Llama-3's output head, 128256 rows
-# at 8 activation rows: 1 GiB from L2)
-NORM_MAX_ROWS = 65536
+# times the rows' K floats, and the norm's weight) grow with N while the dispatch they save stays one. On an H200
+# (8B Q4_0, one activation row, interim run of 2026-12-02) the q/k/v product (6144 rows) took 12.3 us with the norm
+# against about 9.0 without (inferred from the step's totals), less than the 5.2 us rmsnorm_q8 it saves; gate/up
+# (28672 rows, with the gated unit in its epilogue) 30.6 against 22.6, more.
+NORM_MAX_ROWS = 16384
 
 
 def norm_overrides() -> dict[int, tuple[int, int, int, int, bool]]:
@@ -464,10 +466,10 @@ def takes_int8(fmt: QuantFormat, rows: int, k: int) -> bool:
 
 def takes_norm(fmt: QuantFormat, rows: int, n: int, k: int) -> bool:
     """Whether `rows` activation rows of width k into an [n, k] matvec of this format on the default device may
-    come as NormedRows: VKGRAPH_NORM_PROLOGUE on, the integer path (int_dot_default), a launch that takes them
-    (norm_config). Never with VKGRAPH_DECODE_FUSION=0."""
+    come as NormedRows: up to VKGRAPH_NORM_PROLOGUE rows, the integer path (int_dot_default), a launch that takes
+    them (norm_config). Never with VKGRAPH_DECODE_FUSION=0."""
     dev = get_device()
-    return (bool(flag("VKGRAPH_NORM_PROLOGUE")) and decode_fusion() and int_dot_default(dev, fmt)
+    return (rows <= flag("VKGRAPH_NORM_PROLOGUE") and decode_fusion() and int_dot_default(dev, fmt)
             and norm_config(dev, fmt, n, k, rows) is not None)
 
 
