@@ -325,7 +325,8 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
                                  acts.xq, acts.xd, acts.xs, *extra], (parts, hkv, num_seqs), push=push)
     if part_tokens:
-        red = catalog.compile(dev, "paged_reduce", spec={"WG": min(ATTN_WG, d)},
+        # an invocation per 4 dimensions at least
+        red = catalog.compile(dev, "paged_reduce", spec={"WG": max(ATTN_WG, 1 << (d // 4 - 1).bit_length())},
                               defines={"Q8_OUT": 1, "HEAD_SIZE": d} if int8 else None)
         catalog.dispatch(dev, red, [part_o, part_ml, context_lens, out, acts.xq, acts.xd, acts.xs],
                          (num_heads, num_seqs, 1),
