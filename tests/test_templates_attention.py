@@ -47,7 +47,8 @@ def _block_tables(rng, lens, bs, num_blocks, shared_prefix):
     return tables
 
 
-def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, shared_prefix=False, softcap=0.0):
+def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, shared_prefix=False, softcap=0.0,
+                 form=None):
     dev = device()
     need = sum(-(-n // bs) for n in lens) + 1
     kc, vc = _random_cache(rng, need, hkv, bs, d, dtype)
@@ -60,7 +61,8 @@ def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, share
     lens_buf = upload(dev, np.array(lens, np.int32))
     out = pa.paged_decode(dev, cache, upload(dev, q), upload(dev, tables), lens_buf,
                           num_seqs=len(lens), num_heads=hkv * group, max_blocks_per_seq=tables.shape[1],
-                          max_context_len=max(lens), window=window, part_tokens=part_tokens, softcap=softcap)
+                          max_context_len=max(lens), window=window, part_tokens=part_tokens, softcap=softcap,
+                          form=form)
     got = dev.download(out, np.float32, q.shape)
     ref = np.zeros(q.shape)
     for b, n in enumerate(lens):
@@ -81,7 +83,30 @@ def test_paged_decode_fuzz(data, d, dtype, hkv, group, bs, seed):
     window = data.draw(st.sampled_from([0, 0, 1, 40]))
     part = data.draw(st.sampled_from([None, 0, 32, 64]))
     _decode_case(np.random.default_rng(seed), lens, hkv, group, d, bs, dtype, window, part,
-                 shared_prefix=data.draw(st.booleans()), softcap=data.draw(st.sampled_from([0.0, 0.0, 1.5])))
+                 shared_prefix=data.draw(st.booleans()), softcap=data.draw(st.sampled_from([0.0, 0.0, 1.5])),
+                 form=data.draw(st.sampled_from(FORMS)))
+
+
+# the kernel's walks of the context (DecodeForm): tiles through shared memory, and keys and values streamed into
+# registers; STREAM_FORMS: a workgroup of 64 with an odd unroll, and groups of 4 invocations a token (several to a
+# subgroup, a token's words several to an invocation)
+FORMS = [pa.DecodeForm(), pa.DecodeForm("stream")]
+STREAM_FORMS = [pa.DecodeForm("stream", 64, 3), pa.DecodeForm("stream", 256, 2, lanes=4)]
+
+
+@pytest.mark.parametrize("form", STREAM_FORMS)
+def test_paged_decode_stream(form):
+    """The "stream" form where the device suits it (lavapipe does), over GQA up to 8 rows a KV head, float16 and
+    float32 caches, a head whose words do not fill a power of two, a window, a soft cap, split and unsplit, and the
+    new tokens written."""
+    dev = device()
+    assert pa._stream_defines(dev, form, 4, 64, "f16")
+    rng = np.random.default_rng(form.wg + form.lanes)
+    _decode_case(rng, [150, 7, 90], 2, 4, 64, 16, "f16", 0, 0, form=form)
+    _decode_case(rng, [300, 1, 33], 1, 2, 96, 8, "f16", 40, None, softcap=1.5, form=form)
+    _decode_case(rng, [200, 129], 1, 8, 64, 32, "f32", 0, 32, form=form)
+    _new_token_case(rng, [70, 1, 33, 0, 0, 200], 2, 4, 64, 16, "f16", 0, 32, rope=True, stale=(1,), moved=(4,),
+                    form=form)
 
 
 @pytest.mark.parametrize("part", [None, 0, 32])
@@ -90,14 +115,17 @@ def test_paged_decode_softcap_and_window(part):
     _decode_case(np.random.default_rng(3), [150, 7, 90], 2, 2, 64, 16, "f16", 40, part, softcap=1.5)
 
 
-@pytest.mark.parametrize("part", [None, 0])
-def test_paged_decode_long_context(part):
-    """A context beyond 4096 tokens beside a one-token one; split-K chosen automatically or turned off."""
-    _decode_case(np.random.default_rng(7), [4133, 1], 1, 4, 64, 16, "f16", 0, part)
+@pytest.mark.parametrize("part", [None, 0, 32])
+@pytest.mark.parametrize("form", FORMS)
+def test_paged_decode_long_context(part, form):
+    """A context beyond 4096 tokens beside a one-token one; split-K chosen automatically, turned off, or into more
+    partitions (130) than paged_reduce has invocations."""
+    _decode_case(np.random.default_rng(7), [4133, 1], 1, 4, 64, 16, "f16", 0, part, form=form)
 
 
 @pytest.mark.parametrize("part,d,group", [(0, 64, 4), (64, 128, 2), (None, 96, 1)])
-def test_paged_decode_int8_output(part, d, group):
+@pytest.mark.parametrize("form", FORMS)
+def test_paged_decode_int8_output(part, d, group, form):
     """int8=True writes what quantize_q8 makes of the float output (the kernel that finishes the output,
     paged_decode unsplit or paged_reduce split, quantizes it): the same int8 values, scales and sums."""
     from vkgraph.templates import matvec as mv
@@ -114,7 +142,7 @@ def test_paged_decode_int8_output(part, d, group):
     dev.upload(cache.value, vc)
     args = (dev, cache, upload(dev, q), upload(dev, tables), upload(dev, np.array(lens, np.int32)))
     kw = dict(num_seqs=len(lens), num_heads=hkv * group, max_blocks_per_seq=tables.shape[1],
-              max_context_len=max(lens), part_tokens=part)
+              max_context_len=max(lens), part_tokens=part, form=form)
     rows, k = len(lens), hkv * group * d
     want = mv.quantize_activations(dev, pa.paged_decode(*args, **kw), rows, k)
     got = mv.Q8Acts.in_buffer(pa.paged_decode(*args, **kw, int8=True), rows, k)
@@ -298,7 +326,8 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x[..., :h] * c - x[..., h:] * s, x[..., h:] * c + x[..., :h] * s], -1)
 
 
-def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int8=False, stale=(), moved=()):
+def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int8=False, stale=(), moved=(),
+                    form=None):
     """paged_decode writing each sequence's new token itself (NewTokens) against write_kv then paged_decode (the
     two-kernel route), on two copies of one cache, and against numpy. lens: context lengths with the new token;
     0 is a padding row (slot -1, nothing attended), and rows in `stale` also get slot -1 but attend their context
@@ -341,7 +370,7 @@ def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int
         pa.write_kv(dev, caches[0], rbuf, rbuf, sbuf, b, src_stride=stride, k_off=k_off, v_off=v_off)
         q2 = upload(dev, np.ascontiguousarray(rows[:, q_off:k_off]))
     two = pa.paged_decode(dev, caches[0], q2, tbuf, lbuf, **kw)
-    one = pa.paged_decode(dev, caches[1], rbuf, tbuf, lbuf, **kw,
+    one = pa.paged_decode(dev, caches[1], rbuf, tbuf, lbuf, **kw, form=form,
                           new_tokens=pa.NewTokens(sbuf, stride, q_off, k_off, v_off, rope=tabs))
     assert templates_used(since) >= {"kv_write", "paged_decode"}
     # the cache: every word as the two-kernel route leaves it (float16 rounding allows one unit in the last place)
@@ -407,13 +436,15 @@ def test_paged_decode_writes_new_tokens(data, d, dtype, hkv, group, bs, seed):
     window = data.draw(st.sampled_from([0, 0, 1, 40]))
     part = data.draw(st.sampled_from([None, 0, 32, 64]))
     _new_token_case(np.random.default_rng(seed), lens, hkv, group, d, bs, dtype, window, part,
-                    rope=data.draw(st.booleans()), stale=stale, moved=moved[:bs])
+                    rope=data.draw(st.booleans()), stale=stale, moved=moved[:bs],
+                    form=data.draw(st.sampled_from(FORMS)))
 
 
 @pytest.mark.parametrize("part", [0, 32])
-def test_paged_decode_writes_new_tokens_int8(part):
+@pytest.mark.parametrize("form", FORMS)
+def test_paged_decode_writes_new_tokens_int8(part, form):
     """The new tokens written by the attention that writes the output product's int8 rows, split or not; a row of
     no context with a slot (written, attending nothing) beside a padding row, and a row of slot -1 that attends the
     cache as it is."""
     _new_token_case(np.random.default_rng(11), [70, 1, 33, 0, 0], 2, 2, 64, 16, "f16", 0, part, rope=True, int8=True,
-                    stale=(1,), moved=(4,))
+                    stale=(1,), moved=(4,), form=form)

@@ -242,6 +242,63 @@ def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_
     return 0 if part >= max_context_len else part
 
 
+@dataclass(frozen=True)
+class DecodeForm:
+    """How paged_decode's kernel walks the context. "tiles" (attention_common.glsl): tiles of keys and values
+    through shared memory, the workgroup's invocations split over the query rows. "stream" (decode_stream.glsl):
+    keys and values straight into registers, each 16-byte word loaded and converted once for all the query rows of
+    its KV head, groups of `lanes` invocations a token (at most; 0: up to 16), `unroll` tokens a group in each chunk
+    of one softmax step; `wg` invocations a workgroup."""
+
+    kind: str = "tiles"
+    wg: int = ATTN_WG
+    unroll: int = 4
+    lanes: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> DecodeForm:
+        """"tiles", "stream" or "stream:WGxUNROLL[xLANES]" (e.g. stream:256x8), as the benchmark takes them."""
+        kind, _, rest = text.partition(":")
+        if kind == "tiles" and not rest:
+            return cls()
+        if kind != "stream":
+            raise ValueError(f"decode form {text!r}: tiles, stream or stream:WGxUNROLL[xLANES]")
+        if not rest:
+            return cls(kind)
+        wg, unroll, lanes = ([int(x) for x in rest.split("x")] + [4, 0][rest.count("x"):])[:3]
+        return cls(kind, wg, unroll, lanes)
+
+
+DEFAULT_FORM = DecodeForm()
+
+
+def _stream_defines(dev: Device, form: DecodeForm, rows: int, head_size: int, dtype: str) -> dict[str, int] | None:
+    """The "stream" form's defines (decode_stream.glsl), or None where the device or the shape does not suit it:
+    a fixed subgroup size with shuffles and reductions, a workgroup of a power of two of subgroups, invocations
+    a token (LANES) a power of two dividing the token's 16-byte words and the subgroup, and each invocation's
+    query and output slices (rows x the dimensions it holds) at most 64 floats, the rows at most LANES."""
+    info = dev.info
+    sg, wg = info.max_subgroup_size, form.wg
+    if (info.min_subgroup_size != sg or not {"basic", "shuffle", "arithmetic"} <= info.subgroup_ops
+            or wg % sg or (wg // sg) & (wg // sg - 1) or wg > info.max_workgroup_invocations or form.unroll < 1):
+        return None
+    words = head_size * KV_DTYPES[dtype] // 16
+    lanes = 1 << (min(form.lanes or 16, sg, words).bit_length() - 1)
+    while words % lanes:
+        lanes //= 2
+    rp = 1 << (rows - 1).bit_length()
+    if rows * (words // lanes) * (16 // KV_DTYPES[dtype]) > 64 or rp > lanes:
+        return None
+    chunk = wg // lanes * form.unroll
+    base = rows * chunk * 4 + chunk * -(-rows // 4) * 16 + 3 * rows * 4
+    nslot = wg // sg  # the groups' outputs summed in as many slots as fit the shared memory
+    while nslot > 1 and base + nslot * rows * head_size * 4 > info.max_shared_memory:
+        nslot //= 2
+    if base + nslot * rows * head_size * 4 > info.max_shared_memory:
+        return None
+    return {"STREAM": 1, "LANES": lanes, "UNROLL": form.unroll, "SG": sg, "NSLOT": nslot, "RP": rp}
+
+
 def _softcap(cap: float) -> float:
     if not (math.isfinite(cap) and cap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0: none), got {cap}")
@@ -251,7 +308,8 @@ def _softcap(cap: float) -> float:
 def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, context_lens: Any, *,
                  num_seqs: int, num_heads: int, max_blocks_per_seq: int, max_context_len: int,
                  scale: float | None = None, window: int = 0, softcap: float = 0.0, part_tokens: int | None = None,
-                 out: Any | None = None, int8: bool = False, new_tokens: NewTokens | None = None) -> Any:
+                 out: Any | None = None, int8: bool = False, new_tokens: NewTokens | None = None,
+                 form: DecodeForm | None = None) -> Any:
     """Attention of one query token per sequence over its cached context; returns out [B, num_heads, D].
 
     q: float32 [num_seqs, num_heads, D]; block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens:
@@ -261,7 +319,8 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     holds the rows [B, num_heads * D] as the integer matvec's input (matvec.Q8Acts.layout), written by the kernel
     that finishes the output instead of float32; D % 32 == 0. new_tokens: the same dispatch writes each sequence's
     new key and value into the cache and attends them from registers (see NewTokens; `q` is then the q/k/v rows),
-    where write_kv would run before it.
+    where write_kv would run before it. form: the kernel's walk of the context (DecodeForm; None: the default;
+    "stream" falls back to "tiles" where the device or the shape does not suit it).
     """
     d, hkv = cache.head_size, cache.num_kv_heads
     if num_heads % hkv:
@@ -294,8 +353,14 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     # the int8 parts, or `out` bound where the float output is written
     acts = Q8Acts.in_buffer(out, num_seqs, num_heads * d) if int8 else Q8Acts(out, out, out)
     tile = _choose_tile(dev, group, d, cache.dtype)
-    if part_tokens is None:
-        part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, tile)
+    form = form or DEFAULT_FORM
+    core = _stream_defines(dev, form, group, d, cache.dtype) if form.kind == "stream" else None
+    wg = form.wg if core else ATTN_WG
+    if core is None:
+        core = {"TILE": tile}
+    if part_tokens is None:  # stream: partitions of whole chunks (a multiple of the tile too)
+        step = math.lcm(tile, wg // core["LANES"] * core["UNROLL"]) if "STREAM" in core else tile
+        part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, step)
     if part_tokens < 0 or part_tokens % tile:
         raise ValueError(f"part_tokens must be 0 or a positive multiple of the tile {tile}, got {part_tokens}")
     parts = max(1, -(-max_context_len // part_tokens)) if part_tokens else 1
@@ -319,8 +384,8 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
             flags["ROPE"] = 1
         extra = [new.slot_mapping, *(new.rope or (context_lens, context_lens)), cache.key, cache.value]
         push.update(src_stride=new.src_stride, q_off=new.q_off, k_off=new.k_off, v_off=new.v_off)
-    kern = catalog.compile(dev, "paged_decode", spec={"WG": ATTN_WG},
-                           defines=_defines(dev, d, cache.dtype, GROUP=group, TILE=tile, BLOCK_SIZE=cache.block_size,
+    kern = catalog.compile(dev, "paged_decode", spec={"WG": wg},
+                           defines=_defines(dev, d, cache.dtype, GROUP=group, **core, BLOCK_SIZE=cache.block_size,
                                             **flags))
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
                                  acts.xq, acts.xd, acts.xs, *extra], (parts, hkv, num_seqs), push=push)

@@ -1,8 +1,10 @@
 #version 450
 // Decode attention over a paged KV cache: one new query token per sequence, sequences of different lengths.
 // A workgroup serves one (partition, KV head, sequence) and all GROUP query heads that share the KV head
-// (grouped-query attention), so each key and value is read once per KV head: tiles of keys and values through
-// shared memory, the invocations split over the query rows (attention_common.glsl).
+// (grouped-query attention), so each key and value is read once per KV head. Two walks of the context: tiles of
+// keys and values through shared memory, the invocations split over the query rows (attention_common.glsl), or
+// with -DSTREAM keys and values straight into registers, each word loaded and converted once for all the rows,
+// in chunks with one softmax step each (decode_stream.glsl); the epilogue below takes either's result.
 //
 // Cache layout (k and v alike): [num_blocks, num_kv_heads, block_size, HEAD_SIZE], float16 (-DKV_F16) or
 // float32, block_size = -DBLOCK_SIZE (a constant, so that positions split into block and offset without a
@@ -56,7 +58,11 @@ layout(push_constant) uniform Push {
     uint v_off;
 } pc;
 
+#ifdef STREAM
+#include "decode_stream.glsl"
+#else
 #include "attention_common.glsl"
+#endif
 #include "q8_store.glsl"
 
 uint seq_id() { return gl_WorkGroupID.z; }
@@ -121,6 +127,7 @@ bool new_words(uint w, bool writer, out uvec4 k, out uvec4 v) {
     return true;
 }
 
+#ifndef STREAM
 // new_k/new_v (attention_common.glsl): word w (this invocation) of the new token's key and value, as new_words
 // makes them; where the slot is negative, the cache's own words at position ctx - 1.
 void new_token() {
@@ -132,6 +139,7 @@ void new_token() {
         new_v = vc[g];
     }
 }
+#endif
 #endif
 
 vec4 q_at(uint row, uint e) {
