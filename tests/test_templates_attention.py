@@ -369,7 +369,7 @@ def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int
     else:
         pa.write_kv(dev, caches[0], rbuf, rbuf, sbuf, b, src_stride=stride, k_off=k_off, v_off=v_off)
         q2 = upload(dev, np.ascontiguousarray(rows[:, q_off:k_off]))
-    two = pa.paged_decode(dev, caches[0], q2, tbuf, lbuf, **kw)
+    two = pa.paged_decode(dev, caches[0], q2, tbuf, lbuf, **kw, form=form)
     one = pa.paged_decode(dev, caches[1], rbuf, tbuf, lbuf, **kw, form=form,
                           new_tokens=pa.NewTokens(sbuf, stride, q_off, k_off, v_off, rope=tabs))
     assert templates_used(since) >= {"kv_write", "paged_decode"}
