@@ -11,13 +11,14 @@
 // the matching dimensions of every query row. The workgroup's NG = WG / LANES groups take neighbouring tokens, so
 // each load instruction of a subgroup covers consecutive bytes of a block; UNROLL tokens a group make a chunk.
 // Per chunk:
-//   (1) the chunk's values are loaded (the block-table entries came a chunk ahead) while the keys, loaded during
-//       the previous chunk, are scored: ROWS partial dot products per invocation, summed over the group by a
-//       reduce-scatter of shuffles (ROWS - 1 shuffles share the rows out, log2(LANES / ROWS) finish the sums:
-//       5 shuffles a token for 4 rows of 16 lanes, not 16), and written to sS; the next chunk's keys are loaded;
+//   (1) the keys, loaded during the previous chunk, are scored: ROWS partial dot products per invocation, summed
+//       over the group by a reduce-scatter of shuffles (ROWS - 1 shuffles share the rows out, log2(LANES / ROWS)
+//       finish the sums: 5 shuffles a token for 4 rows of 16 lanes, not 16), and written to sS; as each key is
+//       scored, the next chunk's key goes into its registers;
 //   (2) one subgroup per row takes the chunk's max, rescales the row's running max and sum and writes the
 //       weights exp(s - m) to sP (ROWS per token, so that (3) reads a token's in one 16-byte load);
-//   (3) every invocation rescales its output slices and accumulates the values it loaded times the weights.
+//   (3) every invocation rescales its output slices and accumulates the values it loaded (during the previous
+//       chunk) times the weights, each value's registers taking the next chunk's as soon as it is used.
 // Two barriers a chunk. At the end the groups' outputs are summed (shuffles within a subgroup, then NSLOT slots
 // of shared memory) and left as attention_common.glsl leaves them: acc[j] the unnormalised output of pair
 // tid + j * WG (row, 4 dims), sM and sL each row's max and sum, sQ free for the epilogue.
@@ -80,28 +81,27 @@ vec4 kv4(uvec4 wd, uint h) {   // vec4 h of a word
 #endif
 }
 
-uint blk_cur[UNROLL], blk_next[UNROLL];   // block-table entries: this chunk's, the next one's
+uint blk_a[UNROLL], blk_b[UNROLL];   // block-table entries of the next chunk and of the one after
 uvec4 kr[UNROLL][WPL], vr[UNROLL][WPL];
-uvec4 nk[WPL], nv[WPL];                   // the new token's words, attended at npos in place of the cache's
+uvec4 nk[WPL], nv[WPL];              // the new token's words, attended at npos in place of the cache's
 uint npos = 0xFFFFFFFFu;
 
 void table(uint t0, uint end, uint grp, out uint blk[UNROLL]) {   // the block-table entries of the chunk at t0
     [[unroll]] for (uint u = 0; u < UNROLL; u++) blk[u] = kv_block(min(t0 + u * NG + grp, end - 1));
 }
 
-// keys (values: !key) of the chunk at t0 into kr (vr), zeros past the end
-void load(bool key, uint t0, uint end, uint grp, uint lane) {
-    [[unroll]] for (uint u = 0; u < UNROLL; u++) {
-        const uint pos = t0 + u * NG + grp;
-        const uint base = kv_at(blk_cur[u], pos);
-        [[unroll]] for (uint j = 0; j < WPL; j++) {
-            const uint g = base + lane + j * LANES;
-            uvec4 w = uvec4(0);   // a zero weight times garbage could be NaN
-            if (pos == npos) w = key ? nk[j] : nv[j];
-            else if (pos < end) w = key ? kc[g] : vc[g];
-            if (key) kr[u][j] = w;
-            else vr[u][j] = w;
-        }
+// token u of the chunk at t0 (its block-table entry blk): its key (value: !key) words into kr[u] (vr[u]), zeros
+// past the end
+void load(bool key, uint u, uint blk, uint t0, uint end, uint grp, uint lane) {
+    const uint pos = t0 + u * NG + grp;
+    const uint base = kv_at(blk, pos);
+    [[unroll]] for (uint j = 0; j < WPL; j++) {
+        const uint g = base + lane + j * LANES;
+        uvec4 w = uvec4(0);   // a zero weight times garbage could be NaN
+        if (pos == npos) w = key ? nk[j] : nv[j];
+        else if (pos < end) w = key ? kc[g] : vc[g];
+        if (key) kr[u][j] = w;
+        else vr[u][j] = w;
     }
 }
 
@@ -137,14 +137,25 @@ void attend(uint begin, uint end) {
         [[unroll]] for (uint i = 0; i < WPL * V4W; i++) oa[r][i] = vec4(0.0);
     }
 
-    [[unroll]] for (uint u = 0; u < UNROLL; u++) blk_next[u] = 0u;
+    // every load is issued as soon as the register it fills is free: a token's key of the next chunk right after
+    // this chunk's key in that register is scored, its value right after this one's is accumulated, so each is
+    // in flight for a whole chunk; the block-table entries come a chunk earlier still
+    [[unroll]] for (uint u = 0; u < UNROLL; u++) {
+        blk_a[u] = 0u;
+        blk_b[u] = 0u;
+    }
     if (begin < end) {
-        table(begin, end, grp, blk_cur);
-        load(true, begin, end, grp, lane);
-        if (begin + CHUNK < end) table(begin + CHUNK, end, grp, blk_next);
+        table(begin, end, grp, blk_a);
+        [[unroll]] for (uint u = 0; u < UNROLL; u++) {
+            load(true, u, blk_a[u], begin, end, grp, lane);
+            load(false, u, blk_a[u], begin, end, grp, lane);
+        }
+        if (begin + CHUNK < end) table(begin + CHUNK, end, grp, blk_a);
     }
     for (uint t0 = begin; t0 < end; t0 += CHUNK) {
-        load(false, t0, end, grp, lane);   // (1) this chunk's values in flight while its keys are scored
+        const bool more = t0 + CHUNK < end;
+        if (t0 + 2 * CHUNK < end) table(t0 + 2 * CHUNK, end, grp, blk_b);
+        // (1) the keys scored
         [[unroll]] for (uint u = 0; u < UNROLL; u++) {
             float v[RP];
             [[unroll]] for (uint r = 0; r < RP; r++) {
@@ -178,11 +189,7 @@ void attend(uint begin, uint end) {
                 if (pc.softcap > 0.0) s = pc.softcap * tanh(s / pc.softcap);
                 sS[rbase * CHUNK + t] = pos < end ? s : -1.0 / 0.0;
             }
-        }
-        [[unroll]] for (uint u = 0; u < UNROLL; u++) blk_cur[u] = blk_next[u];
-        if (t0 + CHUNK < end) {   // the next chunk's keys, and the table entries of the one after, in flight
-            load(true, t0 + CHUNK, end, grp, lane);
-            if (t0 + 2 * CHUNK < end) table(t0 + 2 * CHUNK, end, grp, blk_next);
+            if (more) load(true, u, blk_a[u], t0 + CHUNK, end, grp, lane);
         }
         barrier();
         // (2) one subgroup per row: the chunk's max, the weights, the running max and sum
@@ -221,7 +228,9 @@ void attend(uint begin, uint end) {
                     [[unroll]] for (uint h = 0; h < V4W; h++) oa[r][j * V4W + h] += p * kv4(vr[u][j], h);
                 }
             }
+            if (more) load(false, u, blk_a[u], t0 + CHUNK, end, grp, lane);
         }
+        [[unroll]] for (uint u = 0; u < UNROLL; u++) blk_a[u] = blk_b[u];
     }
 
     // the groups' outputs summed: over a subgroup's groups by shuffles, then its first group's lanes into a slot
