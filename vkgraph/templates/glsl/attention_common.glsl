@@ -2,7 +2,7 @@
 // of key/value tokens that all belong to one KV head, TILE tokens at a time.
 //
 // Per tile: (1) the tile's keys and values, loaded into registers with 16-byte loads while the previous tile
-// was computed, go to shared memory, and the next tile's loads are issued, so a workgroup always has a tile
+// was computed (unconditional loads, see load_tile), go to shared memory, and the next tile's loads are issued, so a workgroup always has a tile
 // in flight; (2) one invocation per (row, token) computes a score; (3) one invocation per row updates the
 // running max m; (4) one invocation per (row, token) turns its score into a weight; (5) each invocation
 // rescales and accumulates its (row, 4 dims) slices of the output and the row's running sum l.
@@ -88,21 +88,16 @@ void put_word(uint t, uint w, uvec4 k, uvec4 v) {   // word w of the tile's toke
 // Loads the queries (already scaled) into sQ: q_at(row, e) gives four values of row from dimension e.
 vec4 q_at(uint row, uint e);
 
-void load_tile(uint t0, uint end) {   // the tile at t0 into nextK/nextV (zeros past the end)
+// The tile at t0 into nextK/nextV. The loads are unconditional, from positions clamped into the range, so that
+// all of them (and the block-table loads before them) are in flight at once: a load under a condition whose
+// result meets a default value after it was measured to wait for its data before the next load is issued (on
+// the H200, one memory round trip per load). Words past the end are zeroed as they go into shared memory.
+void load_tile(uint t0, uint end) {
     [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
-        const uint i = gl_LocalInvocationID.x + j * WG;
-        const uint pos = t0 + i / WORDS_PER_TOKEN;
-        nextK[j] = uvec4(0);   // a zero weight times garbage could be NaN
-        nextV[j] = uvec4(0);
-#ifdef NEW_KV
-        if (i < TILE * WORDS_PER_TOKEN && pos < end && pos != new_pos) {   // new_pos: from new_k/new_v
-#else
-        if (i < TILE * WORDS_PER_TOKEN && pos < end) {
-#endif
-            const uint g = kv_word(pos) + i % WORDS_PER_TOKEN;
-            nextK[j] = kc[g];
-            nextV[j] = vc[g];
-        }
+        const uint i = min(gl_LocalInvocationID.x + j * WG, TILE * WORDS_PER_TOKEN - 1);
+        const uint g = kv_word(min(t0 + i / WORDS_PER_TOKEN, end - 1)) + i % WORDS_PER_TOKEN;
+        nextK[j] = kc[g];
+        nextV[j] = vc[g];
     }
 }
 
@@ -134,14 +129,18 @@ void attend(uint begin, uint end) {
 #else
             if (i < TILE * WORDS_PER_TOKEN) {
 #endif
-                put_word(i / WORDS_PER_TOKEN, i % WORDS_PER_TOKEN, nextK[j], nextV[j]);
+                // past the end: zeros (a zero weight times garbage could be NaN); new_pos's words, which another
+                // workgroup may be writing, were loaded from a clamped position and are never used
+                const bool valid = t0 + i / WORDS_PER_TOKEN < end;
+                put_word(i / WORDS_PER_TOKEN, i % WORDS_PER_TOKEN, valid ? nextK[j] : uvec4(0),
+                         valid ? nextV[j] : uvec4(0));
             }
         }
 #ifdef NEW_KV
         if (has_new && tid < WORDS_PER_TOKEN) put_word(new_pos - t0, tid, new_k, new_v);
 #endif
         barrier();
-        if (t0 + TILE < end) load_tile(t0 + TILE, end);
+        load_tile(t0 + TILE, end);   // past the end: the last position again, unused (unconditional, see load_tile)
         [[unroll]] for (uint j = 0; j < SCORE_N; j++) {
             const uint i = tid + j * WG;
             if (i < ROWS * TILE) {

@@ -90,19 +90,25 @@ void table(uint t0, uint end, uint grp, out uint blk[UNROLL]) {   // the block-t
     [[unroll]] for (uint u = 0; u < UNROLL; u++) blk[u] = kv_block(min(t0 + u * NG + grp, end - 1));
 }
 
-// token u of the chunk at t0 (its block-table entry blk): its key (value: !key) words into kr[u] (vr[u]), zeros
-// past the end
+// token u of the chunk at t0 (its block-table entry blk, of the position clamped into the range): its key (value:
+// !key) words into kr[u] (vr[u]). The loads are unconditional, from the clamped position, so that they are all in
+// flight at once (a load under a condition whose result meets a default value after it waits for its data before
+// the next is issued); word() takes the new token's words and the zeros past the end where they are used.
 void load(bool key, uint u, uint blk, uint t0, uint end, uint grp, uint lane) {
-    const uint pos = t0 + u * NG + grp;
-    const uint base = kv_at(blk, pos);
+    const uint base = kv_at(blk, min(t0 + u * NG + grp, end - 1));
     [[unroll]] for (uint j = 0; j < WPL; j++) {
         const uint g = base + lane + j * LANES;
-        uvec4 w = uvec4(0);   // a zero weight times garbage could be NaN
-        if (pos == npos) w = key ? nk[j] : nv[j];
-        else if (pos < end) w = key ? kc[g] : vc[g];
-        if (key) kr[u][j] = w;
-        else vr[u][j] = w;
+        if (key) kr[u][j] = kc[g];
+        else vr[u][j] = vc[g];
     }
+}
+
+// word j of token u of the chunk at t0 as attended: the loaded one, the new token's at npos, zeros past the end
+// (a zero weight times garbage could be NaN)
+uvec4 word(bool key, uint u, uint j, uint t0, uint end, uint grp) {
+    const uint pos = t0 + u * NG + grp;
+    if (pos == npos) return key ? nk[j] : nv[j];
+    return pos < end ? (key ? kr[u][j] : vr[u][j]) : uvec4(0);
 }
 
 void attend(uint begin, uint end) {
@@ -140,21 +146,17 @@ void attend(uint begin, uint end) {
     // every load is issued as soon as the register it fills is free: a token's key of the next chunk right after
     // this chunk's key in that register is scored, its value right after this one's is accumulated, so each is
     // in flight for a whole chunk; the block-table entries come a chunk earlier still
-    [[unroll]] for (uint u = 0; u < UNROLL; u++) {
-        blk_a[u] = 0u;
-        blk_b[u] = 0u;
-    }
     if (begin < end) {
         table(begin, end, grp, blk_a);
         [[unroll]] for (uint u = 0; u < UNROLL; u++) {
             load(true, u, blk_a[u], begin, end, grp, lane);
             load(false, u, blk_a[u], begin, end, grp, lane);
         }
-        if (begin + CHUNK < end) table(begin + CHUNK, end, grp, blk_a);
+        table(begin + CHUNK, end, grp, blk_a);
     }
+    // past the end the loads repeat the last position (unconditional, see load), and go unused
     for (uint t0 = begin; t0 < end; t0 += CHUNK) {
-        const bool more = t0 + CHUNK < end;
-        if (t0 + 2 * CHUNK < end) table(t0 + 2 * CHUNK, end, grp, blk_b);
+        table(t0 + 2 * CHUNK, end, grp, blk_b);
         // (1) the keys scored
         [[unroll]] for (uint u = 0; u < UNROLL; u++) {
             float v[RP];
@@ -162,7 +164,8 @@ void attend(uint begin, uint end) {
                 vec4 d4 = vec4(0.0);
                 if (r < ROWS) {
                     [[unroll]] for (uint j = 0; j < WPL; j++) {
-                        [[unroll]] for (uint h = 0; h < V4W; h++) d4 += qr[r][j * V4W + h] * kv4(kr[u][j], h);
+                        const uvec4 k = word(true, u, j, t0, end, grp);
+                        [[unroll]] for (uint h = 0; h < V4W; h++) d4 += qr[r][j * V4W + h] * kv4(k, h);
                     }
                 }
                 v[r] = hsum(d4);
@@ -189,7 +192,7 @@ void attend(uint begin, uint end) {
                 if (pc.softcap > 0.0) s = pc.softcap * tanh(s / pc.softcap);
                 sS[rbase * CHUNK + t] = pos < end ? s : -1.0 / 0.0;
             }
-            if (more) load(true, u, blk_a[u], t0 + CHUNK, end, grp, lane);
+            load(true, u, blk_a[u], t0 + CHUNK, end, grp, lane);
         }
         barrier();
         // (2) one subgroup per row: the chunk's max, the weights, the running max and sum
@@ -225,10 +228,11 @@ void attend(uint begin, uint end) {
             [[unroll]] for (uint r = 0; r < ROWS; r++) {
                 const float p = p4[r / 4][r % 4];
                 [[unroll]] for (uint j = 0; j < WPL; j++) {
-                    [[unroll]] for (uint h = 0; h < V4W; h++) oa[r][j * V4W + h] += p * kv4(vr[u][j], h);
+                    const uvec4 v = word(false, u, j, t0, end, grp);
+                    [[unroll]] for (uint h = 0; h < V4W; h++) oa[r][j * V4W + h] += p * kv4(v, h);
                 }
             }
-            if (more) load(false, u, blk_a[u], t0 + CHUNK, end, grp, lane);
+            load(false, u, blk_a[u], t0 + CHUNK, end, grp, lane);
         }
         [[unroll]] for (uint u = 0; u < UNROLL; u++) blk_a[u] = blk_b[u];
     }
