@@ -18,6 +18,10 @@
 // with a float `softcap`), and defines
 //   uint kv_word(uint pos)              index of token pos's first uvec4 in the K/V buffers
 //   bool visible(uint row, uint pos)    whether row may attend to key position pos
+// or, with -DKV_BLOCKS (a paged cache), in place of kv_word
+//   uint kv_block(uint pos)             the physical block of position pos (a load of the block table)
+//   uint kv_at(uint block, uint pos)    index of position pos's first uvec4 in the K/V buffers, in `block`
+// and the block-table entries are then loaded a tile ahead of the keys and values that they locate.
 // then calls attend(begin, end) and reads acc[], sM[] and sL[].
 // With -DNEW_KV the including file sets new_pos before attend and defines
 //   void new_token()   sets new_k/new_v in invocations below WORDS_PER_TOKEN: word w = invocation of position
@@ -60,8 +64,14 @@ void new_token();
 vec4 acc[ACC_N];
 float lsum[ACC_N];
 uvec4 nextK[LOAD_N], nextV[LOAD_N];
+#ifdef KV_BLOCKS
+uint nextBlk[LOAD_N];   // block-table entries of the tile that load_tile loads next
+uint kv_block(uint pos);
+uint kv_at(uint block, uint pos);
+#else
 
 uint kv_word(uint pos);
+#endif
 bool visible(uint row, uint pos);
 
 vec4 kv4(uvec4 wd, uint e) {   // four values from dimension e of the word holding dimension e
@@ -95,11 +105,25 @@ vec4 q_at(uint row, uint e);
 void load_tile(uint t0, uint end) {
     [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
         const uint i = min(gl_LocalInvocationID.x + j * WG, TILE * WORDS_PER_TOKEN - 1);
-        const uint g = kv_word(min(t0 + i / WORDS_PER_TOKEN, end - 1)) + i % WORDS_PER_TOKEN;
+        const uint pos = min(t0 + i / WORDS_PER_TOKEN, end - 1);
+#ifdef KV_BLOCKS
+        const uint g = kv_at(nextBlk[j], pos) + i % WORDS_PER_TOKEN;
+#else
+        const uint g = kv_word(pos) + i % WORDS_PER_TOKEN;
+#endif
         nextK[j] = kc[g];
         nextV[j] = vc[g];
     }
 }
+
+#ifdef KV_BLOCKS
+void load_table(uint t0, uint end) {   // the block-table entries of the tile at t0 into nextBlk, as load_tile clamps
+    [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
+        const uint i = min(gl_LocalInvocationID.x + j * WG, TILE * WORDS_PER_TOKEN - 1);
+        nextBlk[j] = kv_block(min(t0 + i / WORDS_PER_TOKEN, end - 1));
+    }
+}
+#endif
 
 void attend(uint begin, uint end) {
     const uint tid = gl_LocalInvocationID.x;
@@ -112,7 +136,15 @@ void attend(uint begin, uint end) {
         acc[j] = vec4(0.0);
         lsum[j] = 0.0;
     }
-    if (begin < end) load_tile(begin, end);
+    if (begin < end) {
+#ifdef KV_BLOCKS
+        load_table(begin, end);
+        load_tile(begin, end);
+        load_table(begin + TILE, end);
+#else
+        load_tile(begin, end);
+#endif
+    }
 #ifdef NEW_KV
     new_token();   // its loads overlap the first tile's
 #endif
@@ -141,6 +173,9 @@ void attend(uint begin, uint end) {
 #endif
         barrier();
         load_tile(t0 + TILE, end);   // past the end: the last position again, unused (unconditional, see load_tile)
+#ifdef KV_BLOCKS
+        load_table(t0 + 2 * TILE, end);
+#endif
         [[unroll]] for (uint j = 0; j < SCORE_N; j++) {
             const uint i = tid + j * WG;
             if (i < ROWS * TILE) {

@@ -61,6 +61,7 @@ layout(push_constant) uniform Push {
 #ifdef STREAM
 #include "decode_stream.glsl"
 #else
+#define KV_BLOCKS   // kv_block and kv_at below: the block-table entries loaded a tile ahead
 #include "attention_common.glsl"
 #endif
 #include "q8_store.glsl"
