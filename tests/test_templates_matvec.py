@@ -715,15 +715,15 @@ def test_glu_config_from_the_product_launch(monkeypatch):
         return cfg.wg, cfg.rows, cfg.tpr, cfg.unroll, cfg.rows_per_workgroup
 
     entry = mv.one_row_entry(q40, 28672, 4096)
-    if entry is not None and not entry.subgroup:  # the table's launch at one row: a workgroup of one subgroup
-        assert launch(1) == (64 // entry.rows * 32, entry.rows, 32, entry.unroll, 64)
+    assert entry is not None and not entry.subgroup  # the table's launch at one row: a workgroup of one subgroup
+    assert launch(1) == (64 // entry.rows * 32, entry.rows, 32, entry.unroll, 64)
     # groups of 32 lanes with 2 rows would make 1024 invocations: at 8 activation rows narrower groups (4 rows
     # would be 32 sums an invocation), at one more rows per group
     assert launch(8) == (512, 2, 16, mv.SG_PREFERRED[8][2], 64)
     q80 = mv.glu_config(h200, quant.FORMATS["Q8_0"], 14336, 4096, 1, int_dot=True)
     product = mv.choose_config(h200, quant.FORMATS["Q8_0"], 28672, 4096, 1, int_dot=True)
-    if not product.tpr and product.rows == 1 and product.wg >= 32:  # INT_DOT_PREFERRED's workgroup of one row
-        assert (q80.wg, q80.rows, q80.tpr) == (512, 4, 32)
+    assert not product.tpr and product.rows <= 2 and product.wg >= 32  # INT_DOT_PREFERRED's workgroup launch
+    assert (q80.wg, q80.rows, q80.tpr) == (512, 4, 32)
     assert launch(8, max_wg=1024) == (1024, 2, 32, mv.SG_PREFERRED[8][2], 64)
     assert launch(8, max_wg=64)[:3] == (64, 8, mv.GLU_MIN_TPR)
     assert mv.glu_config(h200, q40, 14336 + 16, 4096, 1) is None
