@@ -285,9 +285,13 @@ def stage_source(cfg: Config, size: int, sg: int, pf: int = 1, store: bool = Tru
         return out
 
     def step(kt: str, s: str) -> list[str]:
-        """Slice kt (in registers s) used; slice kt + pf read into s."""
+        """Slice kt (in registers s) used; slice kt + pf read into s. The chunk read back is another invocation's
+        first A chunk of the slice (a slot every step writes: the padding is never written, so reading it would
+        make the result depend on what shared memory held before)."""
+        back = f"((lid * 5 + {kt}) % {nt})"
+        read_back = ["barrier();", f"x ^= sm[{back} / {bk // 8} * {a_stride} + {back} % {bk // 8}];"] if store else []
         return (["barrier();"] if store else []) + use(s) + [f"if ({kt} + {pf} < {nk}) {{"] + \
-            load(s, f"{kt} + {pf}") + ["}"] + (["barrier();", f"x ^= sm[(lid * 5 + {kt}) % {smem}];"] if store else [])
+            load(s, f"{kt} + {pf}") + ["}"] + read_back
 
     for i, s in enumerate(sets):
         lines += load(s, str(i))
