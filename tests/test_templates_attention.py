@@ -436,8 +436,7 @@ def test_paged_decode_writes_new_tokens(data, d, dtype, hkv, group, bs, seed):
     window = data.draw(st.sampled_from([0, 0, 1, 40]))
     part = data.draw(st.sampled_from([None, 0, 32, 64]))
     _new_token_case(np.random.default_rng(seed), lens, hkv, group, d, bs, dtype, window, part,
-                    rope=data.draw(st.booleans()), stale=stale, moved=moved[:bs],
-                    form=data.draw(st.sampled_from(FORMS)))
+                    rope=data.draw(st.booleans()), stale=stale, moved=moved[:bs])
 
 
 @pytest.mark.parametrize("part", [0, 32])

@@ -119,7 +119,7 @@ def test_matvec_subgroup_rows_many_rows(batch):
 # The integer path's options (fold, stage) beside the plain body, from 2 to 16 activation rows: K past a round of
 # tpr * unroll units or short of it (a last round cut off), row counts past the last group's rows, formats with
 # and without UNIT_COEFFS (fold) and with super-blocks (stage rounds of whole super-blocks).
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fmt=st.sampled_from(["Q4_0", "Q8_0", "Q5_1", "IQ4_XS", "Q4_K", "Q6_K"]), n=st.integers(1, 40),
        blocks=st.integers(1, 12), batch=st.integers(2, 16), rows=st.integers(1, 4), tpr=st.sampled_from([2, 4, 8]),
        unroll=st.integers(1, 3), wg_groups=st.sampled_from([1, 2, 4]), fold=st.booleans(), stage=st.booleans(),
@@ -815,7 +815,8 @@ def test_matvec_normed_rows_equals_rmsnorm_q8_route(fmt, batch):
 
 
 # launches the prologue takes: group widths, rows per group, units in flight (rounds past K or short of it), several
-# groups per workgroup, fold, formats with super-blocks; special rows
+# groups per workgroup, fold, formats with super-blocks; special rows (slow: the default launches are checked above)
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fmt=st.sampled_from(["Q4_0", "Q8_0", "Q5_1", "IQ4_XS", "Q4_K", "Q6_K"]), n=st.integers(1, 40),
        blocks=st.integers(1, 12), batch=st.integers(1, 8), kind=st.sampled_from(["normal", "zeros", "huge", "tiny",
