@@ -561,6 +561,16 @@ def test_gemma2_reference_is_transformers_gemma2(tmp_path):
     assert nerr(ReferenceLlama(load_weights(hf, progress=False)).forward(prompt), want) < 1e-5
 
 
+def prefill_prompt(model) -> int:
+    """Prefill the decode tests' prompt as one sequence (positions and slots 0..n-1); its length n."""
+    prompt = [5, 17, 42, 99, 7, 3]
+    n = len(prompt)
+    model(Tensor(np.array(prompt, np.int32)), StepInputs(
+        Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
+        cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)).numpy()
+    return n
+
+
 @pytest.mark.parametrize("int_dot,kind", [("0", "Q4_0"), ("1", "Q4_0"), ("1", "Q4_0-head32")])
 def test_fused_decode_layers_match_unfused(models, int_dot, kind, monkeypatch):
     """A decode step with the fused templates (the norm, the gated unit and the attention writing int8 activations
@@ -574,11 +584,7 @@ def test_fused_decode_layers_match_unfused(models, int_dot, kind, monkeypatch):
         pytest.skip("no shaderIntegerDotProduct on this device")
     monkeypatch.setenv("VKGRAPH_INT_DOT", int_dot)
     w, model = build(models[kind])
-    prompt = [5, 17, 42, 99, 7, 3]
-    n = len(prompt)
-    model(Tensor(np.array(prompt, np.int32)), StepInputs(
-        Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
-        cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)).numpy()
+    n = prefill_prompt(model)
 
     def decode(pos: int) -> tuple[np.ndarray, int]:
         step = StepInputs(Tensor(np.array([pos], np.int32)), Tensor(np.array([pos], np.int32)),
@@ -618,11 +624,7 @@ def test_glu_epilogue_decode_matches_glu_q8(models, kind, rows, monkeypatch):
         pytest.skip("no shaderIntegerDotProduct or subgroup shuffles on this device")
     monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
     w, model = build(models[kind])
-    prompt = [5, 17, 42, 99, 7, 3]
-    n = len(prompt)
-    model(Tensor(np.array(prompt, np.int32)), StepInputs(
-        Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
-        cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)).numpy()
+    n = prefill_prompt(model)
     # rows queries continuing the prompt's sequence, each at its own position (its key written first)
     pos = np.arange(n, n + rows, dtype=np.int32)
     step = StepInputs(Tensor(pos), Tensor(pos), block_tables=Tensor(np.tile(np.arange(6, dtype=np.int32), (rows, 1))),
