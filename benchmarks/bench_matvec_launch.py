@@ -2,7 +2,7 @@
 
     python benchmarks/bench_matvec_launch.py [--formats Q4_0,Q8_0,Q4_K] [--batches 1,8,32] [--shapes 8b,1b]
                                              [--products o,gate_up] [--sweep] [--nb-sweep] [--wg-sweep]
-                                             [--mm-sweep] [--grid-sweep]
+                                             [--mm-sweep]
                                              [--reps 10] [--budget 8]
 
 For each format, shape (the products of a Llama-3-8B or Llama-3.2-1B layer and the head) and batch, the product
@@ -34,8 +34,7 @@ On a device with float16 cooperative matrices, "mm" times templates.matmul_quant
 (decode_config) on the same int8 activations, as a decode step from VKGRAPH_DECODE_MM_ROWS rows runs it: the
 product's kernel alone (a tile that splits K over ks workgroups writes ks partial planes; the decode step sums
 them in one more small kernel, not in this time). --mm-sweep also times tiles around it and prints them all,
-fastest first. --grid-sweep times the default launch (and wider ones, and with more units in flight) over grids of
-fewer workgroups than its row groups, each workgroup taking row groups a grid apart in turn (MatvecConfig.grid).
+fastest first.
 """
 
 from __future__ import annotations
@@ -160,32 +159,25 @@ def _nb_name(c: mv.MatvecConfig) -> str:
     return launch + (" fold" if c.fold else "") + (" stage" if c.stage else "")
 
 
-def captured_us(dev, configs: list, run_for: Callable, reps: int, budget: float, what: str) -> dict:
-    """Microseconds per call of each configuration's run (`run_for(cfg)`): all captured first, for `budget` seconds at
-    most, then replayed in turn `reps` times after the clocks are raised (no compile between timings)."""
-    start, graphs = time.perf_counter(), {}
-    try:
-        for cfg in configs:
-            if cfg in graphs:
-                continue
-            if time.perf_counter() - start > budget:
-                print(f"      {what}: budget spent after {len(graphs)} configurations", flush=True)
-                break
-            graphs[cfg] = capture_graph(dev, run_for(cfg))
-        raise_clocks(1.0)
-        return replay_many_us(dev, graphs, reps)
-    finally:
-        for graph in graphs.values():
-            graph.destroy()
-
-
 def nb_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, old: mv.MatvecConfig, reps: int,
              budget: float) -> None:
     """Capture _nb_configs for --budget seconds at most, then replay them in turn after the clocks are raised (as
     wg_sweep: no compile between timings), and print what --nb-sweep promises (GB/s of weight bytes)."""
     nbytes = ws[0].shape[0] * f.row_bytes(ws[0].shape[1])
-    times = captured_us(dev, [base, *_nb_configs(dev, f, base, old, batch)],
-                        lambda cfg: product_run(dev, ws, x, y, batch, cfg), reps, budget, "nb")
+    start, graphs = time.perf_counter(), {}
+    try:
+        for cfg in [base, *_nb_configs(dev, f, base, old, batch)]:
+            if cfg in graphs:
+                continue
+            if time.perf_counter() - start > budget:
+                print(f"      nb: budget spent after {len(graphs)} configurations", flush=True)
+                break
+            graphs[cfg] = capture_graph(dev, product_run(dev, ws, x, y, batch, cfg))
+        raise_clocks(1.0)
+        times = replay_many_us(dev, graphs, reps)
+    finally:
+        for graph in graphs.values():
+            graph.destroy()
     gbs = {c: nbytes / t / 1e3 for c, t in times.items()}
     best = {}
     for c in sorted(gbs, key=gbs.get, reverse=True):
@@ -271,34 +263,6 @@ def wg_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, rounds: int, b
           flush=True)
 
 
-# --grid-sweep: workgroups in the grid (0: one per row group), each taking row groups a grid apart in turn
-GRID_SWEEP = (0, 132, 264, 396, 528, 1056, 2112)
-
-
-def _grid_configs(dev, base: mv.MatvecConfig) -> list[mv.MatvecConfig]:
-    """--grid-sweep's candidates: the default launch and the same with twice and four times the invocations (the
-    workgroup launch: twice the rows too) and twice the units in flight, each over GRID_SWEEP's grids (fewer than
-    its row groups)."""
-    if base.stage:
-        base = replace(base, stage=False)
-    wide = [base, replace(base, wg=2 * base.wg) if base.tpr else replace(base, rows=2 * base.rows),
-            replace(base, wg=4 * base.wg) if base.tpr else replace(base, wg=2 * base.wg),
-            replace(base, unroll=2 * base.unroll)]
-    wide = [c for c in wide if c.wg <= dev.info.max_workgroup_invocations and c.unroll <= 16 and c.rows <= 16]
-    return list(dict.fromkeys(replace(c, grid=g) for c in wide for g in GRID_SWEEP))
-
-
-def grid_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, reps: int, budget: float) -> None:
-    """What --grid-sweep promises: GB/s of each candidate (_grid_configs), the ten fastest, and the default's."""
-    n, k = ws[0].shape
-    nbytes = n * f.row_bytes(k)
-    configs = [c for c in _grid_configs(dev, base) if c.grid < -(-n // c.rows_per_workgroup)]
-    times = captured_us(dev, configs, lambda cfg: product_run(dev, ws, x, y, batch, cfg), reps, budget, "grid")
-    gbs = {c: nbytes / t / 1e3 for c, t in times.items()}
-    print(f"      grid chosen: {_wg_name(base)} {gbs.get(base, 0):.0f}; top: " + ", ".join(
-        f"{_wg_name(c)} grid{c.grid} {gbs[c]:.0f}" for c in sorted(gbs, key=gbs.get, reverse=True)[:10]), flush=True)
-
-
 def _cell(nbytes: int, us: float | str | None) -> str:
     """GB/s of `nbytes` and microseconds, or the error text given in their place, or '-' where there was none."""
     return "-" if us is None else us if isinstance(us, str) else f"{nbytes / us / 1e3:6.0f} {us:7.1f}"
@@ -316,8 +280,6 @@ def main() -> None:
     ap.add_argument("--wg-sweep", action="store_true",
                     help="also time workgroup-launch configurations (workgroup size, rows, units in flight, fold)")
     ap.add_argument("--mm-sweep", action="store_true", help="also sweep matmul_quant's small-row tiles")
-    ap.add_argument("--grid-sweep", action="store_true",
-                    help="also time grids of fewer workgroups than row groups, each looping over rows (ROW_LOOP)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--budget", type=float, default=8.0, help="--nb-sweep's seconds per product and batch")
     a = ap.parse_args()
@@ -370,8 +332,6 @@ def main() -> None:
                                 buf.release()
                     if a.nb_sweep and new.int_dot:
                         nb_sweep(dev, f, ws, x, y, batch, new, old, max(3, a.reps // 2), a.budget)
-                    if a.grid_sweep and not auto.stage:
-                        grid_sweep(dev, f, ws, x, y, batch, auto, a.reps, a.budget)
                     if a.wg_sweep and batch <= mv.MAX_BATCH:
                         wg_sweep(dev, f, ws, x, y, batch, auto, a.reps, a.budget)
                     if a.sweep:

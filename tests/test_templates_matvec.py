@@ -106,43 +106,6 @@ def test_matvec_subgroup_rows_int_dot(fmt, config):
     _int_dot_case(np.random.default_rng(3), fmt, n, k, batch, dataclasses.replace(config, int_dot=True), 3)
 
 
-# a grid of fewer workgroups than row groups (ROW_LOOP): passes whose last one leaves groups without rows, the
-# workgroup launch's reduction through shared memory (its barrier between passes) and through subgroups
-ROW_LOOPS = [mv.MatvecConfig(32, 3, False, grid=2), mv.MatvecConfig(64, 1, True, unroll=2, grid=5),
-             mv.MatvecConfig(32, 2, True, tpr=8, unroll=2, grid=2), mv.MatvecConfig(64, 1, True, tpr=4, grid=1)]
-
-
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "F16"])
-@pytest.mark.parametrize("config", ROW_LOOPS)
-def test_matvec_row_loop(fmt, config):
-    if config.tpr:
-        _needs_shuffle()
-    _run(fmt, 37, _k_for(fmt, 7), 3, "f32", True, True, config=config)
-
-
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K"])
-@pytest.mark.parametrize("config", ROW_LOOPS[1:])
-def test_matvec_row_loop_int_dot(fmt, config):
-    _needs_int_dot()
-    if config.tpr:
-        _needs_shuffle()
-    cfg = dataclasses.replace(config, int_dot=True, fold=fmt in mv.FOLD_FORMATS)
-    _int_dot_case(np.random.default_rng(5), fmt, 43, 9 * 32 if fmt != "Q4_K" else 512, 2, cfg, 5, residual=True)
-
-
-def test_matvec_row_loop_refused():
-    """A grid with the staged activations or a negative one: ValueError before any GPU work."""
-    _needs_int_dot()
-    _needs_shuffle()
-    dev = device()
-    x = upload(dev, np.ones((1, 256), np.float32))
-    q40 = mv.upload_weights(dev, quant.quantize(np.ones((8, 256), np.float32), "Q4_0"))
-    for cfg in (mv.MatvecConfig(32, 1, True, True, tpr=8, unroll=1, stage=True, grid=2),
-                mv.MatvecConfig(32, 1, True, grid=-1)):
-        with pytest.raises(ValueError, match="grid"):
-            mv.matvec(dev, q40, x, 1, config=cfg)
-
-
 @pytest.mark.parametrize("batch", [17, 32])
 def test_matvec_subgroup_rows_many_rows(batch):
     """Past the workgroup launch's 8 rows, one call of the subgroup-rows launch takes up to 32."""

@@ -81,9 +81,6 @@ class MatvecConfig:
     # integer path, subgroup-rows launch: each round of tpr * unroll units' activations staged in shared memory
     # once per workgroup, which its groups then read there (-DSTAGE_X; `stage_fits` says where it can)
     stage: bool = False
-    # at most this many workgroups, each taking row groups a grid apart in turn (-DROW_LOOP; the workgroup launch
-    # and the subgroup-rows one without stage); 0: a workgroup per row group
-    grid: int = 0
 
     @property
     def rows_per_workgroup(self) -> int:
@@ -527,11 +524,6 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             defines["STAGE_X"] = 1
         if expert_ids:
             defines["EXPERT_IDS"] = 1
-        if cfg.grid:
-            if cfg.stage or glu or expert_ids or cfg.grid < 0:
-                raise ValueError(f"grid={cfg.grid}: a positive grid takes neither stage, the gated unit's epilogue "
-                                 "nor expert ids")
-            defines["ROW_LOOP"] = 1
         if act_dtype == "f16":
             defines["A_F16"] = 1
         if weights.format.name == "BF16":
@@ -592,9 +584,8 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     cfg = config or choose_config(dev, weights.format, n, k, batch)
     kern = _kernel(dev, weights, cfg, batch, act_dtype, has_bias=bias is not None,
                    has_residual=residual is not None, norm_eps=norm_eps)
-    groups = -(-n // cfg.rows_per_workgroup)
-    _launch(dev, weights, cfg, kern, x, batch, act_dtype, out, grid_2d(dev, min(groups, cfg.grid or groups)),
-            bias=bias, residual=residual)
+    _launch(dev, weights, cfg, kern, x, batch, act_dtype, out, grid_2d(dev, -(-n // cfg.rows_per_workgroup)), bias=bias,
+            residual=residual)
     return out
 
 

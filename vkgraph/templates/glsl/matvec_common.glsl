@@ -219,16 +219,6 @@ void glu_store(uint blk, bool live) {
 #if defined(NORM_X) && !defined(STAGE_X)
 #error "NORM_X stages the normalized activations (STAGE_X)"
 #endif
-// -DROW_LOOP: a grid of fewer workgroups than the rows need, each group taking rows a grid apart in turn (the
-// workgroup launch and the plain subgroup-rows launch: the others' workgroups own fixed rows or activations)
-#if defined(ROW_LOOP) && (defined(STAGE_X) || defined(GLU_Q8) || defined(EXPERT_IDS))
-#error "ROW_LOOP takes neither STAGE_X, GLU_Q8 nor EXPERT_IDS"
-#endif
-#ifdef SG_ROWS
-#define ROWS_PER_WG ((WG / TPR) * ROWS)
-#else
-#define ROWS_PER_WG ROWS
-#endif
 
 float acc[ROWS * NB];
 Unit q[UNROLL * ROWS];   // the units in flight: q[t * ROWS + r] is unit t of row r
@@ -473,19 +463,13 @@ void main() {
     const uint wrow0 = 0;
 #elif defined(SG_ROWS)
     const uint lane = tid % TPR;
-    uint row0 = (wg_linear * (WG / TPR) + tid / TPR) * ROWS;
+    const uint row0 = (wg_linear * (WG / TPR) + tid / TPR) * ROWS;
     const uint wrow0 = 0;
 #else
-    uint row0 = wg_linear * ROWS;
+    const uint row0 = wg_linear * ROWS;
     const uint wrow0 = 0;
 #endif
     const uint units = pc.k / UNIT_ELEMS;
-#ifdef ROW_LOOP
-    // the grid's rows a pass: each group (workgroup launch: each workgroup, whose row0 is uniform, so the barriers
-    // below stay in uniform control flow) takes the rows a pass further on once done with its own
-    const uint row_step = gl_NumWorkGroups.x * gl_NumWorkGroups.y * ROWS_PER_WG;
-    for (; row0 < pc.n_rows; row0 += row_step) {
-#endif
 
     [[unroll]] for (uint i = 0; i < ROWS * NB; i++) acc[i] = 0.0;
 
@@ -596,12 +580,6 @@ void main() {
             barrier();
         }
         for (uint i = tid; i < ROWS * NB; i += WG) store(row0, i, red[i * WG]);
-    }
-#endif
-#ifdef ROW_LOOP
-#ifndef SG_ROWS
-        barrier();   // `red` read by every invocation before the next rows' sums go in
-#endif
     }
 #endif
 }
