@@ -62,14 +62,14 @@ def _check_head(head_size: int, dtype: str) -> None:
         raise ValueError(f"head_size must be a positive multiple of 8 (64, 80, 96, 128, 256), got {head_size}")
 
 
-def _defines(dev: Device, head_size: int, dtype: str, **extra: int) -> dict[str, int]:
+def _defines(dev: Device, head_size: int, dtype: str, wg: int = ATTN_WG, **extra: int) -> dict[str, int]:
     d = {"HEAD_SIZE": head_size, **extra}
     if dtype == "f16":
         d["KV_F16"] = 1
     info = dev.info
     # one subgroup per row's tile of scores (attention_common.glsl): a fixed subgroup size equal to the tile
     if ("TILE" in extra and "arithmetic" in info.subgroup_ops and info.min_subgroup_size == info.max_subgroup_size
-            == extra["TILE"] and ATTN_WG % extra["TILE"] == 0):
+            == extra["TILE"] and wg % extra["TILE"] == 0):
         d["SG_ROWMAX"] = 1
     return d
 
@@ -254,18 +254,25 @@ class DecodeForm:
     wg: int = ATTN_WG
     unroll: int = 4
     lanes: int = 0
+    tile: int = 0   # tiles: tokens a tile (0: the largest of TILES that fits the shared memory)
 
     @classmethod
     def parse(cls, text: str) -> DecodeForm:
-        """"tiles", "stream" or "stream:WGxUNROLL[xLANES]" (e.g. stream:256x8), as the benchmark takes them."""
+        """"tiles", "tiles:TILE[xWG]" (e.g. tiles:64x256), "stream" or "stream:WGxUNROLL[xLANES]" (e.g.
+        stream:256x8), as the benchmark takes them."""
         kind, _, rest = text.partition(":")
-        if kind == "tiles" and not rest:
-            return cls()
-        if kind != "stream":
-            raise ValueError(f"decode form {text!r}: tiles, stream or stream:WGxUNROLL[xLANES]")
-        if not rest:
+        try:
+            nums = [int(x) for x in rest.split("x")] if rest else []
+        except ValueError:
+            nums = None
+        if kind == "tiles" and nums is not None and len(nums) <= 2:
+            tile, wg = (nums + [0, ATTN_WG][len(nums):])[:2]
+            return cls(kind, wg, tile=tile)
+        if kind != "stream" or nums is None or len(nums) > 3:
+            raise ValueError(f"decode form {text!r}: tiles, tiles:TILE[xWG], stream or stream:WGxUNROLL[xLANES]")
+        if not nums:
             return cls(kind)
-        wg, unroll, lanes = ([int(x) for x in rest.split("x")] + [4, 0][rest.count("x"):])[:3]
+        wg, unroll, lanes = (nums + [4, 0][len(nums) - 1:])[:3]
         return cls(kind, wg, unroll, lanes)
 
 
@@ -297,6 +304,19 @@ def _stream_defines(dev: Device, form: DecodeForm, rows: int, head_size: int, dt
     if base + nslot * rows * head_size * 4 > info.max_shared_memory:
         return None
     return {"STREAM": 1, "LANES": lanes, "UNROLL": form.unroll, "SG": sg, "NSLOT": nslot, "RP": rp}
+
+
+def _tiles_form(dev: Device, form: DecodeForm, rows: int, head_size: int, dtype: str) -> int:
+    """The tile of a "tiles" form that names one, checked: a multiple of 4 tokens whose arrays fit the device's
+    shared memory, in a workgroup of a power of two of invocations, at least the tile's words of the new token."""
+    info = dev.info
+    if (form.tile < 4 or form.tile % 4 or form.wg & (form.wg - 1) or form.wg > info.max_workgroup_invocations
+            or form.wg < head_size * KV_DTYPES[dtype] // 16
+            or _shared_bytes(rows, form.tile, head_size, dtype) > info.max_shared_memory):
+        raise ValueError(f"decode form tiles:{form.tile}x{form.wg}: tiles of a multiple of 4 tokens within the "
+                         f"shared memory ({info.max_shared_memory} bytes), workgroups of a power of two of invocations "
+                         f"up to {info.max_workgroup_invocations}")
+    return form.tile
 
 
 def _softcap(cap: float) -> float:
@@ -352,10 +372,11 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     check_buffer("out", out, nbytes)
     # the int8 parts, or `out` bound where the float output is written
     acts = Q8Acts.in_buffer(out, num_seqs, num_heads * d) if int8 else Q8Acts(out, out, out)
-    tile = _choose_tile(dev, group, d, cache.dtype)
     form = form or DEFAULT_FORM
+    tile = _tiles_form(dev, form, group, d, cache.dtype) if form.kind == "tiles" and form.tile else _choose_tile(
+        dev, group, d, cache.dtype)
     core = _stream_defines(dev, form, group, d, cache.dtype) if form.kind == "stream" else None
-    wg = form.wg if core else ATTN_WG
+    wg = form.wg if core or form.kind == "tiles" else ATTN_WG
     if core is None:
         core = {"TILE": tile}
     if part_tokens is None:  # stream: partitions of whole chunks (a multiple of the tile too)
@@ -385,7 +406,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
         extra = [new.slot_mapping, *(new.rope or (context_lens, context_lens)), cache.key, cache.value]
         push.update(src_stride=new.src_stride, q_off=new.q_off, k_off=new.k_off, v_off=new.v_off)
     kern = catalog.compile(dev, "paged_decode", spec={"WG": wg},
-                           defines=_defines(dev, d, cache.dtype, GROUP=group, **core, BLOCK_SIZE=cache.block_size,
+                           defines=_defines(dev, d, cache.dtype, wg, GROUP=group, **core, BLOCK_SIZE=cache.block_size,
                                             **flags))
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
                                  acts.xq, acts.xd, acts.xs, *extra], (parts, hkv, num_seqs), push=push)
