@@ -31,11 +31,11 @@ from vkgraph.tensor import Tensor
 def test_config_follows_the_device():
     lim = fake_limits()
     few = mq.DEFAULT_FEW
-    # 512 rows: the wide tile for every product of the 8B layer (qkv, o, gate_up, down: 96, 64, 448, 64 tiles);
-    # fewer rows than its 256, or outputs of fewer tiles: twice the workgroups
+    # 512 rows: the wide tile for the 8B layer's gate_up (448 of its tiles) and 14336 columns (224); qkv, o and down
+    # (96, 64, 64 tiles), fewer rows than its 256, or outputs of fewer tiles: the smaller tile, twice the workgroups
     assert mq.config(lim, 512, 28672, 4096) == mq.config(lim, 512, 14336, 4096) == mq.DEFAULT
-    assert mq.config(lim, 512, 4096, 4096) == mq.config(lim, 512, 6144, 4096) == mq.config(lim, 512, 4096, 14336)
-    assert mq.config(lim, 4096, 4096, 4096) == mq.DEFAULT == mq.config(lim, 512, 4096, 4096)
+    assert mq.config(lim, 4096, 4096, 4096) == mq.DEFAULT
+    assert mq.config(lim, 512, 4096, 4096) == mq.config(lim, 512, 6144, 4096) == mq.config(lim, 512, 4096, 14336) == few
     assert mq.config(lim, 200, 14336, 4096) == mq.config(lim, 128, 4096, 4096) == mq.config(lim, 512, 2048, 4096) == few
     assert mq.DEFAULT.bk % mq.CHUNK == 0 and few.bk % mq.CHUNK == 0
     assert mq.config(fake_limits(coop=()), 512, 4096, 4096) is None
@@ -60,7 +60,8 @@ def test_config_follows_the_device():
     deep = dataclasses.replace(lim, tuned=((mq.shape_class("Q4_0", 128, 4096, 4096 + 32), (128, 128, 64, 2, 4, 1)),))
     # K not a whole number of 64-deep slices: the measured tile and DEFAULT_FEW give way to the first fallback
     assert mq.config(deep, 128, 4096, 4096 + 32, "Q4_0") == mq.FALLBACKS[0]
-    assert mq.config(lim, 512, 4096, 4096 + 32) == mq.DEFAULT  # 32 deep
+    assert mq.config(lim, 512, 14336, 4096 + 32) == mq.DEFAULT  # 32 deep
+    assert mq.config(lim, 512, 4096, 4096 + 32) == mq.FALLBACKS[0]  # few tiles, 32 deep
     # a K split is taken where K is a whole number of its parts' slices (QuantLinear sums the planes)
     split = dataclasses.replace(lim, tuned=((q4, (128, 128, 32, 2, 4, 2, 2, 4)),))
     assert mq.config(split, 128, 4096, 4096, "Q4_0") == mq.Prefill(128, 128, 32, 2, 4, 2, 2, 4)

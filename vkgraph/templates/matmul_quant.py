@@ -209,15 +209,16 @@ class Prefill(matmul_coop.Config):
 
 # The prefill product's tiles where none was measured for the format's class (`bench_matmul.py --quant Q4_0 --tune`
 # on an H200, 2026-12-02, eleventh session, RESULTS.md): 256 x 128 x 32 in one stage, 64 x 64 per subgroup, the
-# levels as byte shuffles (FORM 1), the fastest on the Llama-3-8B layer's products at 512 rows: gate_up 214 TFLOP/s,
-# down 217 (where its 64 workgroups beat 128 x 128 x 64's 128: 199; with the levels' shifts 198), qkv 190 (128 x 128
-# x 64: 191), where the rows fill its tiles and the output has WIDE_TILES of them; else 128 x 128 x 64 in one stage
-# with subgroups of 32 x 64; else, where K is no whole number of 64-deep slices, the best 32-deep tile with two stages;
-# else 64 x 64 (a device of little shared memory).
+# levels as byte shuffles (FORM 1), the fastest on gate_up at 512 rows (214 TFLOP/s), where the rows fill its tiles
+# and the output has WIDE_TILES of them; else 128 x 128 x 64 in one stage with subgroups of 32 x 64; else, where K is
+# no whole number of 64-deep slices, the best 32-deep tile with two stages; else 64 x 64 (a device of little shared
+# memory). Outputs of 64 such tiles (o and down: N = 4096 at 512 rows) ran at half 128 x 128 x 64's rate in the
+# twelfth session's default timings (o 102 against 171 TFLOP/s, down 99 against 184; qkv's 96 tiles 153 against
+# about 190), though a search had ranked them the other way: WIDE_TILES leaves them the smaller tile.
 DEFAULT = Prefill(256, 128, 32, 4, 2, 1, 1, 1, 0, 1)
 DEFAULT_FEW = Prefill(128, 128, 64, 4, 2, 1)
 FALLBACKS = (Prefill(128, 128, 32, 4, 2), Prefill(64, 64, 32, 2, 2))
-WIDE_TILES = 64
+WIDE_TILES = 128
 # The tiles `bench_matmul.py --quant --tune` measures (those that fit the device, take whole slices of K and, with
 # K split, split an output of few tiles). Its searches (RESULTS.md, tenth and eleventh sessions) put one stage first:
 # 256 x 128 x 32 and 128 x 256 x 32 with 64 x 64 per subgroup (the fewest fragment loads per product), 128 x 128 x 64

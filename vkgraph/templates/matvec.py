@@ -320,6 +320,11 @@ NORM_PREFERRED: dict[int, tuple[int, int, int, int, bool]] = {
 # against about 9.0 without (inferred from the step's totals), less than the 5.2 us rmsnorm_q8 it saves; gate/up
 # (28672 rows, with the gated unit in its epilogue) 30.6 against 22.6, more.
 NORM_MAX_ROWS = 16384
+# The formats whose decode steps take the prologue (takes_norm), where it was measured to win (H200, 8B, one row,
+# twelfth session: Q4_0 455.6 against 447.6 tok/s with glu_q8 apart, 464.9 against 464.4 with the gated unit in
+# the epilogue, Q8_0 320.2 against 315.5); Q4_K lost with it (410.7 against 426.2:
+# its q/k/v with the norm took 16.5 us against 9.5 + 5.2 apart), the others are not measured.
+NORM_FORMATS = ("Q4_0", "Q8_0")
 
 
 def norm_overrides() -> dict[int, tuple[int, int, int, int, bool]]:
@@ -466,11 +471,11 @@ def takes_int8(fmt: QuantFormat, rows: int, k: int) -> bool:
 
 def takes_norm(fmt: QuantFormat, rows: int, n: int, k: int) -> bool:
     """Whether `rows` activation rows of width k into an [n, k] matvec of this format on the default device may
-    come as NormedRows: up to VKGRAPH_NORM_PROLOGUE rows, the integer path (int_dot_default), a launch that takes
-    them (norm_config). Never with VKGRAPH_DECODE_FUSION=0."""
+    come as NormedRows: NORM_FORMATS, up to VKGRAPH_NORM_PROLOGUE rows, the integer path (int_dot_default), a launch
+    that takes them (norm_config). Never with VKGRAPH_DECODE_FUSION=0."""
     dev = get_device()
-    return (rows <= flag("VKGRAPH_NORM_PROLOGUE") and decode_fusion() and int_dot_default(dev, fmt)
-            and norm_config(dev, fmt, n, k, rows) is not None)
+    return (fmt.name in NORM_FORMATS and rows <= flag("VKGRAPH_NORM_PROLOGUE") and decode_fusion()
+            and int_dot_default(dev, fmt) and norm_config(dev, fmt, n, k, rows) is not None)
 
 
 def _check_act_dtype(act_dtype: str) -> int:
