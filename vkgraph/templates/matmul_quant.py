@@ -604,6 +604,26 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         _load_w(emit, n, bn, bk, nt, f"kz0 + {bk}", "p")
     emit("barrier();")
 
+    def products(a_at: str, b_at: str, k_at: str, ksteps: range, parts: list[Any]) -> None:
+        """The fragments of each 16-deep step kk of ksteps loaded from shared memory (x's rows from a_at, W's from
+        b_at, the step's K from k_at: GLSL prefixes) and multiplied into the accumulators; part p of `parts`
+        emitted after the step p * steps // parts."""
+        emit(f"{a_t} fa[{ffm}];")
+        emit(f"{b_t} fb[{ffn}];")
+        for s_, kk in enumerate(ksteps):
+            for i in range(ffm):
+                emit(f"coopMatLoad(fa[{i}], sm, {a_at}(arow + {i * fm}) * {a_stride} + {k_at}{kk // 8}, "
+                     f"{a_stride}, gl_CooperativeMatrixLayoutRowMajor);")
+            for j in range(ffn):
+                emit(f"coopMatLoad(fb[{j}], sm, {b_at}(bcol + {j * fn}) * {b_stride} + {k_at}{kk // 8}, "
+                     f"{b_stride}, gl_CooperativeMatrixLayoutColumnMajor);")
+            for i in range(ffm):
+                for j in range(ffn):
+                    emit(f"acc{i}_{j} = coopMatMulAdd(fa[{i}], fb[{j}], acc{i}_{j});")
+            for p_, part in enumerate(parts):
+                if p_ * len(ksteps) // len(parts) == s_:
+                    part()
+
     def w_step(kt: str, load_reg: str, decode_reg: str) -> None:
         """WSTAGES 2: slice kt multiplied (x at 0, W in stage kt % 2) while x's slice kt + 1 and W's kt + 2 are read
         (W's into set load_reg); W's slice kt + 1, read a step earlier (set decode_reg), is decoded into W's other
@@ -618,22 +638,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         emit("}")
         parts = [partial(_store_w, emit, bn, bk, nt, f"{2 * a_size + b_size} - cur", f"kz0 + (({kt}) + 1) * {bk}",
                          decode_reg, only=c) for c in range(rounds_w)]
-        emit(f"{a_t} fa[{ffm}];")
-        emit(f"{b_t} fb[{ffn}];")
-        ksteps = range(0, bk, fk)
-        for s_, kk in enumerate(ksteps):
-            for i in range(ffm):
-                emit(f"coopMatLoad(fa[{i}], sm, (arow + {i * fm}) * {a_stride} + {kk // 8}, "
-                     f"{a_stride}, gl_CooperativeMatrixLayoutRowMajor);")
-            for j in range(ffn):
-                emit(f"coopMatLoad(fb[{j}], sm, cur + (bcol + {j * fn}) * {b_stride} + {kk // 8}, "
-                     f"{b_stride}, gl_CooperativeMatrixLayoutColumnMajor);")
-            for i in range(ffm):
-                for j in range(ffn):
-                    emit(f"acc{i}_{j} = coopMatMulAdd(fa[{i}], fb[{j}], acc{i}_{j});")
-            for p_, part in enumerate(parts):  # part p after the 16-deep step p * steps // parts
-                if p_ * len(ksteps) // len(parts) == s_:
-                    part()
+        products("", "cur + ", "", range(0, bk, fk), parts)
         emit("barrier();")
         emit(f"if (({kt}) + 1 < {nk}) {{")
         for p in store_parts("0", f"(({kt}) + 1) * {bk}", "")[rounds_w:]:  # x's words alone
@@ -658,23 +663,7 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         if order == 1:
             for part in parts:
                 part()
-        emit(f"{a_t} fa[{ffm}];")
-        emit(f"{b_t} fb[{ffn}];")
-        ksteps = range(0, bk // wk, fk)
-        for s_, kk in enumerate(ksteps):
-            for i in range(ffm):
-                emit(f"coopMatLoad(fa[{i}], sm, cur + (arow + {i * fm}) * {a_stride} + kb8 + {kk // 8}, "
-                     f"{a_stride}, gl_CooperativeMatrixLayoutRowMajor);")
-            for j in range(ffn):
-                emit(f"coopMatLoad(fb[{j}], sm, cur + {a_size} + (bcol + {j * fn}) * {b_stride} + kb8 + {kk // 8}, "
-                     f"{b_stride}, gl_CooperativeMatrixLayoutColumnMajor);")
-            for i in range(ffm):
-                for j in range(ffn):
-                    emit(f"acc{i}_{j} = coopMatMulAdd(fa[{i}], fb[{j}], acc{i}_{j});")
-            if order == 2:  # part p after the 16-deep step p * steps // parts
-                for p_, part in enumerate(parts):
-                    if p_ * len(ksteps) // len(parts) == s_:
-                        part()
+        products("cur + ", f"cur + {a_size} + ", "kb8 + ", range(0, bk // wk, fk), parts if order == 2 else [])
         if order:
             emit("barrier();")
             if cfg.stages == 1:
