@@ -74,7 +74,7 @@ def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, share
     check(got, ref, since)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), d=st.sampled_from(HEADS), dtype=st.sampled_from(["f16", "f32"]),
        hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), bs=st.sampled_from([16, 8, 32]),
        seed=st.integers(0, 2**31))

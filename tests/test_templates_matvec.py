@@ -39,14 +39,24 @@ def _run(fmt, n, k, batch, act, bias, residual, config=None, seed=0):
     check(dev.download(y, np.float32, (batch, n)), ref, since)
 
 
+# the drawn tests' examples: a few in the default run (each compiles its variants), many under the slow marker
+FAST = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SWEEPS = [pytest.param(SLOW, marks=pytest.mark.slow, id="slow"), pytest.param(FAST, id="fast")]
+
+
+@pytest.mark.parametrize("sweep", SWEEPS)
 @pytest.mark.parametrize("fmt", FORMATS)
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 70), blocks=st.integers(1, 40), batch=st.integers(1, 8),
-       act=st.sampled_from(["f32", "f16"]), bias=st.booleans(), residual=st.booleans(), seed=st.integers(0, 1000))
-def test_matvec_fuzz(fmt, n, blocks, batch, act, bias, residual, seed):
-    if quant.FORMATS[fmt].block_size == 256:
-        blocks = 1 + blocks % 5
-    _run(fmt, n, _k_for(fmt, blocks), batch, act, bias, residual, seed=seed)
+def test_matvec_fuzz(fmt, sweep):
+    @sweep
+    @given(n=st.integers(1, 70), blocks=st.integers(1, 40), batch=st.integers(1, 8),
+           act=st.sampled_from(["f32", "f16"]), bias=st.booleans(), residual=st.booleans(), seed=st.integers(0, 1000))
+    def run(n, blocks, batch, act, bias, residual, seed):
+        if quant.FORMATS[fmt].block_size == 256:
+            blocks = 1 + blocks % 5
+        _run(fmt, n, _k_for(fmt, blocks), batch, act, bias, residual, seed=seed)
+
+    run()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -119,25 +129,30 @@ def test_matvec_subgroup_rows_many_rows(batch):
 # The integer path's options (fold, stage) beside the plain body, from 2 to 16 activation rows: K past a round of
 # tpr * unroll units or short of it (a last round cut off), row counts past the last group's rows, formats with
 # and without UNIT_COEFFS (fold) and with super-blocks (stage rounds of whole super-blocks).
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(fmt=st.sampled_from(["Q4_0", "Q8_0", "Q5_1", "IQ4_XS", "Q4_K", "Q6_K"]), n=st.integers(1, 40),
-       blocks=st.integers(1, 12), batch=st.integers(2, 16), rows=st.integers(1, 4), tpr=st.sampled_from([2, 4, 8]),
-       unroll=st.integers(1, 3), wg_groups=st.sampled_from([1, 2, 4]), fold=st.booleans(), stage=st.booleans(),
-       seed=st.integers(0, 1000))
-def test_matvec_int_dot_options(fmt, n, blocks, batch, rows, tpr, unroll, wg_groups, fold, stage, seed):
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_matvec_int_dot_options(sweep):
     _needs_int_dot()
     _needs_shuffle()
-    dev = device()
-    f = quant.FORMATS[fmt]
-    tpr = min(tpr, dev.info.min_subgroup_size)
-    wg = max(wg_groups * tpr, dev.info.max_subgroup_size)
-    cfg = mv.MatvecConfig(wg, rows, True, True, tpr, unroll, fold=fold and fmt in mv.FOLD_FORMATS)
-    if stage and f.block_size == 256:  # stage takes rounds of whole super-blocks
-        cfg = dataclasses.replace(cfg, unroll=max(1, 256 // (tpr * mv.UNIT_ELEMS[fmt])))
-    cfg = dataclasses.replace(cfg, stage=stage and mv.stage_fits(dev, f, cfg, batch))
-    assert cfg.stage == stage  # every drawn case fits lavapipe's shared memory
-    k = _k_for(fmt, 1 + blocks % 3 if f.block_size == 256 else blocks)
-    _int_dot_case(np.random.default_rng(seed), fmt, n, k, batch, cfg, seed, residual=True)
+
+    @sweep
+    @given(fmt=st.sampled_from(["Q4_0", "Q8_0", "Q5_1", "IQ4_XS", "Q4_K", "Q6_K"]), n=st.integers(1, 40),
+           blocks=st.integers(1, 12), batch=st.integers(2, 16), rows=st.integers(1, 4),
+           tpr=st.sampled_from([2, 4, 8]), unroll=st.integers(1, 3), wg_groups=st.sampled_from([1, 2, 4]),
+           fold=st.booleans(), stage=st.booleans(), seed=st.integers(0, 1000))
+    def run(fmt, n, blocks, batch, rows, tpr, unroll, wg_groups, fold, stage, seed):
+        dev = device()
+        f = quant.FORMATS[fmt]
+        tpr = min(tpr, dev.info.min_subgroup_size)
+        wg = max(wg_groups * tpr, dev.info.max_subgroup_size)
+        cfg = mv.MatvecConfig(wg, rows, True, True, tpr, unroll, fold=fold and fmt in mv.FOLD_FORMATS)
+        if stage and f.block_size == 256:  # stage takes rounds of whole super-blocks
+            cfg = dataclasses.replace(cfg, unroll=max(1, 256 // (tpr * mv.UNIT_ELEMS[fmt])))
+        cfg = dataclasses.replace(cfg, stage=stage and mv.stage_fits(dev, f, cfg, batch))
+        assert cfg.stage == stage  # every drawn case fits lavapipe's shared memory
+        k = _k_for(fmt, 1 + blocks % 3 if f.block_size == 256 else blocks)
+        _int_dot_case(np.random.default_rng(seed), fmt, n, k, batch, cfg, seed, residual=True)
+
+    run()
 
 
 def test_matvec_int_dot_table(monkeypatch):
