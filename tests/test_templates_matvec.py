@@ -713,20 +713,6 @@ def test_matvec_glu_q8_refused():
         mv.matvec_glu_q8(dev, dw, x, 33)
 
 
-def test_glu_epilogue_rows_by_format(monkeypatch):
-    """VKGRAPH_GLU_EPILOGUE's default (-1) takes GLU_ROWS's rows per format (Q8_0 up to 8, others 1); a number
-    takes that many rows for every format, 0 none."""
-    _needs_shuffle()
-    q40, q80 = quant.FORMATS["Q4_0"], quant.FORMATS["Q8_0"]
-    monkeypatch.delenv("VKGRAPH_GLU_EPILOGUE", raising=False)
-    assert mv.glu_takes(q80, 256, 512, 8, False) and mv.glu_takes(q40, 256, 512, 1, False)
-    assert not mv.glu_takes(q40, 256, 512, 2, False) and not mv.glu_takes(quant.FORMATS["Q4_K"], 256, 512, 2, False)
-    monkeypatch.setenv("VKGRAPH_GLU_EPILOGUE", "8")
-    assert mv.glu_takes(q40, 256, 512, 8, False)
-    monkeypatch.setenv("VKGRAPH_GLU_EPILOGUE", "0")
-    assert not mv.glu_takes(q80, 256, 512, 1, False)
-
-
 def test_glu_config_from_the_product_launch(monkeypatch):
     """glu_config on an H200-like device (subgroups of 32, 1024 invocations) at the 8B gate/up shape: the product's
     own launch parameters (INT_DOT_ONE_ROW's workgroup of one subgroup at one row, SG_PREFERRED's groups at 8) in the

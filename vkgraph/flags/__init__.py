@@ -71,10 +71,10 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_DECODE_FUSION", int, 1, "0 builds model layers unfused: norms write floats that the matvec "
              "quantizes, keys are rotated and copied by generated kernels before the KV write (to measure the "
              "fused templates against)"),
-        Flag("VKGRAPH_GLU_EPILOGUE", int, -1, "the most activation rows (up to a matvec call's) for which the MLP's "
+        Flag("VKGRAPH_GLU_EPILOGUE", int, 1, "the most activation rows (up to a matvec call's) for which the MLP's "
              "gate/up matvec writes the down product's int8 activations act(gate) * up in its epilogue (two kernels "
-             "per MLP); more rows, or 0, run the gated unit as a kernel of its own, glu_q8. -1: as measured per "
-             "format on the H200 (templates.matvec.GLU_ROWS: Q8_0 up to 8 rows, other formats 1; docs/kernels.md)"),
+             "per MLP); more rows, or 0, run the gated unit as a kernel of its own, glu_q8. 1: measured faster on "
+             "the H200 at one row, slower at 8 (docs/kernels.md)"),
         Flag("VKGRAPH_QUANT_COOP", int, 1, "0 runs quantized prefill products through a float16 copy of the weights "
              "and the generated matmul instead of the kernel that dequantizes into shared memory (to measure them)"),
         Flag("VKGRAPH_DECODE_MM_ROWS", int, 16, "from this many activation rows (up to 63) quantized products run "

@@ -736,21 +736,13 @@ def matvec_glu_q8(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *
     return out
 
 
-# The most activation rows whose gated unit runs in the gate/up product's epilogue by default (VKGRAPH_GLU_EPILOGUE
-# -1), by format; 1 elsewhere. H200, 8B MLP (`bench_glu_epilogue.py`, twelfth session, us an MLP, apart / epilogue):
-# Q8_0 won at every row count (1: 35.8 / 34.5, 2: 40.3 / 35.9, 8: 76.8 / 60.3); Q4_0 and Q4_K at one row only (Q4_0
-# 8 rows 60.9 / 59.6, yet its whole decode step 2.6% slower; Q4_K 8 rows 66.9 / 90.6).
-GLU_ROWS = {"Q8_0": 8}
-
-
 def glu_takes(fmt: QuantFormat, f: int, k: int, rows: int, int8: bool, norm: bool = False) -> bool:
     """Whether a stacked gate/up product [2f, k] of this format on the default device may write the down product's
     int8 activations itself for `rows` activation rows (int8: they come as a Q8Acts; norm: as NormedRows) in one
-    matvec_glu_q8 call: rows within VKGRAPH_GLU_EPILOGUE (the most rows it takes; 0: never; -1: GLU_ROWS's for the
-    format) and one call of the default launch, a glu_config (a glu_norm_config)."""
+    matvec_glu_q8 call: rows within VKGRAPH_GLU_EPILOGUE (the most rows it takes; 0: never) and one call of the
+    default launch, a glu_config (a glu_norm_config)."""
     dev = get_device()
-    most = flag("VKGRAPH_GLU_EPILOGUE")
-    if not 1 <= rows <= min(GLU_ROWS.get(fmt.name, 1) if most < 0 else most, rows_per_call(dev)):
+    if not 1 <= rows <= min(flag("VKGRAPH_GLU_EPILOGUE"), rows_per_call(dev)):
         return False
     if norm:
         return takes_norm(fmt, rows, 2 * f, k) and glu_norm_config(dev, fmt, f, k, rows) is not None
