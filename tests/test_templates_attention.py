@@ -201,6 +201,10 @@ def test_paged_decode_auto_split_is_used():
     assert pa.choose_partition(dev, 1, 8, 4096, 32) > 0
     assert pa.choose_partition(dev, 1, 8, 128, 32) == 0  # short contexts
     assert pa.choose_partition(dev, 64, 8, 4096, 32) == 0  # enough (sequence, KV head) pairs
+    assert pa.choose_partition(dev, 32, 8, 2048, 32) == 0
+    # equal partitions toward SPLIT_TARGET workgroups: two for 128 or 192 pairs, four for 64
+    assert pa.choose_partition(dev, 16, 8, 2048, 32) == pa.choose_partition(dev, 24, 8, 2048, 32) == 1024
+    assert pa.choose_partition(dev, 8, 8, 2048, 32) == 512 and pa.choose_partition(dev, 16, 8, 1000, 32) == 512
 
 
 @pytest.mark.slow
