@@ -262,27 +262,21 @@ def stage_source(cfg: Config, size: int, sg: int, pf: int = 1, store: bool = Tru
     for s in sets:
         lines += [f"uvec4 {s}a{c};" for c in range(per_a)] + [f"uvec4 {s}b{c};" for c in range(per_b)]
 
+    # per operand: (name, chunks an invocation, 16-byte chunks a row of its slice, the slice's first row and column
+    # in the global matrix (GLSL, of the slice kt), its offset and row stride in shared memory)
+    operands = (("a", per_a, bk // 8, lambda kt: f"tm * {bm}", lambda kt: f"({kt}) * {bk // 8}", "", a_stride),
+                ("b", per_b, bn // 8, lambda kt: f"({kt}) * {bk}", lambda kt: f"tn * {bn // 8}", f"{a_size} + ",
+                 b_stride))
+
     def load(s: str, kt: str) -> list[str]:
-        out = []
-        for c in range(per_a):
-            e = f"(lid + {c * nt})"
-            out.append(f"{s}a{c} = a[(tm * {bm} + {e} / {bk // 8}) * {row} + ({kt}) * {bk // 8} + {e} % {bk // 8}];")
-        for c in range(per_b):
-            e = f"(lid + {c * nt})"
-            out.append(f"{s}b{c} = b[(({kt}) * {bk} + {e} / {bn // 8}) * {row} + tn * {bn // 8} + {e} % {bn // 8}];")
-        return out
+        return [f"{s}{op}{c} = {op}[({row0(kt)} + (lid + {c * nt}) / {w}) * {row} + {col0(kt)} "
+                f"+ (lid + {c * nt}) % {w}];" for op, per, w, row0, col0, _, _ in operands for c in range(per)]
 
     def use(s: str) -> list[str]:
         if not store:
-            return [f"x ^= {s}a{c};" for c in range(per_a)] + [f"x ^= {s}b{c};" for c in range(per_b)]
-        out = []
-        for c in range(per_a):
-            e = f"(lid + {c * nt})"
-            out.append(f"sm[({e} / {bk // 8}) * {a_stride} + {e} % {bk // 8}] = {s}a{c};")
-        for c in range(per_b):
-            e = f"(lid + {c * nt})"
-            out.append(f"sm[{a_size} + ({e} / {bn // 8}) * {b_stride} + {e} % {bn // 8}] = {s}b{c};")
-        return out
+            return [f"x ^= {s}{op}{c};" for op, per, *_ in operands for c in range(per)]
+        return [f"sm[{at}((lid + {c * nt}) / {w}) * {stride} + (lid + {c * nt}) % {w}] = {s}{op}{c};"
+                for op, per, w, _, _, at, stride in operands for c in range(per)]
 
     def step(kt: str, s: str) -> list[str]:
         """Slice kt (in registers s) used; slice kt + pf read into s. The chunk read back is another invocation's
