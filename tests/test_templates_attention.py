@@ -139,7 +139,7 @@ def test_decode_forms_parsed_and_refused():
     q, tables, lens = (upload(dev, a) for a in (np.zeros((1, 1, 64), np.float32), np.zeros((1, 2), np.int32),
                                                   np.ones(1, np.int32)))
     for form in (pa.DecodeForm("tiles", 128, tile=6), pa.DecodeForm("tiles", 96, tile=8),
-                 pa.DecodeForm("tiles", 128, tile=4096)):
+                 pa.DecodeForm("tiles", 128, tile=4096), pa.DecodeForm("tiles", 96), pa.DecodeForm("tiles", 4)):
         with pytest.raises(ValueError, match="decode form tiles"):
             pa.paged_decode(dev, cache, q, tables, lens, num_seqs=1, num_heads=1, max_blocks_per_seq=2,
                             max_context_len=1, form=form)

@@ -309,16 +309,17 @@ def _stream_defines(dev: Device, form: DecodeForm, rows: int, head_size: int, dt
 
 
 def _tiles_form(dev: Device, form: DecodeForm, rows: int, head_size: int, dtype: str) -> int:
-    """The tile of a "tiles" form that names one, checked: a multiple of 4 tokens whose arrays fit the device's
-    shared memory, in a workgroup of a power of two of invocations, at least the tile's words of the new token."""
+    """The tile of a "tiles" form (its own, or the largest that fits where it names none), checked with its
+    workgroup: a multiple of 4 tokens whose arrays fit the device's shared memory, a workgroup of a power of two of
+    invocations, at least the words of a token (one invocation builds each word of the new token)."""
     info = dev.info
-    if (form.tile < 4 or form.tile % 4 or form.wg & (form.wg - 1) or form.wg > info.max_workgroup_invocations
-            or form.wg < head_size * KV_DTYPES[dtype] // 16
-            or _shared_bytes(rows, form.tile, head_size, dtype) > info.max_shared_memory):
-        raise ValueError(f"decode form tiles:{form.tile}x{form.wg}: tiles of a multiple of 4 tokens within the "
-                         f"shared memory ({info.max_shared_memory} bytes), workgroups of a power of two of invocations "
-                         f"up to {info.max_workgroup_invocations}")
-    return form.tile
+    tile, words = form.tile or _choose_tile(dev, rows, head_size, dtype), head_size * KV_DTYPES[dtype] // 16
+    if (tile < 4 or tile % 4 or form.wg & (form.wg - 1) or form.wg > info.max_workgroup_invocations
+            or form.wg < words or _shared_bytes(rows, tile, head_size, dtype) > info.max_shared_memory):
+        raise ValueError(f"decode form tiles:{tile}x{form.wg}: tiles of a multiple of 4 tokens within the shared "
+                         f"memory ({info.max_shared_memory} bytes), workgroups of a power of two of invocations up "
+                         f"to {info.max_workgroup_invocations} and at least a token's {words} words")
+    return tile
 
 
 def _softcap(cap: float) -> float:
@@ -375,8 +376,8 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     # the int8 parts, or `out` bound where the float output is written
     acts = Q8Acts.in_buffer(out, num_seqs, num_heads * d) if int8 else Q8Acts(out, out, out)
     form = form or DEFAULT_FORM
-    tile = _tiles_form(dev, form, group, d, cache.dtype) if form.kind == "tiles" and form.tile else _choose_tile(
-        dev, group, d, cache.dtype)
+    named = form.kind == "tiles" and form != DEFAULT_FORM   # a tile or workgroup of its own, checked
+    tile = _tiles_form(dev, form, group, d, cache.dtype) if named else _choose_tile(dev, group, d, cache.dtype)
     core = _stream_defines(dev, form, group, d, cache.dtype) if form.kind == "stream" else None
     wg = form.wg if core or form.kind == "tiles" else ATTN_WG
     if core is None:
