@@ -677,27 +677,19 @@ def source(fmt: str, n: int, k: int, w_stride: int, s_stride: int, cfg: matmul_c
         emit("}")
         emit("barrier();")
 
-    if wsplit:  # two steps a trip, so each names W's register sets: even steps read into "", odd ones into "p"
+    if wsplit or pf == 2:  # two steps a trip, so each names its register sets: even steps read into "", odd into "p"
+        one = w_step if wsplit else step
         emit(f"for (int kt = 0; kt < {nk}; kt += 2) {{")
         emit("{")
-        w_step("kt", "", "p")
+        one("kt", "", "p")
         emit("}")
         emit(f"if (kt + 1 < {nk}) {{")
-        w_step("kt + 1", "p", "")
+        one("kt + 1", "p", "")
         emit("}")
         emit("}")
-    elif pf == 1:
+    else:
         emit(f"for (int kt = 0; kt < {nk}; kt++) {{")
         step("kt", "", "")
-        emit("}")
-    else:  # two steps a trip, so each names its register sets: even steps read into "", odd ones into "p"
-        emit(f"for (int kt = 0; kt < {nk}; kt += 2) {{")
-        emit("{")
-        step("kt", "", "p")
-        emit("}")
-        emit(f"if (kt + 1 < {nk}) {{")
-        step("kt + 1", "p", "")
-        emit("}")
         emit("}")
     # epilogue: per fragment row, through this subgroup's own region of shared memory, then one element a lane;
     # with the depth split (wk > 1) the subgroups of part 0 add the other parts' regions
