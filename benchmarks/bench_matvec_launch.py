@@ -159,20 +159,29 @@ def _nb_name(c: mv.MatvecConfig) -> str:
     return launch + (" fold" if c.fold else "") + (" stage" if c.stage else "")
 
 
+def capture_configs(dev, graphs: dict, configs: list[mv.MatvecConfig], ws, x, y, batch: int, budget: float,
+                    what: str) -> None:
+    """Each configuration's product (product_run) captured into `graphs` (config -> graph; the caller replays and
+    destroys them), in order, until `budget` seconds are spent: the sweeps then replay them all with no compile
+    between timings."""
+    start = time.perf_counter()
+    for cfg in configs:
+        if cfg in graphs:
+            continue
+        if time.perf_counter() - start > budget:
+            print(f"      {what}: budget spent after {len(graphs)} configurations", flush=True)
+            break
+        graphs[cfg] = capture_graph(dev, product_run(dev, ws, x, y, batch, cfg))
+
+
 def nb_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, old: mv.MatvecConfig, reps: int,
              budget: float) -> None:
     """Capture _nb_configs for --budget seconds at most, then replay them in turn after the clocks are raised (as
     wg_sweep: no compile between timings), and print what --nb-sweep promises (GB/s of weight bytes)."""
     nbytes = ws[0].shape[0] * f.row_bytes(ws[0].shape[1])
-    start, graphs = time.perf_counter(), {}
+    graphs = {}
     try:
-        for cfg in [base, *_nb_configs(dev, f, base, old, batch)]:
-            if cfg in graphs:
-                continue
-            if time.perf_counter() - start > budget:
-                print(f"      nb: budget spent after {len(graphs)} configurations", flush=True)
-                break
-            graphs[cfg] = capture_graph(dev, product_run(dev, ws, x, y, batch, cfg))
+        capture_configs(dev, graphs, [base, *_nb_configs(dev, f, base, old, batch)], ws, x, y, batch, budget, "nb")
         raise_clocks(1.0)
         times = replay_many_us(dev, graphs, reps)
     finally:
@@ -228,15 +237,11 @@ def wg_sweep(dev, f, ws, x, y, batch: int, base: mv.MatvecConfig, rounds: int, b
     each other once more, with the floors."""
     n, k = ws[0].shape
     nbytes = n * f.row_bytes(k)
-    start, graphs, finals = time.perf_counter(), {}, {}
+    graphs, finals = {}, {}
     small = _weight_copies(dev, np.random.default_rng(1), f.name, FLOOR_ROWS, k)
     y_small = dev.alloc(batch * FLOOR_ROWS * 4)
     try:
-        for cfg in [base, *_wg_configs(dev, f, base, k, batch)]:
-            if time.perf_counter() - start > budget:
-                print(f"      wg: budget spent after {len(graphs)} configurations", flush=True)
-                break
-            graphs[cfg] = capture_graph(dev, product_run(dev, ws, x, y, batch, cfg))
+        capture_configs(dev, graphs, [base, *_wg_configs(dev, f, base, k, batch)], ws, x, y, batch, budget, "wg")
         raise_clocks(1.0)
         first = replay_many_us(dev, graphs, rounds)
         top = sorted(first, key=first.get)[:3]
