@@ -29,16 +29,9 @@
 // which attend calls once its first tile's loads are in flight; tiles take that position's words from new_k/new_v
 // in place of the K/V buffers (a token that the same dispatch writes, which other workgroups of it may not see).
 #include "common.glsl"
-// The K/V cache's 16-byte words: KV_PER_WORD values a word (float16 with -DKV_F16, else float32), WORDS_PER_TOKEN
-// words a token of HEAD_SIZE; in shared memory a token's words are STRIDE apart (one word of padding, see above)
-#ifdef KV_F16
-#define KV_PER_WORD 8
-#else
-#define KV_PER_WORD 4
-#endif
-#define WORDS_PER_TOKEN (HEAD_SIZE / KV_PER_WORD)
+#include "kv_words.glsl"
+// in shared memory a token's words are STRIDE apart (one word of padding, see above)
 #define STRIDE (WORDS_PER_TOKEN + 1)
-#define PAIRS (ROWS * HEAD_SIZE / 4)
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 128;

@@ -37,13 +37,7 @@
 #extension GL_KHR_shader_subgroup_shuffle : enable
 #extension GL_KHR_shader_subgroup_arithmetic : enable
 #include "common.glsl"
-#ifdef KV_F16
-#define KV_PER_WORD 8
-#else
-#define KV_PER_WORD 4
-#endif
-#define WORDS_PER_TOKEN (HEAD_SIZE / KV_PER_WORD)
-#define PAIRS (ROWS * HEAD_SIZE / 4)
+#include "kv_words.glsl"
 #define WPL (WORDS_PER_TOKEN / LANES)   // words of a token per invocation
 #define V4W (KV_PER_WORD / 4)           // vec4s per word
 #define R4 ((ROWS + 3) / 4)             // vec4s of one token's weights
