@@ -331,17 +331,26 @@ def norm_overrides() -> dict[int, tuple[int, int, int, int, bool]]:
     """VKGRAPH_NORM_PROLOGUE_SG: NORM_PREFERRED entries replaced without a code change, e.g.
     "1:256,2,4,32,1;8:512,1,2,16,0" (activation rows bucket: invocations per workgroup, rows per group, units in
     flight, group width (0: derived), fold (0 or 1))."""
+    entries = launch_entries("VKGRAPH_NORM_PROLOGUE_SG", NORM_PREFERRED, (5,), "WG,ROWS,UNROLL,TPR,FOLD")
+    return {bucket: (*nums[:4], bool(nums[4])) for bucket, nums in entries.items()}
+
+
+def launch_entries(name: str, buckets: Any, lengths: tuple[int, ...], usage: str) -> dict[int, list[int]]:
+    """The flag `name`'s launch entries "BUCKET:N,N,...;..." as {bucket: numbers}: a bucket of `buckets`, one of
+    `lengths` numbers, the first three (workgroup size, rows, units in flight) positive, the group width (fourth)
+    not negative and the switches after it 0 or 1; else ValueError naming the entry and `usage`."""
     out = {}
-    for entry in filter(None, (e.strip() for e in flag("VKGRAPH_NORM_PROLOGUE_SG").split(";"))):
+    for entry in filter(None, (e.strip() for e in flag(name).split(";"))):
         try:
             bucket, values = entry.split(":")
             nums = [int(v) for v in values.split(",")]
-            if int(bucket) not in NORM_PREFERRED or len(nums) != 5 or min(nums[:3]) < 1 or nums[3] < 0 or nums[4] > 1:
+            if (int(bucket) not in buckets or len(nums) not in lengths or min(nums[:3]) < 1
+                    or min(nums[3:], default=0) < 0 or max(nums[4:], default=0) > 1):
                 raise ValueError
         except ValueError:
-            raise ValueError(f"VKGRAPH_NORM_PROLOGUE_SG entry {entry!r}: expected ROWS_BUCKET:WG,ROWS,UNROLL,TPR,FOLD "
-                             f"with a bucket in {sorted(NORM_PREFERRED)}") from None
-        out[int(bucket)] = (nums[0], nums[1], nums[2], nums[3], bool(nums[4]))
+            raise ValueError(f"{name} entry {entry!r}: expected ROWS_BUCKET:{usage} with a bucket in "
+                             f"{sorted(buckets)}") from None
+        out[int(bucket)] = nums
     return out
 
 
@@ -379,20 +388,11 @@ def sg_overrides() -> dict[int, tuple[int, int, int, int, bool, bool]]:
     """VKGRAPH_MATVEC_SG: SG_PREFERRED and SG_INT_DOT_PREFERRED entries replaced without a code change, e.g.
     "1:128,2,4;32:256,4,1,16;8:128,4,2,0,1,1" (activation rows bucket: workgroup size, rows per group, units in
     flight[, group width (0 or left out: derived)[, fold, stage (0 or 1; left out: neither)]])."""
-    text = flag("VKGRAPH_MATVEC_SG").strip()
     out = {}
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        try:
-            bucket, values = entry.split(":")
-            nums = [int(v) for v in values.split(",")]
-            if (int(bucket) not in SG_PREFERRED or len(nums) not in (3, 4, 6) or min(nums[:3]) < 1
-                    or min(nums[3:], default=0) < 0 or max(nums[4:], default=0) > 1):
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"VKGRAPH_MATVEC_SG entry {entry!r}: expected ROWS_BUCKET:WG,ROWS,UNROLL[,TPR[,FOLD,"
-                             f"STAGE]] with a bucket in {sorted(SG_PREFERRED)}") from None
+    for bucket, nums in launch_entries("VKGRAPH_MATVEC_SG", SG_PREFERRED, (3, 4, 6),
+                                       "WG,ROWS,UNROLL[,TPR[,FOLD,STAGE]]").items():
         fold, stage = (bool(nums[4]), bool(nums[5])) if len(nums) == 6 else (False, False)
-        out[int(bucket)] = (nums[0], nums[1], nums[2], nums[3] if len(nums) >= 4 else 0, fold, stage)
+        out[bucket] = (nums[0], nums[1], nums[2], nums[3] if len(nums) >= 4 else 0, fold, stage)
     return out
 
 
