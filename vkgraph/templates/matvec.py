@@ -354,6 +354,14 @@ def launch_entries(name: str, buckets: Any, lengths: tuple[int, ...], usage: str
     return out
 
 
+def whole_rounds(fmt: QuantFormat, tpr: int, unroll: int) -> int:
+    """`unroll` raised so that a staged round of tpr * unroll units covers whole blocks of 32 activations and whole
+    super-blocks of the format."""
+    span = max(32, fmt.block_size)
+    step = span // math.gcd(span, tpr * UNIT_ELEMS[fmt.name])
+    return -(-unroll // step) * step
+
+
 def norm_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> MatvecConfig | None:
     """The launch of a matvec over NormedRows (NORM_PREFERRED, VKGRAPH_NORM_PROLOGUE_SG), or None where the device
     or the shape does not take one: up to MAX_BATCH activation rows, an INT_DOT_FORMATS weight of at most
@@ -372,10 +380,7 @@ def norm_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int) -> Ma
         # as _subgroup_rows_config: no latency to hide, shorter compiles; and lavapipe ran the tiny test model's
         # products 3.7x faster (56 against 9 ms at 8 activation rows) in workgroups of 64 than of 512
         unroll, wg = 1, min(wg, 64)
-    # a round of tpr * unroll units must cover whole blocks of 32 and whole super-blocks
-    span = max(32, fmt.block_size)
-    step = span // math.gcd(span, tpr * UNIT_ELEMS[fmt.name])
-    unroll = -(-unroll // step) * step
+    unroll = whole_rounds(fmt, tpr, unroll)
     wg = max(min(wg, pow2_ceil(-(-n // rows)) * tpr, pow2_floor(info.max_workgroup_invocations)),
              info.max_subgroup_size, tpr)
     if unroll > 16:
@@ -677,9 +682,7 @@ def glu_norm_config(dev: Device, fmt: QuantFormat, f: int, k: int, batch: int) -
     cfg = glu_config(dev, fmt, f, k, batch, int_dot=True)
     if cfg is None:
         return None
-    span = max(32, fmt.block_size)
-    step = span // math.gcd(span, cfg.tpr * UNIT_ELEMS[fmt.name])
-    cfg = replace(cfg, unroll=-(-cfg.unroll // step) * step, stage=True)
+    cfg = replace(cfg, unroll=whole_rounds(fmt, cfg.tpr, cfg.unroll), stage=True)
     fits = stage_fits(dev, fmt, cfg, batch, norm=True) and (
         stage_bytes(fmt, cfg, batch, norm=True) + 1024 + 256 * batch <= info.max_shared_memory)
     return cfg if cfg.unroll <= 16 and fits else None
