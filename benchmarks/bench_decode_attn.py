@@ -14,7 +14,7 @@ warm-up, every call writing the same cache slots and output, so a barrier orders
 dispatches as in a step; the calls cycle through copies of the cache (as many as
 PyTorch's below, bench_kernels' count) so that the small cases are not all read from the L2. Printed per batch
 and context: the span of the whole chain per call (kernels plus barriers), the attention's microseconds
-(paged_decode plus paged_reduce, medians) as GB/s of KV bytes read, and the median microseconds inside each
+(paged_decode, split or not, medians) as GB/s of KV bytes read, and the median microseconds inside each
 kernel; then PyTorch's F.scaled_dot_product_attention over contiguous float16 KV (CUDA events), where importable.
 """
 
@@ -101,7 +101,7 @@ def case(dev, rng, b: int, ctx: int, reps: int, routes: list[str], forms: list[s
                 run()  # compiles: the clocks idle meanwhile, so they are raised again before the timing
                 raise_clocks(0.3)
                 kernels, per_call = chain(dev, run, reps)
-                attn = kernels.get("paged_decode", 0.0) + kernels.get("paged_reduce", 0.0)
+                attn = kernels.get("paged_decode", 0.0)
                 inside = "  ".join(f"{k} {v:.1f}" for k, v in sorted(kernels.items()))
                 print(f"{b:5d} {ctx:6d} {form_text:>12s} {'auto' if split is None else split or 'off':>5} "
                       f"{route:>5s} {per_call:9.1f} {attn:8.1f} {kv_bytes / attn / 1e3:7.0f}   {inside}", flush=True)

@@ -155,7 +155,7 @@ def test_paged_decode_softcap_and_window(part):
 @pytest.mark.parametrize("form", FORMS)
 def test_paged_decode_long_context(part, form):
     """A context beyond 4096 tokens beside a one-token one; split-K chosen automatically, turned off, or into more
-    partitions (130) than paged_reduce has invocations."""
+    partitions (130) than the workgroup that combines them has invocations."""
     _decode_case(np.random.default_rng(7), [4133, 1], 1, 4, 64, 16, "f16", 0, part, form=form)
 
 
@@ -163,7 +163,7 @@ def test_paged_decode_long_context(part, form):
 @pytest.mark.parametrize("form", FORMS)
 def test_paged_decode_int8_output(part, d, group, form):
     """int8=True writes what quantize_q8 makes of the float output (the kernel that finishes the output,
-    paged_decode unsplit or paged_reduce split, quantizes it): the same int8 values, scales and sums."""
+    paged_decode's workgroup, or split the last of its partitions, quantizes it): the same int8 values, scales and sums."""
     from vkgraph.templates import matvec as mv
 
     dev = device()

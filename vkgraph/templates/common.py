@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from ..flags import flag
@@ -58,3 +59,21 @@ def decode_fusion() -> bool:
     """Whether model code may use the fused templates (rmsnorm_q8, kv_write from the q/k/v rows with RoPE):
     VKGRAPH_DECODE_FUSION, read when a graph is built."""
     return bool(flag("VKGRAPH_DECODE_FUSION"))
+
+
+_ARRIVALS: weakref.WeakKeyDictionary[Device, Any] = weakref.WeakKeyDictionary()
+
+
+def arrival_counters(dev: Device, count: int) -> Any:
+    """`dev`'s arrival counters (at least `count` uints), by which a kernel's last workgroup to finish finds itself:
+    zero between dispatches, as each dispatch's last workgroup sets its counter back. One buffer for every call,
+    kept for the device's life: a pooled temporary could be handed to another kernel inside a captured graph and
+    come back to a replay holding that kernel's bytes. Every kernel that binds it writes it, so the queue orders
+    them one after another. A larger need replaces it with a larger one (zeroed here, outside any graph: the upload
+    is never logged), which graphs captured before keep through the Buffer they hold."""
+    buf = _ARRIVALS.get(dev)
+    if buf is None or buf.size < count * 4:
+        buf = dev.alloc(max(count, 1024) * 4)
+        dev.upload(buf, bytes(buf.size))
+        _ARRIVALS[dev] = buf
+    return buf

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..runtime import Device
 from . import catalog
-from .common import check_binding_range, check_buffer, grid_2d
+from .common import arrival_counters, check_binding_range, check_buffer, grid_2d
 from .matvec import Q8Acts
 
 KV_DTYPES = {"f16": 2, "f32": 4}
@@ -391,9 +391,10 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     if part_tokens:
         part_o = dev.alloc(num_seqs * num_heads * parts * d * 4)
         part_ml = dev.alloc(num_seqs * num_heads * parts * 8)
+        arrivals = arrival_counters(dev, num_seqs * hkv)
     else:
-        part_o = part_ml = out  # bound but never written
-    flags = {"Q8_OUT": 1} if int8 and not part_tokens else {}  # split: paged_reduce writes the output
+        part_o = part_ml = arrivals = out  # bound but never written
+    flags = {"Q8_OUT": 1} if int8 else {}
     push = {"num_kv_heads": hkv, "max_blocks": max_blocks_per_seq,
             "scale": 1.0 / math.sqrt(d) if scale is None else scale, "window": window,
             "part_tokens": part_tokens, "max_parts": parts, "softcap": _softcap(softcap), "src_stride": 0,
@@ -412,16 +413,9 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
                            defines=_defines(dev, d, cache.dtype, wg, GROUP=group, **core, BLOCK_SIZE=cache.block_size,
                                             **flags))
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
-                                 acts.xq, acts.xd, acts.xs, *extra], (parts, hkv, num_seqs), push=push)
-    if part_tokens:
-        # an invocation per 4 dimensions at least
-        red = catalog.compile(dev, "paged_reduce", spec={"WG": max(ATTN_WG, 1 << (d // 4 - 1).bit_length())},
-                              defines={"Q8_OUT": 1, "HEAD_SIZE": d} if int8 else None)
-        catalog.dispatch(dev, red, [part_o, part_ml, context_lens, out, acts.xq, acts.xd, acts.xs],
-                         (num_heads, num_seqs, 1),
-                         push={"num_heads": num_heads, "head_size": d, "part_tokens": part_tokens,
-                               "max_parts": parts})
+                                 acts.xq, acts.xd, acts.xs, *extra, arrivals], (parts, hkv, num_seqs), push=push)
     return out
+
 
 
 def prefill_attention(dev: Device, q: Any, k: Any, v: Any, cu_seqlens: Any, *, num_seqs: int,

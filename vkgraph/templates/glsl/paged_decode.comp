@@ -11,7 +11,9 @@
 // division). block_tables[seq, i] is the physical block of the sequence's tokens i*block_size...; any block
 // may be shared or in any order. Optional sliding window: only the last `window` positions are visible.
 // Split-K: with part_tokens > 0, partition p covers positions [p*part_tokens, (p+1)*part_tokens) and writes
-// its unnormalised output and (max, sum) to the partial buffers for paged_reduce; else the output directly.
+// its unnormalised output and (max, sum) to the partial buffers; the last of a (sequence, KV head)'s max_parts
+// workgroups to finish (an arrival counter per pair, zero before the dispatch and set back to zero by that
+// workgroup) combines them into the output, so no second kernel and no dependent launch is paid for the split.
 //
 // -DNEW_KV: the decode step's new token (the last of each context, position ctx - 1) is written here instead of by
 // kv_write.comp. `q` is then the rows [B, src_stride] of the fused q/k/v product: queries from column q_off, the
@@ -29,8 +31,9 @@ layout(set = 0, binding = 2) readonly buffer VC { uvec4 vc[]; };
 layout(set = 0, binding = 3) readonly buffer Tables { int block_tables[]; };  // [B, max_blocks]
 layout(set = 0, binding = 4) readonly buffer Lens { int context_lens[]; };    // [B]
 layout(set = 0, binding = 5) writeonly buffer Out { float o[]; };           // [B, Hq, D]
-layout(set = 0, binding = 6) writeonly buffer PartOut { float part_o[]; };  // [B, Hq, max_parts, D]
-layout(set = 0, binding = 7) writeonly buffer PartML { vec2 part_ml[]; };   // [B, Hq, max_parts] (max, sum)
+// the partitions' outputs, written by each and read by the last to finish: coherent, past the workgroups' caches
+layout(set = 0, binding = 6) coherent buffer PartOut { vec4 part_o[]; };  // [B, Hq, max_parts, D / 4]
+layout(set = 0, binding = 7) coherent buffer PartML { vec2 part_ml[]; };  // [B, Hq, max_parts] (max, sum)
 // -DQ8_OUT: the output written (unsplit) as the integer matvec's input instead of `o` (q8_store.glsl; bound in
 // both modes, as the interface parser does not preprocess)
 layout(set = 0, binding = 8) writeonly buffer XQ { uint xq[]; };
@@ -43,6 +46,8 @@ layout(set = 0, binding = 12) readonly buffer Cos { float rope_cos[]; };      //
 layout(set = 0, binding = 13) readonly buffer Sin { float rope_sin[]; };
 layout(set = 0, binding = 14) writeonly buffer KW { uvec4 kw[]; };            // the cache's K buffer
 layout(set = 0, binding = 15) writeonly buffer VW { uvec4 vw[]; };            // and its V buffer
+// split only: the partitions finished per (sequence, KV head) pair [B, num_kv_heads] (else any buffer, untouched)
+layout(set = 0, binding = 16) coherent buffer Arrivals { uint arrivals[]; };
 
 layout(push_constant) uniform Push {
     uint num_kv_heads;
@@ -153,6 +158,55 @@ vec4 q_at(uint row, uint e) {
 #endif
 }
 
+shared uint sLast;
+
+// Whether this workgroup is the last of its pair's partitions to finish, once its partial output is written; that
+// one sets the pair's counter back to zero (every partition has arrived) and sees the others' partial outputs.
+bool last_arrival() {
+    memoryBarrierBuffer();
+    barrier();
+    if (gl_LocalInvocationID.x == 0) {
+        const uint pair = seq_id() * pc.num_kv_heads + kv_head();
+        const bool last = atomicAdd(arrivals[pair], 1u) == pc.max_parts - 1u;
+        if (last) arrivals[pair] = 0u;
+        sLast = last ? 1u : 0u;
+    }
+    barrier();
+    memoryBarrierBuffer();
+    return sLast != 0u;
+}
+
+#define PARTS_AHEAD 8   // partitions whose loads are issued together: one memory round trip for all of them
+
+// Row r's dimensions 4q... combined over the partitions that hold tokens: sum_p w_p o_p / sum_p w_p l_p with
+// w_p = exp(m_p - max m); partitions that saw no visible token carry m = -inf and weigh nothing.
+vec4 combine_parts(uint row, uint q, uint parts) {
+    float m = -1.0 / 0.0;
+    for (uint p0 = 0; p0 < parts; p0 += PARTS_AHEAD) {
+        [[unroll]] for (uint k = 0; k < PARTS_AHEAD; k++) {
+            if (p0 + k < parts) m = max(m, part_ml[row + p0 + k].x);
+        }
+    }
+    if (m == -1.0 / 0.0) return vec4(0.0);
+    float l = 0.0;
+    vec4 v = vec4(0.0);
+    for (uint p0 = 0; p0 < parts; p0 += PARTS_AHEAD) {
+        vec2 ml[PARTS_AHEAD];
+        vec4 x[PARTS_AHEAD];
+        [[unroll]] for (uint k = 0; k < PARTS_AHEAD; k++) {   // the loads first, then their sums
+            const uint p = p0 + k;
+            ml[k] = p < parts ? part_ml[row + p] : vec2(-1.0 / 0.0, 0.0);
+            x[k] = p < parts ? part_o[(row + p) * (HEAD_SIZE / 4) + q] : vec4(0.0);
+        }
+        [[unroll]] for (uint k = 0; k < PARTS_AHEAD; k++) {
+            const float w = exp(ml[k].x - m);
+            l += w * ml[k].y;
+            v += w * x[k];
+        }
+    }
+    return l > 0.0 ? v / l : vec4(0.0);
+}
+
 void main() {
     const uint ctx = uint(context_lens[seq_id()]);
     const uint part = gl_WorkGroupID.x;
@@ -169,42 +223,53 @@ void main() {
 
     const uint tid = gl_LocalInvocationID.x;
     const uint head0 = (seq_id() * pc.num_kv_heads + kv_head()) * GROUP;
-    [[unroll]] for (uint j = 0; j < ACC_N; j++) {
-        const uint i = tid + j * WG;
-        if (i < PAIRS) {
-            const uint r = i / (HEAD_SIZE / 4), e = 4 * (i % (HEAD_SIZE / 4));
-            if (pc.part_tokens > 0) {
-                const uint base = ((head0 + r) * pc.max_parts + part) * HEAD_SIZE + e;
-                part_o[base] = acc[j].x;
-                part_o[base + 1] = acc[j].y;
-                part_o[base + 2] = acc[j].z;
-                part_o[base + 3] = acc[j].w;
-            } else {
-                const float l = sL[r];
-                const vec4 v = l > 0.0 ? acc[j] / l : vec4(0.0);
-#ifdef Q8_OUT
-                sQ[i] = v;   // the queries are consumed: sQ holds the output rows for their quantization
-#else
-                const uint base = (head0 + r) * HEAD_SIZE + e;
-                o[base] = v.x;
-                o[base + 1] = v.y;
-                o[base + 2] = v.z;
-                o[base + 3] = v.w;
-#endif
+    if (pc.part_tokens > 0) {   // uniform: a push constant
+        [[unroll]] for (uint j = 0; j < ACC_N; j++) {
+            const uint i = tid + j * WG;
+            if (i < PAIRS) {
+                const uint r = i / (HEAD_SIZE / 4);
+                part_o[((head0 + r) * pc.max_parts + part) * (HEAD_SIZE / 4) + i % (HEAD_SIZE / 4)] = acc[j];
+            }
+        }
+        for (uint r = tid; r < ROWS; r += WG) part_ml[(head0 + r) * pc.max_parts + part] = vec2(sM[r], sL[r]);
+        if (!last_arrival()) return;
+        const uint parts = min((ctx + pc.part_tokens - 1) / pc.part_tokens, pc.max_parts);
+        [[unroll]] for (uint j = 0; j < ACC_N; j++) {
+            const uint i = tid + j * WG;
+            if (i < PAIRS) {
+                acc[j] = combine_parts((head0 + i / (HEAD_SIZE / 4)) * pc.max_parts, i % (HEAD_SIZE / 4), parts);
+            }
+        }
+    } else {
+        [[unroll]] for (uint j = 0; j < ACC_N; j++) {
+            const uint i = tid + j * WG;
+            if (i < PAIRS) {
+                const float l = sL[i / (HEAD_SIZE / 4)];
+                acc[j] = l > 0.0 ? acc[j] / l : vec4(0.0);
             }
         }
     }
-    if (pc.part_tokens > 0) {
-        for (uint r = tid; r < ROWS; r += WG) part_ml[(head0 + r) * pc.max_parts + part] = vec2(sM[r], sL[r]);
+    // acc[j]: the output of pair tid + j * WG (row, 4 dimensions)
+    [[unroll]] for (uint j = 0; j < ACC_N; j++) {
+        const uint i = tid + j * WG;
+        if (i < PAIRS) {
+#ifdef Q8_OUT
+            sQ[i] = acc[j];   // the queries are consumed: sQ holds the output rows for their quantization
+#else
+            const uint base = head0 * HEAD_SIZE + 4 * i;
+            o[base] = acc[j].x;
+            o[base + 1] = acc[j].y;
+            o[base + 2] = acc[j].z;
+            o[base + 3] = acc[j].w;
+#endif
+        }
     }
 #ifdef Q8_OUT
-    if (pc.part_tokens == 0) {   // uniform: a push constant
-        barrier();
-        for (uint blk = tid; blk < ROWS * HEAD_SIZE / 32; blk += WG) {
-            vec4 v[8];
-            [[unroll]] for (uint i = 0; i < 8; i++) v[i] = sQ[blk * 8 + i];
-            store_q8_block(head0 * (HEAD_SIZE / 32) + blk, v);
-        }
+    barrier();
+    for (uint blk = tid; blk < ROWS * HEAD_SIZE / 32; blk += WG) {
+        vec4 v[8];
+        [[unroll]] for (uint i = 0; i < 8; i++) v[i] = sQ[blk * 8 + i];
+        store_q8_block(head0 * (HEAD_SIZE / 32) + blk, v);
     }
 #endif
 }
