@@ -746,6 +746,96 @@ def test_glu_config_from_the_product_launch(monkeypatch):
     assert mv.glu_config(flat, q40, 14336, 4096, 1) is None
 
 
+# ---- the next norm in the matvec's epilogue (NormOut: -DNORM_OUT) ----
+
+def _norm_out_case(dev, fmt, n, k, batch, kind, config, seed, int8, eps=1e-5, repeats=2):
+    """A product with NormOut against the product alone and rmsnorm_q8 of its output: y exactly the product's, the
+    int8 blocks rmsnorm_q8's up to a rare rounding step (the two kernels sum the squares in different orders),
+    their scales to float32 rounding, the half sums those of the int8 values. Run `repeats` times: the arrival
+    counter must come back to zero after each."""
+    rng = np.random.default_rng(seed)
+    qt = weights(rng.standard_normal((n, k)).astype(np.float32), fmt, seed)
+    dw = mv.upload_weights(dev, qt)
+    x = rng.standard_normal((batch, k)).astype(np.float32)
+    # the residual sets the output's scale: special rows (zeros, squares past float32, tiny) come through it
+    r = _special_rows(rng, (batch, n), kind)
+    scale = {"huge": 0.0, "tiny": 0.0}.get(kind, 1.0)
+    if kind == "zeros":
+        x[0] = 0
+    g = rng.standard_normal(n).astype(np.float32)
+    g[:32] = 0  # a block of zeros: scale 0
+    xb = upload(dev, (x * scale).astype(np.float32))
+    if int8:
+        xb = mv.Q8Acts(*mv.quantize_activations(dev, xb, batch, k))
+    rb, gb = upload(dev, r), upload(dev, g)
+    plain = dev.download(mv.matvec(dev, dw, xb, batch, residual=rb, config=config), np.float32, (batch, n))
+    want = mv.Q8Acts.in_buffer(norms.rmsnorm_q8(dev, upload(dev, plain), gb, batch, n, eps=eps), batch, n)
+    want_q = dev.download(want.xq, np.int8, (batch, n)).astype(int)
+    want_d = dev.download(want.xd, np.float32, (batch * n // 32,))
+    for _ in range(repeats):
+        out = dev.alloc(mv.Q8Acts.layout(batch, n)[0])
+        acts = mv.Q8Acts.in_buffer(out, batch, n)
+        since = snapshot()
+        y = mv.matvec(dev, dw, xb, batch, residual=rb, config=config, norm_out=mv.NormOut(gb, eps, acts))
+        assert mv.TEMPLATE[fmt] + "+norm_out" in set(templates.DISPATCHES - since)
+        np.testing.assert_array_equal(dev.download(y, np.float32, (batch, n)), plain)
+        q = dev.download(acts.xq, np.int8, (batch, n)).astype(int)
+        d = dev.download(acts.xd, np.float32, (batch * n // 32,))
+        s = dev.download(acts.xs, np.int32, (batch * n // 16,))
+        assert np.abs(q - want_q).max() <= 1 and (q != want_q).mean() < 0.01, kind
+        np.testing.assert_allclose(d, want_d, rtol=1e-5)
+        assert (s == q.reshape(-1, 16).sum(1)).all()
+        assert (d.reshape(batch, -1)[:, 0] == 0).all() and (q[:, :32] == 0).all()
+
+
+def _needs_norm_out(dev, cfg):
+    if not mv.norm_out_fits(dev, cfg):
+        pytest.skip("NormOut needs subgroup shuffles and arithmetic on whole subgroups of 8 lanes or more")
+
+
+@pytest.mark.parametrize("fmt,int8", [("Q4_0", True), ("Q8_0", True), ("Q4_K", True), ("Q4_0", False),
+                                      ("F16", False)])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_matvec_norm_out(fmt, int8, batch):
+    """The default launch, a few workgroups (N = 96) and many (N = 4096, the 8B residual's width)."""
+    if int8:
+        _needs_int_dot()
+    dev = device()
+    for n, k in ((96, 256), (4096, 512)):
+        cfg = mv.choose_config(dev, quant.FORMATS[fmt], n, k, batch, int_dot=int8 or None)
+        _needs_norm_out(dev, cfg)
+        _norm_out_case(dev, fmt, n, k, batch, "normal", cfg, n + batch, int8)
+
+
+@pytest.mark.parametrize("kind", ["zeros", "huge", "tiny", "negative"])
+def test_matvec_norm_out_special_rows(kind):
+    """Rows of zeros, rows whose squares overflow float32, tiny rows: as rmsnorm_q8 writes them."""
+    dev = device()
+    int8 = dev.info.integer_dot_product
+    cfg = mv.choose_config(dev, quant.FORMATS["Q4_0"], 160, 256, 3, int_dot=int8 or None)
+    _needs_norm_out(dev, cfg)
+    _norm_out_case(dev, "Q4_0", 160, 256, 3, kind, cfg, 5, int8)
+
+
+def test_matvec_norm_out_refusals():
+    dev = device()
+    qt = quant.quantize(np.ones((64, 64), np.float32), "Q8_0")
+    dw = mv.upload_weights(dev, qt)
+    x = upload(dev, np.ones(64, np.float32))
+    acts = mv.Q8Acts.in_buffer(dev.alloc(mv.Q8Acts.layout(1, 64)[0]), 1, 64)
+    with pytest.raises(ValueError, match="gain"):
+        mv.matvec(dev, dw, x, 1, norm_out=mv.NormOut(upload(dev, np.ones(32, np.float32)), 1e-5, acts))
+    short = mv.Q8Acts.in_buffer(dev.alloc(mv.Q8Acts.layout(1, 32)[0]), 1, 32)
+    with pytest.raises(ValueError, match="xq"):
+        mv.matvec(dev, dw, x, 1, norm_out=mv.NormOut(upload(dev, np.ones(64, np.float32)), 1e-5, short))
+    cfg = mv.MatvecConfig(dev.info.max_subgroup_size // 2, 1, False)   # part of a subgroup
+    if cfg.wg >= 1:
+        assert not mv.norm_out_fits(dev, cfg)
+        with pytest.raises(ValueError, match="whole subgroups"):
+            mv.matvec(dev, dw, x, 1, config=cfg,
+                      norm_out=mv.NormOut(upload(dev, np.ones(64, np.float32)), 1e-5, acts))
+
+
 # ---- the norm in the matvec's prologue (NormedRows: -DNORM_X) ----
 
 def _special_rows(rng, shape, kind: str) -> np.ndarray:
