@@ -3,7 +3,7 @@
     python benchmarks/profile_decode.py [--shape llama3-8b|llama3.2-1b|small] [--format Q4_0] [--batches 1,8]
                                         [--fusion 0,1] [--glu 1,0] [--launch workgroup,subgroup] [--mm 8,0]
                                         [--steps 5]
-                                        [--matvec-sg "/8:128,4,2,0,1,1"] [--norm 0,8] [--norm-out 1,0]
+                                        [--matvec-sg "/8:128,4,2,0,1,1"] [--norm 0,8]
                                         [--norm-sg "/1:1024,1,4,32,1"]
                                         [--copy-mib 1024] [--kernels]
 
@@ -15,10 +15,9 @@ launches; per VKGRAPH_DECODE_MM_ROWS setting in --mm: from how many rows the pro
 small-row tiles, 0 never; per VKGRAPH_MATVEC_SG setting in --matvec-sg, separated by '/', an empty one for the
 tables' parameters; per VKGRAPH_NORM_PROLOGUE setting in --norm: the most activation rows at which the norms
 before the products of up to matvec.NORM_MAX_ROWS rows (q/k/v) run in their prologue, 0 never; per
-VKGRAPH_NORM_PROLOGUE_SG setting in --norm-sg, as --matvec-sg; per VKGRAPH_NORM_EPILOGUE setting in --norm-out:
-the output and down products writing the next norm's int8 rows, or not), and prints the dispatches per step and
-the GPU time inside them; with --kernels also per kernel name: dispatches per step, GPU microseconds per step, and
-the share of the step.
+VKGRAPH_NORM_PROLOGUE_SG setting in --norm-sg, as --matvec-sg), and prints the dispatches per step and the GPU time
+inside them; with --kernels also per kernel name: dispatches per step, GPU microseconds per step, and the share of
+the step.
 
 Then the floor of a step on this device, from two probes: the copy bandwidth (bench_runtime's grid-stride
 copy of --copy-mib MiB, bytes read + written per second) and the cost of one dependent dispatch (a chain of
@@ -130,8 +129,6 @@ def main() -> None:
                     help="VKGRAPH_MATVEC_SG settings separated by '/', e.g. '/8:128,4,2,0,1,1' (empty: the tables)")
     ap.add_argument("--norm", default="",
                     help="VKGRAPH_NORM_PROLOGUE settings to run on the same model, e.g. 0,8 (default: the flag's)")
-    ap.add_argument("--norm-out", default="",
-                    help="VKGRAPH_NORM_EPILOGUE settings to run on the same model, e.g. 1,0 (default: the flag's)")
     ap.add_argument("--norm-sg", default=None,
                     help="VKGRAPH_NORM_PROLOGUE_SG settings separated by '/', e.g. '/1:1024,1,4,32,1' (empty: the "
                          "table's)")
@@ -151,8 +148,7 @@ def main() -> None:
     bytes_ms = nbytes / (gbs * 1e9) * 1e3
     print(f"{dev.info.name}: {a.shape} {a.format}, {nbytes / 1e9:.3f} GB of weights per step; copy bandwidth "
           f"{gbs:.0f} GB/s ({bytes_ms:.3f} ms per step); dependent dispatch {barrier:.2f} us (chain of {CHAIN})")
-    print(f"{'fusion':>6s} {'glu':>3s} {'launch':>9s} {'mm':>3s} {'norm':>4s} {'out':>3s} {'batch':>5s}"
-          f" {'dispatches':>10s}"
+    print(f"{'fusion':>6s} {'glu':>3s} {'launch':>9s} {'mm':>3s} {'norm':>4s} {'batch':>5s} {'dispatches':>10s}"
           f" {'GPU busy ms':>11s} {'floor ms':>9s} {'JIT ms':>8s} "
           f"{'explained':>9s} {'tok/s':>9s} {'floor tok/s':>11s}", flush=True)
     mm_rows = a.mm.split(",") if a.mm else [str(flag("VKGRAPH_DECODE_MM_ROWS"))]
@@ -160,9 +156,8 @@ def main() -> None:
     glus = a.glu.split(",") if a.glu is not None else [str(flag("VKGRAPH_GLU_EPILOGUE"))]
     norms = a.norm.split(",") if a.norm else [str(flag("VKGRAPH_NORM_PROLOGUE"))]
     norm_sgs = a.norm_sg.split("/") if a.norm_sg is not None else [flag("VKGRAPH_NORM_PROLOGUE_SG")]
-    norm_outs = a.norm_out.split(",") if a.norm_out else [str(flag("VKGRAPH_NORM_EPILOGUE"))]
-    for sg, norm_sg, fusion, glu, launch, mm, norm, norm_out in itertools.product(
-            sg_settings, norm_sgs, a.fusion.split(","), glus, a.launch.split(","), mm_rows, norms, norm_outs):
+    for sg, norm_sg, fusion, glu, launch, mm, norm in itertools.product(
+            sg_settings, norm_sgs, a.fusion.split(","), glus, a.launch.split(","), mm_rows, norms):
         if len(sg_settings) > 1:
             print(f"VKGRAPH_MATVEC_SG={sg!r}", flush=True)
         if len(norm_sgs) > 1:
@@ -170,7 +165,6 @@ def main() -> None:
         os.environ["VKGRAPH_MATVEC_SG"] = sg  # read when a matvec is recorded
         os.environ["VKGRAPH_NORM_PROLOGUE_SG"] = norm_sg  # read when the step's graph is built and recorded
         os.environ["VKGRAPH_NORM_PROLOGUE"] = norm  # read when the step's graph is built
-        os.environ["VKGRAPH_NORM_EPILOGUE"] = norm_out  # read when the step's graph is built
         os.environ["VKGRAPH_DECODE_FUSION"] = fusion  # read when the step's graph is built
         os.environ["VKGRAPH_GLU_EPILOGUE"] = glu  # read when the step's graph is built
         os.environ["VKGRAPH_MATVEC_LAUNCH"] = launch  # read when a matvec is recorded
@@ -180,7 +174,7 @@ def main() -> None:
             busy = sum(v[1] for v in per.values()) / a.steps
             floor_ms = bytes_ms + dispatches * barrier / 1e3
             jit_ms = wall * 1e3
-            print(f"{fusion:>6s} {glu:>3s} {launch:>9s} {mm:>3s} {norm:>4s} {norm_out:>3s} {b:5d} {dispatches:10.0f} "
+            print(f"{fusion:>6s} {glu:>3s} {launch:>9s} {mm:>3s} {norm:>4s} {b:5d} {dispatches:10.0f} "
                   f"{busy / 1e3:11.3f} {floor_ms:9.3f} {jit_ms:8.3f} "
                   f"{floor_ms / jit_ms:9.0%} {b / wall:9.1f} {b / (floor_ms / 1e3):11.1f}", flush=True)
             if a.kernels:
