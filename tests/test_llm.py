@@ -657,7 +657,6 @@ def test_norms_in_the_products_prologue_match_their_kernels(models, kind, monkey
         pytest.skip("no shaderIntegerDotProduct on this device")
     monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
     monkeypatch.setenv("VKGRAPH_GLU_EPILOGUE", "8")  # gate/up with both at every batch here
-    monkeypatch.setenv("VKGRAPH_NORM_EPILOGUE", "0")  # the products before the norms leave them to the prologues
     w, model = build(models[kind])
     label = f"matvec_{kind.split('-')[0].lower()}+norm"
     both = label + "+glu_q8"  # gate/up: the norm in its prologue, the gated unit in its epilogue
@@ -697,58 +696,6 @@ def test_norms_in_the_products_prologue_match_their_kernels(models, kind, monkey
                          cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
     assert run(prefill, np.arange(1, n + 1, dtype=np.int32), "8")[3] == 0
     assert run(*step_of(3), "2")[3] == 0  # past the flag's rows
-
-
-@pytest.mark.parametrize("kind", ["Q4_0-head32", "Q8_0"])
-def test_norms_in_the_products_epilogue_match_their_kernels(models, kind, monkeypatch):
-    """VKGRAPH_NORM_EPILOGUE=1: in a decode step the output product writes the MLP norm's int8 rows and the down
-    product the next layer's attention norm's (matvec_<format>+norm_out, their last workgroup to finish), so
-    2 * layers - 1 of the norms run no kernel; logits against the same step with the norms' own kernels (0) at 1, 3
-    and 8 sequences, on one random cache, each step run twice (the arrival counters come back to zero). A prefill
-    keeps the norms' kernels."""
-    from vkgraph import templates
-    from vkgraph.realize import count_kernels
-    from vkgraph.runtime import get_device
-
-    if not get_device().info.integer_dot_product:
-        pytest.skip("no shaderIntegerDotProduct on this device")
-    monkeypatch.setenv("VKGRAPH_INT_DOT", "1")
-    monkeypatch.setenv("VKGRAPH_NORM_PROLOGUE", "0")  # every norm apart from the epilogue's in rmsnorm_q8
-    w, model = build(models[kind])
-    label = f"matvec_{kind.split('-')[0].lower()}+norm_out"
-    rng = np.random.default_rng(1)
-    for c in model.caches:
-        for name in ("key", "value"):
-            setattr(c, name, Tensor(rng.standard_normal(getattr(c, name).shape[0]).astype(np.float32).view(np.uint32)))
-
-    def run(step: StepInputs, ids: np.ndarray, setting: str) -> tuple[np.ndarray, int, int, int]:
-        monkeypatch.setenv("VKGRAPH_NORM_EPILOGUE", setting)
-        before = {name: templates.DISPATCHES[name] for name in ("rmsnorm_q8", label)}
-        with count_kernels() as c:
-            logits = model(Tensor(ids), step).numpy()
-        runs = {name: templates.DISPATCHES[name] - n for name, n in before.items()}
-        return logits, c.count, runs["rmsnorm_q8"], runs[label]
-
-    layers = len(model.layers)
-    for batch in (1, 3, 8):
-        lens = rng.integers(1, 6 * BLOCK, batch)
-        table = rng.permutation(48)[:batch * 6].reshape(batch, 6).astype(np.int32)
-        slots = table[np.arange(batch), (lens - 1) // BLOCK] * BLOCK + (lens - 1) % BLOCK
-        step = StepInputs(Tensor((lens - 1).astype(np.int32)), Tensor(slots.astype(np.int32)),
-                          block_tables=Tensor(table), context_lens=Tensor(lens.astype(np.int32)), decode=True)
-        ids = rng.integers(0, w.config.vocab_size, batch).astype(np.int32)
-        on, on_kernels, on_norms, epilogues = run(step, ids, "1")
-        again = run(step, ids, "1")[0]   # rewrites the same cache slots
-        off, off_kernels, off_norms, none = run(step, ids, "0")
-        assert epilogues == 2 * layers - 1 and none == 0
-        assert on_norms == off_norms - epilogues and on_kernels == off_kernels - epilogues
-        np.testing.assert_array_equal(again, on)
-        # the same int8 values either way, but a last-bit difference in the norm may move a rounding step
-        assert nerr(on, off) < 1e-2, batch
-    n = 5
-    prefill = StepInputs(Tensor(np.arange(n, dtype=np.int32)), Tensor(np.arange(n, dtype=np.int32)),
-                         cu_seqlens=Tensor(np.array([0, n], np.int32)), max_seq_len=n)
-    assert run(prefill, np.arange(1, n + 1, dtype=np.int32), "1")[3] == 0
 
 
 @pytest.mark.parametrize("kind,kv_dtype,int_dot", [("Q4_0", "f16", "0"), ("Q4_0-head32", "f32", "1"),

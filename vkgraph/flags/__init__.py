@@ -61,10 +61,6 @@ FLAGS: dict[str, Flag] = {
              "before an integer-path matvec of up to matvec.NORM_MAX_ROWS rows (q/k/v) runs inside it (the matvec "
              "normalizes and quantizes its input rows itself, profiled as matvec_<format>+norm); elsewhere the "
              "norm's own kernel (rmsnorm_q8) writes the int8 rows. 1: faster on an H200 at one row, slower at 8"),
-        Flag("VKGRAPH_NORM_EPILOGUE", int, 1, "1: in a decode step, the output and down products (matvec, one call) "
-             "also write the next RMSNorm of the residual stream they produce as the next product's int8 rows, from "
-             "their last workgroup to finish (profiled as matvec_<format>+norm_out): no norm kernel and no norm "
-             "prologue; 0: the norm runs in rmsnorm_q8 or the q/k/v product's prologue"),
         Flag("VKGRAPH_NORM_PROLOGUE_SG", str, "", "launch parameters replacing matvec.NORM_PREFERRED, e.g. "
              "'1:256,2,4,32,1;8:512,1,2,16,0' (activation rows bucket: workgroup size, rows per group, units in "
              "flight, group width (0: derived), fold)"),

@@ -22,7 +22,6 @@ from .template_ops import (
     ExpertLinear,
     Int8Activations,
     KVCache,
-    NormedResidual,
     PendingNorm,
     QuantLinear,
     flash_takes,
@@ -65,15 +64,7 @@ class Linear:
         """Whether `rows` rows of input may come as a PendingNorm (see QuantLinear.takes_norm)."""
         return self.quant is not None and self.quant.takes_norm(rows)
 
-    def __call__(self, x: Tensor | Int8Activations | PendingNorm, residual: Tensor | None = None,
-                 then: NextNorm | None = None) -> Tensor | NormedResidual:
-        """`then`: the RMSNorm the output goes through next and the product it feeds; where this product can write
-        that norm's int8 rows itself (QuantLinear.takes_norm_out) and the next product takes them, a NormedResidual
-        (the output and the normalized rows, one kernel), else the output alone."""
-        if then is not None and self.quant is not None and self.bias is None and not isinstance(x, PendingNorm):
-            rows = math.prod(x.shape[:-1])
-            if then.into.takes_int8(rows) and self.quant.takes_norm_out(rows, isinstance(x, Int8Activations)):
-                return self.quant(x, residual=residual, norm_out=(then.norm.weight, then.norm.eps))
+    def __call__(self, x: Tensor | Int8Activations | PendingNorm, residual: Tensor | None = None) -> Tensor:
         if self.quant is not None:
             y = self.quant(x, residual=residual if self.bias is None else None)
         else:
@@ -104,14 +95,6 @@ class RMSNorm:
         if into is not None and into.takes_int8(rows):
             return rms_norm_q8(x, self.weight, self.eps)
         return x.rms_norm(self.weight, self.eps)
-
-
-@dataclass(frozen=True)
-class NextNorm:
-    """The RMSNorm a product's output (the residual stream) goes through next, and the product that norm feeds."""
-
-    norm: RMSNorm
-    into: Linear | ParallelLinear
 
 
 class Embedding:
@@ -255,8 +238,7 @@ class Attention:
         self.o = Linear(wo, float_dtype=float_dtype)
 
     def __call__(self, x: Tensor | Int8Activations | PendingNorm, residual: Tensor | None, rope: tuple[Tensor, Tensor],
-                 cache: KVCache, step: StepInputs, then: NextNorm | None = None) -> Tensor | NormedResidual:
-        """The attention block's output (+ residual); `then` as Linear takes it for the output product."""
+                 cache: KVCache, step: StepInputs) -> Tensor:
         t = x.shape[0]
         fused = self.qkv.stacked(x) if decode_fusion() else None
         # the attention's last kernel writes the output product's int8 input where that product takes one
@@ -271,7 +253,7 @@ class Attention:
                                     v_off=q_width + kv_width,
                                     max_context_len=step.block_tables.shape[1] * cache.block_size, int8=int8,
                                     **self.scores)
-            return self.o(att if int8 else att.reshape(t, q_width), residual=residual, then=then)
+            return self.o(att if int8 else att.reshape(t, q_width), residual=residual)
         q, k, v = self.qkv(x) if fused is None else self.qkv.split(fused)
         q = q.reshape(t, self.n_heads, self.head_dim)
         k = k.reshape(t, self.n_kv_heads, self.head_dim)
@@ -299,8 +281,8 @@ class Attention:
             att = paged_decode(cache, q, step.block_tables, step.context_lens, written, max_context_len=max_context,
                                int8=int8, **self.scores)
             if int8:
-                return self.o(att, residual=residual, then=then)
-        return self.o(att.reshape(t, q_width), residual=residual, then=then)
+                return self.o(att, residual=residual)
+        return self.o(att.reshape(t, q_width), residual=residual)
 
 
 class MLP:
@@ -311,19 +293,17 @@ class MLP:
         self.down = Linear(w_down, float_dtype=float_dtype)
         self.gelu = gelu
 
-    def __call__(self, x: Tensor | Int8Activations | PendingNorm, residual: Tensor | None = None,
-                 then: NextNorm | None = None) -> Tensor | NormedResidual:
-        """The MLP's output (+ residual); `then` as Linear takes it for the down product."""
+    def __call__(self, x: Tensor | Int8Activations | PendingNorm, residual: Tensor | None = None) -> Tensor:
         if self.gelu in (None, "tanh") and self.down.takes_int8(math.prod(x.shape[:-1])):
             # one kernel: the product, its epilogue the gated unit written as the down product's int8 input
             if (h := self.gate_up.glu_q8(x, gelu_tanh=self.gelu == "tanh")) is not None:
-                return self.down(h, residual=residual, then=then)
+                return self.down(h, residual=residual)
             stacked = self.gate_up.stacked(x)
             if stacked is not None:  # a kernel of its own: the gated unit, written as the down product's int8 input
-                return self.down(glu_q8(stacked, gelu_tanh=self.gelu == "tanh"), residual=residual, then=then)
+                return self.down(glu_q8(stacked, gelu_tanh=self.gelu == "tanh"), residual=residual)
         gate, up = self.gate_up(x)
         act = gate.silu() if self.gelu is None else gate.gelu(self.gelu)
-        return self.down(act * up, residual=residual, then=then)
+        return self.down(act * up, residual=residual)
 
 
 class MoE:

@@ -13,8 +13,8 @@ import numpy as np
 
 from ..tensor import Tensor, realize_all
 from .config import ModelConfig
-from .layers import MLP, Attention, Embedding, Linear, MoE, NextNorm, RMSNorm, RotaryEmbedding, StepInputs
-from .template_ops import KVCache, NormedResidual, decoding
+from .layers import MLP, Attention, Embedding, Linear, MoE, RMSNorm, RotaryEmbedding, StepInputs
+from .template_ops import KVCache, decoding
 from .weights import LayerWeights, ModelWeights
 
 
@@ -31,31 +31,15 @@ class TransformerBlock:
         self.post_norms = None if w.post_attn_norm is None else (RMSNorm(w.post_attn_norm, cfg.norm_eps),
                                                                  RMSNorm(w.post_ffn_norm, cfg.norm_eps))
 
-    def __call__(self, x: Tensor | NormedResidual, rope: tuple[Tensor, Tensor], cache: KVCache, step: StepInputs,
-                 then: NextNorm | None = None) -> Tensor | NormedResidual:
-        """The block's output, the residual stream; `then`: the next block's first norm and the product it feeds,
-        which the block's last product may write as that product's int8 rows (a NormedResidual). x may come so."""
-        # each norm names the product it feeds, so it can write that product's int8 activations itself; where the
-        # product before it wrote the norm's rows already (NormedResidual), no norm runs
+    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, step: StepInputs) -> Tensor:
+        # each norm names the product it feeds, so it can write that product's int8 activations itself
         gate_up = self.ffn.gate_up if isinstance(self.ffn, MLP) else None
-        normed = x.acts if isinstance(x, NormedResidual) else None
-        x = x.h if isinstance(x, NormedResidual) else x
         if self.post_norms is not None:
             post_attn, post_ffn = self.post_norms
             x = x + post_attn(self.attn(self.attn_norm(x, into=self.attn.qkv), None, rope, cache, step))
             return x + post_ffn(self.ffn(self.ffn_norm(x, into=gate_up)))
-        into_ffn = NextNorm(self.ffn_norm, gate_up) if gate_up is not None else None
-        h = self.attn(normed or self.attn_norm(x, into=self.attn.qkv), x, rope, cache, step, then=into_ffn)
-        if isinstance(h, NormedResidual):
-            return self.ffn(h.acts, residual=h.h, then=then)
-        if gate_up is None:  # a mixture of experts
-            return self.ffn(self.ffn_norm(h), residual=h)
-        return self.ffn(self.ffn_norm(h, into=gate_up), residual=h, then=then)
-
-    def first_norm(self) -> NextNorm | None:
-        """The block's attention norm and the q/k/v product it feeds, for the block before (None: Gemma 2's blocks,
-        whose residual takes normalized outputs)."""
-        return NextNorm(self.attn_norm, self.attn.qkv) if self.post_norms is None else None
+        x = self.attn(self.attn_norm(x, into=self.attn.qkv), x, rope, cache, step)
+        return self.ffn(self.ffn_norm(x, into=gate_up), residual=x)
 
 
 class LlamaModel:
@@ -98,11 +82,10 @@ class LlamaModel:
         if self.config.is_gemma:  # Gemma scales its embeddings by sqrt(dim), rounded to float32 as HF does
             x = x * float(np.float32(np.sqrt(self.config.dim)))
         rope = self.rope.tables(step.positions)
-        for i, (layer, cache) in enumerate(zip(self.layers, self.caches)):
-            x = layer(x, rope, cache, step, self.layers[i + 1].first_norm() if i + 1 < len(self.layers) else None)
-            outs = [x.h, x.acts.words] if isinstance(x, NormedResidual) else [x]
-            if stream_layers and outs[0].ends_kernel():  # the position tables with the first layer: computed once
-                realize_all(*outs, *rope)
+        for layer, cache in zip(self.layers, self.caches):
+            x = layer(x, rope, cache, step)
+            if stream_layers and x.ends_kernel():  # the position tables with the first layer: computed once
+                realize_all(x, *rope)
         if logit_rows is not None:
             x = x.take(logit_rows, 0)
         logits = self.lm_head(self.norm(x, into=self.lm_head))

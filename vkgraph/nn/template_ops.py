@@ -56,34 +56,15 @@ DEQUANT_ROWS = 64
 class Int8Activations:
     """Activations [*lead, K] already quantized for the integer matvec (int8 blocks of 32, their scales and
     half-block sums: templates.matvec.Q8Acts), all in the uint32 Tensor `words`: what `rms_norm_q8` makes and
-    QuantLinear takes in place of float activations, so no quantization kernel runs between the two. They start
-    `offset` bytes into the buffer of `words` (NormedResidual: a product's float output, then these)."""
+    QuantLinear takes in place of float activations, so no quantization kernel runs between the two."""
 
     words: Tensor
     lead: tuple[int, ...]
     k: int
-    offset: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (*self.lead, self.k)
-
-    def parts(self, buf: Any) -> mv.Q8Acts:
-        """The int8 blocks, scales and sums in `buf`, the device buffer of `words`, for a template's launch."""
-        rows = math.prod(self.lead)
-        return mv.Q8Acts.in_buffer(buf.view(self.offset, buf.size - self.offset) if self.offset else buf, rows,
-                                   self.k)
-
-
-@dataclass(frozen=True)
-class NormedResidual:
-    """The residual stream h [..., N] float32 as a product (+ residual) wrote it, and h.rms_norm(weight, eps) as
-    Int8Activations for the next product, written by the same dispatch (QuantLinear's `norm_out`, the matvec's
-    NormOut epilogue): the norm runs no kernel of its own, and the next product's q/k/v or gate/up reads int8 rows
-    ready when the previous one ends."""
-
-    h: Tensor
-    acts: Int8Activations
 
 
 @dataclass(frozen=True)
@@ -219,7 +200,7 @@ class QuantLinear:
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
             _bind(dev, w, ins[len(acts):])
             if int8:
-                xin = x.parts(ins[0])
+                xin = mv.Q8Acts.in_buffer(ins[0], rows, k)
             else:
                 xin = mv.NormedRows(ins[0], ins[1], x.eps) if norm else ins[0]
             mv.matvec_glu_q8(dev, w, xin, rows, gelu_tanh=gelu_tanh, out=out)
@@ -247,21 +228,9 @@ class QuantLinear:
             return None
         return mq.decode_config(limits(), rows, self.out_features, self.in_features)
 
-    def takes_norm_out(self, rows: int, int8: bool) -> bool:
-        """Whether a decode step's product of `rows` rows (int8: from Int8Activations, else float rows) may write
-        its output's RMSNorm as int8 blocks too (`norm_out`): in a decode step, on the matvec (not decode_tile's tiles
-        nor the dequantized copy) in one call whose launch takes the NORM_OUT epilogue (templates.matvec.
-        norm_out_takes; VKGRAPH_NORM_EPILOGUE)."""
-        if not (_DECODING.get() and decode_fusion() and flag("VKGRAPH_NORM_EPILOGUE") and rows < DEQUANT_ROWS
-                and self.decode_tile(rows) is None) or (int8 and not self.takes_int8(rows)):
-            return False
-        return mv.norm_out_takes(self.weights.format, rows, self.out_features, self.in_features, int8)
-
-    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None,
-                 norm_out: tuple[Tensor, float] | None = None) -> Tensor | NormedResidual:
+    def __call__(self, x: Tensor | Int8Activations, residual: Tensor | None = None) -> Tensor:
         """x [..., in_features] float32, or Int8Activations where takes_int8 -> [..., out_features] float32
-        (+ residual, fused). `norm_out` (weight, eps), where takes_norm_out: a NormedResidual, the output and its
-        RMSNorm as int8 activations from the same kernel."""
+        (+ residual, fused)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear {self.format} ({self.out_features}x{self.in_features}): input's last "
                              f"dimension is {x.shape[-1]}")
@@ -270,12 +239,7 @@ class QuantLinear:
         out_shape = (*lead, self.out_features)
         if residual is not None and residual.shape != out_shape:
             raise ValueError(f"QuantLinear residual has shape {residual.shape}, expected {out_shape}")
-        n, k = self.out_features, self.in_features
-        if norm_out is not None:
-            if isinstance(x, PendingNorm) or not self.takes_norm_out(rows, isinstance(x, Int8Activations)):
-                raise ValueError(f"QuantLinear {self.format} ({n}x{k}) writes no norm of its output for {rows} rows "
-                                 f"of {type(x).__name__} here (see takes_norm_out)")
-            return self._matvec(x, rows, residual, norm_out)
+        w, n, k = self.weights, self.out_features, self.in_features
         if isinstance(x, Int8Activations):
             return self._from_int8(x, rows, residual)
         if isinstance(x, PendingNorm):
@@ -292,42 +256,15 @@ class QuantLinear:
             if residual is not None:  # added before the reshape, so it fuses into the matmul's epilogue
                 y = y + residual.reshape(rows, n).float()
             return y.reshape(out_shape)
-        return self._matvec(x, rows, residual)
-
-    def _matvec(self, x: Tensor | Int8Activations, rows: int, residual: Tensor | None,
-                norm_out: tuple[Tensor, float] | None = None) -> Tensor | NormedResidual:
-        """The matvec template's node over float rows or Int8Activations (+ residual); with `norm_out` (weight, eps)
-        one buffer holds the output, then (from a Q8_ALIGN boundary) its RMSNorm's int8 rows: a NormedResidual."""
-        w, n, k = self.weights, self.out_features, self.in_features
-        int8 = isinstance(x, Int8Activations)
-        acts = [x.words if int8 else x.float()] + ([residual.float()] if residual is not None else [])
-        if norm_out is not None:
-            acts.append(norm_out[0].float())
-        y_bytes = -(-rows * n * 4 // mv.Q8_ALIGN) * mv.Q8_ALIGN
+        acts = [x.float()] + ([residual.float()] if residual is not None else [])
 
         def run(dev: Any, out: Any, ins: list[Any]) -> None:
             _bind(dev, w, ins[len(acts):])
-            res = ins[1] if residual is not None else None
-            xin = x.parts(ins[0]) if int8 else ins[0]
+            _matvec_calls(dev, w, ins[0], lambda r0, b: ins[0].view(r0 * k * 4, b * k * 4), rows, out,
+                          ins[1] if residual is not None else None)
 
-            def rows_of(r0: int, b: int) -> Any:
-                return xin.rows(r0, b, k) if int8 else xin.view(r0 * k * 4, b * k * 4)
-
-            if norm_out is None:
-                _matvec_calls(dev, w, xin, rows_of, rows, out, res)
-            else:
-                q8 = mv.Q8Acts.in_buffer(out.view(y_bytes, out.size - y_bytes), rows, n)
-                mv.matvec(dev, w, xin, rows, out=out, residual=res,
-                          norm_out=mv.NormOut(ins[len(acts) - 1], norm_out[1], q8))
-
-        lead = x.lead if int8 else x.shape[:-1]
-        name = f"matvec_{self.format}" + ("+norm_out" if norm_out is not None else "")
-        if norm_out is None:
-            return custom(run, acts + self.tensors, (*lead, n), dtypes.float32, key=(id(self), int8), name=name)
-        words = (y_bytes + mv.Q8Acts.layout(rows, n)[0]) // 4
-        both = custom(run, acts + self.tensors, (words,), dtypes.float32, key=(id(self), int8, norm_out[1]),
-                      name=name)
-        return NormedResidual(both[:rows * n].reshape(*lead, n), Int8Activations(both, tuple(lead), n, y_bytes))
+        return custom(run, acts + self.tensors, out_shape, dtypes.float32, key=(id(self),),
+                      name=f"matvec_{self.format}")
 
     def coop_tile(self, rows: int) -> Any:
         """The tile configuration of templates.matmul_quant for `rows` activation rows, or None where this weight
@@ -356,7 +293,7 @@ class QuantLinear:
 
         def run(dev: Any, out: Any, bufs: list[Any]) -> None:
             _bind(dev, w, bufs[1:1 + nw])
-            xin = x.parts(bufs[0]) if int8 else bufs[0]
+            xin = mv.Q8Acts.in_buffer(bufs[0], rows, k) if int8 else bufs[0]
             mq.matmul_quant(dev, lim, w, xin, rows, cfg, out=out,
                             residual=bufs[1 + nw] if len(bufs) > 1 + nw else None)
 
@@ -374,7 +311,17 @@ class QuantLinear:
                              f"activations for {rows} rows here (see takes_int8)")
         if (cfg := self.decode_tile(rows)) is not None:
             return self._coop(x, rows, cfg, residual)
-        return self._matvec(x, rows, residual)
+        w, n, k = self.weights, self.out_features, self.in_features
+        acts = [x.words] + ([residual.float()] if residual is not None else [])
+
+        def run(dev: Any, out: Any, ins: list[Any]) -> None:
+            _bind(dev, w, ins[len(acts):])
+            q8 = mv.Q8Acts.in_buffer(ins[0], rows, k)
+            _matvec_calls(dev, w, q8, lambda r0, b: q8.rows(r0, b, k), rows, out,
+                          ins[1] if residual is not None else None)
+
+        return custom(run, acts + self.tensors, (*x.lead, n), dtypes.float32, key=(id(self),),
+                      name=f"matvec_{self.format}")
 
 
     def _from_norm(self, x: PendingNorm, rows: int, residual: Tensor | None) -> Tensor:

@@ -19,7 +19,7 @@ from ..flags import flag
 from ..quant import QuantFormat, QuantizedTensor, kernel_layout, stack_rows
 from ..runtime import Device, get_device
 from . import catalog
-from .common import arrival_counters, check_binding_range, check_buffer, decode_fusion, grid_2d, pow2_ceil, pow2_floor
+from .common import check_binding_range, check_buffer, decode_fusion, grid_2d, pow2_ceil, pow2_floor
 
 TEMPLATE = {"Q8_0": "matvec_q8_0", "Q4_0": "matvec_q4_0", "Q4_1": "matvec_q4_1", "Q5_0": "matvec_q5_0",
             "Q5_1": "matvec_q5_1", "Q2_K": "matvec_q2_k", "Q3_K": "matvec_q3_k", "Q4_K": "matvec_q4_k",
@@ -492,11 +492,10 @@ def _check_act_dtype(act_dtype: str) -> int:
 
 def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, act_dtype: str, *,
             has_bias: bool = False, has_residual: bool = False, expert_ids: bool = False, glu: str = "",
-            norm_eps: float | None = None, norm_out_eps: float | None = None) -> Any:
+            norm_eps: float | None = None) -> Any:
     """The format's template compiled for this launch variant, cached on `weights`. `glu`: "silu" or "gelu_tanh"
-    for the GLU_Q8 epilogue (matvec_glu_q8), "" for y; `norm_eps`: over NormedRows (the NORM_X prologue);
-    `norm_out_eps`: y also normalized into int8 blocks (NormOut, the NORM_OUT epilogue)."""
-    key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids, glu, norm_eps, norm_out_eps)
+    for the GLU_Q8 epilogue (matvec_glu_q8), "" for y; `norm_eps`: over NormedRows (the NORM_X prologue)."""
+    key = (cfg, batch, act_dtype, has_bias, has_residual, expert_ids, glu, norm_eps)
     kern = weights.pipelines.get(key)
     if kern is None:
         defines = {}
@@ -526,12 +525,6 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
                 raise ValueError("normalized rows (NormedRows) need the staged integer path of the subgroup-rows "
                                  "launch (stage) and subgroup shuffles and arithmetic on subgroups of 8 lanes or more")
             defines.update(NORM_X=1, SUBGROUP_SHUFFLE=1)
-        if norm_out_eps is not None:
-            if not norm_out_fits(dev, cfg) or glu or norm or expert_ids:
-                raise ValueError(f"NormOut needs workgroups of whole subgroups of 8 lanes or more with shuffles and "
-                                 f"arithmetic, and the plain product (no GLU epilogue, NormedRows or experts); got "
-                                 f"{cfg} on {dev.info.name}")
-            defines.update(NORM_OUT=1, SUBGROUP_SHUFFLE=1)
         if cfg.stage:
             if not stage_fits(dev, weights.format, cfg, batch, norm):
                 need = stage_bytes(weights.format, cfg, batch, norm)
@@ -547,12 +540,11 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
             defines["W_BF16"] = 1
         spec = {"WG": cfg.wg, "ROWS": cfg.rows, "NB": batch, "USE_SUBGROUP": cfg.use_subgroup,
                 "HAS_BIAS": has_bias, "HAS_RESIDUAL": has_residual, "SUBGROUP": dev.info.min_subgroup_size}
-        if norm or norm_out_eps is not None:
-            spec["EPS"] = norm_eps if norm else norm_out_eps
+        if norm:
+            spec["EPS"] = norm_eps
         # the variants counted and profiled apart from the plain products
         name = TEMPLATE[weights.format.name]
-        label = (name + ("+norm" if norm else "") + ("+glu_q8" if glu else "")
-                 + ("+norm_out" if norm_out_eps is not None else ""))
+        label = name + ("+norm" if norm else "") + ("+glu_q8" if glu else "")
         kern = weights.pipelines[key] = catalog.compile(dev, name, spec=spec, defines=defines,
                                                       label=label if label != name else None)
     return kern
@@ -560,15 +552,14 @@ def _kernel(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, batch: int, 
 
 def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_dtype: str = "f32",
            out: Any | None = None, bias: Any | None = None, residual: Any | None = None,
-           config: MatvecConfig | None = None, norm_out: NormOut | None = None) -> Any:
+           config: MatvecConfig | None = None) -> Any:
     """y[b, n] = sum_k W[n, k] x[b, k] (+ bias[n]) (+ residual[b, n]) for b < batch; returns y [batch, N].
 
     x holds `batch` rows of K activations (float32, or float16 with act_dtype="f16"), or is a `Q8Acts`: the
     rows already quantized for the integer path (e.g. by norms.rmsnorm_q8), which then needs no quantization
     kernel, or `NormedRows`: float32 rows the matvec normalizes and quantizes itself (norm_config's launch, or
     `config` with stage). bias is float32 [N], residual float32 [batch, N] (it may be `out` itself); y is
-    float32. `norm_out`: y's rows normalized into int8 blocks as well, by the same dispatch (NormOut). Records the
-    dispatch; does not wait.
+    float32. Records the dispatch; does not wait.
     """
     n, k = weights.shape
     act_bytes = _check_act_dtype(act_dtype)
@@ -601,42 +592,20 @@ def matvec(dev: Device, weights: DeviceWeights, x: Any, batch: int = 1, *, act_d
     if residual is not None:
         check_buffer("residual", residual, batch * n * 4)
     cfg = config or choose_config(dev, weights.format, n, k, batch)
-    if norm_out is not None:
-        norm_out.check(batch, n)
     kern = _kernel(dev, weights, cfg, batch, act_dtype, has_bias=bias is not None,
-                   has_residual=residual is not None, norm_eps=norm_eps,
-                   norm_out_eps=norm_out.eps if norm_out is not None else None)
+                   has_residual=residual is not None, norm_eps=norm_eps)
     _launch(dev, weights, cfg, kern, x, batch, act_dtype, out, grid_2d(dev, -(-n // cfg.rows_per_workgroup)), bias=bias,
-            residual=residual, norm_out=norm_out)
+            residual=residual)
     return out
-
-
-def norm_out_takes(fmt: QuantFormat, rows: int, n: int, k: int, int8: bool) -> bool:
-    """Whether an [n, k] product of this format on the default device may write its `rows` output rows' RMSNorm
-    too (NormOut) in one `matvec` call of its default launch (int8: over a Q8Acts): N % 32 == 0, rows within one
-    call, and a launch that takes the epilogue (norm_out_fits)."""
-    dev = get_device()
-    if n % 32 or not 1 <= rows <= rows_per_call(dev) or (int8 and not dev.info.integer_dot_product):
-        return False
-    return norm_out_fits(dev, choose_config(dev, fmt, n, k, rows, int_dot=True if int8 else None))
-
-
-def norm_out_fits(dev: Device, cfg: MatvecConfig) -> bool:
-    """Whether a launch of `cfg` may take the NORM_OUT epilogue on `dev`: subgroup shuffles and arithmetic, and
-    workgroups of whole subgroups of 8 lanes or more (its blocks of 32 meet over 8 lanes of one subgroup)."""
-    info = dev.info
-    return ({"shuffle", "arithmetic"} <= set(info.subgroup_ops) and info.min_subgroup_size >= 8
-            and cfg.wg % info.max_subgroup_size == 0)
 
 
 def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x: Any, x_rows: int, act_dtype: str,
             out: Any, groups: tuple[int, int, int], *, bias: Any = None, residual: Any = None, ids: Any = None,
-            n_pairs: int = 0, x_div: int = 1, n_experts: int = 1, glu: Q8Acts | None = None,
-            norm_out: NormOut | None = None) -> None:
+            n_pairs: int = 0, x_div: int = 1, n_experts: int = 1, glu: Q8Acts | None = None) -> None:
     """Dispatch a compiled matvec template (unused read bindings get the weights, unused written ones `out`, so
     they order nothing that the dispatch does not write anyway); with cfg.int_dot the x_rows activation rows are
     quantized to int8 first, and the copies released once the matvec is recorded. `glu`: the GLU_Q8 epilogue's
-    output; `norm_out`: the NORM_OUT epilogue's."""
+    output."""
     w = weights.body
     acts = [x, w, w]
     quantized = cfg.int_dot and not isinstance(x, Q8Acts | NormedRows)
@@ -646,11 +615,9 @@ def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x
         acts = [x.x, x.gain, w]
     elif cfg.int_dot:
         acts = list(quantize_activations(dev, x, x_rows, weights.shape[1], act_dtype))
-    q8_out = glu or (norm_out.acts if norm_out is not None else None)
-    written = [q8_out.xq, q8_out.xd, q8_out.xs] if q8_out is not None else [out, out, out]
-    tail = [arrival_counters(dev, 1), norm_out.gain] if norm_out is not None else [out, w]
+    written = [glu.xq, glu.xd, glu.xs] if glu is not None else [out, out, out]
     catalog.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:],
-                                 *written, *tail], groups,
+                                 *written], groups,
                      push={"n_rows": weights.shape[0] // n_experts, "k": weights.shape[1],
                            "w_stride": weights.w_stride, "s_stride": weights.s_stride, "groups_x": groups[0],
                            "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})
@@ -851,22 +818,6 @@ class Q8Acts:
         for name, buf, nbytes in (("xq", self.xq, rows * k), ("xd", self.xd, rows * k // 8),
                                   ("xs", self.xs, rows * k // 4)):
             check_buffer(name, buf, nbytes)
-
-
-@dataclass(frozen=True)
-class NormOut:
-    """A product's output rows y [rows, N] normalized, y / sqrt(mean(y^2) + eps) * gain (float32 [N]), and
-    written into `acts` as int8 blocks by the product's own last workgroup to finish (-DNORM_OUT), the values
-    norms.rmsnorm_q8 writes from y: the residual stream's next norm and its quantization with no kernel of their
-    own, the next product's input ready as the product ends. N % 32 == 0."""
-
-    gain: Any
-    eps: float
-    acts: Q8Acts
-
-    def check(self, rows: int, n: int) -> None:
-        self.acts.check(rows, n)
-        check_buffer("gain", self.gain, n * 4)
 
 
 @dataclass(frozen=True)

@@ -50,12 +50,6 @@
 // arithmetic). Workgroup j owns block j of h's columns: its WG / TPR groups of ROWS rows (the host makes them
 // 64 rows) take gate rows 32j.. 32j + 31 then up rows F + 32j .., their sums meet in shared memory, and 8
 // invocations per block of each activation row quantize it into the bindings GluQ, GluD and GluS (Q8Acts).
-//
-// -DNORM_OUT (with SUBGROUP_SHUFFLE): y is also the residual stream that an RMSNorm takes into the next product.
-// Every workgroup stores its rows of y as usual, then arrives at a counter (Arrivals[0], zero before the dispatch);
-// the last to arrive, seeing every row of y, normalizes the NB rows (the norm's weight in NormGain, EPS) and writes
-// them into GluQ, GluD and GluS as rmsnorm_q8 would from y, and sets the counter back to zero: the norm's kernel
-// and its dependent launch are gone. y is coherent so that the last workgroup reads the others' rows.
 #extension GL_KHR_shader_subgroup_arithmetic : enable
 #extension GL_KHR_shader_subgroup_shuffle : enable   // SG_ROWS
 #include "common.glsl"
@@ -81,18 +75,15 @@ layout(constant_id = 7) const float EPS = 0.0;        // NORM_X: the norm's epsi
 layout(set = 0, binding = 0) readonly buffer Weights { uvec4 w[]; };
 layout(set = 0, binding = 1) readonly buffer Scales { uint s[]; };
 layout(set = 0, binding = 2) readonly buffer X { XVEC x[]; };
-layout(set = 0, binding = 3) coherent buffer Y { float y[]; };
+layout(set = 0, binding = 3) buffer Y { float y[]; };
 layout(set = 0, binding = 4) readonly buffer Bias { float bias[]; };
 layout(set = 0, binding = 5) readonly buffer Residual { float res[]; };
 layout(set = 0, binding = 6) readonly buffer Ids { uint ids[]; };
 layout(set = 0, binding = 7) readonly buffer XD { float xd[]; };   // INT_DOT: activation block scales (NORM_X: g)
 layout(set = 0, binding = 8) readonly buffer XSum { int xsum[]; }; // INT_DOT: int8 sums per 16 activations
-// GLU_Q8: h's int8 blocks; NORM_OUT: the normalized y's (else: y, unwritten)
-layout(set = 0, binding = 9) writeonly buffer GluQ { uint glu_q[]; };   // int8 values
-layout(set = 0, binding = 10) writeonly buffer GluD { float glu_d[]; }; // block scales
-layout(set = 0, binding = 11) writeonly buffer GluS { int glu_s[]; };   // half-block int8 sums
-layout(set = 0, binding = 12) coherent buffer Arrivals { uint arrivals[]; };  // NORM_OUT (else: y, untouched)
-layout(set = 0, binding = 13) readonly buffer NormGain { vec4 ngain[]; };    // NORM_OUT: the norm's weight [N]
+layout(set = 0, binding = 9) writeonly buffer GluQ { uint glu_q[]; };   // GLU_Q8: h's int8 values (else: y, unwritten)
+layout(set = 0, binding = 10) writeonly buffer GluD { float glu_d[]; }; // GLU_Q8: h's block scales
+layout(set = 0, binding = 11) writeonly buffer GluS { int glu_s[]; };   // GLU_Q8: h's half-block int8 sums
 
 layout(push_constant) uniform Push {
     uint n_rows;      // N
@@ -191,7 +182,7 @@ shared float red[(USE_SUBGROUP ? (WG + SUBGROUP - 1) / SUBGROUP : WG) * ROWS * N
 #error "GLU_Q8 is an epilogue of the subgroup-rows launch"
 #endif
 
-#if defined(GLU_Q8) || defined(NORM_X) || defined(NORM_OUT)
+#if defined(GLU_Q8) || defined(NORM_X)
 #define Q8_PART_ONLY
 #include "q8_lanes.glsl"
 #endif
@@ -227,105 +218,6 @@ void glu_store(uint blk, bool live) {
 #endif
 #if defined(NORM_X) && !defined(STAGE_X)
 #error "NORM_X stages the normalized activations (STAGE_X)"
-#endif
-#ifdef NORM_OUT
-#if defined(GLU_Q8) || defined(NORM_X) || defined(EXPERT_IDS) || !defined(SUBGROUP_SHUFFLE)
-#error "NORM_OUT normalizes y (not GLU_Q8's h, nor with NORM_X or EXPERT_IDS), meeting blocks through shuffles"
-#endif
-shared float no_red[NB * (WG / 8)];   // per activation row and subgroup (at least 8 lanes): a sum of squares
-shared uint no_last;
-
-#define NO_AHEAD 4   // vec4s of each row an invocation loads at once: one memory round trip for all of them
-
-vec4 y4(uint b, uint e) {   // vec4 e of activation row b of y
-    const uint i = b * pc.n_rows + 4 * e;
-    return vec4(y[i], y[i + 1], y[i + 2], y[i + 3]);
-}
-
-// every row's sum of squares of y times `scale`, the same in every invocation (`precise`: see rmsnorm_q8.comp)
-void no_sums(float scale, out float total[NB]) {
-    const uint n4 = pc.n_rows / 4, slot = lane_slot();
-    float ss[NB];
-    [[unroll]] for (uint b = 0; b < NB; b++) ss[b] = 0.0;
-    for (uint e0 = 0; e0 < n4; e0 += NO_AHEAD * WG) {
-        vec4 v[NO_AHEAD * NB];
-        [[unroll]] for (uint a = 0; a < NO_AHEAD; a++) {
-            const uint e = e0 + a * WG + slot;
-            [[unroll]] for (uint b = 0; b < NB; b++) v[a * NB + b] = e < n4 ? y4(b, e) : vec4(0.0);
-        }
-        [[unroll]] for (uint a = 0; a < NO_AHEAD; a++) {
-            [[unroll]] for (uint b = 0; b < NB; b++) {
-                precise const vec4 t = v[a * NB + b] * scale;
-                precise const float sq = dot(t, t);
-                ss[b] += sq;
-            }
-        }
-    }
-    barrier();   // no_red's previous sums all read
-    [[unroll]] for (uint b = 0; b < NB; b++) {
-        const float g = subgroupAdd(ss[b]);
-        if (gl_SubgroupInvocationID == 0) no_red[b * (WG / 8) + gl_SubgroupID] = g;
-    }
-    barrier();
-    [[unroll]] for (uint b = 0; b < NB; b++) {
-        float t = 0.0;
-        for (uint g = 0; g < gl_NumSubgroups; g++) t += no_red[b * (WG / 8) + g];
-        total[b] = t;
-    }
-}
-
-// 2^-80: a row scaled by it (exactly) has a finite sum of squares for any finite y and N < 2^32
-const float NO_DOWN = 1.0 / 1208925819614629174706176.0;
-
-// after every invocation's stores: the dispatch's last workgroup writes the NB rows of y normalized as int8 blocks
-void norm_out() {
-    memoryBarrierBuffer();
-    barrier();
-    if (gl_LocalInvocationID.x == 0) {
-        const uint groups = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
-        const bool last = atomicAdd(arrivals[0], 1u) == groups - 1u;
-        if (last) arrivals[0] = 0u;   // every workgroup has arrived: zero for the next dispatch
-        no_last = last ? 1u : 0u;
-    }
-    barrier();
-    if (no_last == 0u) return;
-    memoryBarrierBuffer();
-    float total[NB], inv[NB];
-    no_sums(1.0, total);
-    bool big = false;
-    [[unroll]] for (uint b = 0; b < NB; b++) {
-        big = big || isinf(total[b]);
-        inv[b] = inversesqrt(total[b] / float(pc.n_rows) + EPS);
-    }
-    if (big) {   // the same in every invocation: squares past float32 (numpy's float64 has none), summed again
-        float scaled[NB];
-        no_sums(NO_DOWN, scaled);
-        [[unroll]] for (uint b = 0; b < NB; b++) {
-            if (isinf(total[b])) inv[b] = inversesqrt(scaled[b] / float(pc.n_rows)) * NO_DOWN;
-        }
-    }
-    const uint n4 = pc.n_rows / 4, slot = lane_slot();
-    for (uint e0 = 0; e0 < n4; e0 += NO_AHEAD * WG) {   // the same trips in every invocation: all take part
-        vec4 v[NO_AHEAD * NB], g[NO_AHEAD];
-        [[unroll]] for (uint a = 0; a < NO_AHEAD; a++) {
-            const uint e = e0 + a * WG + slot;
-            g[a] = e < n4 ? ngain[e] : vec4(0.0);
-            [[unroll]] for (uint b = 0; b < NB; b++) v[a * NB + b] = e < n4 ? y4(b, e) : vec4(0.0);
-        }
-        [[unroll]] for (uint a = 0; a < NO_AHEAD; a++) {
-            const uint e = e0 + a * WG + slot;
-            [[unroll]] for (uint b = 0; b < NB; b++) {
-                const Q8Part p = q8_part(v[a * NB + b] * inv[b] * g[a]);
-                if (e < n4) {
-                    const uint ob = b * (pc.n_rows / 32) + e / 8;
-                    glu_q[ob * 8 + e % 8] = p.word;
-                    if (e % 8 == 0) glu_d[ob] = p.d;
-                    if (e % 4 == 0) glu_s[2 * ob + (e % 8) / 4] = p.half_sum;
-                }
-            }
-        }
-    }
-}
 #endif
 
 float acc[ROWS * NB];
@@ -689,8 +581,5 @@ void main() {
         }
         for (uint i = tid; i < ROWS * NB; i += WG) store(row0, i, red[i * WG]);
     }
-#endif
-#ifdef NORM_OUT
-    norm_out();
 #endif
 }
