@@ -162,8 +162,8 @@ def test_paged_decode_long_context(part, form):
 @pytest.mark.parametrize("part,d,group", [(0, 64, 4), (64, 128, 2), (None, 96, 1)])
 @pytest.mark.parametrize("form", FORMS)
 def test_paged_decode_int8_output(part, d, group, form):
-    """int8=True writes what quantize_q8 makes of the float output (the kernel that finishes the output,
-    paged_decode's workgroup, or split the last of its partitions, quantizes it): the same int8 values, scales and sums."""
+    """int8=True writes what quantize_q8 makes of the float output (paged_decode's workgroup, or split the last of
+    its partitions to finish, quantizes it): the same int8 values, scales and sums."""
     from vkgraph.templates import matvec as mv
 
     dev = device()
