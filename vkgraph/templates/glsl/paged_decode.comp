@@ -176,19 +176,14 @@ bool last_arrival() {
     return sLast != 0u;
 }
 
-#define PARTS_AHEAD 8   // partitions whose loads are issued together: one memory round trip for all of them
+#define PARTS_AHEAD 16   // partitions whose loads are issued together: one memory round trip for all of them
 
 // Row r's dimensions 4q... combined over the partitions that hold tokens: sum_p w_p o_p / sum_p w_p l_p with
-// w_p = exp(m_p - max m); partitions that saw no visible token carry m = -inf and weigh nothing.
+// w_p = exp(m_p - max m), in one pass over the partitions, PARTS_AHEAD at a time, the running sums rescaled when a
+// larger maximum comes (the online softmax's step); partitions that saw no visible token carry m = -inf and weigh
+// nothing. The round trips, not the arithmetic, are the cost: this runs after every other workgroup of the pair.
 vec4 combine_parts(uint row, uint q, uint parts) {
-    float m = -1.0 / 0.0;
-    for (uint p0 = 0; p0 < parts; p0 += PARTS_AHEAD) {
-        [[unroll]] for (uint k = 0; k < PARTS_AHEAD; k++) {
-            if (p0 + k < parts) m = max(m, part_ml[row + p0 + k].x);
-        }
-    }
-    if (m == -1.0 / 0.0) return vec4(0.0);
-    float l = 0.0;
+    float m = -1.0 / 0.0, l = 0.0;
     vec4 v = vec4(0.0);
     for (uint p0 = 0; p0 < parts; p0 += PARTS_AHEAD) {
         vec2 ml[PARTS_AHEAD];
@@ -198,11 +193,18 @@ vec4 combine_parts(uint row, uint q, uint parts) {
             ml[k] = p < parts ? part_ml[row + p] : vec2(-1.0 / 0.0, 0.0);
             x[k] = p < parts ? part_o[(row + p) * (HEAD_SIZE / 4) + q] : vec4(0.0);
         }
+        float mc = m;
+        [[unroll]] for (uint k = 0; k < PARTS_AHEAD; k++) mc = max(mc, ml[k].x);
+        if (mc == -1.0 / 0.0) continue;   // nothing visible yet
+        const float s = exp(m - mc);   // 0 while m is -inf
+        l *= s;
+        v *= s;
         [[unroll]] for (uint k = 0; k < PARTS_AHEAD; k++) {
-            const float w = exp(ml[k].x - m);
+            const float w = exp(ml[k].x - mc);
             l += w * ml[k].y;
             v += w * x[k];
         }
+        m = mc;
     }
     return l > 0.0 ? v / l : vec4(0.0);
 }
