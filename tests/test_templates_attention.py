@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from test_templates_common import TOL, check, device, normalised_error, snapshot, upload
 
 from vkgraph.templates import paged_attention as pa
+from vkgraph.templates.common import arrival_counters
 
 HEADS = [64, 80, 96, 128, 256]
 NP_KV = {"f16": np.float16, "f32": np.float32}
@@ -64,6 +65,9 @@ def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, share
                           max_context_len=max(lens), window=window, part_tokens=part_tokens, softcap=softcap,
                           form=form)
     got = dev.download(out, np.float32, q.shape)
+    # a split's last workgroup of each (sequence, KV head) sets its arrival counter back to zero for the next dispatch
+    pairs = len(lens) * hkv
+    assert not dev.download(arrival_counters(dev, pairs), np.uint32, pairs).any()
     ref = np.zeros(q.shape)
     for b, n in enumerate(lens):
         pos = np.arange(max(0, n - window) if window else 0, n)
