@@ -34,8 +34,8 @@ layout(set = 0, binding = 5) writeonly buffer Out { float o[]; };           // [
 // the partitions' outputs, written by each and read by the last to finish: coherent, past the workgroups' caches
 layout(set = 0, binding = 6) coherent buffer PartOut { vec4 part_o[]; };  // [B, Hq, max_parts, D / 4]
 layout(set = 0, binding = 7) coherent buffer PartML { vec2 part_ml[]; };  // [B, Hq, max_parts] (max, sum)
-// -DQ8_OUT: the output written (unsplit) as the integer matvec's input instead of `o` (q8_store.glsl; bound in
-// both modes, as the interface parser does not preprocess)
+// -DQ8_OUT: the output written (by the workgroup that finishes it) as the integer matvec's input instead of `o`
+// (q8_store.glsl; bound in both modes, as the interface parser does not preprocess)
 layout(set = 0, binding = 8) writeonly buffer XQ { uint xq[]; };
 layout(set = 0, binding = 9) writeonly buffer XD { float xd[]; };
 layout(set = 0, binding = 10) writeonly buffer XS { int xs[]; };
@@ -178,7 +178,8 @@ bool last_arrival() {
 
 #define PARTS_AHEAD 16   // partitions whose loads are issued together: one memory round trip for all of them
 
-// Row r's dimensions 4q... combined over the partitions that hold tokens: sum_p w_p o_p / sum_p w_p l_p with
+// Dimensions 4q... of the query row whose partitions start at entry `row` of part_ml (and row * HEAD_SIZE / 4 of
+// part_o), combined over the partitions that hold tokens: sum_p w_p o_p / sum_p w_p l_p with
 // w_p = exp(m_p - max m), in one pass over the partitions, PARTS_AHEAD at a time, the running sums rescaled when a
 // larger maximum comes (the online softmax's step); partitions that saw no visible token carry m = -inf and weigh
 // nothing. The round trips, not the arithmetic, are the cost: this runs after every other workgroup of the pair.
