@@ -114,16 +114,14 @@ def test_paged_decode_stream(form):
 
 
 # "tiles" forms that name their tile and workgroup: a tile of two subgroups' rows and wider workgroups, a tile
-# smaller than a subgroup in a workgroup of 64, a tile of no power of two; two tiles in flight (the default tile,
-# and one of 8 tokens: contexts of an odd number of tiles end on either register set)
+# smaller than a subgroup in a workgroup of 64, a tile of no power of two
 TILE_FORMS = [pa.DecodeForm("tiles", 256, tile=64), pa.DecodeForm("tiles", 64, tile=8),
-              pa.DecodeForm("tiles", 128, tile=12), pa.DecodeForm("tiles", ahead=2),
-              pa.DecodeForm("tiles", 64, tile=8, ahead=2)]
+              pa.DecodeForm("tiles", 128, tile=12)]
 
 
 @pytest.mark.parametrize("form", TILE_FORMS)
 def test_paged_decode_tile_forms(form):
-    rng = np.random.default_rng(form.tile + form.ahead)
+    rng = np.random.default_rng(form.tile)
     _decode_case(rng, [150, 7, 90], 2, 4, 64, 16, "f16", 0, 0, form=form)
     _decode_case(rng, [300, 1, 33], 1, 2, 96, 8, "f16", 40, None, softcap=1.5, form=form)
     if pa._shared_bytes(8, form.tile, 64, "f32") <= device().info.max_shared_memory:   # lavapipe: 32 KiB
@@ -136,9 +134,8 @@ def test_decode_forms_parsed_and_refused():
     assert pa.DecodeForm.parse("tiles") == pa.DecodeForm()
     assert pa.DecodeForm.parse("tiles:64x256") == pa.DecodeForm("tiles", 256, tile=64)
     assert pa.DecodeForm.parse("tiles:16") == pa.DecodeForm("tiles", pa.ATTN_WG, tile=16)
-    assert pa.DecodeForm.parse("tiles:0x128x2") == pa.DecodeForm("tiles", ahead=2)
     assert pa.DecodeForm.parse("stream:256x8") == pa.DecodeForm("stream", 256, 8)
-    for text in ("tiles:a", "tiles:8x64x2x1", "cols", "stream:1x2x3x4"):
+    for text in ("tiles:a", "tiles:8x64x2", "cols", "stream:1x2x3x4"):
         with pytest.raises(ValueError, match="decode form"):
             pa.DecodeForm.parse(text)
     dev = device()
@@ -146,8 +143,7 @@ def test_decode_forms_parsed_and_refused():
     q, tables, lens = (upload(dev, a) for a in (np.zeros((1, 1, 64), np.float32), np.zeros((1, 2), np.int32),
                                                   np.ones(1, np.int32)))
     for form in (pa.DecodeForm("tiles", 128, tile=6), pa.DecodeForm("tiles", 96, tile=8),
-                 pa.DecodeForm("tiles", 128, tile=4096), pa.DecodeForm("tiles", 96), pa.DecodeForm("tiles", 4),
-                 pa.DecodeForm("tiles", ahead=3)):
+                 pa.DecodeForm("tiles", 128, tile=4096), pa.DecodeForm("tiles", 96), pa.DecodeForm("tiles", 4)):
         with pytest.raises(ValueError, match="decode form tiles"):
             pa.paged_decode(dev, cache, q, tables, lens, num_seqs=1, num_heads=1, max_blocks_per_seq=2,
                             max_context_len=1, form=form)

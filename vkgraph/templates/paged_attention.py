@@ -257,23 +257,21 @@ class DecodeForm:
     unroll: int = 4
     lanes: int = 0
     tile: int = 0   # tiles: tokens a tile (0: the largest of TILES that fits the shared memory)
-    ahead: int = 1  # tiles: tiles in flight (1 or 2: a second register set, -DAHEAD2)
 
     @classmethod
     def parse(cls, text: str) -> DecodeForm:
-        """"tiles", "tiles:TILE[xWG[xAHEAD]]" (e.g. tiles:64x256, tiles:0x128x2: the default tile, two in flight),
-        "stream" or "stream:WGxUNROLL[xLANES]" (e.g. stream:256x8), as the benchmark takes them."""
+        """"tiles", "tiles:TILE[xWG]" (e.g. tiles:64x256), "stream" or "stream:WGxUNROLL[xLANES]" (e.g.
+        stream:256x8), as the benchmark takes them."""
         kind, _, rest = text.partition(":")
         try:
             nums = [int(x) for x in rest.split("x")] if rest else []
         except ValueError:
             nums = None
-        if kind == "tiles" and nums is not None and len(nums) <= 3:
-            tile, wg, ahead = (nums + [0, ATTN_WG, 1][len(nums):])[:3]
-            return cls(kind, wg, tile=tile, ahead=ahead)
+        if kind == "tiles" and nums is not None and len(nums) <= 2:
+            tile, wg = (nums + [0, ATTN_WG][len(nums):])[:2]
+            return cls(kind, wg, tile=tile)
         if kind != "stream" or nums is None or len(nums) > 3:
-            raise ValueError(f"decode form {text!r}: tiles, tiles:TILE[xWG[xAHEAD]], stream or "
-                             f"stream:WGxUNROLL[xLANES]")
+            raise ValueError(f"decode form {text!r}: tiles, tiles:TILE[xWG], stream or stream:WGxUNROLL[xLANES]")
         if not nums:
             return cls(kind)
         wg, unroll, lanes = (nums + [4, 0][len(nums) - 1:])[:3]
@@ -317,12 +315,10 @@ def _tiles_form(dev: Device, form: DecodeForm, rows: int, head_size: int, dtype:
     info = dev.info
     tile, words = form.tile or _choose_tile(dev, rows, head_size, dtype), head_size * KV_DTYPES[dtype] // 16
     if (tile < 4 or tile % 4 or form.wg & (form.wg - 1) or form.wg > info.max_workgroup_invocations
-            or form.wg < words or _shared_bytes(rows, tile, head_size, dtype) > info.max_shared_memory
-            or form.ahead not in (1, 2)):
-        raise ValueError(f"decode form tiles:{tile}x{form.wg}x{form.ahead}: tiles of a multiple of 4 tokens within "
-                         f"the shared memory ({info.max_shared_memory} bytes), workgroups of a power of two of "
-                         f"invocations up to {info.max_workgroup_invocations} and at least a token's {words} words, "
-                         f"1 or 2 tiles in flight")
+            or form.wg < words or _shared_bytes(rows, tile, head_size, dtype) > info.max_shared_memory):
+        raise ValueError(f"decode form tiles:{tile}x{form.wg}: tiles of a multiple of 4 tokens within the shared "
+                         f"memory ({info.max_shared_memory} bytes), workgroups of a power of two of invocations up "
+                         f"to {info.max_workgroup_invocations} and at least a token's {words} words")
     return tile
 
 
@@ -385,7 +381,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     core = _stream_defines(dev, form, group, d, cache.dtype) if form.kind == "stream" else None
     wg = form.wg if core or form.kind == "tiles" else ATTN_WG
     if core is None:
-        core = {"TILE": tile, **({"AHEAD2": 1} if form.kind == "tiles" and form.ahead == 2 else {})}
+        core = {"TILE": tile}
     if part_tokens is None:  # stream: partitions of whole chunks (a multiple of the tile too)
         step = math.lcm(tile, wg // core["LANES"] * core["UNROLL"]) if "STREAM" in core else tile
         part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, step)

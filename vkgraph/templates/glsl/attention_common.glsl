@@ -56,19 +56,13 @@ void new_token();
 
 vec4 acc[ACC_N];
 float lsum[ACC_N];
-// The tiles in flight, AHEAD of them (-DAHEAD2: two register sets, alternate tiles in each): a set's keys and values,
-// and (KV_BLOCKS) the block-table entries of the tile it loads next
-#ifdef AHEAD2
-#define AHEAD 2
-#else
-#define AHEAD 1
-#endif
-uvec4 nextK[AHEAD][LOAD_N], nextV[AHEAD][LOAD_N];   // indexed by constants only: the calls below are inlined
-uint nextBlk[AHEAD][LOAD_N];
+uvec4 nextK[LOAD_N], nextV[LOAD_N];
 #ifdef KV_BLOCKS
+uint nextBlk[LOAD_N];   // block-table entries of the tile that load_tile loads next
 uint kv_block(uint pos);
 uint kv_at(uint block, uint pos);
 #else
+
 uint kv_word(uint pos);
 #endif
 bool visible(uint row, uint pos);
@@ -97,37 +91,32 @@ void put_word(uint t, uint w, uvec4 k, uvec4 v) {   // word w of the tile's toke
 // Loads the queries (already scaled) into sQ: q_at(row, e) gives four values of row from dimension e.
 vec4 q_at(uint row, uint e);
 
-// The tile at t0 into register set `set` (its block-table entries already there). The loads are unconditional, from positions clamped into
-// the range, so that all of them (and the block-table loads before them) are in flight at once: a load under a
-// condition whose result meets a default value after it was measured to wait for its data before the next load is
-// issued (on the H200, one memory round trip per load). Words past the end are zeroed as they go into shared memory.
-void load_tile(uint t0, uint end, uint set) {
+// The tile at t0 into nextK/nextV. The loads are unconditional, from positions clamped into the range, so that
+// all of them (and the block-table loads before them) are in flight at once: a load under a condition whose
+// result meets a default value after it was measured to wait for its data before the next load is issued (on
+// the H200, one memory round trip per load). Words past the end are zeroed as they go into shared memory.
+void load_tile(uint t0, uint end) {
     [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
         const uint i = min(gl_LocalInvocationID.x + j * WG, TILE * WORDS_PER_TOKEN - 1);
         const uint pos = min(t0 + i / WORDS_PER_TOKEN, end - 1);
 #ifdef KV_BLOCKS
-        const uint g = kv_at(nextBlk[set][j], pos) + i % WORDS_PER_TOKEN;
+        const uint g = kv_at(nextBlk[j], pos) + i % WORDS_PER_TOKEN;
 #else
         const uint g = kv_word(pos) + i % WORDS_PER_TOKEN;
 #endif
-        nextK[set][j] = kc[g];
-        nextV[set][j] = vc[g];
+        nextK[j] = kc[g];
+        nextV[j] = vc[g];
     }
 }
 
-// the block-table entries of the tile at t0 into register set `set`, as load_tile clamps (none without KV_BLOCKS)
-void load_table(uint t0, uint end, uint set) {
-    [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
 #ifdef KV_BLOCKS
+void load_table(uint t0, uint end) {   // the block-table entries of the tile at t0 into nextBlk, as load_tile clamps
+    [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
         const uint i = min(gl_LocalInvocationID.x + j * WG, TILE * WORDS_PER_TOKEN - 1);
-        nextBlk[set][j] = kv_block(min(t0 + i / WORDS_PER_TOKEN, end - 1));
-#else
-        nextBlk[set][j] = 0;
-#endif
+        nextBlk[j] = kv_block(min(t0 + i / WORDS_PER_TOKEN, end - 1));
     }
 }
-
-void tile_step(uint t0, uint end, uint set);
+#endif
 
 void attend(uint begin, uint end) {
     const uint tid = gl_LocalInvocationID.x;
@@ -140,119 +129,112 @@ void attend(uint begin, uint end) {
         acc[j] = vec4(0.0);
         lsum[j] = 0.0;
     }
-    if (begin < end) {   // AHEAD tiles in flight (past the end: the last position again, unused), and their tables
-        [[unroll]] for (uint set = 0; set < AHEAD; set++) {
-            load_table(begin + set * TILE, end, set);
-            load_tile(begin + set * TILE, end, set);
-            load_table(begin + (AHEAD + set) * TILE, end, set);
-        }
+    if (begin < end) {
+#ifdef KV_BLOCKS
+        load_table(begin, end);
+        load_tile(begin, end);
+        load_table(begin + TILE, end);
+#else
+        load_tile(begin, end);
+#endif
     }
 #ifdef NEW_KV
-    new_token();   // its loads overlap the first tiles'
+    new_token();   // its loads overlap the first tile's
 #endif
-#if AHEAD == 2
-    for (uint t0 = begin; t0 < end; t0 += 2 * TILE) {   // each set's tiles in turn (constant indices into both)
-        tile_step(t0, end, 0);
-        if (t0 + TILE < end) tile_step(t0 + TILE, end, 1);
-    }
+
+    for (uint t0 = begin; t0 < end; t0 += TILE) {
+        barrier();   // the previous tile is consumed; sQ/sM are written
+#ifdef NEW_KV
+        const bool has_new = new_pos - t0 < TILE && new_pos < end;   // the new token is in this tile
+#endif
+        [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
+            const uint i = tid + j * WG;
+#ifdef NEW_KV
+            if (i < TILE * WORDS_PER_TOKEN && !(has_new && t0 + i / WORDS_PER_TOKEN == new_pos)) {
 #else
-    for (uint t0 = begin; t0 < end; t0 += TILE) tile_step(t0, end, 0);
+            if (i < TILE * WORDS_PER_TOKEN) {
 #endif
+                // past the end: zeros (a zero weight times garbage could be NaN); new_pos's words, which another
+                // workgroup may be writing, were loaded from a clamped position and are never used
+                const bool valid = t0 + i / WORDS_PER_TOKEN < end;
+                put_word(i / WORDS_PER_TOKEN, i % WORDS_PER_TOKEN, valid ? nextK[j] : uvec4(0),
+                         valid ? nextV[j] : uvec4(0));
+            }
+        }
+#ifdef NEW_KV
+        if (has_new && tid < WORDS_PER_TOKEN) put_word(new_pos - t0, tid, new_k, new_v);
+#endif
+        barrier();
+        load_tile(t0 + TILE, end);   // past the end: the last position again, unused (unconditional, see load_tile)
+#ifdef KV_BLOCKS
+        load_table(t0 + 2 * TILE, end);
+#endif
+        [[unroll]] for (uint j = 0; j < SCORE_N; j++) {
+            const uint i = tid + j * WG;
+            if (i < ROWS * TILE) {
+                const uint r = i / TILE, t = i % TILE, pos = t0 + t;
+                float s = -1.0 / 0.0;
+                if (pos < end && visible(r, pos)) {
+                    vec4 d4 = vec4(0.0);
+                    [[unroll]] for (uint e = 0; e < HEAD_SIZE; e += 4) d4 += sQ[(r * HEAD_SIZE + e) / 4] * k4(t, e);
+                    s = hsum(d4);
+                    if (pc.softcap > 0.0) s = pc.softcap * tanh(s / pc.softcap);
+                }
+#ifdef SG_ROWMAX
+                // a subgroup holds one row's TILE scores: max, weights and alpha without a pass of their own
+                const float m_new = max(row_m[j], subgroupMax(s));
+                const bool none = m_new == -1.0 / 0.0;   // all masked so far: alpha 1, weights 0 (no inf - inf)
+                sP[i / 4][i % 4] = none ? 0.0 : exp(s - m_new);
+                if (t == 0) {
+                    sAlpha[r] = none ? 1.0 : exp(row_m[j] - m_new);
+                    sM[r] = m_new;
+                }
+                row_m[j] = m_new;
+#else
+                sP[i / 4][i % 4] = s;
+#endif
+            }
+        }
+        barrier();
+#ifndef SG_ROWMAX
+        for (uint r = tid; r < ROWS; r += WG) {
+            const float m_old = sM[r];
+            float m_new = m_old;
+            for (uint t = 0; t < TILE; t += 4) {
+                const vec4 s4 = sP[(r * TILE + t) / 4];
+                m_new = max(m_new, max(max(s4.x, s4.y), max(s4.z, s4.w)));
+            }
+            // all masked so far: keep alpha 1 (weights are then 0; no inf - inf)
+            sAlpha[r] = m_new == -1.0 / 0.0 ? 1.0 : exp(m_old - m_new);
+            sM[r] = m_new;
+        }
+        barrier();
+        for (uint i = tid; i < ROWS * TILE; i += WG) {
+            const float m = sM[i / TILE];
+            sP[i / 4][i % 4] = m == -1.0 / 0.0 ? 0.0 : exp(sP[i / 4][i % 4] - m);
+        }
+        barrier();
+#endif
+        [[unroll]] for (uint j = 0; j < ACC_N; j++) {
+            const uint i = tid + j * WG;
+            if (i < PAIRS) {
+                const uint r = i / (HEAD_SIZE / 4), e = 4 * (i % (HEAD_SIZE / 4));
+                const float alpha = sAlpha[r];
+                vec4 a = acc[j] * alpha;
+                float l = 0.0;
+                for (uint t = 0; t < TILE; t += 4) {
+                    const vec4 p = sP[(r * TILE + t) / 4];
+                    a += p.x * v4(t, e) + p.y * v4(t + 1, e) + p.z * v4(t + 2, e) + p.w * v4(t + 3, e);
+                    l += hsum(p);
+                }
+                acc[j] = a;
+                lsum[j] = lsum[j] * alpha + l;
+            }
+        }
+    }
     [[unroll]] for (uint j = 0; j < ACC_N; j++) {   // one invocation per row publishes its running sum
         const uint i = tid + j * WG;
         if (i < PAIRS && i % (HEAD_SIZE / 4) == 0) sL[i / (HEAD_SIZE / 4)] = lsum[j];
     }
     barrier();   // sM / sL final for every row
-}
-
-// The tile at t0 (in register set `set`) through shared memory into the running sums; then the set loads the tile
-// AHEAD tiles later (its table loaded a tile of the set earlier) and the table of the set's tile after that.
-void tile_step(uint t0, uint end, uint set) {
-    const uint tid = gl_LocalInvocationID.x;
-    barrier();   // the previous tile is consumed; sQ/sM are written
-#ifdef NEW_KV
-    const bool has_new = new_pos - t0 < TILE && new_pos < end;   // the new token is in this tile
-#endif
-    [[unroll]] for (uint j = 0; j < LOAD_N; j++) {
-        const uint i = tid + j * WG;
-#ifdef NEW_KV
-        if (i < TILE * WORDS_PER_TOKEN && !(has_new && t0 + i / WORDS_PER_TOKEN == new_pos)) {
-#else
-        if (i < TILE * WORDS_PER_TOKEN) {
-#endif
-            // past the end: zeros (a zero weight times garbage could be NaN); new_pos's words, which another
-            // workgroup may be writing, were loaded from a clamped position and are never used
-            const bool valid = t0 + i / WORDS_PER_TOKEN < end;
-            put_word(i / WORDS_PER_TOKEN, i % WORDS_PER_TOKEN, valid ? nextK[set][j] : uvec4(0),
-                     valid ? nextV[set][j] : uvec4(0));
-        }
-    }
-#ifdef NEW_KV
-    if (has_new && tid < WORDS_PER_TOKEN) put_word(new_pos - t0, tid, new_k, new_v);
-#endif
-    barrier();
-    load_tile(t0 + AHEAD * TILE, end, set);   // unconditional, see load_tile
-    load_table(t0 + 2 * AHEAD * TILE, end, set);
-    [[unroll]] for (uint j = 0; j < SCORE_N; j++) {
-        const uint i = tid + j * WG;
-        if (i < ROWS * TILE) {
-            const uint r = i / TILE, t = i % TILE, pos = t0 + t;
-            float s = -1.0 / 0.0;
-            if (pos < end && visible(r, pos)) {
-                vec4 d4 = vec4(0.0);
-                [[unroll]] for (uint e = 0; e < HEAD_SIZE; e += 4) d4 += sQ[(r * HEAD_SIZE + e) / 4] * k4(t, e);
-                s = hsum(d4);
-                if (pc.softcap > 0.0) s = pc.softcap * tanh(s / pc.softcap);
-            }
-#ifdef SG_ROWMAX
-            // a subgroup holds one row's TILE scores: max, weights and alpha without a pass of their own
-            const float m_new = max(row_m[j], subgroupMax(s));
-            const bool none = m_new == -1.0 / 0.0;   // all masked so far: alpha 1, weights 0 (no inf - inf)
-            sP[i / 4][i % 4] = none ? 0.0 : exp(s - m_new);
-            if (t == 0) {
-                sAlpha[r] = none ? 1.0 : exp(row_m[j] - m_new);
-                sM[r] = m_new;
-            }
-            row_m[j] = m_new;
-#else
-            sP[i / 4][i % 4] = s;
-#endif
-        }
-    }
-    barrier();
-#ifndef SG_ROWMAX
-    for (uint r = tid; r < ROWS; r += WG) {
-        const float m_old = sM[r];
-        float m_new = m_old;
-        for (uint t = 0; t < TILE; t += 4) {
-            const vec4 s4 = sP[(r * TILE + t) / 4];
-            m_new = max(m_new, max(max(s4.x, s4.y), max(s4.z, s4.w)));
-        }
-        // all masked so far: keep alpha 1 (weights are then 0; no inf - inf)
-        sAlpha[r] = m_new == -1.0 / 0.0 ? 1.0 : exp(m_old - m_new);
-        sM[r] = m_new;
-    }
-    barrier();
-    for (uint i = tid; i < ROWS * TILE; i += WG) {
-        const float m = sM[i / TILE];
-        sP[i / 4][i % 4] = m == -1.0 / 0.0 ? 0.0 : exp(sP[i / 4][i % 4] - m);
-    }
-    barrier();
-#endif
-    [[unroll]] for (uint j = 0; j < ACC_N; j++) {
-        const uint i = tid + j * WG;
-        if (i < PAIRS) {
-            const uint r = i / (HEAD_SIZE / 4), e = 4 * (i % (HEAD_SIZE / 4));
-            const float alpha = sAlpha[r];
-            vec4 a = acc[j] * alpha;
-            float l = 0.0;
-            for (uint t = 0; t < TILE; t += 4) {
-                const vec4 p = sP[(r * TILE + t) / 4];
-                a += p.x * v4(t, e) + p.y * v4(t + 1, e) + p.z * v4(t + 2, e) + p.w * v4(t + 3, e);
-                l += hsum(p);
-            }
-            acc[j] = a;
-            lsum[j] = lsum[j] * alpha + l;
-        }
-    }
 }
