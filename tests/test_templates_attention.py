@@ -130,32 +130,11 @@ def test_paged_decode_tile_forms(form):
                     form=form)
 
 
-# "wide" forms (the weighted sum of values by word and token group): the default tile, and 64 invocations on tiles
-# of 16 (token groups of 8 or 4 tokens' words)
-WIDE_FORMS = [pa.DecodeForm("wide"), pa.DecodeForm("wide", 64, tile=16)]
-
-
-@pytest.mark.parametrize("form", WIDE_FORMS)
-def test_paged_decode_wide_forms(form):
-    """Heads whose words divide the workgroup (64 and 128, float16 and float32), GQA up to 8 rows where the shared
-    memory holds them, a window, a soft cap, split and unsplit, the new tokens written."""
-    rng = np.random.default_rng(form.wg)
-    _decode_case(rng, [150, 7, 90], 2, 4, 64, 16, "f16", 0, 0, form=form)
-    _decode_case(rng, [300, 1, 33], 1, 2, 128, 8, "f16", 40, None, softcap=1.5, form=form)
-    _decode_case(rng, [200, 129], 1, 4, 64, 32, "f32", 0, 32, form=form)
-    rows = 8
-    if pa._shared_bytes(rows, 32, 64, "f16") + pa._wide_bytes(form, rows, 64, "f16") <= device().info.max_shared_memory:
-        _decode_case(rng, [90, 200], 1, rows, 64, 16, "f16", 0, 64, form=form)
-    _new_token_case(rng, [70, 1, 33, 0, 0, 200], 2, 4, 64, 16, "f16", 0, None, rope=True, stale=(1,), moved=(4,),
-                    form=form)
-
-
 def test_decode_forms_parsed_and_refused():
     assert pa.DecodeForm.parse("tiles") == pa.DecodeForm()
     assert pa.DecodeForm.parse("tiles:64x256") == pa.DecodeForm("tiles", 256, tile=64)
     assert pa.DecodeForm.parse("tiles:16") == pa.DecodeForm("tiles", pa.ATTN_WG, tile=16)
     assert pa.DecodeForm.parse("stream:256x8") == pa.DecodeForm("stream", 256, 8)
-    assert pa.DecodeForm.parse("wide:16x64") == pa.DecodeForm("wide", 64, tile=16)
     for text in ("tiles:a", "tiles:8x64x2", "cols", "stream:1x2x3x4"):
         with pytest.raises(ValueError, match="decode form"):
             pa.DecodeForm.parse(text)
@@ -164,9 +143,8 @@ def test_decode_forms_parsed_and_refused():
     q, tables, lens = (upload(dev, a) for a in (np.zeros((1, 1, 64), np.float32), np.zeros((1, 2), np.int32),
                                                   np.ones(1, np.int32)))
     for form in (pa.DecodeForm("tiles", 128, tile=6), pa.DecodeForm("tiles", 96, tile=8),
-                 pa.DecodeForm("tiles", 128, tile=4096), pa.DecodeForm("tiles", 96), pa.DecodeForm("tiles", 4),
-                 pa.DecodeForm("wide", 128, tile=4)):   # token groups of 16 tokens' words
-        with pytest.raises(ValueError, match="decode form (tiles|wide)"):
+                 pa.DecodeForm("tiles", 128, tile=4096), pa.DecodeForm("tiles", 96), pa.DecodeForm("tiles", 4)):
+        with pytest.raises(ValueError, match="decode form tiles"):
             pa.paged_decode(dev, cache, q, tables, lens, num_seqs=1, num_heads=1, max_blocks_per_seq=2,
                             max_context_len=1, form=form)
 

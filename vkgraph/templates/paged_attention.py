@@ -247,8 +247,7 @@ def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_
 @dataclass(frozen=True)
 class DecodeForm:
     """How paged_decode's kernel walks the context. "tiles" (attention_common.glsl): tiles of keys and values
-    through shared memory, the workgroup's invocations split over the query rows; "wide": the same, the weighted sum
-    of values by (value word, token group) for all rows at once (-DWIDE). "stream" (decode_stream.glsl):
+    through shared memory, the workgroup's invocations split over the query rows. "stream" (decode_stream.glsl):
     keys and values straight into registers, each 16-byte word loaded and converted once for all the query rows of
     its KV head, groups of `lanes` invocations a token (at most; 0: up to 16), `unroll` tokens a group in each chunk
     of one softmax step; `wg` invocations a workgroup."""
@@ -268,12 +267,11 @@ class DecodeForm:
             nums = [int(x) for x in rest.split("x")] if rest else []
         except ValueError:
             nums = None
-        if kind in ("tiles", "wide") and nums is not None and len(nums) <= 2:
+        if kind == "tiles" and nums is not None and len(nums) <= 2:
             tile, wg = (nums + [0, ATTN_WG][len(nums):])[:2]
             return cls(kind, wg, tile=tile)
         if kind != "stream" or nums is None or len(nums) > 3:
-            raise ValueError(f"decode form {text!r}: tiles, tiles:TILE[xWG], wide, wide:TILE[xWG], stream or "
-                             f"stream:WGxUNROLL[xLANES]")
+            raise ValueError(f"decode form {text!r}: tiles, tiles:TILE[xWG], stream or stream:WGxUNROLL[xLANES]")
         if not nums:
             return cls(kind)
         wg, unroll, lanes = (nums + [4, 0][len(nums) - 1:])[:3]
@@ -310,26 +308,17 @@ def _stream_defines(dev: Device, form: DecodeForm, rows: int, head_size: int, dt
     return {"STREAM": 1, "LANES": lanes, "UNROLL": form.unroll, "SG": sg, "NSLOT": nslot, "RP": rp}
 
 
-def _wide_bytes(form: DecodeForm, rows: int, head_size: int, dtype: str) -> int:
-    """The "wide" form's shared memory beyond the tiles': its token groups' sums (attention_common.glsl, -DWIDE)."""
-    groups = form.wg // (head_size * KV_DTYPES[dtype] // 16)
-    return groups * rows * (head_size + 1) * 4 if form.kind == "wide" else 0
-
-
 def _tiles_form(dev: Device, form: DecodeForm, rows: int, head_size: int, dtype: str) -> int:
     """The tile of a "tiles" form (its own, or the largest that fits where it names none), checked with its
     workgroup: a multiple of 4 tokens whose arrays fit the device's shared memory, a workgroup of a power of two of
     invocations, at least the words of a token (one invocation builds each word of the new token)."""
     info = dev.info
     tile, words = form.tile or _choose_tile(dev, rows, head_size, dtype), head_size * KV_DTYPES[dtype] // 16
-    shared = _shared_bytes(rows, tile, head_size, dtype) + _wide_bytes(form, rows, head_size, dtype)
     if (tile < 4 or tile % 4 or form.wg & (form.wg - 1) or form.wg > info.max_workgroup_invocations
-            or form.wg < words or shared > info.max_shared_memory
-            or (form.kind == "wide" and (form.wg % words or tile % (form.wg // words)))):
-        raise ValueError(f"decode form {form.kind}:{tile}x{form.wg}: tiles of a multiple of 4 tokens (wide: of the "
-                         f"workgroup's token groups) within the shared memory ({info.max_shared_memory} bytes), "
-                         f"workgroups of a power of two of invocations up to {info.max_workgroup_invocations} and "
-                         f"at least a token's {words} words")
+            or form.wg < words or _shared_bytes(rows, tile, head_size, dtype) > info.max_shared_memory):
+        raise ValueError(f"decode form tiles:{tile}x{form.wg}: tiles of a multiple of 4 tokens within the shared "
+                         f"memory ({info.max_shared_memory} bytes), workgroups of a power of two of invocations up "
+                         f"to {info.max_workgroup_invocations} and at least a token's {words} words")
     return tile
 
 
@@ -387,12 +376,12 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     # the int8 parts, or `out` bound where the float output is written
     acts = Q8Acts.in_buffer(out, num_seqs, num_heads * d) if int8 else Q8Acts(out, out, out)
     form = form or DEFAULT_FORM
-    named = form.kind in ("tiles", "wide") and form != DEFAULT_FORM   # a tile or workgroup of its own, checked
+    named = form.kind == "tiles" and form != DEFAULT_FORM   # a tile or workgroup of its own, checked
     tile = _tiles_form(dev, form, group, d, cache.dtype) if named else _choose_tile(dev, group, d, cache.dtype)
     core = _stream_defines(dev, form, group, d, cache.dtype) if form.kind == "stream" else None
-    wg = form.wg if core or form.kind in ("tiles", "wide") else ATTN_WG
+    wg = form.wg if core or form.kind == "tiles" else ATTN_WG
     if core is None:
-        core = {"TILE": tile, **({"WIDE": 1} if form.kind == "wide" else {})}
+        core = {"TILE": tile}
     if part_tokens is None:  # stream: partitions of whole chunks (a multiple of the tile too)
         step = math.lcm(tile, wg // core["LANES"] * core["UNROLL"]) if "STREAM" in core else tile
         part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, step)

@@ -56,18 +56,6 @@ void new_token();
 
 vec4 acc[ACC_N];
 float lsum[ACC_N];
-#ifdef WIDE
-// -DWIDE: the weighted sum of values (5) by (word, token group) instead of (row, 4 dims): invocation tid takes word
-// tid % PV_G of the tokens t = tid / PV_G (mod PV_H) of every tile, for all ROWS rows, so each value word is read
-// from shared memory and converted once, not once per row and half-word; the PV_H token groups' sums meet once, at
-// the end, in sRed (acc[] and lsum[] then hold them as without WIDE). WG % WORDS_PER_TOKEN == 0, TILE % PV_H == 0.
-#define PV_G WORDS_PER_TOKEN
-#define PV_H (WG / PV_G)
-float pacc[ROWS * KV_PER_WORD];   // [row][value of the word]
-float psum[ROWS];
-shared vec4 sRed[PV_H * PAIRS];   // [token group][row][4 dims]
-shared float sRedL[PV_H * ROWS];
-#endif
 uvec4 nextK[LOAD_N], nextV[LOAD_N];
 #ifdef KV_BLOCKS
 uint nextBlk[LOAD_N];   // block-table entries of the tile that load_tile loads next
@@ -141,10 +129,6 @@ void attend(uint begin, uint end) {
         acc[j] = vec4(0.0);
         lsum[j] = 0.0;
     }
-#ifdef WIDE
-    [[unroll]] for (uint i = 0; i < ROWS * KV_PER_WORD; i++) pacc[i] = 0.0;
-    [[unroll]] for (uint r = 0; r < ROWS; r++) psum[r] = 0.0;
-#endif
     if (begin < end) {
 #ifdef KV_BLOCKS
         load_table(begin, end);
@@ -231,31 +215,6 @@ void attend(uint begin, uint end) {
         }
         barrier();
 #endif
-#ifdef WIDE
-        {
-            const uint g = tid % PV_G, h = tid / PV_G;
-            [[unroll]] for (uint r = 0; r < ROWS; r++) {
-                const float alpha = sAlpha[r];
-                psum[r] *= alpha;
-                [[unroll]] for (uint d = 0; d < KV_PER_WORD; d++) pacc[r * KV_PER_WORD + d] *= alpha;
-            }
-            [[unroll]] for (uint t = h; t < TILE; t += PV_H) {
-                const uvec4 w = sV[t * STRIDE + g];
-#ifdef KV_F16
-                const vec4 lo = unpack_half4(w.xy), hi = unpack_half4(w.zw);
-                const float vals[8] = float[8](lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w);
-#else
-                const vec4 f = uintBitsToFloat(w);
-                const float vals[4] = float[4](f.x, f.y, f.z, f.w);
-#endif
-                [[unroll]] for (uint r = 0; r < ROWS; r++) {
-                    const float p = sP[(r * TILE + t) / 4][t % 4];
-                    psum[r] += p;
-                    [[unroll]] for (uint d = 0; d < KV_PER_WORD; d++) pacc[r * KV_PER_WORD + d] += p * vals[d];
-                }
-            }
-        }
-#else
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
             if (i < PAIRS) {
@@ -272,35 +231,7 @@ void attend(uint begin, uint end) {
                 lsum[j] = lsum[j] * alpha + l;
             }
         }
-#endif
     }
-#ifdef WIDE
-    {   // the token groups' sums into acc[] and lsum[] (pair i = tid + j * WG: row, 4 dims)
-        const uint g = tid % PV_G, h = tid / PV_G;
-        [[unroll]] for (uint r = 0; r < ROWS; r++) {
-            [[unroll]] for (uint d = 0; d < KV_PER_WORD; d += 4) {
-                sRed[h * PAIRS + (r * HEAD_SIZE + g * KV_PER_WORD + d) / 4] =
-                    vec4(pacc[r * KV_PER_WORD + d], pacc[r * KV_PER_WORD + d + 1], pacc[r * KV_PER_WORD + d + 2],
-                         pacc[r * KV_PER_WORD + d + 3]);
-            }
-            if (g == 0) sRedL[h * ROWS + r] = psum[r];
-        }
-        barrier();
-        [[unroll]] for (uint j = 0; j < ACC_N; j++) {
-            const uint i = tid + j * WG;
-            if (i < PAIRS) {
-                vec4 a = vec4(0.0);
-                float l = 0.0;
-                for (uint k = 0; k < PV_H; k++) {
-                    a += sRed[k * PAIRS + i];
-                    l += sRedL[k * ROWS + i / (HEAD_SIZE / 4)];
-                }
-                acc[j] = a;
-                lsum[j] = l;
-            }
-        }
-    }
-#endif
     [[unroll]] for (uint j = 0; j < ACC_N; j++) {   // one invocation per row publishes its running sum
         const uint i = tid + j * WG;
         if (i < PAIRS && i % (HEAD_SIZE / 4) == 0) sL[i / (HEAD_SIZE / 4)] = lsum[j];
