@@ -941,33 +941,3 @@ def test_norm_config_table_and_refusals(monkeypatch):
     f16 = mv.upload_weights(dev, quant.quantize(np.ones((8, 64), np.float32), "F16"))
     with pytest.raises(ValueError, match="integer dot-product path takes"):
         mv.matvec(dev, f16, rows, 2)
-
-
-SMALL_INT_FLOAT = """#version 450
-#include "common.glsl"
-layout(local_size_x = 64) in;
-layout(set = 0, binding = 0) readonly buffer I { int v[]; };
-layout(set = 0, binding = 1) writeonly buffer F { float f[]; };
-layout(push_constant) uniform Push { uint n; } pc;
-void main() {
-    const uint i = gl_GlobalInvocationID.x;
-    if (i < pc.n) f[i] = small_int_float(v[i]);
-}
-"""
-
-
-def test_small_int_float_is_exact():
-    """common.glsl's small_int_float, the integer path's conversion of its dot products, equals float(i) over
-    |i| < 2^22: the ends of the range, every value near zero, the largest dot product a run can make, drawn ones."""
-    from vkgraph.templates.catalog import GLSL_DIR
-
-    dev = device()
-    rng = np.random.default_rng(22)
-    lim = 1 << 22
-    vals = np.concatenate([np.arange(-4096, 4096), [-lim, -lim + 1, lim - 1, 16 * 127 * 128, -16 * 127 * 128],
-                           rng.integers(-lim, lim, 20000)]).astype(np.int32)
-    n = len(vals)
-    out = dev.alloc(n * 4)
-    dev.dispatch(dev.pipeline(SMALL_INT_FLOAT, name="small_int_float", include_dirs=[GLSL_DIR]),
-                 [upload(dev, vals), out], (-(-n // 64), 1, 1), push={"n": n})
-    np.testing.assert_array_equal(dev.download(out, np.float32, n), vals.astype(np.float32))

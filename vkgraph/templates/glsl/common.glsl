@@ -118,11 +118,3 @@ uvec4 iq4_bytes(uvec4 v) {    // the int8 levels of the low nibble of each byte 
 float hsum(vec4 v) {
     return (v.x + v.y) + (v.z + v.w);
 }
-
-// float(i), exactly, for |i| < 2^22, as an integer add and a float subtract: i added to the bits of 1.5 * 2^23 is
-// 1.5 * 2^23 + i (one unit in the last place is 1 there). The conversion instruction runs at a quarter of the float
-// FMA's rate on an H200 and the integer dot products' sums need one per run and row (probe_int_dot.py).
-float small_int_float(int i) {
-    precise const float f = uintBitsToFloat(uint(i + 0x4B400000)) - 12582912.0;   // not folded into its users
-    return f;
-}

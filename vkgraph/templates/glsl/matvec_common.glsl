@@ -395,9 +395,8 @@ void accumulate(uint base, uint u) {
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
             int d = 0;
             [[unroll]] for (uint j = 0; j < RUNS; j++) d += run_idot(q[base + r], j, xq[j], xs[j]);
-            // |d| < 2^22: a run's 16 products of int8 and a level of at most 8 bits, a unit's few runs
-            const float t = cm[r].x * small_int_float(d);
-            acc[r * NB + b] += dx * (HAS_MIN ? t + cm[r].y * small_int_float(xsu) : t);
+            const float t = cm[r].x * float(d);
+            acc[r * NB + b] += dx * (HAS_MIN ? t + cm[r].y * float(xsu) : t);
         }
     }
 #elif defined(INT_DOT)
@@ -410,8 +409,8 @@ void accumulate(uint base, uint u) {
             const float dx = load_xd(b, e);
             const int xs = HAS_OFFSET ? load_xs(b, e) : 0;
             [[unroll]] for (uint r = 0; r < ROWS; r++) {
-                const float t = cm[r].x * small_int_float(run_idot(q[base + r], j, xq, xs));   // |.| < 2^22
-                acc[r * NB + b] += dx * (HAS_MIN ? t + cm[r].y * small_int_float(xs) : t);
+                const float t = cm[r].x * float(run_idot(q[base + r], j, xq, xs));
+                acc[r * NB + b] += dx * (HAS_MIN ? t + cm[r].y * float(xs) : t);
             }
         }
     }
