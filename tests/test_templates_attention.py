@@ -116,12 +116,13 @@ def test_paged_decode_stream(form):
 # "tiles" forms that name their tile and workgroup: a tile of two subgroups' rows and wider workgroups, a tile
 # smaller than a subgroup in a workgroup of 64, a tile of no power of two
 TILE_FORMS = [pa.DecodeForm("tiles", 256, tile=64), pa.DecodeForm("tiles", 64, tile=8),
-              pa.DecodeForm("tiles", 128, tile=12)]
+              pa.DecodeForm("tiles", 128, tile=12), pa.DecodeForm("tiles", row_lanes=True),
+              pa.DecodeForm("tiles", 64, tile=8, row_lanes=True)]
 
 
 @pytest.mark.parametrize("form", TILE_FORMS)
 def test_paged_decode_tile_forms(form):
-    rng = np.random.default_rng(form.tile)
+    rng = np.random.default_rng(form.tile + form.row_lanes)
     _decode_case(rng, [150, 7, 90], 2, 4, 64, 16, "f16", 0, 0, form=form)
     _decode_case(rng, [300, 1, 33], 1, 2, 96, 8, "f16", 40, None, softcap=1.5, form=form)
     if pa._shared_bytes(8, form.tile, 64, "f32") <= device().info.max_shared_memory:   # lavapipe: 32 KiB
@@ -135,6 +136,8 @@ def test_decode_forms_parsed_and_refused():
     assert pa.DecodeForm.parse("tiles:64x256") == pa.DecodeForm("tiles", 256, tile=64)
     assert pa.DecodeForm.parse("tiles:16") == pa.DecodeForm("tiles", pa.ATTN_WG, tile=16)
     assert pa.DecodeForm.parse("stream:256x8") == pa.DecodeForm("stream", 256, 8)
+    assert pa.DecodeForm.parse("tiles/rows") == pa.DecodeForm(row_lanes=True)
+    assert pa.DecodeForm.parse("tiles:16x64/rows") == pa.DecodeForm("tiles", 64, tile=16, row_lanes=True)
     for text in ("tiles:a", "tiles:8x64x2", "cols", "stream:1x2x3x4"):
         with pytest.raises(ValueError, match="decode form"):
             pa.DecodeForm.parse(text)
@@ -164,7 +167,7 @@ def test_paged_decode_long_context(part, form):
 
 
 @pytest.mark.parametrize("part,d,group", [(0, 64, 4), (64, 128, 2), (None, 96, 1)])
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", FORMS + [pa.DecodeForm(row_lanes=True)])
 def test_paged_decode_int8_output(part, d, group, form):
     """int8=True writes what quantize_q8 makes of the float output (paged_decode's workgroup, or split the last of
     its partitions to finish, quantizes it): the same int8 values, scales and sums."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -74,10 +74,11 @@ def _defines(dev: Device, head_size: int, dtype: str, wg: int = ATTN_WG, **extra
     return d
 
 
-def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str) -> int:
-    # tokens are padded by one 16-byte word in shared memory (see attention_common.glsl)
+def _shared_bytes(rows: int, tile: int, head_size: int, dtype: str, row_lanes: bool = False) -> int:
+    # tokens are padded by one 16-byte word in shared memory, and with row_lanes each row's weights by 16 bytes
+    # (see attention_common.glsl)
     per_token = 2 * (head_size * KV_DTYPES[dtype] + 16)
-    return rows * head_size * 4 + tile * per_token + rows * tile * 4 + 3 * rows * 4
+    return rows * head_size * 4 + tile * per_token + rows * (tile + 4 * row_lanes) * 4 + 3 * rows * 4
 
 
 def _choose_tile(dev: Device, rows: int, head_size: int, dtype: str) -> int:
@@ -257,11 +258,14 @@ class DecodeForm:
     unroll: int = 4
     lanes: int = 0
     tile: int = 0   # tiles: tokens a tile (0: the largest of TILES that fits the shared memory)
+    row_lanes: bool = False   # tiles: the query rows interleaved in the lanes (-DROW_LANES, kv_words.glsl)
 
     @classmethod
     def parse(cls, text: str) -> DecodeForm:
-        """"tiles", "tiles:TILE[xWG]" (e.g. tiles:64x256), "stream" or "stream:WGxUNROLL[xLANES]" (e.g.
-        stream:256x8), as the benchmark takes them."""
+        """"tiles", "tiles:TILE[xWG]" (e.g. tiles:64x256), either followed by "/rows" (the rows interleaved),
+        "stream" or "stream:WGxUNROLL[xLANES]" (e.g. stream:256x8), as the benchmark takes them."""
+        if text.startswith("tiles") and text.endswith("/rows"):
+            return replace(cls.parse(text[:-len("/rows")]), row_lanes=True)
         kind, _, rest = text.partition(":")
         try:
             nums = [int(x) for x in rest.split("x")] if rest else []
@@ -315,7 +319,7 @@ def _tiles_form(dev: Device, form: DecodeForm, rows: int, head_size: int, dtype:
     info = dev.info
     tile, words = form.tile or _choose_tile(dev, rows, head_size, dtype), head_size * KV_DTYPES[dtype] // 16
     if (tile < 4 or tile % 4 or form.wg & (form.wg - 1) or form.wg > info.max_workgroup_invocations
-            or form.wg < words or _shared_bytes(rows, tile, head_size, dtype) > info.max_shared_memory):
+            or form.wg < words or _shared_bytes(rows, tile, head_size, dtype, form.row_lanes) > info.max_shared_memory):
         raise ValueError(f"decode form tiles:{tile}x{form.wg}: tiles of a multiple of 4 tokens within the shared "
                          f"memory ({info.max_shared_memory} bytes), workgroups of a power of two of invocations up "
                          f"to {info.max_workgroup_invocations} and at least a token's {words} words")
@@ -381,7 +385,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     core = _stream_defines(dev, form, group, d, cache.dtype) if form.kind == "stream" else None
     wg = form.wg if core or form.kind == "tiles" else ATTN_WG
     if core is None:
-        core = {"TILE": tile}
+        core = {"TILE": tile, **({"ROW_LANES": 1} if form.row_lanes else {})}
     if part_tokens is None:  # stream: partitions of whole chunks (a multiple of the tile too)
         step = math.lcm(tile, wg // core["LANES"] * core["UNROLL"]) if "STREAM" in core else tile
         part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, step)

@@ -46,7 +46,15 @@ float row_m[SCORE_N];   // the running max of the row this invocation scores
 shared vec4 sQ[ROWS * HEAD_SIZE / 4];
 shared uvec4 sK[TILE * STRIDE];
 shared uvec4 sV[TILE * STRIDE];
+// weight i = row * TILE + token at SP(i); -DROW_LANES pads each row by 4 (its rows are read together, which rows
+// TILE * 4 bytes apart would read from the same banks)
+#ifdef ROW_LANES
+#define SP(i) ((i) + (i) / TILE * 4)
+shared vec4 sP[ROWS * (TILE + 4) / 4];
+#else
+#define SP(i) (i)
 shared vec4 sP[ROWS * TILE / 4];   // TILE is a multiple of 4
+#endif
 shared float sM[ROWS], sL[ROWS], sAlpha[ROWS];
 #ifdef NEW_KV
 uint new_pos = 0xFFFFFFFFu;   // none
@@ -184,14 +192,14 @@ void attend(uint begin, uint end) {
                 // a subgroup holds one row's TILE scores: max, weights and alpha without a pass of their own
                 const float m_new = max(row_m[j], subgroupMax(s));
                 const bool none = m_new == -1.0 / 0.0;   // all masked so far: alpha 1, weights 0 (no inf - inf)
-                sP[i / 4][i % 4] = none ? 0.0 : exp(s - m_new);
+                sP[SP(i) / 4][SP(i) % 4] = none ? 0.0 : exp(s - m_new);
                 if (t == 0) {
                     sAlpha[r] = none ? 1.0 : exp(row_m[j] - m_new);
                     sM[r] = m_new;
                 }
                 row_m[j] = m_new;
 #else
-                sP[i / 4][i % 4] = s;
+                sP[SP(i) / 4][SP(i) % 4] = s;
 #endif
             }
         }
@@ -201,7 +209,7 @@ void attend(uint begin, uint end) {
             const float m_old = sM[r];
             float m_new = m_old;
             for (uint t = 0; t < TILE; t += 4) {
-                const vec4 s4 = sP[(r * TILE + t) / 4];
+                const vec4 s4 = sP[SP(r * TILE + t) / 4];
                 m_new = max(m_new, max(max(s4.x, s4.y), max(s4.z, s4.w)));
             }
             // all masked so far: keep alpha 1 (weights are then 0; no inf - inf)
@@ -211,19 +219,19 @@ void attend(uint begin, uint end) {
         barrier();
         for (uint i = tid; i < ROWS * TILE; i += WG) {
             const float m = sM[i / TILE];
-            sP[i / 4][i % 4] = m == -1.0 / 0.0 ? 0.0 : exp(sP[i / 4][i % 4] - m);
+            sP[SP(i) / 4][SP(i) % 4] = m == -1.0 / 0.0 ? 0.0 : exp(sP[SP(i) / 4][SP(i) % 4] - m);
         }
         barrier();
 #endif
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
             if (i < PAIRS) {
-                const uint r = i / (HEAD_SIZE / 4), e = 4 * (i % (HEAD_SIZE / 4));
+                const uint r = PAIR_ROW(i), e = 4 * PAIR_QUAD(i);
                 const float alpha = sAlpha[r];
                 vec4 a = acc[j] * alpha;
                 float l = 0.0;
                 for (uint t = 0; t < TILE; t += 4) {
-                    const vec4 p = sP[(r * TILE + t) / 4];
+                    const vec4 p = sP[SP(r * TILE + t) / 4];
                     a += p.x * v4(t, e) + p.y * v4(t + 1, e) + p.z * v4(t + 2, e) + p.w * v4(t + 3, e);
                     l += hsum(p);
                 }
@@ -234,7 +242,7 @@ void attend(uint begin, uint end) {
     }
     [[unroll]] for (uint j = 0; j < ACC_N; j++) {   // one invocation per row publishes its running sum
         const uint i = tid + j * WG;
-        if (i < PAIRS && i % (HEAD_SIZE / 4) == 0) sL[i / (HEAD_SIZE / 4)] = lsum[j];
+        if (i < PAIRS && PAIR_QUAD(i) == 0) sL[PAIR_ROW(i)] = lsum[j];
     }
     barrier();   // sM / sL final for every row
 }

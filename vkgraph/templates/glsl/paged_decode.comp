@@ -230,8 +230,8 @@ void main() {
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
             if (i < PAIRS) {
-                const uint r = i / (HEAD_SIZE / 4);
-                part_o[((head0 + r) * pc.max_parts + part) * (HEAD_SIZE / 4) + i % (HEAD_SIZE / 4)] = acc[j];
+                const uint r = PAIR_ROW(i);
+                part_o[((head0 + r) * pc.max_parts + part) * (HEAD_SIZE / 4) + PAIR_QUAD(i)] = acc[j];
             }
         }
         for (uint r = tid; r < ROWS; r += WG) part_ml[(head0 + r) * pc.max_parts + part] = vec2(sM[r], sL[r]);
@@ -240,26 +240,27 @@ void main() {
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
             if (i < PAIRS) {
-                acc[j] = combine_parts((head0 + i / (HEAD_SIZE / 4)) * pc.max_parts, i % (HEAD_SIZE / 4), parts);
+                acc[j] = combine_parts((head0 + PAIR_ROW(i)) * pc.max_parts, PAIR_QUAD(i), parts);
             }
         }
     } else {
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
             if (i < PAIRS) {
-                const float l = sL[i / (HEAD_SIZE / 4)];
+                const float l = sL[PAIR_ROW(i)];
                 acc[j] = l > 0.0 ? acc[j] / l : vec4(0.0);
             }
         }
     }
-    // acc[j]: the output of pair tid + j * WG (row, 4 dimensions)
+    // acc[j]: the output of pair tid + j * WG (row PAIR_ROW, 4 dimensions from 4 * PAIR_QUAD)
     [[unroll]] for (uint j = 0; j < ACC_N; j++) {
         const uint i = tid + j * WG;
         if (i < PAIRS) {
 #ifdef Q8_OUT
-            sQ[i] = acc[j];   // the queries are consumed: sQ holds the output rows for their quantization
+            // the queries are consumed: sQ holds the output rows (row-major) for their quantization
+            sQ[PAIR_AT(i)] = acc[j];
 #else
-            const uint base = head0 * HEAD_SIZE + 4 * i;
+            const uint base = head0 * HEAD_SIZE + 4 * PAIR_AT(i);
             o[base] = acc[j].x;
             o[base + 1] = acc[j].y;
             o[base + 2] = acc[j].z;
