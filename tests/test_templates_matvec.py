@@ -1,7 +1,6 @@
 """Matvec templates against float64 numpy on the dequantized weights, for every format."""
 
 import dataclasses
-import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -853,9 +852,7 @@ def test_matvec_normed_rows_drawn(fmt, n, blocks, batch, kind, rows, tpr, unroll
         pytest.skip("normalized rows need subgroup shuffles and arithmetic on subgroups of 8 lanes or more")
     f = quant.FORMATS[fmt]
     tpr = min(tpr, dev.info.min_subgroup_size)
-    span = max(32, f.block_size)  # rounds of whole blocks and super-blocks
-    step = span // math.gcd(span, tpr * mv.UNIT_ELEMS[fmt])
-    unroll = -(-unroll // step) * step
+    unroll = mv.whole_rounds(f, tpr, unroll)   # rounds of whole blocks and super-blocks
     cfg = mv.MatvecConfig(max(wg_groups * tpr, dev.info.max_subgroup_size), rows, True, True, tpr, unroll,
                           fold=fold and fmt in mv.FOLD_FORMATS, stage=True)
     assert mv.stage_fits(dev, f, cfg, batch, norm=True)

@@ -421,7 +421,6 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     return out
 
 
-
 def prefill_attention(dev: Device, q: Any, k: Any, v: Any, cu_seqlens: Any, *, num_seqs: int,
                       num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int,
                       kv_dtype: str = "f32", scale: float | None = None, window: int = 0, softcap: float = 0.0,
