@@ -114,7 +114,8 @@ def test_paged_decode_stream(form):
 
 
 # "tiles" forms that name their tile and workgroup: a tile of two subgroups' rows and wider workgroups, a tile
-# smaller than a subgroup in a workgroup of 64, a tile of no power of two
+# smaller than a subgroup in a workgroup of 64, a tile of no power of two; the rows interleaved in the lanes
+# (row_lanes) on the default tile and on the small one
 TILE_FORMS = [pa.DecodeForm("tiles", 256, tile=64), pa.DecodeForm("tiles", 64, tile=8),
               pa.DecodeForm("tiles", 128, tile=12), pa.DecodeForm("tiles", row_lanes=True),
               pa.DecodeForm("tiles", 64, tile=8, row_lanes=True)]
