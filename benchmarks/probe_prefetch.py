@@ -9,7 +9,9 @@ one activation row (Q4_0, int8 activations, weights cycled through copies past t
 - norm+pf+mv: the same, with a prefetch kernel between them that reads one word of every 32-byte sector of the
   matvec's weights and writes nothing (so no barrier separates it from the norm: the two overlap);
 - pf+mv: the prefetch alone before the matvec, a barrier between them (the matvec's speed from the L2);
-- mv: the matvec alone; norm: the norm alone.
+- mv: the matvec alone; norm: the norm alone;
+- mv||: matvecs writing rotating outputs, so no barrier parts them and each overlaps the one before (the bound
+  for a product whose weight loads start before its input is ready).
 GPU microseconds per chain link (benchmarks/common.replay_us), and the matvec's GB/s of weight bytes.
 """
 
@@ -60,7 +62,7 @@ def main() -> None:
     raise_clocks()
     print(f"{dev.info.name}: us per chain link; matvec GB/s of weight bytes ({a.fmt}, one row, int8 activations)")
     print(f"{'product':>8s} {'N x K':>12s} {'mv':>7s} {'norm':>7s} {'norm+mv':>8s} {'norm+pf+mv':>10s} "
-          f"{'pf+mv':>7s} {'pf':>6s}  {'GB/s mv':>8s}")
+          f"{'pf+mv':>7s} {'pf':>6s} {'mv||':>6s}  {'GB/s mv':>8s}")
     for name in a.products.split(","):
         probe(dev, pf, sink, rng, name, a.fmt, a.groups, a.reps)
 
@@ -75,12 +77,17 @@ def probe(dev, pf, sink, rng, name: str, fmt: str, groups: int, reps: int) -> No
     dev.upload(gamma, rng.standard_normal(k).astype(np.float32))
     acts_buf = dev.alloc(mv.Q8Acts.layout(1, k)[0])
     acts = mv.Q8Acts.in_buffer(acts_buf, 1, k)
-    y = dev.alloc(n * 4)
+    ys = [dev.alloc(n * 4) for _ in range(8)]
+    y = ys[0]
     cfg = mv.choose_config(dev, ws[0].format, n, k, 1, int_dot=True)
     calls = itertools.count()
 
     def prefetch(w, out) -> None:
         dev.dispatch(pf, [w.body, out], (groups, 1, 1), push={"words": w.body.size // 4, "stride": groups * 256})
+
+    def overlapped() -> None:
+        i = next(calls)
+        mv.matvec(dev, ws[i % len(ws)], acts, 1, out=ys[i % len(ys)], config=cfg)
 
     def chain(norm: bool, pre: bool, mat: bool):
         def run() -> None:
@@ -98,10 +105,11 @@ def probe(dev, pf, sink, rng, name: str, fmt: str, groups: int, reps: int) -> No
     t = {key: replay_us(dev, chain(*flags), reps) for key, flags in
          (("mv", (False, False, True)), ("norm", (True, False, False)), ("norm+mv", (True, False, True)),
           ("norm+pf+mv", (True, True, True)), ("pf+mv", (False, True, True)), ("pf", (False, True, False)))}
+    t["mv||"] = replay_us(dev, overlapped, reps)
     print(f"{name:>8s} {n:>6d}x{k:<5d} {t['mv']:7.2f} {t['norm']:7.2f} {t['norm+mv']:8.2f} {t['norm+pf+mv']:10.2f} "
-          f"{t['pf+mv']:7.2f} {t['pf']:6.2f}  {nbytes / t['mv'] / 1e3:8.0f}", flush=True)
+          f"{t['pf+mv']:7.2f} {t['pf']:6.2f} {t['mv||']:6.2f}  {nbytes / t['mv'] / 1e3:8.0f}", flush=True)
     _release_weights(ws)
-    for b in (x, gamma, acts_buf, y):
+    for b in (x, gamma, acts_buf, *ys):
         b.release()
 
 
