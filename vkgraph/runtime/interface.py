@@ -29,7 +29,9 @@ class Binding:
 
     @property
     def written(self) -> bool:
-        return not self.readonly
+        """Whether the queue orders this binding as written; the chained dispatches' flags (runtime/chain.py) are
+        ordered by the kernels themselves."""
+        return not self.readonly and self.name != "ChainFlags"
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,10 @@ class KernelInterface:
         return struct.Struct(fmt)
 
 
+# qualifiers may include macros (upper-case names, e.g. common.glsl's CHAIN_COHERENT): the parser does not preprocess
 _BUFFER_RE = re.compile(
-    r"layout\s*\(([^)]*)\)\s*((?:(?:restrict|readonly|writeonly|coherent|volatile)\s+)*)buffer\s+(\w+)")
+    r"layout\s*\(([^)]*)\)\s*((?:(?:restrict|readonly|writeonly|coherent|volatile|[A-Z][A-Z0-9_]*)\s+)*)"
+    r"buffer\s+(\w+)")
 _PUSH_RE = re.compile(r"layout\s*\(\s*push_constant\s*\)\s*uniform\s+\w+\s*\{([^}]*)\}")
 _SPEC_RE = re.compile(r"layout\s*\(\s*constant_id\s*=\s*(\d+)\s*\)\s*const\s+(\w+)\s+(\w+)\s*=\s*([^;]+);")
 _LOCAL_RE = re.compile(r"layout\s*\(([^)]*local_size[^)]*)\)\s*in\s*;")
