@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from .memory import Buffer
 
 NONE = 0xFFFFFFFF  # no slot: the kernel neither waits nor signals
-SLOTS = 1024       # slots per flags buffer between resets (a 32-layer decode step uses about 200): 256 KiB
-WORDS = 64         # per slot (chain.glsl CHAIN_WORDS): the count of finished workgroups, the flag 128 bytes on
+SLOTS = 1024       # slots per flags buffer between resets (a 32-layer decode step uses about 200)
+WORDS = 2          # per slot: the count of finished workgroups, the flag
 BINDING = "ChainFlags"
 NVIDIA = 0x10DE
 

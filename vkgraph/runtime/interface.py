@@ -98,9 +98,7 @@ def parse_interface(source: str) -> KernelInterface:
             raise KernelInterfaceError(f"binding {idx} declared twice")
         seen.add(idx)
         mods = m.group(2).split()
-        # CHAIN_READONLY (common.glsl): read-only, coherent in a chained build
-        iface.bindings.append(Binding(idx, m.group(3), "readonly" in mods or "CHAIN_READONLY" in mods,
-                                      "writeonly" in mods))
+        iface.bindings.append(Binding(idx, m.group(3), "readonly" in mods, "writeonly" in mods))
     iface.bindings.sort(key=lambda b: b.index)
     for pos, b in enumerate(iface.bindings):
         if b.index != pos:

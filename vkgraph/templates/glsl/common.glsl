@@ -3,15 +3,10 @@
 #ifndef COMMON_GLSL
 #define COMMON_GLSL
 #extension GL_EXT_control_flow_attributes : require
-// chain.glsl: buffers other kernels write (CHAIN_COHERENT) or that this one only reads (CHAIN_READONLY) are
-// coherent in a chained build; not readonly there, as a driver may read read-only buffers through a cache that
-// is only made current at barriers (the interface parser takes CHAIN_READONLY for readonly)
 #ifdef CHAIN
-#define CHAIN_COHERENT coherent
-#define CHAIN_READONLY coherent
+#define CHAIN_COHERENT coherent   // chain.glsl: buffers other kernels write or read, in a chained dispatch
 #else
 #define CHAIN_COHERENT
-#define CHAIN_READONLY readonly
 #endif
 #ifdef INT_DOT
 // SPV_KHR_integer_dot_product through GL_EXT_spirv_intrinsics (the compilers the project can install know no

@@ -74,14 +74,14 @@ layout(constant_id = 7) const float EPS = 0.0;        // NORM_X: the norm's epsi
 
 layout(set = 0, binding = 0) readonly buffer Weights { uvec4 w[]; };
 layout(set = 0, binding = 1) readonly buffer Scales { uint s[]; };
-layout(set = 0, binding = 2) CHAIN_READONLY buffer X { XVEC x[]; };
+layout(set = 0, binding = 2) CHAIN_COHERENT readonly buffer X { XVEC x[]; };
 layout(set = 0, binding = 3) CHAIN_COHERENT buffer Y { float y[]; };
 layout(set = 0, binding = 4) readonly buffer Bias { float bias[]; };
-layout(set = 0, binding = 5) CHAIN_READONLY buffer Residual { float res[]; };
-layout(set = 0, binding = 6) CHAIN_READONLY buffer Ids { uint ids[]; };
+layout(set = 0, binding = 5) CHAIN_COHERENT readonly buffer Residual { float res[]; };
+layout(set = 0, binding = 6) CHAIN_COHERENT readonly buffer Ids { uint ids[]; };
 // INT_DOT: activation block scales (NORM_X: g)
-layout(set = 0, binding = 7) CHAIN_READONLY buffer XD { float xd[]; };
-layout(set = 0, binding = 8) CHAIN_READONLY buffer XSum { int xsum[]; }; // INT_DOT: int8 sums per 16
+layout(set = 0, binding = 7) CHAIN_COHERENT readonly buffer XD { float xd[]; };
+layout(set = 0, binding = 8) CHAIN_COHERENT readonly buffer XSum { int xsum[]; }; // INT_DOT: int8 sums per 16
 // GLU_Q8: h's int8 values, block scales and half-block int8 sums (else: y, unwritten)
 layout(set = 0, binding = 9) CHAIN_COHERENT writeonly buffer GluQ { uint glu_q[]; };
 layout(set = 0, binding = 10) CHAIN_COHERENT writeonly buffer GluD { float glu_d[]; };

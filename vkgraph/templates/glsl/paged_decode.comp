@@ -26,11 +26,11 @@
 // table gives position ctx - 1, and no other sequence of the dispatch may read it.
 #define ROWS GROUP
 #include "common.glsl"
-layout(set = 0, binding = 0) CHAIN_READONLY buffer Q { float q[]; };  // [B, Hq, D] float32; -DNEW_KV: [B, src_stride]
-layout(set = 0, binding = 1) CHAIN_READONLY buffer KC { uvec4 kc[]; };
-layout(set = 0, binding = 2) CHAIN_READONLY buffer VC { uvec4 vc[]; };
-layout(set = 0, binding = 3) CHAIN_READONLY buffer Tables { int block_tables[]; };  // [B, max_blocks]
-layout(set = 0, binding = 4) CHAIN_READONLY buffer Lens { int context_lens[]; };    // [B]
+layout(set = 0, binding = 0) CHAIN_COHERENT readonly buffer Q { float q[]; };  // [B, Hq, D] float32; -DNEW_KV: [B, src_stride]
+layout(set = 0, binding = 1) CHAIN_COHERENT readonly buffer KC { uvec4 kc[]; };
+layout(set = 0, binding = 2) CHAIN_COHERENT readonly buffer VC { uvec4 vc[]; };
+layout(set = 0, binding = 3) CHAIN_COHERENT readonly buffer Tables { int block_tables[]; };  // [B, max_blocks]
+layout(set = 0, binding = 4) CHAIN_COHERENT readonly buffer Lens { int context_lens[]; };    // [B]
 layout(set = 0, binding = 5) CHAIN_COHERENT writeonly buffer Out { float o[]; };           // [B, Hq, D]
 // the partitions' outputs, written by each and read by the last to finish: coherent, past the workgroups' caches
 layout(set = 0, binding = 6) coherent buffer PartOut { vec4 part_o[]; };  // [B, Hq, max_parts, D / 4]
@@ -42,9 +42,9 @@ layout(set = 0, binding = 9) CHAIN_COHERENT writeonly buffer XD { float xd[]; };
 layout(set = 0, binding = 10) CHAIN_COHERENT writeonly buffer XS { int xs[]; };
 // -DNEW_KV only (else any buffers; the cache's writes go through bindings of their own, so the loads above keep
 // their read-only binding)
-layout(set = 0, binding = 11) CHAIN_READONLY buffer Slots { int slot_mapping[]; };  // [B]
-layout(set = 0, binding = 12) CHAIN_READONLY buffer Cos { float rope_cos[]; };      // [B, HEAD_SIZE / 2] (-DROPE)
-layout(set = 0, binding = 13) CHAIN_READONLY buffer Sin { float rope_sin[]; };
+layout(set = 0, binding = 11) CHAIN_COHERENT readonly buffer Slots { int slot_mapping[]; };  // [B]
+layout(set = 0, binding = 12) CHAIN_COHERENT readonly buffer Cos { float rope_cos[]; };      // [B, HEAD_SIZE / 2] (-DROPE)
+layout(set = 0, binding = 13) CHAIN_COHERENT readonly buffer Sin { float rope_sin[]; };
 layout(set = 0, binding = 14) CHAIN_COHERENT writeonly buffer KW { uvec4 kw[]; };            // the cache's K buffer
 layout(set = 0, binding = 15) CHAIN_COHERENT writeonly buffer VW { uvec4 vw[]; };            // and its V buffer
 // split only: the partitions finished per (sequence, KV head) pair [B, num_kv_heads] (else any buffer, untouched)

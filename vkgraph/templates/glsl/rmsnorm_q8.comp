@@ -10,7 +10,7 @@
 #include "common.glsl"
 #include "row_reduce.glsl"
 layout(constant_id = 1) const uint VPI = 4;  // vec4s of the row per invocation
-layout(set = 0, binding = 0) CHAIN_READONLY buffer X { vec4 x[]; };
+layout(set = 0, binding = 0) CHAIN_COHERENT readonly buffer X { vec4 x[]; };
 layout(set = 0, binding = 1) readonly buffer W { vec4 w[]; };
 layout(set = 0, binding = 2) CHAIN_COHERENT writeonly buffer XQ { uint xq[]; };
 layout(set = 0, binding = 3) CHAIN_COHERENT writeonly buffer XD { float xd[]; };
