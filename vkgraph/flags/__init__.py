@@ -47,9 +47,6 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_DEBUG", int, 0, "1 prints the schedule, 3 also prints generated GLSL"),
         Flag("VKGRAPH_VALIDATION", int, 0, "1 enables the Khronos validation layer; messages raise errors; "
              "2 also prints each message to stderr as it arrives (for crashes inside the driver)"),
-        Flag("VKGRAPH_CHAIN", str, "auto", "chained dispatches (runtime/chain.py): a template kernel that depends on "
-             "the one before it waits for it inside itself instead of behind a barrier; auto (NVIDIA GPUs and CPU "
-             "drivers), 1 (any device: it must launch dispatches in order) or 0 (barriers only)"),
         Flag("VKGRAPH_MAX_RECORDED", int, 256, "dispatches recorded before a command buffer is submitted"),
         Flag("VKGRAPH_INT_DOT", str, "auto", "quantized matvecs over int8 activations: auto (where the device "
              "accelerates int8 dot products), 1 (wherever it has them) or 0 (never)"),

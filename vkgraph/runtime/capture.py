@@ -48,8 +48,7 @@ class CaptureLog:
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()  # the capturing thread: work from others would be captured too
-        # ("dispatch", pipe, buffers, groups, push, chain) or ("copy", src, src_offset, dst, dst_offset, nbytes);
-        # chain: a chained dispatch's (wait, signal) slots (runtime/chain.py), else None
+        # ("dispatch", pipe, buffers, groups, push) or ("copy", src, src_offset, dst, dst_offset, nbytes)
         self.entries: list[tuple] = []
         # the Buffer objects used: a graph keeps the live ones from returning to the pool while it exists
         self.keep: list[Any] = []
@@ -132,20 +131,16 @@ class CommandGraph:
         written: set[int] = set()
         read: set[int] = set()
         prepared = []
-        last_signal = None  # as Queue.dispatch tracks it: a chained dispatch waiting for it needs no barrier
         for e in self.entries:
-            chain = None
             if e[0] == "dispatch":
-                _, pipe, bufs, groups, push, chain = e
+                _, pipe, bufs, groups, push = e
                 allocs = [b.alloc for b in bufs]
                 writes = pipe.writes
             else:
                 _, src, so, dst, do, n = e
                 allocs = [src.alloc, dst.alloc]
                 writes = (False, True)
-            began = track_hazards(allocs, writes, written, read)
-            hazard = began and not (chain is not None and chain[0] == last_signal)
-            last_signal = chain[1] if chain is not None and began else None
+            hazard = track_hazards(allocs, writes, written, read)
             if e[0] == "dispatch":
                 key = (pipe.layout_id, tuple(b.key for b in bufs))  # as Queue.dispatch keys it
                 sets = q.descriptors
@@ -314,7 +309,6 @@ class CommandGraph:
                 a.last_use = seq
             for _, a in binding.pairs:
                 a.last_use = seq
-            q.last_signal = None  # the graph's commands came after whatever signalled
             q.written |= self.written  # later work must wait for the graph's writes
             q.read |= self.read  # and writes to what it reads for its reads
             q.read |= binding.read

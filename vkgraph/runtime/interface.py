@@ -29,9 +29,7 @@ class Binding:
 
     @property
     def written(self) -> bool:
-        """Whether the queue orders this binding as written; the chained dispatches' flags (runtime/chain.py) are
-        ordered by the kernels themselves."""
-        return not self.readonly and self.name != "ChainFlags"
+        return not self.readonly
 
 
 @dataclass(frozen=True)
@@ -72,10 +70,8 @@ class KernelInterface:
         return struct.Struct(fmt)
 
 
-# qualifiers may include macros (upper-case names, e.g. common.glsl's CHAIN_COHERENT): the parser does not preprocess
 _BUFFER_RE = re.compile(
-    r"layout\s*\(([^)]*)\)\s*((?:(?:restrict|readonly|writeonly|coherent|volatile|[A-Z][A-Z0-9_]*)\s+)*)"
-    r"buffer\s+(\w+)")
+    r"layout\s*\(([^)]*)\)\s*((?:(?:restrict|readonly|writeonly|coherent|volatile)\s+)*)buffer\s+(\w+)")
 _PUSH_RE = re.compile(r"layout\s*\(\s*push_constant\s*\)\s*uniform\s+\w+\s*\{([^}]*)\}")
 _SPEC_RE = re.compile(r"layout\s*\(\s*constant_id\s*=\s*(\d+)\s*\)\s*const\s+(\w+)\s+(\w+)\s*=\s*([^;]+);")
 _LOCAL_RE = re.compile(r"layout\s*\(([^)]*local_size[^)]*)\)\s*in\s*;")

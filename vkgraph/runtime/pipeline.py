@@ -50,8 +50,6 @@ class Pipeline:
         self.key = key
         self.num_bindings = len(iface.bindings)
         self.writes = tuple(b.written for b in iface.bindings)
-        # the chained dispatches' flags (runtime/chain.py), if the kernel declares them: Queue.dispatch_chained
-        self.chain_binding = next((i for i, b in enumerate(iface.bindings) if b.name == "ChainFlags"), None)
         self.push_names = tuple(f.name for f in iface.push_fields)
         self.push_size = iface.push_size
         self._push = iface.push_struct()

@@ -21,7 +21,6 @@ from ..flags import flag
 from ..interrupts import critical, interruptible
 from . import faults
 from .capture import CaptureLog, CommandGraph
-from .chain import NONE, ChainFlags
 from .descriptors import DescriptorSets, foreign_buffer
 from .errors import CaptureError, DeviceClosed, DeviceError, DeviceLost, KernelInterfaceError, VkgraphError
 from .hazards import track_hazards
@@ -75,14 +74,10 @@ class Queue:
         self.copy_region = ffi.new("VkBufferCopy*")
         self.descriptors = DescriptorSets(device)
         self.profiler = Profiler(device) if flag("VKGRAPH_PROFILE") else None
-        self.stats = {"submits": 0, "barriers": 0, "copies": 0, "chained": 0}
+        self.stats = {"submits": 0, "barriers": 0, "copies": 0}
         self.dispatch_count = 0
         self.max_groups = device.info.max_workgroup_count
         self.capture: CaptureLog | None = None
-        # the chain slot the last recorded command signalled, if it was a chained dispatch that began its barrier
-        # interval (runtime/chain.py); any other command clears it
-        self.last_signal: int | None = None
-        self._chain: ChainFlags | None = None
         self.graphs: weakref.WeakSet[CommandGraph] = weakref.WeakSet()  # live command graphs, freed at close
 
     # ---- recording ------------------------------------------------------------------------------------------
@@ -135,35 +130,9 @@ class Queue:
         if self.capture is not None and self.capture.thread != threading.get_ident():
             self._await_capture()
 
-    @property
-    def chain(self) -> ChainFlags:
-        if self._chain is None:
-            self._chain = ChainFlags(self.device)
-        return self._chain
-
     @critical
-    def dispatch_chained(self, pipe: Pipeline, buffers: list[Any], groups: Any, push: dict[str, Any],
-                         active: bool) -> None:
-        """Dispatch a kernel that declares the chained dispatches' flags (runtime/chain.py): its ChainFlags binding
-        and its push fields chain_wait and chain_signal are filled here. `active`: the kernel was built to wait
-        and signal (-DCHAIN, where chain.enabled said so when it was compiled); otherwise it is given no slots."""
-        with self.lock:
-            self.admit()
-            chain = self.chain
-            if active:
-                flags, wait, signal = chain.link(self.last_signal)
-            else:
-                flags, wait, signal = chain.idle_buffer(), NONE, NONE
-            buffers = list(buffers)
-            buffers[pipe.chain_binding] = flags
-            self.dispatch(pipe, buffers, groups, {**push, "chain_wait": wait, "chain_signal": signal},
-                          chain=(wait, signal) if signal != NONE else None)
-
-    @critical
-    def dispatch(self, pipe: Pipeline, buffers: list[Any], groups: Any, push: Any = None,
-                 chain: tuple[int, int] | None = None) -> None:
-        # The hot path: one pass over the bindings, cached descriptor sets, raw cffi calls. `chain`: the (wait,
-        # signal) slots of a chained dispatch (dispatch_chained).
+    def dispatch(self, pipe: Pipeline, buffers: list[Any], groups: Any, push: Any = None) -> None:
+        # The hot path: one pass over the bindings, cached descriptor sets, raw cffi calls.
         if len(buffers) != pipe.num_bindings:
             raise KernelInterfaceError(f"kernel {pipe.name} declares {pipe.num_bindings} buffers, got "
                                        f"{len(buffers)}")
@@ -217,14 +186,10 @@ class Queue:
             entry[2] = seq
             cmd = rec.cmd
             if hazard:
-                if chain is not None and chain[0] == self.last_signal:
-                    self.stats["chained"] += 1  # the kernel waits for the one before, which began its interval
-                else:
-                    lib.vkCmdPipelineBarrier(cmd, _STAGES, _STAGES, 0, 1, self.barrier, 0, NULL, 0, NULL)
-                    self.stats["barriers"] += 1
+                lib.vkCmdPipelineBarrier(cmd, _STAGES, _STAGES, 0, 1, self.barrier, 0, NULL, 0, NULL)
                 written.clear()
                 read.clear()
-            self.last_signal = chain[1] if chain is not None and hazard else None
+                self.stats["barriers"] += 1
             for a, w in zip(allocs, pipe.writes):
                 (written if w else read).add(a.handle)
                 a.last_use = seq
@@ -242,7 +207,7 @@ class Queue:
             if self.capture is not None:
                 self.capture.keep += buffers
                 self.capture.entries.append(("dispatch", pipe, tuple(
-                    BoundRange(a, b.offset, b.size) for a, b in zip(allocs, buffers)), (gx, gy, gz), push, chain))
+                    BoundRange(a, b.offset, b.size) for a, b in zip(allocs, buffers)), (gx, gy, gz), push))
             rec.dispatches += 1
             self.dispatch_count += 1
             if rec.dispatches >= self.max_recorded or (self.profiler is not None and self.profiler.full(rec)):
@@ -304,7 +269,6 @@ class Queue:
             raise foreign_buffer("copy", sa if sa.owner is not self.device.memory else da, self.device)
         rec = self._begin()
         self._hazards([sa, da], (False, True), rec)
-        self.last_signal = None
         self.stats["copies"] += 1
         return rec
 

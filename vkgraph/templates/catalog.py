@@ -9,14 +9,13 @@ template name so the tests can show that every template is exercised.
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from ..runtime import Device, Pipeline, chain
+from ..runtime import Device, Pipeline
 from ..runtime.interface import KernelInterface, expand_includes, parse_interface
 
 # the GLSL sources and their shared includes (`#include "common.glsl"` resolves here)
@@ -24,8 +23,6 @@ GLSL_DIR = Path(__file__).resolve().parent / "glsl"
 
 # dispatches recorded per template name in this process
 DISPATCHES: Counter[str] = Counter()
-# the pipelines compiled to wait and signal as chained dispatches (-DCHAIN)
-CHAINED: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -69,22 +66,11 @@ def compile(dev: Device, name: str, *, spec: dict[str, Any] | None = None,
             defines: dict[str, Any] | None = None, label: str | None = None) -> Pipeline:
     """The template compiled for `dev` (cached by the runtime on source, defines and spec). `label`: the name its
     dispatches are counted and profiled under, where a variant should stand apart from the template's name."""
-    template = get(name)
-    source = template.source
-    if "ChainFlags" in template.binding_names and chain.enabled(dev):
-        defines = {**(defines or {}), "CHAIN": 1}
-        pipe = dev.pipeline(source, spec=spec, defines=defines, name=label or name, include_dirs=[GLSL_DIR])
-        CHAINED.add(pipe)
-        return pipe
-    return dev.pipeline(source, spec=spec, defines=defines, name=label or name, include_dirs=[GLSL_DIR])
+    return dev.pipeline(get(name).source, spec=spec, defines=defines, name=label or name, include_dirs=[GLSL_DIR])
 
 
 def dispatch(dev: Device, pipeline: Pipeline, buffers: list[Any], groups: tuple[int, int, int],
              push: dict[str, Any] | None = None) -> None:
-    """Record a dispatch of a compiled template, counting it under the template's name. A template that declares
-    the chained dispatches' flags (runtime/chain.py) gets them filled in: pass any buffer at that binding."""
-    if pipeline.chain_binding is not None:
-        dev.queue.dispatch_chained(pipeline, buffers, groups, push or {}, pipeline in CHAINED)
-    else:
-        dev.dispatch(pipeline, buffers, groups, push=push)
+    """Record a dispatch of a compiled template, counting it under the template's name."""
+    dev.dispatch(pipeline, buffers, groups, push=push)
     DISPATCHES[pipeline.name] += 1

@@ -617,7 +617,7 @@ def _launch(dev: Device, weights: DeviceWeights, cfg: MatvecConfig, kern: Any, x
         acts = list(quantize_activations(dev, x, x_rows, weights.shape[1], act_dtype))
     written = [glu.xq, glu.xd, glu.xs] if glu is not None else [out, out, out]
     catalog.dispatch(dev, kern, [w, weights.scales or w, acts[0], out, bias or w, residual or w, ids or w, *acts[1:],
-                                 *written, w], groups,
+                                 *written], groups,
                      push={"n_rows": weights.shape[0] // n_experts, "k": weights.shape[1],
                            "w_stride": weights.w_stride, "s_stride": weights.s_stride, "groups_x": groups[0],
                            "n_pairs": n_pairs, "x_div": x_div, "n_experts": n_experts})

@@ -84,7 +84,7 @@ def rmsnorm_q8(dev: Device, x: Any, weight: Any, rows: int, n: int, *, eps: floa
     _check_wg(dev, wg)
     kern = catalog.compile(dev, "rmsnorm_q8", spec={"WG": wg, "VPI": -(-n // (4 * wg))},
                            defines=_lanes_defines(dev, wg))
-    catalog.dispatch(dev, kern, [x, weight, acts.xq, acts.xd, acts.xs, x], (rows, 1, 1), push={"n": n, "eps": eps})
+    catalog.dispatch(dev, kern, [x, weight, acts.xq, acts.xd, acts.xs], (rows, 1, 1), push={"n": n, "eps": eps})
     return out
 
 

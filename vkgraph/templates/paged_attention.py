@@ -417,8 +417,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
                            defines=_defines(dev, d, cache.dtype, wg, GROUP=group, **core, BLOCK_SIZE=cache.block_size,
                                             **flags))
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
-                                 acts.xq, acts.xd, acts.xs, *extra, arrivals, arrivals], (parts, hkv, num_seqs),
-                     push=push)
+                                 acts.xq, acts.xd, acts.xs, *extra, arrivals], (parts, hkv, num_seqs), push=push)
     return out
 
 

@@ -1,13 +1,5 @@
-// Shared helpers for the templates in kernels/. Guarded: the runtime's #include skips a file only within its own
-// chain of includes, and a kernel may include this first and again through another include.
-#ifndef COMMON_GLSL
-#define COMMON_GLSL
+// Shared helpers for the templates in kernels/. Included once per kernel (the runtime's #include is "once").
 #extension GL_EXT_control_flow_attributes : require
-#ifdef CHAIN
-#define CHAIN_COHERENT coherent   // chain.glsl: buffers other kernels write or read, in a chained dispatch
-#else
-#define CHAIN_COHERENT
-#endif
 #ifdef INT_DOT
 // SPV_KHR_integer_dot_product through GL_EXT_spirv_intrinsics (the compilers the project can install know no
 // GLSL extension for it): dot products of four int8 lanes packed in a uint (packed-vector format 0).
@@ -126,4 +118,3 @@ uvec4 iq4_bytes(uvec4 v) {    // the int8 levels of the low nibble of each byte 
 float hsum(vec4 v) {
     return (v.x + v.y) + (v.z + v.w);
 }
-#endif  // COMMON_GLSL

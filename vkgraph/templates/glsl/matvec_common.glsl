@@ -74,19 +74,16 @@ layout(constant_id = 7) const float EPS = 0.0;        // NORM_X: the norm's epsi
 
 layout(set = 0, binding = 0) readonly buffer Weights { uvec4 w[]; };
 layout(set = 0, binding = 1) readonly buffer Scales { uint s[]; };
-layout(set = 0, binding = 2) CHAIN_COHERENT readonly buffer X { XVEC x[]; };
-layout(set = 0, binding = 3) CHAIN_COHERENT buffer Y { float y[]; };
+layout(set = 0, binding = 2) readonly buffer X { XVEC x[]; };
+layout(set = 0, binding = 3) buffer Y { float y[]; };
 layout(set = 0, binding = 4) readonly buffer Bias { float bias[]; };
-layout(set = 0, binding = 5) CHAIN_COHERENT readonly buffer Residual { float res[]; };
-layout(set = 0, binding = 6) CHAIN_COHERENT readonly buffer Ids { uint ids[]; };
-// INT_DOT: activation block scales (NORM_X: g)
-layout(set = 0, binding = 7) CHAIN_COHERENT readonly buffer XD { float xd[]; };
-layout(set = 0, binding = 8) CHAIN_COHERENT readonly buffer XSum { int xsum[]; }; // INT_DOT: int8 sums per 16
-// GLU_Q8: h's int8 values, block scales and half-block int8 sums (else: y, unwritten)
-layout(set = 0, binding = 9) CHAIN_COHERENT writeonly buffer GluQ { uint glu_q[]; };
-layout(set = 0, binding = 10) CHAIN_COHERENT writeonly buffer GluD { float glu_d[]; };
-layout(set = 0, binding = 11) CHAIN_COHERENT writeonly buffer GluS { int glu_s[]; };
-layout(set = 0, binding = 12) coherent volatile buffer ChainFlags { uint chain_flags[]; };   // chain.glsl
+layout(set = 0, binding = 5) readonly buffer Residual { float res[]; };
+layout(set = 0, binding = 6) readonly buffer Ids { uint ids[]; };
+layout(set = 0, binding = 7) readonly buffer XD { float xd[]; };   // INT_DOT: activation block scales (NORM_X: g)
+layout(set = 0, binding = 8) readonly buffer XSum { int xsum[]; }; // INT_DOT: int8 sums per 16 activations
+layout(set = 0, binding = 9) writeonly buffer GluQ { uint glu_q[]; };   // GLU_Q8: h's int8 values (else: y, unwritten)
+layout(set = 0, binding = 10) writeonly buffer GluD { float glu_d[]; }; // GLU_Q8: h's block scales
+layout(set = 0, binding = 11) writeonly buffer GluS { int glu_s[]; };   // GLU_Q8: h's half-block int8 sums
 
 layout(push_constant) uniform Push {
     uint n_rows;      // N
@@ -97,10 +94,7 @@ layout(push_constant) uniform Push {
     uint n_pairs;     // EXPERT_IDS: (token, slot) pairs
     uint x_div;       // EXPERT_IDS: pairs per activation row (a token's k slots share its x; 1: x per pair)
     uint n_experts;   // EXPERT_IDS: matrices stacked in `w` (ids are clamped to them)
-    uint chain_wait;  // chain.glsl
-    uint chain_signal;
 } pc;
-#include "chain.glsl"
 
 #ifdef EXPERT_IDS
 uint pair, x_row0;  // this workgroup's pair and its activation row, set first in main
@@ -456,11 +450,7 @@ void main() {
     const uint wg_linear = gl_WorkGroupID.y * pc.groups_x + gl_WorkGroupID.x;
 #ifdef EXPERT_IDS
     // pairs vary fastest, so neighbouring workgroups read the same rows, of the same expert when pairs share it
-    if (wg_linear >= pc.n_pairs * ((pc.n_rows + ROWS - 1) / ROWS)) {  // grid padding (whole workgroups)
-        chain_signal();
-        return;
-    }
-    chain_wait();   // before the ids (the weights' rows depend on them)
+    if (wg_linear >= pc.n_pairs * ((pc.n_rows + ROWS - 1) / ROWS)) return;  // grid padding (whole workgroups)
     pair = wg_linear % pc.n_pairs;
     x_row0 = pair / pc.x_div;
     const uint row0 = (wg_linear / pc.n_pairs) * ROWS;
@@ -496,9 +486,8 @@ void main() {
                 }
             }
         }
-        if (c0 == 0) chain_wait();     // the first round's weights in flight meanwhile
 #ifdef NORM_X
-        if (c0 == 0) row_max_pass();   // and meanwhile
+        if (c0 == 0) row_max_pass();   // the first round's weights in flight meanwhile
 #endif
         barrier();   // every group is done with the previous round
 #ifdef NORM_X
@@ -517,7 +506,6 @@ void main() {
     norm_finish();
 #endif
 #elif defined(SG_ROWS)
-    chain_wait();
     const uint group_units = row0 < pc.n_rows ? units : 0;   // a group past the last row only joins the sums
     for (uint u0 = lane; u0 < group_units; u0 += TPR * UNROLL) {
         [[unroll]] for (uint t = 0; t < UNROLL; t++) {
@@ -549,9 +537,6 @@ void main() {
 #else
     // UNROLL rounds of WG units at once: the loads of all of them (UNROLL * ROWS words) are issued before any is
     // decoded, so an invocation keeps that many in flight where a row has units for them (K past WG units)
-#ifndef EXPERT_IDS
-    chain_wait();
-#endif
     for (uint u0 = tid; u0 < units; u0 += WG * UNROLL) {
         [[unroll]] for (uint t = 0; t < UNROLL; t++) {
             const uint u = min(u0 + t * WG, units - 1);   // past the row's end: a repeat, loaded but not added
@@ -597,5 +582,4 @@ void main() {
         for (uint i = tid; i < ROWS * NB; i += WG) store(row0, i, red[i * WG]);
     }
 #endif
-    chain_signal();
 }

@@ -25,31 +25,29 @@
 // slot (padding) writes nothing and attends the cache as it is. The slot must be the one the block
 // table gives position ctx - 1, and no other sequence of the dispatch may read it.
 #define ROWS GROUP
-#include "common.glsl"
-layout(set = 0, binding = 0) CHAIN_COHERENT readonly buffer Q { float q[]; };  // [B, Hq, D] float32; -DNEW_KV: [B, src_stride]
-layout(set = 0, binding = 1) CHAIN_COHERENT readonly buffer KC { uvec4 kc[]; };
-layout(set = 0, binding = 2) CHAIN_COHERENT readonly buffer VC { uvec4 vc[]; };
-layout(set = 0, binding = 3) CHAIN_COHERENT readonly buffer Tables { int block_tables[]; };  // [B, max_blocks]
-layout(set = 0, binding = 4) CHAIN_COHERENT readonly buffer Lens { int context_lens[]; };    // [B]
-layout(set = 0, binding = 5) CHAIN_COHERENT writeonly buffer Out { float o[]; };           // [B, Hq, D]
+layout(set = 0, binding = 0) readonly buffer Q { float q[]; };  // [B, Hq, D] float32; -DNEW_KV: [B, src_stride]
+layout(set = 0, binding = 1) readonly buffer KC { uvec4 kc[]; };
+layout(set = 0, binding = 2) readonly buffer VC { uvec4 vc[]; };
+layout(set = 0, binding = 3) readonly buffer Tables { int block_tables[]; };  // [B, max_blocks]
+layout(set = 0, binding = 4) readonly buffer Lens { int context_lens[]; };    // [B]
+layout(set = 0, binding = 5) writeonly buffer Out { float o[]; };           // [B, Hq, D]
 // the partitions' outputs, written by each and read by the last to finish: coherent, past the workgroups' caches
 layout(set = 0, binding = 6) coherent buffer PartOut { vec4 part_o[]; };  // [B, Hq, max_parts, D / 4]
 layout(set = 0, binding = 7) coherent buffer PartML { vec2 part_ml[]; };  // [B, Hq, max_parts] (max, sum)
 // -DQ8_OUT: the output written (by the workgroup that finishes it) as the integer matvec's input instead of `o`
 // (q8_store.glsl; bound in both modes, as the interface parser does not preprocess)
-layout(set = 0, binding = 8) CHAIN_COHERENT writeonly buffer XQ { uint xq[]; };
-layout(set = 0, binding = 9) CHAIN_COHERENT writeonly buffer XD { float xd[]; };
-layout(set = 0, binding = 10) CHAIN_COHERENT writeonly buffer XS { int xs[]; };
+layout(set = 0, binding = 8) writeonly buffer XQ { uint xq[]; };
+layout(set = 0, binding = 9) writeonly buffer XD { float xd[]; };
+layout(set = 0, binding = 10) writeonly buffer XS { int xs[]; };
 // -DNEW_KV only (else any buffers; the cache's writes go through bindings of their own, so the loads above keep
 // their read-only binding)
-layout(set = 0, binding = 11) CHAIN_COHERENT readonly buffer Slots { int slot_mapping[]; };  // [B]
-layout(set = 0, binding = 12) CHAIN_COHERENT readonly buffer Cos { float rope_cos[]; };      // [B, HEAD_SIZE / 2] (-DROPE)
-layout(set = 0, binding = 13) CHAIN_COHERENT readonly buffer Sin { float rope_sin[]; };
-layout(set = 0, binding = 14) CHAIN_COHERENT writeonly buffer KW { uvec4 kw[]; };            // the cache's K buffer
-layout(set = 0, binding = 15) CHAIN_COHERENT writeonly buffer VW { uvec4 vw[]; };            // and its V buffer
+layout(set = 0, binding = 11) readonly buffer Slots { int slot_mapping[]; };  // [B]
+layout(set = 0, binding = 12) readonly buffer Cos { float rope_cos[]; };      // [B, HEAD_SIZE / 2] (-DROPE)
+layout(set = 0, binding = 13) readonly buffer Sin { float rope_sin[]; };
+layout(set = 0, binding = 14) writeonly buffer KW { uvec4 kw[]; };            // the cache's K buffer
+layout(set = 0, binding = 15) writeonly buffer VW { uvec4 vw[]; };            // and its V buffer
 // split only: the partitions finished per (sequence, KV head) pair [B, num_kv_heads] (else any buffer, untouched)
 layout(set = 0, binding = 16) coherent buffer Arrivals { uint arrivals[]; };
-layout(set = 0, binding = 17) coherent volatile buffer ChainFlags { uint chain_flags[]; };   // chain.glsl
 
 layout(push_constant) uniform Push {
     uint num_kv_heads;
@@ -63,10 +61,7 @@ layout(push_constant) uniform Push {
     uint q_off;
     uint k_off;
     uint v_off;
-    uint chain_wait;     // chain.glsl
-    uint chain_signal;
 } pc;
-#include "chain.glsl"
 
 #ifdef STREAM
 #include "decode_stream.glsl"
@@ -216,7 +211,6 @@ vec4 combine_parts(uint row, uint q, uint parts) {
 }
 
 void main() {
-    chain_wait();
     const uint ctx = uint(context_lens[seq_id()]);
     const uint part = gl_WorkGroupID.x;
     uint begin = 0, end = ctx;
@@ -241,10 +235,7 @@ void main() {
             }
         }
         for (uint r = tid; r < ROWS; r += WG) part_ml[(head0 + r) * pc.max_parts + part] = vec2(sM[r], sL[r]);
-        if (!last_arrival()) {   // uniform: one invocation's atomic, shared
-            chain_signal();
-            return;
-        }
+        if (!last_arrival()) return;
         const uint parts = min((ctx + pc.part_tokens - 1) / pc.part_tokens, pc.max_parts);
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
@@ -285,5 +276,4 @@ void main() {
         store_q8_block(head0 * (HEAD_SIZE / 32) + blk, v);
     }
 #endif
-    chain_signal();
 }

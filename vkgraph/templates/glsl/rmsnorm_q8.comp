@@ -10,21 +10,16 @@
 #include "common.glsl"
 #include "row_reduce.glsl"
 layout(constant_id = 1) const uint VPI = 4;  // vec4s of the row per invocation
-layout(set = 0, binding = 0) CHAIN_COHERENT readonly buffer X { vec4 x[]; };
+layout(set = 0, binding = 0) readonly buffer X { vec4 x[]; };
 layout(set = 0, binding = 1) readonly buffer W { vec4 w[]; };
-layout(set = 0, binding = 2) CHAIN_COHERENT writeonly buffer XQ { uint xq[]; };
-layout(set = 0, binding = 3) CHAIN_COHERENT writeonly buffer XD { float xd[]; };
-layout(set = 0, binding = 4) CHAIN_COHERENT writeonly buffer XS { int xs[]; };
-layout(set = 0, binding = 5) coherent volatile buffer ChainFlags { uint chain_flags[]; };   // chain.glsl
+layout(set = 0, binding = 2) writeonly buffer XQ { uint xq[]; };
+layout(set = 0, binding = 3) writeonly buffer XD { float xd[]; };
+layout(set = 0, binding = 4) writeonly buffer XS { int xs[]; };
 
 layout(push_constant) uniform Push {
     uint n;
     float eps;
-    uint chain_wait;  // chain.glsl
-    uint chain_signal;
 } pc;
-
-#include "chain.glsl"
 
 #include "q8_lanes.glsl"
 
@@ -37,15 +32,15 @@ void main() {
     const uint slot = lane_slot();
     vec4 v[VPI];
     vec4 g[VPI];
-    [[unroll]] for (uint j = 0; j < VPI; j++) {
-        const uint e = slot + j * WG;
-        g[j] = e < n4 ? w[e] : vec4(0.0);
-    }
-    chain_wait();   // the gains meanwhile
     float ss = 0.0;
     [[unroll]] for (uint j = 0; j < VPI; j++) {
         const uint e = slot + j * WG;
-        v[j] = e < n4 ? x[row * n4 + e] : vec4(0.0);
+        v[j] = vec4(0.0);
+        g[j] = vec4(0.0);
+        if (e < n4) {
+            v[j] = x[row * n4 + e];
+            g[j] = w[e];
+        }
         ss += dot(v[j], v[j]);
     }
     const float total = wg_sum(ss);  // the same in every invocation, so the branch below is uniform
@@ -67,5 +62,4 @@ void main() {
         const uint e = slot + j * WG;
         store_q8_part(row * (pc.n / 32) + e / 8, e % 8, v[j] * inv * g[j], e < n4);
     }
-    chain_signal();
 }
