@@ -217,3 +217,30 @@ def test_descriptor_cache_eviction_never_frees_the_set_being_bound(dev, monkeypa
         assert any(key[1][0][1] == i * n * 4 for key in q.descriptors.sets), "the set just bound was freed"
         assert len(q.descriptors.sets) <= 4
     np.testing.assert_array_equal(dev.download(y, np.float32, n * 16), np.arange(n * 16) * 2.0 + 1.0)
+
+
+def test_kernel_statistics_or_a_clear_refusal(monkeypatch):
+    """Device.kernel_statistics: with VKGRAPH_PIPELINE_STATS=1 where the driver offers the extension, the driver's
+    figures for each executable of a kernel; elsewhere UnsupportedFeature saying why."""
+    from vkgraph.runtime import UnsupportedFeature
+
+    src = """#version 450
+layout(local_size_x = 64) in;
+layout(set = 0, binding = 0) buffer B { float b[]; };
+void main() { b[gl_GlobalInvocationID.x] += 1.0; }
+"""
+    for asked in ("0", "1"):
+        monkeypatch.setenv("VKGRAPH_PIPELINE_STATS", asked)
+        d = Device()
+        try:
+            pipe = d.pipeline(src, name="add_one")
+            if asked == "1" and d.info.pipeline_statistics:
+                stats = d.kernel_statistics(pipe)
+                assert stats and all(isinstance(v, int | float | bool) for s in stats.values() for v in s.values())
+                assert any(s for s in stats.values())
+            else:
+                why = "VKGRAPH_PIPELINE_STATS" if d.info.pipeline_statistics else "does not offer"
+                with pytest.raises(UnsupportedFeature, match=why):
+                    d.kernel_statistics(pipe)
+        finally:
+            d.close()

@@ -47,6 +47,9 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_DEBUG", int, 0, "1 prints the schedule, 3 also prints generated GLSL"),
         Flag("VKGRAPH_VALIDATION", int, 0, "1 enables the Khronos validation layer; messages raise errors; "
              "2 also prints each message to stderr as it arrives (for crashes inside the driver)"),
+        Flag("VKGRAPH_PIPELINE_STATS", int, 0, "1 asks the driver to keep what it compiled for each kernel "
+             "(registers, shared memory, ... : Device.kernel_statistics, benchmarks/kernel_stats.py) where it offers "
+             "VK_KHR_pipeline_executable_properties"),
         Flag("VKGRAPH_MAX_RECORDED", int, 256, "dispatches recorded before a command buffer is submitted"),
         Flag("VKGRAPH_INT_DOT", str, "auto", "quantized matvecs over int8 activations: auto (where the device "
              "accelerates int8 dot products), 1 (wherever it has them) or 0 (never)"),

@@ -43,6 +43,7 @@ VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 COOP_EXT = "VK_KHR_cooperative_matrix"
 BF16_EXT = "VK_KHR_shader_bfloat16"
 HOST_MEMORY_EXT = "VK_EXT_external_memory_host"  # buffers over host memory several devices share (memory.py)
+STATS_EXT = "VK_KHR_pipeline_executable_properties"  # the compiled kernels' statistics (kernel_statistics)
 # VK_KHR_shader_bfloat16 postdates the `vulkan` package: its struct type and component type by value
 _STYPE_BF16_FEATURES = 1000141000
 _COMPONENT_NAMES = {
@@ -127,6 +128,9 @@ class DeviceInfo:
     float_controls: frozenset[str] = frozenset()
     # VK_EXT_external_memory_host: the alignment of host memory a buffer may be made over (0: not supported)
     host_import_alignment: int = 0
+    # VK_KHR_pipeline_executable_properties: the driver can report what it compiled (registers, shared memory, ...
+    # as it names them); captured for kernels built while VKGRAPH_PIPELINE_STATS=1 (Device.kernel_statistics)
+    pipeline_statistics: bool = False
 
     def require_scalar(self, name: str) -> None:
         """Raise UnsupportedFeature if buffers of this scalar type (as numpy names it: "int64", "float16",
@@ -186,6 +190,8 @@ class Device:
             chosen = selector if selector is not None else flag("VKGRAPH_DEVICE")
             self.physical, self.info = self._choose_physical(chosen)
             self._within_validation()
+            # the driver keeps what it compiled for kernel_statistics only when asked at device creation
+            self.capture_statistics = bool(flag("VKGRAPH_PIPELINE_STATS")) and self.info.pipeline_statistics
             self._create_device()
             self.compiler = Compiler()
             self.memory = MemoryManager(self)
@@ -346,6 +352,11 @@ class Device:
             tail.pNext = bf16
         if self.info.host_import_alignment:
             exts.append(HOST_MEMORY_EXT)
+        if self.capture_statistics:
+            exts.append(STATS_EXT)
+            stats = k.struct("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR", pipelineExecutableInfo=1)
+            stats.pNext = e2.pNext
+            e2.pNext = stats
         names = k.cstr_array(exts)
         ci = k.struct("VkDeviceCreateInfo", pNext=e2, queueCreateInfoCount=1, pQueueCreateInfos=qci,
                       enabledExtensionCount=len(exts), ppEnabledExtensionNames=names)
@@ -403,6 +414,39 @@ class Device:
                  push: dict[str, Any] | tuple | list | None = None) -> None:
         """Record one dispatch; barriers follow from which bindings the kernel writes."""
         self.queue.dispatch(pipeline, buffers, groups, push)
+
+    def kernel_statistics(self, pipeline: Pipeline) -> dict[str, dict[str, int | float | bool]]:
+        """What the driver reports of a compiled kernel (VK_KHR_pipeline_executable_properties), per executable:
+        statistic name -> value, in the driver's own names (on NVIDIA e.g. registers per invocation and shared
+        memory). Needs a device made with VKGRAPH_PIPELINE_STATS=1 where the driver offers the extension."""
+        if not self.capture_statistics:
+            why = ("the driver does not offer VK_KHR_pipeline_executable_properties" if not
+                   self.info.pipeline_statistics else "this device was made without VKGRAPH_PIPELINE_STATS=1")
+            raise UnsupportedFeature(f"kernel statistics on {self.info.name}: {why}")
+        k = Keep()
+        props_fn = ffi.cast("PFN_vkGetPipelineExecutablePropertiesKHR",
+                            lib.vkGetDeviceProcAddr(self.device, k.cstr("vkGetPipelineExecutablePropertiesKHR")))
+        stats_fn = ffi.cast("PFN_vkGetPipelineExecutableStatisticsKHR",
+                            lib.vkGetDeviceProcAddr(self.device, k.cstr("vkGetPipelineExecutableStatisticsKHR")))
+        info = k.struct("VkPipelineInfoKHR", pipeline=pipeline.handle)
+        count = ffi.new("uint32_t*")
+        check(props_fn(self.device, info, count, NULL), "vkGetPipelineExecutablePropertiesKHR")
+        props = ffi.new("VkPipelineExecutablePropertiesKHR[]", count[0])
+        for i in range(count[0]):
+            props[i].sType = vk.VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_PROPERTIES_KHR
+        check(props_fn(self.device, info, count, props), "vkGetPipelineExecutablePropertiesKHR")
+        out: dict[str, dict[str, int | float | bool]] = {}
+        for i in range(count[0]):
+            exe = k.struct("VkPipelineExecutableInfoKHR", pipeline=pipeline.handle, executableIndex=i)
+            n = ffi.new("uint32_t*")
+            check(stats_fn(self.device, exe, n, NULL), "vkGetPipelineExecutableStatisticsKHR")
+            stats = ffi.new("VkPipelineExecutableStatisticKHR[]", n[0])
+            for j in range(n[0]):
+                stats[j].sType = vk.VK_STRUCTURE_TYPE_PIPELINE_EXECUTABLE_STATISTIC_KHR
+            check(stats_fn(self.device, exe, n, stats), "vkGetPipelineExecutableStatisticsKHR")
+            out[ffi.string(props[i].name).decode() or f"executable {i}"] = {
+                ffi.string(stats[j].name).decode(): _statistic_value(stats[j]) for j in range(n[0])}
+        return out
 
     def flush(self) -> None:
         """Submit the recorded work without waiting."""
@@ -475,6 +519,18 @@ class Device:
             destroy(self.instance, self.messenger, None)
             self.messenger = None
         lib.vkDestroyInstance(self.instance, NULL)
+
+
+def _statistic_value(stat: Any) -> int | float | bool:
+    """A VkPipelineExecutableStatisticKHR's value in its declared format."""
+    fmt, v = stat.format, stat.value
+    if fmt == vk.VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_BOOL32_KHR:
+        return bool(v.b32)
+    if fmt == vk.VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_INT64_KHR:
+        return int(v.i64)
+    if fmt == vk.VK_PIPELINE_EXECUTABLE_STATISTIC_FORMAT_UINT64_KHR:
+        return int(v.u64)
+    return float(v.f64)
 
 
 def _feature_chain(k: Keep) -> tuple[Any, Any, Any, Any]:
@@ -572,6 +628,11 @@ def _query_info(physical: Any, instance: Any) -> DeviceInfo:
     dot_accel = has13 and bool(dot.integerDotProduct4x8BitPackedSignedAccelerated)
     exts = _device_extensions(physical)
     coop, bf16_coop = _cooperative_matrix(physical, instance, exts)
+    stats = False
+    if STATS_EXT in exts:
+        sf = k.struct("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR")
+        lib.vkGetPhysicalDeviceFeatures2(physical, k.struct("VkPhysicalDeviceFeatures2", pNext=sf))
+        stats = bool(sf.pipelineExecutableInfo)
     host_align = 0
     if HOST_MEMORY_EXT in exts:
         hp = k.struct("VkPhysicalDeviceExternalMemoryHostPropertiesEXT")
@@ -610,6 +671,7 @@ def _query_info(physical: Any, instance: Any) -> DeviceInfo:
             ("signed_zero_inf_nan_preserve", p12.shaderSignedZeroInfNanPreserveFloat32),
             ("denorm_preserve", p12.shaderDenormPreserveFloat32)) if bit),
         host_import_alignment=host_align,
+        pipeline_statistics=stats,
     )
 
 

@@ -308,6 +308,8 @@ class PipelineManager:
         pci[0].sType = vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO
         pci[0].stage = stage[0]
         pci[0].layout = layout
+        if self.device.capture_statistics:  # Device.kernel_statistics
+            pci[0].flags = vk.VK_PIPELINE_CREATE_CAPTURE_STATISTICS_BIT_KHR
         out = ffi.new("VkPipeline*")
         try:
             check(lib.vkCreateComputePipelines(dev, self.pipeline_cache, 1, pci, NULL, out),
