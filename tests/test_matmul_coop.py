@@ -559,11 +559,15 @@ def emulate_coop(monkeypatch, coop=COOP, rolled: bool = False) -> Limits:
 @pytest.mark.parametrize("tb", [False, True])
 def test_direct_tiles_emulated_match_numpy(tb):
     """The direct form (fragments loaded from the operands' buffers, no staging): whole tiles, B read in place or
-    transposed, K split in two; then ragged M and N, where the same tiles are staged in one stage instead."""
-    direct = [matmul_coop.Config(64, 64, 32, 2, 2, 0), matmul_coop.Config(64, 64, 32, 2, 2, 0, 1, 2)]
+    transposed, K split in two, the next slice's fragments loaded ahead (an odd number of slices too); then ragged
+    M and N, where the same tiles are staged in one stage instead."""
+    direct = [matmul_coop.Config(64, 64, 32, 2, 2, 0), matmul_coop.Config(64, 64, 32, 2, 2, 0, 1, 2),
+              matmul_coop.Config(64, 64, 32, 2, 2, 0, 2)]
     _emulated_product(128, 64, 128, tb, direct)
+    _emulated_product(64, 64, 160, tb, direct[2:])
     kern, mm, _, _, _ = _float16_product(128, 64, 128, tb, 3)
     assert "_s0" in matmul_coop.lower_coop(kern, mm, _emulation_limits(), {}, direct[0]).programs[0].name
+    assert "_s0_p2" in matmul_coop.lower_coop(kern, mm, _emulation_limits(), {}, direct[2]).programs[0].name
     kern, mm, _, _, _ = _float16_product(130, 72, 128, tb, 3)
     assert "_s1" in matmul_coop.lower_coop(kern, mm, _emulation_limits(), {}, direct[0]).programs[0].name
     _emulated_product(130, 72, 128, tb, direct[:1])

@@ -70,8 +70,8 @@ class Config:
     shared memory: 2 (the next is stored beside the current one, one barrier per slice) or 1 (half the shared
     memory, so deeper slices fit; a second barrier before the store), or 0 ("direct": no staging and no barrier,
     each subgroup loads its fragments from the operands' buffers, the workgroup's reuse left to the L1; only for
-    16-bit operands read in place over whole tiles, see `direct_fits`, else one stage), PF, the slices in flight
-    in registers:
+    16-bit operands read in place over whole tiles, see `direct_fits`, else one stage; PF 2 loads the next
+    slice's fragments while the current one's are multiplied), PF, the slices in flight in registers:
     1 (the next slice is read while the current one is multiplied) or 2 (the one after it too, in a second
     register set: twice the reads in flight, for twice the registers), and KS, the workgroups that split K per
     output tile (16-bit operands only; taken where K is a whole number of KS * BK-deep parts, else 1)."""
@@ -113,7 +113,7 @@ class Config:
                 and self.bk % (16 // itemsize) == 0 and self.wm * self.wn * lim.subgroup <= lim.max_invocations
                 and max(self.shared_bytes(itemsize), self.epilogue_bytes(fm)) <= lim.max_shared
                 and self.stages in (0, 1, 2) and self.pf in (1, 2) and self.ks >= 1
-                and (self.ks == 1 or itemsize == 2) and (self.stages > 0 or (itemsize == 2 and self.pf == 1)))
+                and (self.ks == 1 or itemsize == 2) and (self.stages > 0 or itemsize == 2))
 
 
 CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 128, 32, 4, 4),
@@ -141,7 +141,10 @@ CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 1
            # a multiprocessor is what the staged tiles' 239 registers allow: nothing else runs while one waits at
            # a barrier; RESULTS.md, fourteenth session)
            Config(128, 256, 32, 2, 4, 0), Config(128, 128, 32, 2, 4, 0), Config(128, 128, 32, 2, 2, 0),
-           Config(64, 128, 32, 2, 2, 0), Config(128, 128, 64, 4, 2, 0), Config(256, 128, 32, 4, 2, 0))
+           Config(64, 128, 32, 2, 2, 0), Config(128, 128, 64, 4, 2, 0), Config(256, 128, 32, 4, 2, 0),
+           # and with the next slice's fragments loaded while the current one's are multiplied
+           Config(128, 256, 32, 2, 4, 0, 2), Config(128, 128, 32, 2, 4, 0, 2), Config(128, 128, 32, 4, 2, 0, 2),
+           Config(64, 128, 32, 2, 2, 0, 2))
 # int8 slices go deeper for the same shared memory (a fragment is 32 deep)
 INT8_CONFIGS = (Config(128, 128, 64, 2, 4), Config(128, 128, 64, 4, 2), Config(128, 128, 64, 4, 4),
                 Config(128, 128, 64, 2, 2), Config(64, 128, 64, 2, 4), Config(128, 64, 64, 4, 2),
@@ -411,10 +414,11 @@ def _fragment_stride(op: _Operand) -> int:
 
 def _direct_products(r: Any, opa: _Operand, opb: _Operand, acc: list[list[str]], types: tuple[str, str, str, str],
                      bases: tuple[str, str], frag: tuple[int, int, int], ffs: tuple[int, int], bk: int, nk: int,
-                     k0: str, origins: tuple[str, str], sh: int) -> None:
+                     k0: str, origins: tuple[str, str], sh: int, pf: int) -> None:
     """The direct form's walk over K: per slice, each subgroup loads all of its fragments from the operands'
     buffers (16-byte units; `origins`: the subgroup's first row of A and column of B, `k0` the slice's first
-    element of K), then multiplies them; no shared memory, no barrier."""
+    element of K of slice `kt`), then multiplies them; no shared memory, no barrier. pf 2: two sets of fragments,
+    the next slice's loaded into one while the other's are multiplied."""
     a_t, b_t, lay_a, lay_b = types
     fm, fn, fk = frag
     ffm, ffn = ffs
@@ -431,22 +435,43 @@ def _direct_products(r: Any, opa: _Operand, opb: _Operand, acc: list[list[str]],
                  f"(({row if op.col_major else col}) >> {sh})"]
         return " + ".join(t for t in terms if t)
 
-    with r.block(f"for (int kt = 0; kt < {nk}; kt++)"):
-        r.emit(f"int k0 = {k0};")
-        r.emit(f"{a_t} fa[{ffm * steps}];")
-        r.emit(f"{b_t} fb[{ffn * steps}];")
+    def load(kt: str, fs: str) -> None:
+        r.emit(f"int k0{fs} = {k0.replace('kt', f'({kt})')};")
         for s in range(steps):
-            kk = f"k0 + {s * fk}"
+            kk = f"k0{fs} + {s * fk}"
             for i in range(ffm):
                 where = at(opa, bases[0], f"{origins[0]} + {i * fm}", kk)
-                r.emit(f"coopMatLoad(fa[{s * ffm + i}], {arrays[0]}, {where}, {_fragment_stride(opa)}, {lay_a});")
+                r.emit(f"coopMatLoad(fa{fs}[{s * ffm + i}], {arrays[0]}, {where}, {_fragment_stride(opa)}, {lay_a});")
             for j in range(ffn):
                 where = at(opb, bases[1], kk, f"{origins[1]} + {j * fn}")
-                r.emit(f"coopMatLoad(fb[{s * ffn + j}], {arrays[1]}, {where}, {_fragment_stride(opb)}, {lay_b});")
+                r.emit(f"coopMatLoad(fb{fs}[{s * ffn + j}], {arrays[1]}, {where}, {_fragment_stride(opb)}, {lay_b});")
+
+    def products(fs: str) -> None:
         for s in range(steps):
             for i in range(ffm):
                 for j in range(ffn):
-                    r.emit(f"{acc[i][j]} = coopMatMulAdd(fa[{s * ffm + i}], fb[{s * ffn + j}], {acc[i][j]});")
+                    r.emit(f"{acc[i][j]} = coopMatMulAdd(fa{fs}[{s * ffm + i}], fb{fs}[{s * ffn + j}], {acc[i][j]});")
+
+    if pf == 1:
+        with r.block(f"for (int kt = 0; kt < {nk}; kt++)"):
+            r.emit(f"{a_t} fa[{ffm * steps}];")
+            r.emit(f"{b_t} fb[{ffn * steps}];")
+            load("kt", "")
+            products("")
+        return
+    for fs in ("", "p"):  # two sets, loaded alternately: even slices into the first, odd ones into the second
+        r.emit(f"{a_t} fa{fs}[{ffm * steps}];")
+        r.emit(f"{b_t} fb{fs}[{ffn * steps}];")
+    with r.block("if (true)"):
+        load("0", "")
+    with r.block(f"for (int kt = 0; kt < {nk}; kt += 2)"):
+        with r.block(f"if (kt + 1 < {nk})"):
+            load("kt + 1", "p")
+        products("")
+        with r.block(f"if (kt + 1 < {nk})"):
+            with r.block(f"if (kt + 2 < {nk})"):
+                load("kt + 2", "")
+            products("p")
 
 
 def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Config | None = None,
@@ -645,7 +670,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     if direct:
         _direct_products(r, opa, opb, acc, (a_t, b_t, lay_a, lay_b), (base_a, base_b), frag, (ffm, ffn), bk, nk,
                          f"kz0 + kt * {bk}" if ks > 1 else f"kt * {bk}", (f"tm * {bm} + arow", f"tn * {bn} + bcol"),
-                         sh)
+                         sh, pf)
     else:
         load_slice("0", sets[0])
         store_slice("0", sets[0])
