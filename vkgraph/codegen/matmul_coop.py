@@ -414,10 +414,10 @@ def _fragment_stride(op: _Operand) -> int:
 
 def _direct_products(r: Any, opa: _Operand, opb: _Operand, acc: list[list[str]], types: tuple[str, str, str, str],
                      bases: tuple[str, str], frag: tuple[int, int, int], ffs: tuple[int, int], bk: int, nk: int,
-                     k0: str, origins: tuple[str, str], sh: int, pf: int) -> None:
+                     split: bool, origins: tuple[str, str], sh: int, pf: int) -> None:
     """The direct form's walk over K: per slice, each subgroup loads all of its fragments from the operands'
-    buffers (16-byte units; `origins`: the subgroup's first row of A and column of B, `k0` the slice's first
-    element of K of slice `kt`), then multiplies them; no shared memory, no barrier. pf 2: two sets of fragments,
+    buffers (16-byte units; `origins`: the subgroup's first row of A and column of B; `split`: K split, the
+    workgroup's part starting at kz0), then multiplies them; no shared memory, no barrier. pf 2: two sets of fragments,
     the next slice's loaded into one while the other's are multiplied."""
     a_t, b_t, lay_a, lay_b = types
     fm, fn, fk = frag
@@ -436,7 +436,7 @@ def _direct_products(r: Any, opa: _Operand, opb: _Operand, acc: list[list[str]],
         return " + ".join(t for t in terms if t)
 
     def load(kt: str, fs: str) -> None:
-        r.emit(f"int k0{fs} = {k0.replace('kt', f'({kt})')};")
+        r.emit(f"int k0{fs} = {'kz0 + ' if split else ''}({kt}) * {bk};")
         for s in range(steps):
             kk = f"k0{fs} + {s * fk}"
             for i in range(ffm):
@@ -669,8 +669,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     r.emit(f"int bcol = wc * {tn_};")
     if direct:
         _direct_products(r, opa, opb, acc, (a_t, b_t, lay_a, lay_b), (base_a, base_b), frag, (ffm, ffn), bk, nk,
-                         f"kz0 + kt * {bk}" if ks > 1 else f"kt * {bk}", (f"tm * {bm} + arow", f"tn * {bn} + bcol"),
-                         sh, pf)
+                         ks > 1, (f"tm * {bm} + arow", f"tn * {bn} + bcol"), sh, pf)
     else:
         load_slice("0", sets[0])
         store_slice("0", sets[0])
