@@ -142,9 +142,10 @@ CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 1
            # a barrier; RESULTS.md, fourteenth session)
            Config(128, 256, 32, 2, 4, 0), Config(128, 128, 32, 2, 4, 0), Config(128, 128, 32, 2, 2, 0),
            Config(64, 128, 32, 2, 2, 0), Config(128, 128, 64, 4, 2, 0), Config(256, 128, 32, 4, 2, 0),
-           # and with the next slice's fragments loaded while the current one's are multiplied
+           # and with the next slice's fragments loaded while the current one's are multiplied (16-deep slices: half
+           # the fragments in registers, 64 x 32 a subgroup: 64 accumulator registers, so two workgroups may fit)
            Config(128, 256, 32, 2, 4, 0, 2), Config(128, 128, 32, 2, 4, 0, 2), Config(128, 128, 32, 4, 2, 0, 2),
-           Config(64, 128, 32, 2, 2, 0, 2))
+           Config(64, 128, 32, 2, 2, 0, 2), Config(128, 256, 16, 2, 4, 0, 2), Config(128, 128, 16, 2, 4, 0, 2))
 # int8 slices go deeper for the same shared memory (a fragment is 32 deep)
 INT8_CONFIGS = (Config(128, 128, 64, 2, 4), Config(128, 128, 64, 4, 2), Config(128, 128, 64, 4, 4),
                 Config(128, 128, 64, 2, 2), Config(64, 128, 64, 2, 4), Config(128, 64, 64, 4, 2),
