@@ -189,8 +189,7 @@ def test_every_tile_configuration_compiles(d):
     lim = fake_limits(coop=COOP_I8)
     frag = matmul_coop.fragment(lim, matmul_coop.operand_type(d))
     fitting = [c for c in matmul_coop.configs(d) if c.fits(frag, lim, d.itemsize)]
-    assert {c.pf for c in fitting} == {1, 2} and {c.stages for c in fitting} == ({0, 1, 2} if d.itemsize == 2
-                                                                                 else {1, 2})
+    assert {c.pf for c in fitting} == {1, 2} and {c.stages for c in fitting} == {1, 2}
     assert {c.ks for c in fitting} == ({1, 2, 4} if d.itemsize == 2 else {1})
     for i, cfg in enumerate(fitting):
         shape = (512, 256, 512, i % 2 == 1) if i % 3 == 0 or cfg.ks > 1 else (200, 136, 300, i % 2 == 0)
@@ -447,17 +446,15 @@ void m_mma(ivec4 a, ivec4 b, inout float m[AR * FN]) {
     }
 }
 """
-# fragments read straight from the float16 rows of a buffer (matmul_skinny's B operand in x; matmul_coop's direct
-# tiles from the operands' arrays b<binding>.data): buffer number N of the program's loads
-_EMULATION_BUF = "float h_@N(int i) { return unpackHalf2x16(@B[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }\n"
+# fragments read straight from the float16 rows of a buffer x (matmul_skinny's B operand)
+_EMULATION_X = "float h_x(int i) { return unpackHalf2x16(x[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }"
 _COOPMAT = r"coopmat<[^>]*>"
 
 
 def emulated(src: str, sg: int, rolled: bool = False) -> str:
     """A float16 program of matmul_coop, matmul_quant or matmul_skinny with its cooperative matrices emulated (any
     device with a fixed subgroup size sg that divides the fragments' rows), of the fragment shape its types name:
-    an A or B fragment is (offset, stride, column-major, buffer) where it lies in shared memory (buffer 0) or in a
-    buffer the program loads fragments from (x, b<binding>.data),
+    an A or B fragment is (offset, stride, column-major, in x) where it lies in shared memory or in the buffer x,
     read when multiplied, which holds since the programs store no staged slice between a fragment's load and its
     products; lane l of a subgroup holds rows l, l + sg, .. of each accumulator. Everything but the matrix
     operations (staging, pipelining, K split, epilogue) is the program's own. rolled: the matrix operations'
@@ -466,22 +463,19 @@ def emulated(src: str, sg: int, rolled: bool = False) -> str:
     decoding order (0, 1 and 2) and was right at K = 96 and 256, and unrolled at all four, as on an H200: so the
     others' are unrolled)."""
     fm, fn, fk = _dims(src)
-    buffers = {name: i + 1 for i, name in enumerate(sorted(set(re.findall(r"coopMatLoad\([^,]+, (x|b\d+\.data), ",
-                                                                          src))))}
+    from_x = re.search(r"coopMatLoad\([^,]+, x, ", src) is not None
     src = src.replace("#extension GL_KHR_cooperative_matrix : require\n",
                       "#extension GL_EXT_control_flow_attributes : require\n" if rolled else "")
     src = re.sub(rf"{_COOPMAT} (\w+) = {_COOPMAT}\(0\.0\);", r"float \1[AR * FN]; m_zero(\1);", src)
     src = re.sub(rf"{_COOPMAT} (\w+)\[(\d+)\];", r"ivec4 \1[\2];", src)
-    src = re.sub(r"coopMatLoad\(([^,]+), (sm|x|b\d+\.data), (.+), (\d+), "
-                 r"gl_CooperativeMatrixLayout(Row|Column)Major\);",
-                 lambda m: f"{m[1]} = ivec4({m[3]}, {m[4]}, {int(m[5] == 'Column')}, {buffers.get(m[2], 0)});", src)
+    src = re.sub(r"coopMatLoad\(([^,]+), (sm|x), (.+), (\d+), gl_CooperativeMatrixLayout(Row|Column)Major\);",
+                 lambda m: f"{m[1]} = ivec4({m[3]}, {m[4]}, {int(m[5] == 'Column')}, {int(m[2] == 'x')});", src)
     src = re.sub(r"(\w+) = coopMatMulAdd\(([^,]+), ([^,]+), \1\);", r"m_mma(\2, \3, \1);", src)
     src = re.sub(r"coopMatStore\((\w+), sm, (.+), (\d+), gl_CooperativeMatrixLayoutRowMajor\);",
                  r"m_store(\1, \2, \3);", src)
     assert "coopMat" not in src and "coopmat" not in src
-    read = "".join(f"f.w == {i} ? h_{i}(i) : " for i in buffers.values()) + "h_sm(i)"
-    emulation = "".join(_EMULATION_BUF.replace("@N", str(i)).replace("@B", name) for name, i in buffers.items())
-    emulation += _EMULATION.replace("READ", read).replace(
+    emulation = (_EMULATION_X if from_x else "") + _EMULATION.replace(
+        "READ", "f.w != 0 ? h_x(i) : h_sm(i)" if from_x else "h_sm(i)").replace(
         "ROLLED ", "[[dont_unroll]] " if rolled else "")
     consts = f"const int SG = {sg}, FM = {fm}, FN = {fn}, FK = {fk}, AR = {fm // sg};"
     return re.sub(r"(shared uvec4 sm\[\d+\];)", lambda m: m[1] + "\n" + consts + "\n" + emulation, src)
@@ -554,23 +548,6 @@ def emulate_coop(monkeypatch, coop=COOP, rolled: bool = False) -> Limits:
     monkeypatch.setattr(dev.pipelines, "get",
                         lambda src, **kw: get(emulated(src, lim.subgroup, rolled) if "coopMat" in src else src, **kw))
     return lim
-
-
-@pytest.mark.parametrize("tb", [False, True])
-def test_direct_tiles_emulated_match_numpy(tb):
-    """The direct form (fragments loaded from the operands' buffers, no staging): whole tiles, B read in place or
-    transposed, K split in two, the next slice's fragments loaded ahead (an odd number of slices too); then ragged
-    M and N, where the same tiles are staged in one stage instead."""
-    direct = [matmul_coop.Config(64, 64, 32, 2, 2, 0), matmul_coop.Config(64, 64, 32, 2, 2, 0, 1, 2),
-              matmul_coop.Config(64, 64, 32, 2, 2, 0, 2)]
-    _emulated_product(128, 64, 128, tb, direct)
-    _emulated_product(64, 64, 160, tb, direct[2:])
-    kern, mm, _, _, _ = _float16_product(128, 64, 128, tb, 3)
-    assert "_s0" in matmul_coop.lower_coop(kern, mm, _emulation_limits(), {}, direct[0]).programs[0].name
-    assert "_s0_p2" in matmul_coop.lower_coop(kern, mm, _emulation_limits(), {}, direct[2]).programs[0].name
-    kern, mm, _, _, _ = _float16_product(130, 72, 128, tb, 3)
-    assert "_s1" in matmul_coop.lower_coop(kern, mm, _emulation_limits(), {}, direct[0]).programs[0].name
-    _emulated_product(130, 72, 128, tb, direct[:1])
 
 
 def test_pipelined_split_product_emulated_matches_numpy():
@@ -709,13 +686,6 @@ def test_every_tile_configuration_matches_numpy(tb):
         if not cfg.fits(frag, lim):
             continue
         _run_poisoned(dev, matmul_coop.lower_coop(kern, mm, lim, {}, cfg), out, a, b)
-    # the direct tiles (staged above, on sizes that are not whole tiles) read their operands in place on whole ones
-    kern, mm, out, a, b = _float16_product(512, 256, 320, tb, 12)
-    for cfg in matmul_coop.CONFIGS:
-        if cfg.stages == 0 and cfg.fits(frag, lim):
-            lowered = matmul_coop.lower_coop(kern, mm, lim, {}, cfg)
-            assert "_s0" in lowered.programs[0].name, cfg
-            _run_poisoned(dev, lowered, out, a, b)
 
 
 @needs_f16

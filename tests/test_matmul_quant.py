@@ -285,8 +285,7 @@ def _check(got: np.ndarray, x16: np.ndarray, w: np.ndarray, extra: np.ndarray | 
     assert not bad.any(), f"{bad.sum()} of {bad.size} off; worst {np.max(np.abs(got - ref) / tol)} x tolerance"
 
 
-# (the product's direct tiles, stages == 0, read their operands in place: matmul_quant stages its decoded weights)
-_DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.CHUNK == 0 and c.stages] + [
+_DEEP = [c for c in matmul_coop.CONFIGS if c.bk % mq.CHUNK == 0] + [
     c for c in mq.CANDIDATES if c.order or c.bk == 16 or c.form != mq.FORM or c.wstages > 1]
 _WHOLE = [c for c in _DEEP if c.ks == 1]  # tiles that write y itself (a K split writes partial planes)
 

@@ -32,7 +32,6 @@ does).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,10 +67,7 @@ GROUP_M = 8  # output tiles walked column-block by column-block in groups of 8 r
 class Config:
     """A tile configuration: workgroup tile BM x BN, slice depth BK, WM x WN subgroups, the slices held in
     shared memory: 2 (the next is stored beside the current one, one barrier per slice) or 1 (half the shared
-    memory, so deeper slices fit; a second barrier before the store), or 0 ("direct": no staging and no barrier,
-    each subgroup loads its fragments from the operands' buffers, the workgroup's reuse left to the L1; only for
-    16-bit operands read in place over whole tiles, see `direct_fits`, else one stage; PF 2 loads the next
-    slice's fragments while the current one's are multiplied), PF, the slices in flight in registers:
+    memory, so deeper slices fit; a second barrier before the store), PF, the slices in flight in registers:
     1 (the next slice is read while the current one is multiplied) or 2 (the one after it too, in a second
     register set: twice the reads in flight, for twice the registers), and KS, the workgroups that split K per
     output tile (16-bit operands only; taken where K is a whole number of KS * BK-deep parts, else 1)."""
@@ -100,7 +96,7 @@ class Config:
 
         def tile(edge: int) -> int:
             return max(edge * (self.bk + p), self.bk * (edge + p))
-        return self.stages * itemsize * (tile(self.bm) + tile(self.bn))  # direct (0 stages): none
+        return self.stages * itemsize * (tile(self.bm) + tile(self.bn))
 
     def epilogue_bytes(self, fm: int) -> int:
         """The epilogue's staging: per subgroup one row of its fragments (fm rows of BN / WN 32-bit values, padded
@@ -112,8 +108,7 @@ class Config:
         return (self.bm % (self.wm * fm) == 0 and self.bn % (self.wn * fn) == 0 and self.bk % fk == 0
                 and self.bk % (16 // itemsize) == 0 and self.wm * self.wn * lim.subgroup <= lim.max_invocations
                 and max(self.shared_bytes(itemsize), self.epilogue_bytes(fm)) <= lim.max_shared
-                and self.stages in (0, 1, 2) and self.pf in (1, 2) and self.ks >= 1
-                and (self.ks == 1 or itemsize == 2) and (self.stages > 0 or itemsize == 2))
+                and self.stages in (1, 2) and self.pf in (1, 2) and self.ks >= 1 and (self.ks == 1 or itemsize == 2))
 
 
 CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 128, 32, 4, 4),
@@ -136,16 +131,7 @@ CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 1
            Config(256, 128, 32, 4, 2, 1, 1, 2),
            # the fastest on an H200 at 4096^3 (2026-12-02: 128 x 256 x 32, one stage, 64 x 64 per subgroup) split,
            # and subgroups of 128 x 32
-           Config(128, 256, 32, 2, 4, 1, 1, 2), Config(128, 256, 32, 2, 4, 1, 1, 4), Config(256, 128, 32, 2, 4, 1),
-           # direct: fragments from the buffers through the L1, no staging, no barrier (one workgroup of 8 subgroups
-           # a multiprocessor is what the staged tiles' 239 registers allow: nothing else runs while one waits at
-           # a barrier; RESULTS.md, fourteenth session)
-           Config(128, 256, 32, 2, 4, 0), Config(128, 128, 32, 2, 4, 0), Config(128, 128, 32, 2, 2, 0),
-           Config(64, 128, 32, 2, 2, 0), Config(128, 128, 64, 4, 2, 0), Config(256, 128, 32, 4, 2, 0),
-           # and with the next slice's fragments loaded while the current one's are multiplied (16-deep slices: half
-           # the fragments in registers, 64 x 32 a subgroup: 64 accumulator registers, so two workgroups may fit)
-           Config(128, 256, 32, 2, 4, 0, 2), Config(128, 128, 32, 2, 4, 0, 2), Config(128, 128, 32, 4, 2, 0, 2),
-           Config(64, 128, 32, 2, 2, 0, 2), Config(128, 256, 16, 2, 4, 0, 2), Config(128, 128, 16, 2, 4, 0, 2))
+           Config(128, 256, 32, 2, 4, 1, 1, 2), Config(128, 256, 32, 2, 4, 1, 1, 4), Config(256, 128, 32, 2, 4, 1))
 # int8 slices go deeper for the same shared memory (a fragment is 32 deep)
 INT8_CONFIGS = (Config(128, 128, 64, 2, 4), Config(128, 128, 64, 4, 2), Config(128, 128, 64, 4, 4),
                 Config(128, 128, 64, 2, 2), Config(64, 128, 64, 2, 4), Config(128, 64, 64, 4, 2),
@@ -398,83 +384,6 @@ def spread(e: str, per_row: int, rows: int) -> tuple[str, str]:
 # ---- the program ---------------------------------------------------------------------------------------------------
 
 
-def direct_fits(opa: _Operand, opb: _Operand, m: int, n: int, kspan: int, cfg: Config, itemsize: int) -> bool:
-    """Whether cfg's direct form (no staging) can read these operands: both in place in their buffers (`vec`),
-    16-bit, and the output and K whole tiles, so that no fragment reaches past an operand (a fragment load has no
-    bounds check)."""
-    return (opa.vec is not None and opb.vec is not None and itemsize == 2 and m % cfg.bm == 0 and n % cfg.bn == 0
-            and kspan % cfg.bk == 0 and all(_fragment_stride(op) > 0 for op in (opa, opb)))
-
-
-def _fragment_stride(op: _Operand) -> int:
-    """A vector operand's stride, in 16-byte units, between the rows (row-major) or columns (column-major) of a
-    fragment loaded from its buffer."""
-    _, vs, _ = op.vec
-    return vs[-1] if op.col_major else vs[-2]
-
-
-def _direct_products(r: Any, opa: _Operand, opb: _Operand, acc: list[list[str]], types: tuple[str, str, str, str],
-                     bases: tuple[str, str], frag: tuple[int, int, int], ffs: tuple[int, int], bk: int, nk: int,
-                     split: bool, origins: tuple[str, str], sh: int, pf: int) -> None:
-    """The direct form's walk over K: per slice, each subgroup loads all of its fragments from the operands'
-    buffers (16-byte units; `origins`: the subgroup's first row of A and column of B; `split`: K split, the
-    workgroup's part starting at kz0), then multiplies them; no shared memory, no barrier. pf 2: two sets of fragments,
-    the next slice's loaded into one while the other's are multiplied."""
-    a_t, b_t, lay_a, lay_b = types
-    fm, fn, fk = frag
-    ffm, ffn = ffs
-    steps = bk // fk
-    arrays = []
-    for op in (opa, opb):
-        bnd = r.binding(op.vec[0], op.vec[0].dtype)
-        r.block_types[bnd] = "uvec4"
-        arrays.append(f"b{bnd}.data")
-
-    def at(op: _Operand, base: str, row: str, col: str) -> str:
-        _, vs, _ = op.vec
-        terms = [base, f"({row}) * {vs[-2]}" if vs[-2] else "", f"({col}) * {vs[-1]}" if vs[-1] else "",
-                 f"(({row if op.col_major else col}) >> {sh})"]
-        return " + ".join(t for t in terms if t)
-
-    def load(kt: str, fs: str) -> None:
-        r.emit(f"int k0{fs} = {'kz0 + ' if split else ''}({kt}) * {bk};")
-        for s in range(steps):
-            kk = f"k0{fs} + {s * fk}"
-            for i in range(ffm):
-                where = at(opa, bases[0], f"{origins[0]} + {i * fm}", kk)
-                r.emit(f"coopMatLoad(fa{fs}[{s * ffm + i}], {arrays[0]}, {where}, {_fragment_stride(opa)}, {lay_a});")
-            for j in range(ffn):
-                where = at(opb, bases[1], kk, f"{origins[1]} + {j * fn}")
-                r.emit(f"coopMatLoad(fb{fs}[{s * ffn + j}], {arrays[1]}, {where}, {_fragment_stride(opb)}, {lay_b});")
-
-    def products(fs: str) -> None:
-        for s in range(steps):
-            for i in range(ffm):
-                for j in range(ffn):
-                    r.emit(f"{acc[i][j]} = coopMatMulAdd(fa{fs}[{s * ffm + i}], fb{fs}[{s * ffn + j}], {acc[i][j]});")
-
-    if pf == 1:
-        with r.block(f"for (int kt = 0; kt < {nk}; kt++)"):
-            r.emit(f"{a_t} fa[{ffm * steps}];")
-            r.emit(f"{b_t} fb[{ffn * steps}];")
-            load("kt", "")
-            products("")
-        return
-    for fs in ("", "p"):  # two sets, loaded alternately: even slices into the first, odd ones into the second
-        r.emit(f"{a_t} fa{fs}[{ffm * steps}];")
-        r.emit(f"{b_t} fb{fs}[{ffn * steps}];")
-    with r.block("if (true)"):
-        load("0", "")
-    with r.block(f"for (int kt = 0; kt < {nk}; kt += 2)"):
-        with r.block(f"if (kt + 1 < {nk})"):
-            load("kt + 1", "p")
-        products("")
-        with r.block(f"if (kt + 1 < {nk})"):
-            with r.block(f"if (kt + 2 < {nk})"):
-                load("kt + 2", "")
-            products("p")
-
-
 def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Config | None = None,
                compute: DType | None = None) -> Lowered | None:
     """The program for kernel k, whose matmul node is mm, on cooperative matrices with `compute` operands
@@ -494,15 +403,6 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     cfg = cfg or choose(m_, n_, k_, nb, lim, frag, compute)
     int8 = compute in _BYTES  # 8-bit integer operands, each of its own type
     ta, tb = _byte_types(mm) if int8 else (compute, compute)
-    outside = _refs_outside(k, mm)
-    opa = _operand(a, ta, lim, outside)
-    opb = _operand(b, tb, lim, outside)
-    if cfg.stages == 0 and not direct_fits(opa, opb, m_, n_, k_ // cfg.ks if k_ % (cfg.bk * cfg.ks) == 0 else k_,
-                                           cfg, compute.itemsize):
-        # the same tile staged in one stage where it fits, else the shape's default
-        staged = dataclasses.replace(cfg, stages=1)
-        cfg = staged if staged.fits(frag, lim, compute.itemsize) else default_config(m_, n_, k_, nb, lim, frag,
-                                                                                       compute)
     vw = 16 // compute.itemsize  # elements per 16-byte chunk
     sh = vw.bit_length() - 1
     bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
@@ -518,7 +418,9 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     groups = ks * nb * per_batch
     nk = math.ceil(kspan / bk)
 
-    direct = cfg.stages == 0
+    outside = _refs_outside(k, mm)
+    opa = _operand(a, ta, lim, outside)
+    opb = _operand(b, tb, lim, outside)
     r = _renderer(lim, params)
     r.ext |= {"GL_KHR_cooperative_matrix", "GL_KHR_memory_scope_semantics", "GL_KHR_shader_subgroup_basic",
               "GL_EXT_shader_explicit_arithmetic_types_float16"}
@@ -646,7 +548,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     base_b = base_index(opb, "b") if opb.vec else None
     pf = cfg.pf
     sets = ("r", "q")[:pf]  # register sets: with pf 2 the slices in flight alternate between two
-    for s_ in sets if not direct else ():
+    for s_ in sets:
         r.emit(f"uvec4 {', '.join(f'a{s_}{c}' for c in range(per_a))};")
         r.emit(f"uvec4 {', '.join(f'b{s_}{c}' for c in range(per_b))};")
     # (rows, columns) whole tiles: A is M x K, B is K x N
@@ -662,21 +564,17 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
         put(f"a{s_}", per_a, chunks_a, a_inner, a_stride, at)
         put(f"b{s_}", per_b, chunks_b, b_inner, b_stride, f"{at} + {a_size}")
 
+    load_slice("0", sets[0])
+    store_slice("0", sets[0])
+    if pf == 2 and nk > 1:
+        load_slice(f"{bk}", sets[1])
+    r.emit("barrier();")
     a_t = f"coopmat<{ct_a}, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
     b_t = f"coopmat<{ct_b}, gl_ScopeSubgroup, {fk}, {fn}, gl_MatrixUseB>"
     lay_a = "gl_CooperativeMatrixLayoutColumnMajor" if opa.col_major else "gl_CooperativeMatrixLayoutRowMajor"
     lay_b = "gl_CooperativeMatrixLayoutColumnMajor" if opb.col_major else "gl_CooperativeMatrixLayoutRowMajor"
     r.emit(f"int arow = wr * {tm_};")
     r.emit(f"int bcol = wc * {tn_};")
-    if direct:
-        _direct_products(r, opa, opb, acc, (a_t, b_t, lay_a, lay_b), (base_a, base_b), frag, (ffm, ffn), bk, nk,
-                         ks > 1, (f"tm * {bm} + arow", f"tn * {bn} + bcol"), sh, pf)
-    else:
-        load_slice("0", sets[0])
-        store_slice("0", sets[0])
-        if pf == 2 and nk > 1:
-            load_slice(f"{bk}", sets[1])
-        r.emit("barrier();")
 
     def step(kt: str, load_set: str, store_set: str) -> None:
         """Slice kt multiplied from shared memory while slice kt + pf is read into registers load_set; then slice
@@ -709,11 +607,10 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
             store_slice(f"{stage} - cur" if cfg.stages == 2 else "0", store_set)
         r.emit("barrier();")
 
-    if not direct and pf == 1:
+    if pf == 1:
         with r.block(f"for (int kt = 0; kt < {nk}; kt++)"):
             step("kt", sets[0], sets[0])
-    elif not direct:  # two steps a trip, so each names its register sets: even steps read into the first, odd
-        # the second
+    else:  # two steps a trip, so each names its register sets: even steps read into the first, odd the second
         with r.block(f"for (int kt = 0; kt < {nk}; kt += 2)"):
             with r.block("if (true)"):
                 step("kt", sets[0], sets[1])

@@ -767,8 +767,6 @@ def matmul_quant(dev: Device, lim: Limits, weights: DeviceWeights, x: Any, m: in
     frag = matmul_coop.fragment(lim, "float16")
     if frag is None or not cfg.fits(frag, lim):
         raise ValueError(f"matmul_quant: tile {cfg} does not fit this device's cooperative matrices")
-    if cfg.stages not in (1, 2):
-        raise ValueError(f"matmul_quant stages its decoded weights: one or two stages, not {cfg.stages} ({cfg})")
     int8 = isinstance(x, Q8Acts)
     if int8:
         x.check(m, k)
