@@ -42,11 +42,12 @@ def nerr(got, want):
 
 
 def logits_tol(cfg) -> float:
-    """The logits' bound against the float64 reference: 5e-4, or where prefill attention runs flash_prefill
-    (template_ops.flash_takes), 4e-3 as for its output alone: q, k, v and the probabilities rounded to float16
-    (unit roundoff 2^-11) move each probability by up to 2u|score| + u, about 6u for these models' scores, and
-    the residual stream carries that to the logits (measured on an H200: 1.03e-3)."""
-    return 4e-3 if flash_takes(cfg.head_dim, cfg.attn_softcap) else 5e-4
+    """The logits' bound against the float64 reference for these tests' float32 caches: 5e-4, or where prefill
+    attention runs flash_prefill on them all the same (template_ops.flash_takes; VKGRAPH_FLASH_PREFILL=1), 4e-3 as
+    for its output alone: k and v rounded to float16 (unit roundoff 2^-11) move each probability by up to
+    u|score|, and the residual stream carries that to the logits (with q and the probabilities rounded as well,
+    measured on an H200: 1.03e-3)."""
+    return 4e-3 if flash_takes(cfg.head_dim, cfg.attn_softcap, "f32") else 5e-4
 
 
 def build(path, **kw):

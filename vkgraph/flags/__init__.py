@@ -84,9 +84,10 @@ FLAGS: dict[str, Flag] = {
              "templates.matmul_quant's small-row tiles on cooperative matrices, int8 activations staged as "
              "float16, instead of the matvec, where the device has them (16: where they won on an H200); 0 keeps "
              "the matvec"),
-        Flag("VKGRAPH_FLASH_PREFILL", int, 0, "1 runs prefill attention on cooperative matrices where the device has "
-             "them (templates.flash_prefill: float16 operands, about 1e-3 normalised error); 0 keeps the float32 "
-             "template"),
+        Flag("VKGRAPH_FLASH_PREFILL", str, "auto", "prefill attention on cooperative matrices "
+             "(templates.flash_prefill: keys and values rounded to float16, the rest about float32) where the device "
+             "has them: auto where the keys and values go to a float16 cache (as it holds them), 1 for any cache, 0 "
+             "never (the float32 template)"),
         Flag("VKGRAPH_DECODE_AHEAD", int, 1, "1: an engine submits the next decode step before the host has read the "
              "tokens of the one in flight (their slots reserved, the tokens fed on the device), where the batch "
              "stays the same and no request needs its tokens on the host first; 0: one step at a time"),

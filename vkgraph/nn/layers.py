@@ -269,13 +269,15 @@ class Attention:
             q = RotaryEmbedding.rotate(q, *rope)
             written = write_kv(cache, k, v, step.slot_mapping)
         cached = step.prefix_lens is not None
-        if step.cu_seqlens is not None and (not cached or flash_takes(self.head_dim, self.scores["softcap"])):
+        if step.cu_seqlens is not None and (not cached or flash_takes(self.head_dim, self.scores["softcap"],
+                                                                     cache.dtype)):
             # a prefill attends over the prompt's own keys (the cache write still happens) and, where it continues
             # a cached prefix, over the prefix's in the cache
             prefix = dict(cache=cache, block_tables=step.seq_block_tables, prefix_lens=step.prefix_lens) if cached \
                 else {}
             att = prefill_attention(q, k, v, step.cu_seqlens, num_seqs=step.cu_seqlens.shape[0] - 1,
-                                    max_seq_len=step.max_seq_len, after=written, **prefix, **self.scores)
+                                    max_seq_len=step.max_seq_len, after=written, kv_dtype=cache.dtype, **prefix,
+                                    **self.scores)
         else:
             max_context = step.block_tables.shape[1] * cache.block_size
             att = paged_decode(cache, q, step.block_tables, step.context_lens, written, max_context_len=max_context,

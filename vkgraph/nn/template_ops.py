@@ -595,20 +595,27 @@ def rope_paged_decode(cache: KVCache, rows: Tensor, slot_mapping: Tensor, rope: 
     return _attention_out(run, ins, b, q_heads, d, key, int8)
 
 
-def flash_takes(head_size: int, softcap: float = 0.0) -> bool:
-    """Whether prefill attention runs templates.flash_prefill: asked for (VKGRAPH_FLASH_PREFILL=1), on a device with
-    float16 cooperative matrices that fit heads of head_size, and no soft-capping (Gemma 2), which it lacks. Only
-    then can a prefill that continues cached prefixes run as one prefill (else: paged_decode per query row)."""
-    return bool(flag("VKGRAPH_FLASH_PREFILL")) and fp.usable(limits(), head_size) and not softcap
+def flash_takes(head_size: int, softcap: float = 0.0, kv_dtype: str | None = None) -> bool:
+    """Whether prefill attention runs templates.flash_prefill: on a device with float16 cooperative matrices that
+    fit heads of head_size, without soft-capping (Gemma 2), which it lacks, where VKGRAPH_FLASH_PREFILL asks for it:
+    auto where the keys and values go to a cache of kv_dtype "f16" (flash's float16 keys and values are then the
+    cache's own), 1 always, 0 never. Only where it runs can a prefill that continues cached prefixes run as one
+    prefill (else: paged_decode per query row)."""
+    mode = flag("VKGRAPH_FLASH_PREFILL")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"VKGRAPH_FLASH_PREFILL must be auto, 0 or 1, got {mode!r}")
+    asked = mode == "1" or (mode == "auto" and kv_dtype == "f16")
+    return asked and fp.usable(limits(), head_size) and not softcap
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, num_seqs: int, max_seq_len: int,
                       scale: float | None = None, window: int = 0, softcap: float = 0.0,
                       after: Tensor | None = None, cache: KVCache | None = None, block_tables: Tensor | None = None,
-                      prefix_lens: Tensor | None = None) -> Tensor:
+                      prefix_lens: Tensor | None = None, kv_dtype: str | None = None) -> Tensor:
     """Causal attention over packed prompts: q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads, D].
-    `after`: a token (e.g. write_kv's) this op must follow in the graph. Where flash_takes, it runs
-    templates.flash_prefill, whose operands are float16; else the float32 template.
+    `after`: a token (e.g. write_kv's) this op must follow in the graph. `kv_dtype`: the dtype of the cache the
+    keys and values are written to (the cache's own where `cache` is given). Where flash_takes, it runs
+    templates.flash_prefill (keys and values rounded to float16); else the float32 template.
 
     With `cache`, sequence b continues a cached prefix of prefix_lens[b] tokens (sequences,) held in `cache` at
     the blocks of block_tables[b] (sequences, max_blocks): its new tokens attend to the prefix and to each other.
@@ -616,7 +623,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, nu
     t, heads, d = q.shape
     kv_heads = k.shape[1]
     lim = limits()
-    flash = flash_takes(d, softcap)
+    flash = flash_takes(d, softcap, cache.dtype if cache is not None else kv_dtype)
     if cache is not None and not flash:
         raise ValueError("prefill_attention: a cached prefix runs on flash_prefill only (see flash_takes); "
                          "attend per query row with paged_decode instead")

@@ -1,9 +1,10 @@
 """Causal prefill attention on cooperative matrices (flash-attention style), for devices that have them.
 
-The prefill_attention graph op runs it with VKGRAPH_FLASH_PREFILL=1. It is off by default: it passes
-tests/test_flash_prefill.py on the H200, but its float16 operands put a model's logits about 1e-3 (normalised)
-from float32 attention, past the LLM tests' 5e-4. Elsewhere the tests compile it, and run it with its matrix operations
-emulated by loops (`source(..., emulate=True)`, `pytest -m slow`): everything but the cooperative matrices.
+The prefill_attention graph op runs it where the device has the fragments it needs and the keys and values go to a
+float16 cache (VKGRAPH_FLASH_PREFILL=auto; 1 takes it for any cache, 0 never): its keys and values are float16, as
+that cache holds them, and everything else is carried at about float32 precision (below). Elsewhere the tests
+compile it, and run it with its matrix operations emulated by loops (`source(..., emulate=True)`, `pytest -m
+slow`): everything but the cooperative matrices.
 
 Same contract as paged_attention.prefill_attention (the prefill_attention.comp template, which every other device
 runs): packed prompts, cu_seqlens, grouped KV heads, an optional sliding window; q, k, v and the output float32.
@@ -12,18 +13,22 @@ tokens then sit at positions prefix_lens[b].., and the key walk reads positions 
 paged cache through the sequence's block table (float16 or float32, any block size) and the rest from k and v,
 one online softmax over both; the template has no such form, and those prefills run there as paged_decode rows.
 
-A workgroup takes BQ = 16 * SUBGROUPS query rows of one sequence and one query head; each subgroup owns 16 rows.
-The queries are rounded to float16 once and kept as fragments. Keys and values are walked in tiles of BKV: both
-tiles are staged through shared memory as float16, each subgroup computes its 16 x BKV scores S = Q K^T on
-cooperative matrices (float32 accumulation), and one invocation per row applies scale, causal mask and window
-and updates the row's running maximum and sum (online softmax, exp2 of log2-scaled scores) and writes the
-probabilities P as float16. The output accumulators, 16 x D per subgroup, are rescaled by each row's correction
-exp(m_old - m_new) by a component-wise product with a matrix whose row r holds row r's factor (two cooperative
-matrices of one type share their element layout, whatever it is), then O += P V. At the end O / l goes through
-shared memory to the rows that lie inside the sequence.
+A workgroup takes BQ = 16 * SUBGROUPS query rows of one sequence and one query head; each subgroup owns 16 rows. The
+queries are split once into two float16 parts, hi (q's leading 11 bits) and lo = fp16(q - hi), kept as fragments.
+Keys and values are walked in tiles of BKV: both tiles are staged through shared memory as float16, each subgroup
+computes its 16 x BKV scores S = Q_hi K^T + Q_lo K^T on cooperative matrices (float32 accumulation), and one
+invocation per row applies scale, causal mask and window and updates the row's running maximum and sum (online
+softmax, exp2 of log2-scaled scores) and writes the probabilities P as two float16 parts the same way. The output
+accumulators, 16 x D per subgroup, are rescaled by each row's correction exp(m_old - m_new) by a component-wise
+product with a matrix whose row r holds row r's factor (two cooperative matrices of one type share their element
+layout, whatever it is), then O += P_hi V + P_lo V. At the end O / l goes through shared memory to the rows that lie
+inside the sequence.
 
-Rounding: Q, K, V and P are float16 (scores, sums and O in float32), as in PyTorch's float16 attention; the
-template path keeps everything float32.
+Rounding: K and V are float16, rounded as the float16 cache rounds them; Q and P as hi + lo pairs keep about 22 bits
+(hi's 11 and lo's, less where lo falls below float16's normal range, for values under 1/8, whose absolute error
+stays under 2^-25), and scores, sums and O are float32. So the result is float32 attention over the keys and values
+as the cache holds them (what a decode step attends), at twice the matrix products of one float16 operand each;
+PyTorch's float16 attention rounds Q and P too. The template path keeps k and v float32.
 """
 
 from __future__ import annotations
@@ -54,11 +59,11 @@ def usable(lim: Limits, head_size: int) -> bool:
 
 def _layout(d: int) -> dict[str, int]:
     """Shared memory in 16-byte units: the query tile (at the start) or the key and value tiles, then per subgroup
-    the scores (float32), the probabilities (float16) and a 16 x 16 float32 matrix of per-row factors."""
+    the scores (float32), the probabilities' two float16 parts and a 16 x 16 float32 matrix of per-row factors."""
     ds = (d + 8) // 8  # a staged row of D float16 values, padded by 8
     ss, ps = (BKV + 4) // 4, (BKV + 8) // 8
     kv = max(BQ * ds, 2 * BKV * ds)
-    per = 16 * ss + 16 * ps + 16 * 4
+    per = 16 * ss + 2 * 16 * ps + 16 * 4
     return {"ds": ds, "ss": ss, "ps": ps, "kv": kv, "per": per, "total": kv + SUBGROUPS * per}
 
 
@@ -147,21 +152,22 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False, cache: str 
     emit = L.append
     mat = _Matrices(emit, emulate)
 
-    def halves(src: str, at: str, tail: str = "") -> None:
-        """w = the 8 float32 values src[at], src[at + 1] (vec4s) rounded to float16."""
+    def halves(src: str, at: str, tail: str = "", fn: str = "packHalf2x16") -> None:
+        """w = the 8 float32 values src[at], src[at + 1] (vec4s) through fn: packHalf2x16 rounds them to float16
+        (as the cache does), hi_half and lo_half split them into two float16 parts."""
         emit(f"      vec4 lo = {src}[{at}], hi = {src}[{at} + 1];")
-        emit(f"      w = uvec4(packHalf2x16(lo.xy), packHalf2x16(lo.zw), packHalf2x16(hi.xy), "
-             f"packHalf2x16(hi.zw));{tail}")
+        emit(f"      w = uvec4({fn}(lo.xy), {fn}(lo.zw), {fn}(hi.xy), {fn}(hi.zw));{tail}")
 
-    def stage(rows: int, at: str, row_pos: str, src: str, index: str) -> None:
-        """Rows of D float32 values into shared memory as float16 (zero where `row_pos` >= n)."""
+    def stage(rows: int, at: str, row_pos: str, src: str, index: str, fn: str) -> None:
+        """Rows of D float32 values into shared memory as float16 (fn as halves takes it; zero where `row_pos` >=
+        n)."""
         chunks = rows * (d // 8)
         for c in range(math.ceil(chunks / nt)):
             cond = f"e < {chunks} && " if (c + 1) * nt > chunks else ""
             emit(f"{{ int e = lid + {c * nt}; int row = e / {d // 8}, c8 = e % {d // 8}; int pos = {row_pos};")
             emit(f"  if ({cond}true) {{ uvec4 w = uvec4(0u);")
             emit(f"    if (pos < n) {{ int b = ({index}) / 4 + c8 * 2;")
-            halves(src, "b", " }")
+            halves(src, "b", " }", fn)
             emit(f"    sm[{at} + row * {ds} + c8] = w; }} }}")
 
     def stage_keys(at: str, src: str, cached: str) -> None:
@@ -208,12 +214,17 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False, cache: str 
     emit("int hq = int(pc.num_heads), hkv = int(pc.num_kv_heads);")
     emit(f"int sb = {kv} + sg * {per};  // this subgroup's scores")
     emit(f"int pb = sb + {16 * ss};  // its probabilities")
-    emit(f"int fb = pb + {16 * ps};  // its per-row factors")
-    stage(BQ, "0", "q0 + row", "q", f"((seq0 + pos) * hq + h) * {d}")
-    emit("barrier();")
-    for i in range(fd):
-        emit(mat.declare("a", f"qa{i}"))
-        emit(mat.load("a", f"qa{i}", f"sg * {16 * ds} + {2 * i}", ds))
+    emit(f"int pl = pb + {16 * ps};  // what their rounding to float16 left out")
+    emit(f"int fb = pl + {16 * ps};  // its per-row factors")
+    # the queries as two float16 parts, hi + lo, each held as fragments for the whole walk
+    for part, fn in (("qa", "hi_half"), ("ql", "lo_half")):
+        stage(BQ, "0", "q0 + row", "q", f"((seq0 + pos) * hq + h) * {d}", fn)
+        emit("barrier();")
+        for i in range(fd):
+            emit(mat.declare("a", f"{part}{i}"))
+            emit(mat.load("a", f"{part}{i}", f"sg * {16 * ds} + {2 * i}", ds))
+        if part == "qa":
+            emit("barrier();  // every subgroup holds the first part before the second is staged")
     for j in range(fd):
         emit(mat.declare("acc", f"o{j}", zero=True))
     emit("barrier();  // every subgroup holds its queries: the tile's memory takes keys and values next")
@@ -231,7 +242,7 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False, cache: str 
     for i in range(fd):
         for j in range(fkv):  # B = K^T: column `key` of it is the staged row of that key
             emit(f"{{ {mat.declare('b', 'kb')} {mat.load('b', 'kb', str(16 * j * ds + 2 * i), ds, col=True)} "
-                 f"{mat.mma(f'qa{i}', 'kb', f'sc{j}')} }}")
+                 f"{mat.mma(f'qa{i}', 'kb', f'sc{j}')} {mat.mma(f'ql{i}', 'kb', f'sc{j}')} }}")
     for j in range(fkv):
         emit(mat.store(f"sc{j}", f"sb + {4 * j}", ss))
     emit("subgroupMemoryBarrierShared();")
@@ -253,8 +264,10 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False, cache: str 
           f"    p[t] = ({vis}) ? exp2(s - mx) : 0.0;",
           "    l += p[t];",
           "  }",
-          f"  sm[pb + r * {ps} + (c >> 3)] = uvec4(packHalf2x16(vec2(p[0], p[1])), packHalf2x16(vec2(p[2], p[3])),",
-          "                                     packHalf2x16(vec2(p[4], p[5])), packHalf2x16(vec2(p[6], p[7])));",
+          f"  sm[pb + r * {ps} + (c >> 3)] = uvec4(hi_half(vec2(p[0], p[1])), hi_half(vec2(p[2], p[3])),",
+          "                                     hi_half(vec2(p[4], p[5])), hi_half(vec2(p[6], p[7])));",
+          f"  sm[pl + r * {ps} + (c >> 3)] = uvec4(lo_half(vec2(p[0], p[1])), lo_half(vec2(p[2], p[3])),",
+          "                                     lo_half(vec2(p[4], p[5])), lo_half(vec2(p[6], p[7])));",
           "}",
           "m_[i] = mx;",
           "l_[i] = l;",
@@ -269,9 +282,11 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False, cache: str 
     for kk in range(fkv):
         emit(mat.declare("a", f"pa{kk}"))
         emit(mat.load("a", f"pa{kk}", f"pb + {2 * kk}", ps))
+        emit(mat.declare("a", f"pl{kk}"))
+        emit(mat.load("a", f"pl{kk}", f"pl + {2 * kk}", ps))
         for j in range(fd):
             emit(f"{{ {mat.declare('b', 'vb')} {mat.load('b', 'vb', str(BKV * ds + 16 * kk * ds + 2 * j), ds)} "
-                 f"{mat.mma(f'pa{kk}', 'vb', f'o{j}')} }}")
+                 f"{mat.mma(f'pa{kk}', 'vb', f'o{j}')} {mat.mma(f'pl{kk}', 'vb', f'o{j}')} }}")
     emit("barrier();  // every subgroup is done with the tiles before the next are staged")
     emit("}")
     # O / l, through this subgroup's factor matrix, to the rows inside the sequence
@@ -317,6 +332,13 @@ def source(d: int, group: int, subgroup: int, emulate: bool = False, cache: str 
         "layout(push_constant) uniform Push { uint num_heads; uint num_kv_heads; float scale_log2; uint window;"
         + (" uint block_size; uint max_blocks;" if cache else "") + " } pc;",
         f"shared uvec4 sm[{lay['total']}];",
+        "// v's leading 11 significant bits (rounded in the float32 bits): exact in float16 where v is a normal",
+        "// float16, so v - head11(v) is exact too. Bit operations: a driver folded the float16 round trip",
+        "// unpackHalf2x16(packHalf2x16(v)) into v, which left every low part zero",
+        "vec2 head11(vec2 v) { return uintBitsToFloat((floatBitsToUint(v) + 0x1000u) & 0xFFFFE000u); }",
+        "uint hi_half(vec2 v) { return packHalf2x16(head11(v)); }",
+        "// what hi_half leaves out, rounded to float16: hi + lo carries v to about 2^-22",
+        "uint lo_half(vec2 v) { return packHalf2x16(v - head11(v)); }",
         *([_EMULATION] if emulate else []),
         "void main() {",
     ]
