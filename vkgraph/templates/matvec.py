@@ -171,11 +171,15 @@ class OneRow:
 # INT_DOT_PREFERRED's. Measured on an H200 (2026-12-02, `bench_matvec_launch.py --wg-sweep`, Q4_0 at the 8B products,
 # GB/s against INT_DOT_PREFERRED's 128 invocations and 2 rows in the same interleaved run): qkv 1618 against 1411
 # and o 1230 against 1155 with 32-lane groups of one row, 4 units in flight, fold; gate_up 3168 against 2897 with
-# one subgroup of 4 rows; down 2588 against 2428 with 64 invocations on one row, fold.
+# one subgroup of 4 rows; down 2588 against 2428 with 64 invocations on one row, fold. The 1B model's down product
+# (2048x8192; 2026-12-03, the same sweep at --shapes 1b, finals): 1393 against 1192 with 128 invocations on one row,
+# two rounds in flight, fold. (Its q/k/v and gate/up products run fused, with launches of their own; its o product's
+# best was the default.)
 INT_DOT_ONE_ROW: dict[str, list[tuple[tuple[int, int], tuple[int, int], OneRow]]] = {
     "Q4_0": [((4096, 8192), (4096, 4096), OneRow(128, 1, 4, True, subgroup=True)),
              ((16384, 32768), (4096, 4096), OneRow(32, 4, 1, False)),
-             ((4096, 8192), (8192, 16384), OneRow(64, 1, 1, True))],
+             ((4096, 8192), (8192, 16384), OneRow(64, 1, 1, True)),
+             ((2048, 4095), (8192, 16383), OneRow(128, 1, 2, True))],
     # Q4_K (2026-12-02, bench_matvec_launch.py --wg-sweep, the one-word unit with both runs' scales unpacked at once,
     # GB/s in the finals against INT_DOT_PREFERRED's 128 invocations and 4 rows, and the earlier subgroup-rows entry
     # for qkv, in the same run): two rows per workgroup won on every product. qkv 1442 (first pass 1504) against 1300
