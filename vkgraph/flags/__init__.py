@@ -19,6 +19,7 @@ class Flag:
     type: type
     default: Any
     meaning: str
+    choices: tuple[str, ...] = ()  # the values a str flag may take (empty: any)
 
 
 def _default_cache_dir() -> str:
@@ -52,11 +53,11 @@ FLAGS: dict[str, Flag] = {
              "VK_KHR_pipeline_executable_properties"),
         Flag("VKGRAPH_MAX_RECORDED", int, 256, "dispatches recorded before a command buffer is submitted"),
         Flag("VKGRAPH_INT_DOT", str, "auto", "quantized matvecs over int8 activations: auto (where the device "
-             "accelerates int8 dot products), 1 (wherever it has them) or 0 (never)"),
+             "accelerates int8 dot products), 1 (wherever it has them) or 0 (never)", ("auto", "0", "1")),
         Flag("VKGRAPH_MATVEC_LAUNCH", str, "auto", "quantized matvecs: subgroup (groups of a subgroup's lanes own "
              "a few rows, several units in flight each), workgroup (a workgroup owns a few rows, shared-memory "
              "reduction: the earlier launch) or auto (subgroup where the device has subgroup shuffles, for more "
-             "than one activation row)"),
+             "than one activation row)", ("auto", "subgroup", "workgroup")),
         Flag("VKGRAPH_MATVEC_SG", str, "", "subgroup-rows launch parameters replacing matvec.SG_PREFERRED and "
              "SG_INT_DOT_PREFERRED, e.g. '1:128,2,4;32:256,4,1,16;8:128,4,2,0,1,1' (activation rows bucket: "
              "workgroup size, rows per group, units in flight[, group width (0: derived)[, fold, stage]])"),
@@ -87,7 +88,7 @@ FLAGS: dict[str, Flag] = {
         Flag("VKGRAPH_FLASH_PREFILL", str, "auto", "prefill attention on cooperative matrices "
              "(templates.flash_prefill: keys and values rounded to float16, the rest about float32) where the device "
              "has them: auto where the keys and values go to a float16 cache (as it holds them), 1 for any cache, 0 "
-             "never (the float32 template)"),
+             "never (the float32 template)", ("auto", "0", "1")),
         Flag("VKGRAPH_DECODE_AHEAD", int, 1, "1: an engine submits the next decode step before the host has read the "
              "tokens of the one in flight (their slots reserved, the tokens fed on the device), where the batch "
              "stays the same and no request needs its tokens on the host first; 0: one step at a time"),
@@ -104,6 +105,8 @@ def flag(name: str) -> Any:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return spec.default
+    if spec.choices and raw not in spec.choices:
+        raise ValueError(f"{name} must be {', '.join(spec.choices[:-1])} or {spec.choices[-1]}, got {raw!r}")
     try:
         return spec.type(raw)
     except ValueError as e:

@@ -602,8 +602,6 @@ def flash_takes(head_size: int, softcap: float = 0.0, kv_dtype: str | None = Non
     cache's own), 1 always, 0 never. Only where it runs can a prefill that continues cached prefixes run as one
     prefill (else: paged_decode per query row)."""
     mode = flag("VKGRAPH_FLASH_PREFILL")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"VKGRAPH_FLASH_PREFILL must be auto, 0 or 1, got {mode!r}")
     asked = mode == "1" or (mode == "auto" and kv_dtype == "f16")
     return asked and fp.usable(limits(), head_size) and not softcap
 
