@@ -130,6 +130,11 @@ def test_device_info_lists_cooperative_matrices_as_the_driver_gives_them():
                              if s.scope == "subgroup" and not s.saturating) or not info.float16
     if not any(s.a == "bfloat16" for s in info.cooperative_matrix):
         assert not info.bfloat16_cooperative_matrix or info.cooperative_matrix == ()
+    # workgroup-scope matrices (VK_NV_cooperative_matrix2) only beside subgroup-scope ones, in whole subgroups
+    assert not info.cooperative_matrix_flexible or info.cooperative_matrix
+    assert all(s.invocations % info.subgroup_size == 0 and min(s.m, s.n, s.k) > 0
+               for s in info.cooperative_matrix_flexible)
+    assert info.cooperative_matrix_flexible or not info.cooperative_matrix_tensor_addressing
 
 
 def test_tuned_configurations_are_read_per_device_and_class(tmp_path, monkeypatch):
@@ -826,16 +831,24 @@ def test_tiled_integer_product_is_exact():
     np.testing.assert_array_equal((Tensor(a) @ Tensor(b)).numpy(), a @ b)
 
 
-@pytest.mark.parametrize("layer", [(1, 3, 239), (1, 3, 280), (1, 4, 320)])
+@pytest.mark.parametrize("layer", [(1, 3, 239), (1, 3, 280), (1, 3, 301), (1, 4, 320)])
 def test_an_older_validation_layer_leaves_off_what_it_cannot_check(layer):
     from types import SimpleNamespace
 
-    from vkgraph.runtime.device import Device, vk
+    from vkgraph.runtime.device import CoopFlexShape, Device, vk
 
     shapes = tuple(CoopShape(*c[:3], *c[3:], scope="subgroup") for c in COOP)
+    flexible = tuple(CoopFlexShape(32, 32, 16, t, t, "float32", "float32", invocations=256)
+                     for t in ("float16", "bfloat16"))
     stub = SimpleNamespace(validation_version=vk.VK_MAKE_VERSION(*layer),
-                           info=SimpleNamespace(cooperative_matrix=shapes, bfloat16_cooperative_matrix=True))
+                           info=SimpleNamespace(cooperative_matrix=shapes, bfloat16_cooperative_matrix=True,
+                                                cooperative_matrix_flexible=flexible,
+                                                cooperative_matrix_tensor_addressing=True))
     Device._within_validation(stub)
     kept = {s.a for s in stub.info.cooperative_matrix}
-    assert kept == {(1, 3, 239): set(), (1, 3, 280): {"float16"}, (1, 4, 320): {"float16", "bfloat16"}}[layer]
+    assert kept == {(1, 3, 239): set(), (1, 3, 280): {"float16"}, (1, 3, 301): {"float16"},
+                    (1, 4, 320): {"float16", "bfloat16"}}[layer]
+    # VK_NV_cooperative_matrix2 (workgroup scope) is known to layers from 1.3.300
+    assert {s.a for s in stub.info.cooperative_matrix_flexible} == (kept if layer >= (1, 3, 300) else set())
+    assert stub.info.cooperative_matrix_tensor_addressing == (layer >= (1, 3, 300))
     assert stub.info.bfloat16_cooperative_matrix == (layer >= (1, 4, 311))

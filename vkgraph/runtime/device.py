@@ -42,10 +42,14 @@ _SUBGROUP_OPS = {
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 COOP_EXT = "VK_KHR_cooperative_matrix"
 BF16_EXT = "VK_KHR_shader_bfloat16"
+# workgroup-scope cooperative matrices of flexible dimensions (the driver tiles one product over a workgroup)
+COOP2_EXT = "VK_NV_cooperative_matrix2"
 HOST_MEMORY_EXT = "VK_EXT_external_memory_host"  # buffers over host memory several devices share (memory.py)
 STATS_EXT = "VK_KHR_pipeline_executable_properties"  # the compiled kernels' statistics (kernel_statistics)
 # VK_KHR_shader_bfloat16 postdates the `vulkan` package: its struct type and component type by value
 _STYPE_BF16_FEATURES = 1000141000
+# so does VK_NV_cooperative_matrix2: its features, flexible-dimension properties and properties by value
+_STYPE_COOP2_FEATURES, _STYPE_COOP_FLEXIBLE, _STYPE_COOP2_PROPERTIES = 1000593000, 1000593001, 1000593002
 _COMPONENT_NAMES = {
     vk.VK_COMPONENT_TYPE_FLOAT16_KHR: "float16", vk.VK_COMPONENT_TYPE_FLOAT32_KHR: "float32",
     vk.VK_COMPONENT_TYPE_FLOAT64_KHR: "float64", vk.VK_COMPONENT_TYPE_SINT8_KHR: "int8",
@@ -56,6 +60,7 @@ _COMPONENT_NAMES = {
 }
 # the Vulkan headers that introduced VK_KHR_cooperative_matrix (1.3.255) and VK_KHR_shader_bfloat16 (1.4.311)
 _COOP_LAYER_VERSION = vk.VK_MAKE_VERSION(1, 3, 255)
+_COOP2_LAYER_VERSION = vk.VK_MAKE_VERSION(1, 3, 300)  # VK_NV_cooperative_matrix2
 _BF16_LAYER_VERSION = vk.VK_MAKE_VERSION(1, 4, 311)
 _SCOPE_NAMES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 
@@ -77,6 +82,28 @@ class CoopShape:
     def __str__(self) -> str:
         sat = " saturating" if self.saturating else ""
         return f"{self.m}x{self.n}x{self.k} {self.a}*{self.b}+{self.c}->{self.result} {self.scope}{sat}"
+
+
+@dataclass(frozen=True)
+class CoopFlexShape:
+    """A workgroup-scope cooperative-matrix configuration of VK_NV_cooperative_matrix2: result (M x N) += A (M x K)
+    * B (K x N) for any M, N, K that are multiples of the granularities (up to the device's maximum dimension), in
+    a workgroup of exactly `invocations` invocations."""
+
+    m: int  # granularities
+    n: int
+    k: int
+    a: str
+    b: str
+    c: str
+    result: str
+    invocations: int
+    saturating: bool = False
+
+    def __str__(self) -> str:
+        sat = " saturating" if self.saturating else ""
+        return f"{self.m}x{self.n}x{self.k}-multiples {self.a}*{self.b}+{self.c}->{self.result} " \
+               f"workgroup of {self.invocations}{sat}"
 
 
 @dataclass
@@ -123,6 +150,13 @@ class DeviceInfo:
     # and whether bfloat16 may be an operand type of them (VK_KHR_shader_bfloat16)
     cooperative_matrix: tuple[CoopShape, ...] = ()
     bfloat16_cooperative_matrix: bool = False
+    # VK_NV_cooperative_matrix2 with workgroup scope and flexible dimensions (empty where absent), the largest
+    # dimension a flexible matrix may have, and the shared memory the driver keeps for itself in such a kernel
+    cooperative_matrix_flexible: tuple[CoopFlexShape, ...] = ()
+    cooperative_matrix_max_dimension: int = 0
+    cooperative_matrix_reserved_shared: int = 0
+    # ... and whether its matrices may be loaded through tensor layouts (cooperativeMatrixTensorAddressing)
+    cooperative_matrix_tensor_addressing: bool = False
     # float controls the device honours for 32-bit floats (VkPhysicalDeviceVulkan12Properties):
     # "signed_zero_inf_nan_preserve", "denorm_preserve"
     float_controls: frozenset[str] = frozenset()
@@ -150,7 +184,7 @@ class DeviceInfo:
         for k, v in self.__dict__.items():
             if isinstance(v, frozenset):
                 v = ", ".join(sorted(v))
-            elif k == "cooperative_matrix":
+            elif k in ("cooperative_matrix", "cooperative_matrix_flexible"):
                 v = "; ".join(map(str, v)) if v else "none"
             elif k == "heaps":
                 v = "; ".join(f"{s / 2**30:.1f} GiB{' device-local' if d else ''}" for s, d in v)
@@ -248,12 +282,16 @@ class Device:
         v = self.validation_version
         if v is None:
             return
+        if v < _COOP2_LAYER_VERSION:
+            self.info.cooperative_matrix_flexible, self.info.cooperative_matrix_tensor_addressing = (), False
         if v < _COOP_LAYER_VERSION:
             self.info.cooperative_matrix, self.info.bfloat16_cooperative_matrix = (), False
         elif v < _BF16_LAYER_VERSION and self.info.bfloat16_cooperative_matrix:
             self.info.cooperative_matrix = tuple(c for c in self.info.cooperative_matrix
                                                  if "bfloat16" not in (c.a, c.b))
             self.info.bfloat16_cooperative_matrix = False
+            self.info.cooperative_matrix_flexible = tuple(c for c in self.info.cooperative_matrix_flexible
+                                                          if "bfloat16" not in (c.a, c.b))
 
     def _install_messenger(self) -> None:
         messages = self.validation_messages
@@ -350,6 +388,11 @@ class Device:
             exts.append(BF16_EXT)
             bf16 = _bf16_features(k, enable=True)
             tail.pNext = bf16
+            tail = ffi.cast("VkBaseOutStructure*", bf16)
+        if self.info.cooperative_matrix_flexible:
+            exts.append(COOP2_EXT)
+            tail.pNext = _coop2_features(k, enable=True,
+                                         tensor_addressing=self.info.cooperative_matrix_tensor_addressing)
         if self.info.host_import_alignment:
             exts.append(HOST_MEMORY_EXT)
         if self.capture_statistics:
@@ -551,6 +594,58 @@ def _bf16_features(k: Keep, enable: bool = False) -> Any:
     return ffi.cast("void*", raw)
 
 
+def _coop2_features(k: Keep, enable: bool = False, tensor_addressing: bool = False) -> Any:
+    """VkPhysicalDeviceCooperativeMatrix2FeaturesNV laid out by hand: sType, pNext, then seven VkBool32, of which
+    vkgraph enables cooperativeMatrixWorkgroupScope, cooperativeMatrixFlexibleDimensions (the first two) and,
+    where the device has it, cooperativeMatrixTensorAddressing (the sixth)."""
+    raw = k.new("uint32_t[12]")
+    raw[0] = _STYPE_COOP2_FEATURES
+    if enable:
+        raw[4] = raw[5] = 1
+        raw[9] = int(tensor_addressing)
+    return ffi.cast("void*", raw)
+
+
+def _coop_flexible(physical: Any, instance: Any, exts: frozenset[str], bf16_ok: bool
+                   ) -> tuple[tuple[CoopFlexShape, ...], int, int, bool]:
+    """The workgroup-scope flexible configurations of VK_NV_cooperative_matrix2, the maximum dimension, the
+    reserved shared memory and whether tensor-addressed loads are offered, or ((), 0, 0, False) where the
+    extension or either feature vkgraph needs (workgroup scope, flexible dimensions) is absent."""
+    none: tuple[tuple[CoopFlexShape, ...], int, int, bool] = ((), 0, 0, False)
+    if COOP2_EXT not in exts:
+        return none
+    k = Keep()
+    feats = _coop2_features(k)
+    lib.vkGetPhysicalDeviceFeatures2(physical, k.struct("VkPhysicalDeviceFeatures2", pNext=feats))
+    words = ffi.cast("uint32_t*", feats)
+    if not (words[4] and words[5]):
+        return none
+    props = k.new("uint32_t[8]")  # sType, pNext, workgroup-scope max invocations, max dimension, reserved shared
+    props[0] = _STYPE_COOP2_PROPERTIES
+    lib.vkGetPhysicalDeviceProperties2(physical, k.struct("VkPhysicalDeviceProperties2",
+                                                          pNext=ffi.cast("void*", props)))
+    what = "vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV"
+    addr = lib.vkGetInstanceProcAddr(instance, k.cstr(what))
+    if addr == NULL:
+        return none
+    fn = ffi.cast("VkResult(*)(VkPhysicalDevice, uint32_t*, void*)", addr)
+    count = ffi.new("uint32_t*")
+    check(fn(physical, count, NULL), what)
+    stride = 14  # sType, pNext, M/N/K granularity, A/B/C/result types, saturating, scope, invocations (uint32s)
+    raw = ffi.new("uint32_t[]", max(1, count[0]) * stride)
+    for i in range(count[0]):
+        raw[i * stride] = _STYPE_COOP_FLEXIBLE
+    check(fn(physical, count, raw), what)
+    shapes = []
+    for i in range(count[0]):
+        m, n, kk, ta, tb, tc, tr, sat, scope, inv = (raw[i * stride + 4 + j] for j in range(10))
+        types = [_COMPONENT_NAMES.get(t, f"type{t}") for t in (ta, tb, tc, tr)]
+        if _SCOPE_NAMES.get(scope) != "workgroup" or ("bfloat16" in types[:2] and not bf16_ok):
+            continue
+        shapes.append(CoopFlexShape(m, n, kk, *types, invocations=inv, saturating=bool(sat)))
+    return tuple(shapes), int(props[5]), int(props[6]), bool(words[9])
+
+
 def _device_extensions(physical: Any) -> frozenset[str]:
     count = ffi.new("uint32_t*")
     what = "vkEnumerateDeviceExtensionProperties"
@@ -628,6 +723,8 @@ def _query_info(physical: Any, instance: Any) -> DeviceInfo:
     dot_accel = has13 and bool(dot.integerDotProduct4x8BitPackedSignedAccelerated)
     exts = _device_extensions(physical)
     coop, bf16_coop = _cooperative_matrix(physical, instance, exts)
+    flexible, max_dim, reserved, tensor_addressing = (_coop_flexible(physical, instance, exts, bf16_coop) if coop
+                                                      else ((), 0, 0, False))
     stats = False
     if STATS_EXT in exts:
         sf = k.struct("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR")
@@ -667,6 +764,8 @@ def _query_info(physical: Any, instance: Any) -> DeviceInfo:
         min_storage_offset_alignment=lim.minStorageBufferOffsetAlignment,
         timestamp_period=lim.timestampPeriod, timestamps=bool(lim.timestampComputeAndGraphics),
         unified_memory=unified, heaps=heaps, cooperative_matrix=coop, bfloat16_cooperative_matrix=bf16_coop,
+        cooperative_matrix_flexible=flexible, cooperative_matrix_max_dimension=max_dim,
+        cooperative_matrix_reserved_shared=reserved, cooperative_matrix_tensor_addressing=tensor_addressing,
         float_controls=frozenset(name for name, bit in (
             ("signed_zero_inf_nan_preserve", p12.shaderSignedZeroInfNanPreserveFloat32),
             ("denorm_preserve", p12.shaderDenormPreserveFloat32)) if bit),
