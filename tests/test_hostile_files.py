@@ -398,6 +398,17 @@ _header_edits = st.lists(st.tuples(st.floats(0, 0.15), _HUGE | st.binary(min_siz
                          max_size=4)
 
 
+def test_a_gguf_string_that_is_not_utf8_is_named(good, tmp_path):
+    # found by test_fuzz_gguf_bytes: one byte of the architecture's name made 0x80 escaped as a UnicodeDecodeError
+    data = bytearray(good["gguf"].read_bytes())
+    key = data.find(b"general.architecture")
+    value = data.find(b"llama", key)  # after the key: the value's type and length, then its bytes
+    assert key >= 0 and value > key
+    data[value + 1] = 0x80
+    (tmp_path / "m.gguf").write_bytes(bytes(data))
+    fails_quickly(tmp_path / "m.gguf", "general.architecture: a string that is not UTF-8")
+
+
 @_FUZZ
 @given(edits=_byte_edits | _header_edits)
 def test_fuzz_gguf_bytes(good, tmp_path, edits):

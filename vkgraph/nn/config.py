@@ -412,7 +412,13 @@ def gguf_value(reader: Any, key: str, default: Any = None) -> Any:
         return default
 
     def one(part: np.ndarray, vtype: GGUFValueType) -> Any:
-        return bytes(part).decode("utf-8") if vtype == GGUFValueType.STRING else part.tolist()[0]
+        if vtype != GGUFValueType.STRING:
+            return part.tolist()[0]
+        try:
+            return bytes(part).decode("utf-8")
+        except UnicodeDecodeError as e:  # GGUF strings are UTF-8: a file that says otherwise is damaged
+            raise ModelFormatError(f"GGUF metadata {key}: a string that is not UTF-8 ({e.reason} at byte "
+                                   f"{e.start})") from None
 
     if field.types[0] == GGUFValueType.ARRAY:
         return [one(field.parts[i], field.types[-1]) for i in field.data]
