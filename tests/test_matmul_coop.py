@@ -135,6 +135,8 @@ def test_device_info_lists_cooperative_matrices_as_the_driver_gives_them():
     assert all(s.invocations % info.subgroup_size == 0 and min(s.m, s.n, s.k) > 0
                for s in info.cooperative_matrix_flexible)
     assert info.cooperative_matrix_flexible or not info.cooperative_matrix_tensor_addressing
+    # VK_NV_cooperative_vector's combinations only with a vector length to use them at
+    assert bool(info.cooperative_vector) == (info.cooperative_vector_max_components > 0)
 
 
 def test_tuned_configurations_are_read_per_device_and_class(tmp_path, monkeypatch):
@@ -835,7 +837,7 @@ def test_tiled_integer_product_is_exact():
 def test_an_older_validation_layer_leaves_off_what_it_cannot_check(layer):
     from types import SimpleNamespace
 
-    from vkgraph.runtime.device import CoopFlexShape, Device, vk
+    from vkgraph.runtime.device import CoopFlexShape, CoopVecTypes, Device, vk
 
     shapes = tuple(CoopShape(*c[:3], *c[3:], scope="subgroup") for c in COOP)
     flexible = tuple(CoopFlexShape(32, 32, 16, t, t, "float32", "float32", invocations=256)
@@ -843,7 +845,8 @@ def test_an_older_validation_layer_leaves_off_what_it_cannot_check(layer):
     stub = SimpleNamespace(validation_version=vk.VK_MAKE_VERSION(*layer),
                            info=SimpleNamespace(cooperative_matrix=shapes, bfloat16_cooperative_matrix=True,
                                                 cooperative_matrix_flexible=flexible,
-                                                cooperative_matrix_tensor_addressing=True))
+                                                cooperative_matrix_tensor_addressing=True,
+                                                cooperative_vector=(CoopVecTypes(*["float16"] * 5, False),)))
     Device._within_validation(stub)
     kept = {s.a for s in stub.info.cooperative_matrix}
     assert kept == {(1, 3, 239): set(), (1, 3, 280): {"float16"}, (1, 3, 301): {"float16"},
@@ -851,4 +854,5 @@ def test_an_older_validation_layer_leaves_off_what_it_cannot_check(layer):
     # VK_NV_cooperative_matrix2 (workgroup scope) is known to layers from 1.3.300
     assert {s.a for s in stub.info.cooperative_matrix_flexible} == (kept if layer >= (1, 3, 300) else set())
     assert stub.info.cooperative_matrix_tensor_addressing == (layer >= (1, 3, 300))
+    assert len(stub.info.cooperative_vector) == (layer >= (1, 3, 300))
     assert stub.info.bfloat16_cooperative_matrix == (layer >= (1, 4, 311))

