@@ -244,3 +244,24 @@ void main() { b[gl_GlobalInvocationID.x] += 1.0; }
                     d.kernel_statistics(pipe)
         finally:
             d.close()
+
+
+def test_a_device_refusing_the_hand_laid_nvidia_extensions_is_made_without_them(monkeypatch):
+    """The NVIDIA extensions newer than the `vulkan` package (their structures laid out by hand) are left off, and
+    their DeviceInfo rows cleared, where vkCreateDevice refuses them; here a device that lacks them is told it
+    has them, so its driver refuses the extension names."""
+    from vkgraph.runtime import device as device_mod
+
+    fake = device_mod.CoopVecTypes(*["float16"] * 5, False)
+    monkeypatch.setattr(device_mod, "_cooperative_vector", lambda *a: ((fake,), 64))
+    d = Device()
+    try:
+        if device_mod.COOPVEC_EXT in device_mod._device_extensions(d.physical):
+            pytest.skip(f"{d.info.name} offers {device_mod.COOPVEC_EXT}: nothing refuses it")
+        assert d.info.cooperative_vector == () and d.info.cooperative_vector_max_components == 0
+        buf = d.alloc(16)  # a working device
+        d.upload(buf, np.arange(4, dtype=np.float32))
+        assert d.download(buf, np.float32).tolist() == [0, 1, 2, 3]
+        buf.release()
+    finally:
+        d.close()

@@ -416,6 +416,7 @@ class Device:
             bf16 = _bf16_features(k, enable=True)
             tail.pNext = bf16
             tail = ffi.cast("VkBaseOutStructure*", bf16)
+        before_nv = tail  # the NVIDIA extensions below are laid out by hand: see the retry at vkCreateDevice
         if self.info.cooperative_matrix_flexible:
             exts.append(COOP2_EXT)
             coop2 = _coop2_features(k, enable=True, tensor_addressing=self.info.cooperative_matrix_tensor_addressing)
@@ -431,11 +432,21 @@ class Device:
             stats = k.struct("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR", pipelineExecutableInfo=1)
             stats.pNext = e2.pNext
             e2.pNext = stats
-        names = k.cstr_array(exts)
-        ci = k.struct("VkDeviceCreateInfo", pNext=e2, queueCreateInfoCount=1, pQueueCreateInfos=qci,
-                      enabledExtensionCount=len(exts), ppEnabledExtensionNames=names)
         out = ffi.new("VkDevice*")
-        check(lib.vkCreateDevice(self.physical, ci, NULL, out), "vkCreateDevice")
+
+        def create(names: list[str]) -> int:
+            ci = k.struct("VkDeviceCreateInfo", pNext=e2, queueCreateInfoCount=1, pQueueCreateInfos=qci,
+                          enabledExtensionCount=len(names), ppEnabledExtensionNames=k.cstr_array(names))
+            return lib.vkCreateDevice(self.physical, ci, NULL, out)
+
+        result = create(exts)
+        nv = {COOP2_EXT, COOPVEC_EXT} & set(exts)
+        if result < 0 and nv:  # a driver that refuses the hand-laid NVIDIA structures: a device without them
+            before_nv.pNext = NULL
+            self.info.cooperative_matrix_flexible, self.info.cooperative_matrix_tensor_addressing = (), False
+            self.info.cooperative_vector, self.info.cooperative_vector_max_components = (), 0
+            result = create([e for e in exts if e not in nv])
+        check(result, "vkCreateDevice")
         self.device = out[0]
         q = ffi.new("VkQueue*")
         lib.vkGetDeviceQueue(self.device, self.queue_family, 0, q)
