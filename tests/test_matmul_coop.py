@@ -846,7 +846,8 @@ def test_an_older_validation_layer_leaves_off_what_it_cannot_check(layer):
                            info=SimpleNamespace(cooperative_matrix=shapes, bfloat16_cooperative_matrix=True,
                                                 cooperative_matrix_flexible=flexible,
                                                 cooperative_matrix_tensor_addressing=True,
-                                                cooperative_vector=(CoopVecTypes(*["float16"] * 5, False),)))
+                                                cooperative_vector=(CoopVecTypes(*["float16"] * 5, False),),
+                                                cooperative_vector_max_components=64))
     Device._within_validation(stub)
     kept = {s.a for s in stub.info.cooperative_matrix}
     assert kept == {(1, 3, 239): set(), (1, 3, 280): {"float16"}, (1, 3, 301): {"float16"},
@@ -855,4 +856,5 @@ def test_an_older_validation_layer_leaves_off_what_it_cannot_check(layer):
     assert {s.a for s in stub.info.cooperative_matrix_flexible} == (kept if layer >= (1, 3, 300) else set())
     assert stub.info.cooperative_matrix_tensor_addressing == (layer >= (1, 3, 300))
     assert len(stub.info.cooperative_vector) == (layer >= (1, 3, 300))
+    assert stub.info.cooperative_vector_max_components == (64 if layer >= (1, 3, 300) else 0)
     assert stub.info.bfloat16_cooperative_matrix == (layer >= (1, 4, 311))

@@ -310,7 +310,7 @@ class Device:
             return
         if v < _COOP2_LAYER_VERSION:
             self.info.cooperative_matrix_flexible, self.info.cooperative_matrix_tensor_addressing = (), False
-            self.info.cooperative_vector = ()
+            self.info.cooperative_vector, self.info.cooperative_vector_max_components = (), 0
         if v < _COOP_LAYER_VERSION:
             self.info.cooperative_matrix, self.info.bfloat16_cooperative_matrix = (), False
         elif v < _BF16_LAYER_VERSION and self.info.bfloat16_cooperative_matrix:
