@@ -108,7 +108,7 @@ OpDecorate %by Binding 2
 %c_row_major = OpConstant %uint 0
 %false = OpConstantFalse %bool
 %vin = OpTypeCooperativeVectorNV %half %c_chunk
-%vres = OpTypeCooperativeVectorNV %half %c_rows
+%vres = OpTypeCooperativeVectorNV %{result} %c_rows
 %vacc = OpTypeCooperativeVectorNV %float %c_rows
 %zero = OpConstantNull %vacc
 %main = OpFunction %void None %fn
@@ -131,7 +131,7 @@ OpBranchConditional %more %body %merge
 %xin = OpCooperativeVectorLoadNV %vin %px %xoff
 %moff = OpIAdd %uint %wbase %xoff
 %res = OpCooperativeVectorMatrixMulNV %vres %xin %c_f16 %pw %moff %c_f16 %c_rows %c_chunk %c_row_major %false %c_stride
-%resf = OpFConvert %vacc %res
+{widen}
 %acc_next = OpFAdd %vacc %acc %resf
 %kc_next = OpIAdd %uint %kc %c1
 OpBranch %loop
@@ -151,10 +151,15 @@ OpFunctionEnd
 """
 
 
-def assemble(n: int, k: int, rows: int, chunk: int) -> bytes:
-    """The probe's kernel for W [n, k] in blocks of `rows` rows and `chunk` columns, as SPIR-V."""
+def assemble(n: int, k: int, rows: int, chunk: int, result: str = "float16") -> bytes:
+    """The probe's kernel for W [n, k] in blocks of `rows` rows and `chunk` columns, as SPIR-V; `result`: the
+    products' component type (float16, widened to float32 before the sum, or float32)."""
+    wide = result == "float32"
     text = ASSEMBLY.format(rows=rows, chunk=chunk, chunks=k // chunk, chunk_bytes=2 * chunk,
-                           block_bytes=2 * rows * k, stride=2 * k)
+                           block_bytes=2 * rows * k, stride=2 * k, result="float" if wide else "half",
+                           widen="%resf = OpCopyObject %vacc %res" if wide else "%resf = OpFConvert %vacc %res")
+    if wide:  # the products are already of the sum's type, which may be declared once
+        text = text.replace("%vres = OpTypeCooperativeVectorNV %float %c_rows\n", "").replace("%vres", "%vacc")
     return subprocess.run([spirv_tool("spirv-as"), "--target-env", "vulkan1.3", "-", "-o", "-"],
                           input=text.encode(), capture_output=True, check=True).stdout
 
@@ -165,7 +170,7 @@ def install(dev) -> None:
 
     def compile_(source: str, defines: dict | None = None, target: str = "vulkan1.2") -> bytes:
         if defines and "CHUNK" in defines:
-            return assemble(defines["N"], defines["K"], defines["ROWS"], defines["CHUNK"])
+            return assemble(defines["N"], defines["K"], defines["ROWS"], defines["CHUNK"], defines["RESULT"])
         return plain(source, defines, target)
 
     dev.compiler.compile = compile_
@@ -188,7 +193,8 @@ def main() -> None:
     a = ap.parse_args()
     dev = get_device()
     info = dev.info
-    f16 = [c for c in info.cooperative_vector if (c.input, c.interpretation, c.matrix) == ("float16",) * 3]
+    f16 = [c for c in info.cooperative_vector if (c.input, c.interpretation, c.matrix) == ("float16",) * 3
+           and c.result in ("float16", "float32")]
     if not f16:
         raise SystemExit(f"{info.name}: no float16 cooperative-vector products (VK_NV_cooperative_vector): "
                          + ("; ".join(map(str, info.cooperative_vector)) or "none"))
@@ -219,7 +225,8 @@ def main() -> None:
                 continue
             label = f"rows {rows:3d} chunk {chunk:4d}"
             try:
-                kern = dev.pipeline(INTERFACE, defines={"N": n, "K": k, "ROWS": rows, "CHUNK": chunk},
+                kern = dev.pipeline(INTERFACE, defines={"N": n, "K": k, "ROWS": rows, "CHUNK": chunk,
+                                                        "RESULT": f16[0].result},
                                     name=f"coopvec_{n}x{k}_{rows}_{chunk}")
                 product(dev, kern, [wbuf, xbuf, ybuf], n, rows)
                 got = dev.download(ybuf, np.float32)
