@@ -331,12 +331,14 @@ def special_graphs(draw, max_ops: int = 6):
             return out, tol, False, None, np.broadcast_to(np.abs(b.x.astype(np.float64)), out.x.shape)
         if end in ("sum", "mean") and last.x.ndim:
             axis = draw(st.integers(0, last.x.ndim - 1))
-            terms = np.abs(last.x.astype(np.float64))
-            terms = terms.sum(axis) if end == "sum" else terms.mean(axis)
+            # the error scales with the result's terms; overflow of the partial sums (whose infinities and NaN
+            # depend on the order) with the sum of their magnitudes, also where the result is a mean
+            partial = np.abs(last.x.astype(np.float64)).sum(axis)
+            terms = partial if end == "sum" else np.abs(last.x.astype(np.float64)).mean(axis)
             red = getattr(np, end)
             out = Special(getattr(last.t, end)(axis), red(last.x, axis=axis, dtype=np.float32),
                           f"{end}({last.desc}, {axis})", flush(red(flush(last.xf), axis=axis, dtype=np.float32)))
-            return out, 2e-6, False, terms, None
+            return out, 2e-6, False, terms, None, partial
     return last, 0.0, False, None, None
 
 
@@ -345,16 +347,17 @@ def _bits(x: np.ndarray) -> np.ndarray:
 
 
 def _check_special(item: Special, tol: float, floor_one: bool, terms: np.ndarray | None,
-                   exponent: np.ndarray | None) -> None:
+                   exponent: np.ndarray | None, partial: np.ndarray | None = None) -> None:
     """numpy's value must hold; where the device may flush subnormals, each place may hold the flushed value
-    instead (numerics.may_flush_subnormals)."""
+    instead (numerics.may_flush_subnormals). `terms`: a sum's or mean's scale of error (the magnitude of its
+    result's terms); `partial`: how large its partial sums may grow (the sum of the terms' magnitudes)."""
     got = item.t.numpy()
     assert got.shape == np.shape(item.x), (item, got.shape, np.shape(item.x))
     got = got.astype(np.float32)
-    bad, why = _special_bad(item, got, np.asarray(item.x, np.float32), tol, floor_one, terms, exponent)
+    bad, why = _special_bad(item, got, np.asarray(item.x, np.float32), tol, floor_one, terms, exponent, partial)
     if bad.any() and may_flush_subnormals():
         xf = np.asarray(item.xf, np.float32)
-        bad_f, _ = _special_bad(item, got, xf, tol, floor_one, terms, exponent)
+        bad_f, _ = _special_bad(item, got, xf, tol, floor_one, terms, exponent, partial)
         # flushing may touch inputs and not the output: min(-3e-42, 1e-45) compares two zeros and may return the
         # second operand's own bits, so where the flushed result is zero a subnormal of the inputs may stand
         bad &= bad_f & ~((xf == 0) & (np.abs(got) < np.float32(2.0**-126)))
@@ -362,12 +365,13 @@ def _check_special(item: Special, tol: float, floor_one: bool, terms: np.ndarray
 
 
 def _special_bad(item: Special, got: np.ndarray, ref: np.ndarray, tol: float, floor_one: bool,
-                 terms: np.ndarray | None, exponent: np.ndarray | None):
+                 terms: np.ndarray | None, exponent: np.ndarray | None, partial: np.ndarray | None = None):
     """The places where got is not ref under the rules of _check_special, and a message for a mask of them."""
     nan_g, nan_r = np.isnan(got), np.isnan(ref)
     ambiguous = np.zeros(ref.shape, bool)
     if terms is not None:  # a sum whose partial sums may overflow: its infinities and NaN depend on the order
-        ambiguous = ~np.isfinite(terms) & ~np.isnan(ref) | (terms >= F32_MAX / 2)
+        partial = terms if partial is None else partial
+        ambiguous = ~np.isfinite(partial) & ~np.isnan(ref) | (partial >= F32_MAX / 2)
     elif tol:  # an inexact op whose true result lies at float32's overflow threshold may round either way
         near_max = np.isfinite(got) & (np.abs(got) >= F32_MAX * (1 - 1e-3)) & (np.sign(got) == np.sign(ref))
         ambiguous = np.isfinite(ref) & (np.abs(ref) >= F32_MAX * (1 - 1e-3)) | np.isinf(ref) & near_max
