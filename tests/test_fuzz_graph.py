@@ -257,6 +257,9 @@ class Special:
         self.t, self.x, self.desc = t, x, desc
         self.xf = x if xf is None else xf
 
+    def __repr__(self) -> str:
+        return f"{self.desc} {self.x.shape}"
+
 
 def _moved_both(m: Item, x: np.ndarray, xf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The movement that took codes 1..n (0 where padded) to m.x, applied to x and to xf."""
@@ -266,9 +269,6 @@ def _moved_both(m: Item, x: np.ndarray, xf: np.ndarray) -> tuple[np.ndarray, np.
         return np.where(code == 0, np.float32(0), np.asarray(v, np.float32).ravel()[np.maximum(code - 1, 0)])
 
     return pick(x).astype(np.float32), pick(xf).astype(np.float32)
-
-    def __repr__(self) -> str:
-        return f"{self.desc} {self.x.shape}"
 
 
 def _special_input(draw, rng, shape) -> np.ndarray:
