@@ -180,6 +180,17 @@ def test_pow_mod_floor_on_floats_and_special_values():
     check(Tensor(np.array([np.nan, 1.0], np.float32)) + 1, np.array([np.nan, 2.0], np.float32))
 
 
+def test_a_view_of_padding_alone_reads_a_zero_the_arithmetic_after_it_keeps():
+    # the special-value fuzzer's case: pad(x)[5:] is all border; lavapipe made `x / 0.0` of that zero garbage
+    x = np.array([1e30, -0.132, 0.64], np.float32)
+    border = np.pad(x, ((1, 2),))[5:]
+    with np.errstate(all="ignore"):
+        check(Tensor(x) / Tensor(x).pad(((1, 2),))[5:], x / border)
+        check(Tensor(x).abs() / Tensor(x).pad(((1, 2),))[5:], np.abs(x) / border)
+        check(Tensor(x).pad(((1, 2),))[5:] / Tensor(x).pad(((1, 2),))[5:], border / border)
+        check(Tensor(np.full(3, np.inf, np.float32)) * Tensor(x).pad(((0, 5),))[5:], np.full(3, np.nan, np.float32))
+
+
 def test_where_clip_casts_bitcast():
     c = rng.random((4, 5)) > 0.5
     x, y = randn(4, 5), randn(5)

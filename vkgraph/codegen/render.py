@@ -119,6 +119,12 @@ class Renderer:
             self._zero = self.push_const("uint", 0, ZERO_FIELD)
         return f"uintBitsToFloat({self._zero} | {glsl.float_bits(value):#x}u)"
 
+    def masked_zero(self, dtype: DType) -> str:
+        """The zero a view reads where its mask leaves nothing valid (a pad's border sliced alone): a constant the
+        compiler sees, so hidden like any special float (lavapipe turned `x / 0.0` from such a view into
+        garbage)."""
+        return self.special_float(0.0) if self.precise and dtype.is_float else glsl.zero(dtype)
+
     def offset(self, value: int) -> Expr:
         if value == 0:
             return Num(0)
@@ -184,7 +190,7 @@ class Renderer:
     def load(self, ref: object, dtype: DType, idx: Expr, valid: list[str]) -> str:
         b = self.binding(ref, dtype)
         if "false" in valid:
-            return glsl.zero(dtype)
+            return self.masked_zero(dtype)
         parts = self._access(b, idx)
         e = glsl.load(dtype, parts[-1][1])
         for cond, where in reversed(parts[:-1]):
@@ -254,7 +260,7 @@ class Renderer:
         if src.op is Op.BUFFER:
             return self.load(src.arg[0], src.dtype, idx + self.offset(st.views[0].offset), valid)
         if "false" in valid:
-            return glsl.zero(n.dtype)
+            return self.masked_zero(n.dtype)
         idx = idx + num(st.views[0].offset)
         shape = self.shapes.get(src, src.shape)
         inner = self.value(src, unravel(_clamp(idx, prod(shape)) if valid else idx, shape))
