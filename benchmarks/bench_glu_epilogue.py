@@ -142,7 +142,6 @@ def main() -> None:
             qbuf = dev.alloc(mv.Q8Acts.layout(batch, k)[0])  # where rmsnorm_q8 writes (the norm's unfused way)
             if not cfgs:
                 print(f"{fmt:>6s} {shape:>5s} {batch:4d}  no launch with the norm in the prologue (glu_norm_config)")
-                cfgs = []
             else:
                 acts = mv.Q8Acts.in_buffer(qbuf, batch, k) if a.norm else x
                 graphs = {key: capture_graph(dev, run)

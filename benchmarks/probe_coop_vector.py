@@ -25,14 +25,14 @@ from functools import partial
 import numpy as np
 from bench_kernels import _release_weights
 from common import cuda_torch, raise_clocks, replay_us, torch_time_us
-from probe_coop_workgroup import spirv_tool
+from probe_coop_workgroup import rewrite_spirv, spirv_tool
 
 from vkgraph.quant import FORMATS, quantize
 from vkgraph.runtime import get_device
 from vkgraph.templates import matvec as mv
 
 # the runtime reads a kernel's interface (bindings, local size) from GLSL source: this one declares what the
-# assembled program uses, and the compiler hook below swaps in the assembly for it
+# assembled program uses, and `assembled` takes the place of its compiled form
 INTERFACE = """#version 450
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
@@ -174,17 +174,9 @@ def assemble(n: int, k: int, rows: int, chunk: int, result: str = "float16", bat
                           input=text.encode(), capture_output=True, check=True).stdout
 
 
-def install(dev) -> None:
-    """Route the compilation of INTERFACE (with the defines N, K, ROWS, CHUNK) to `assemble`."""
-    plain = dev.compiler.compile
-
-    def compile_(source: str, defines: dict | None = None, target: str = "vulkan1.2") -> bytes:
-        if defines and "CHUNK" in defines:
-            return assemble(defines["N"], defines["K"], defines["ROWS"], defines["CHUNK"], defines["RESULT"],
-                            defines["BATCH"])
-        return plain(source, defines, target)
-
-    dev.compiler.compile = compile_
+def assembled(_: bytes, d: dict) -> bytes:
+    """The kernel INTERFACE stands for (defines N, K, ROWS, CHUNK, RESULT, BATCH), in place of its compiled stub."""
+    return assemble(d["N"], d["K"], d["ROWS"], d["CHUNK"], d["RESULT"], d["BATCH"])
 
 
 def product(dev, kern, bufs, n: int, rows: int) -> None:
@@ -212,7 +204,7 @@ def main() -> None:
                          + ("; ".join(map(str, info.cooperative_vector)) or "none"))
     print(f"{info.name}: cooperative vectors up to {info.cooperative_vector_max_components} components; "
           + "; ".join(map(str, info.cooperative_vector)))
-    install(dev)
+    rewrite_spirv(dev, "CHUNK", assembled)
     torch = cuda_torch()
     rng = np.random.default_rng(0)
     raise_clocks(3.0)

@@ -29,6 +29,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -188,6 +189,18 @@ def spirv_tool(name: str) -> str:
     return found
 
 
+def rewrite_spirv(dev, key: str, rewrite: Callable[[bytes, dict], bytes]) -> None:
+    """Programs compiled with the define `key` set come out of `dev`'s compiler as rewrite(their SPIR-V, defines):
+    the probes' SPIR-V written by hand, where glslang 13 cannot spell an extension."""
+    plain = dev.compiler.compile
+
+    def compile_(source: str, defines: dict | None = None, target: str = "vulkan1.2") -> bytes:
+        spirv = plain(source, defines, target)
+        return rewrite(spirv, defines) if defines and defines.get(key) else spirv
+
+    dev.compiler.compile = compile_
+
+
 def tensor_loads(spirv: bytes, d: dict) -> bytes:
     """The placeholder loads of a TENSOR kernel rewritten as OpCooperativeMatrixLoadTensorNV through tensor layouts
     of the operands' whole extents, sliced to the workgroup's block (glslang 13 cannot spell GL_NV_cooperative_matrix2;
@@ -292,13 +305,7 @@ def main() -> None:
     a = ap.parse_args()
     dev = get_device()
     info = dev.info
-    plain_compile = dev.compiler.compile
-
-    def compile_rewriting(source: str, defines: dict | None = None, target: str = "vulkan1.2") -> bytes:
-        spirv = plain_compile(source, defines, target)
-        return tensor_loads(spirv, defines) if defines and defines.get("TENSOR") else spirv
-
-    dev.compiler.compile = compile_rewriting
+    rewrite_spirv(dev, "TENSOR", tensor_loads)
     flex = [s for s in info.cooperative_matrix_flexible
             if (s.a, s.b, s.c, s.result) == ("float16", "float16", "float32", "float32")]
     if not flex:

@@ -309,8 +309,7 @@ class Device:
         if v is None:
             return
         if v < _COOP2_LAYER_VERSION:
-            self.info.cooperative_matrix_flexible, self.info.cooperative_matrix_tensor_addressing = (), False
-            self.info.cooperative_vector, self.info.cooperative_vector_max_components = (), 0
+            _leave_off_nvidia(self.info)
         if v < _COOP_LAYER_VERSION:
             self.info.cooperative_matrix, self.info.bfloat16_cooperative_matrix = (), False
         elif v < _BF16_LAYER_VERSION and self.info.bfloat16_cooperative_matrix:
@@ -443,8 +442,7 @@ class Device:
         nv = {COOP2_EXT, COOPVEC_EXT} & set(exts)
         if result < 0 and nv:  # a driver that refuses the hand-laid NVIDIA structures: a device without them
             before_nv.pNext = NULL
-            self.info.cooperative_matrix_flexible, self.info.cooperative_matrix_tensor_addressing = (), False
-            self.info.cooperative_vector, self.info.cooperative_vector_max_components = (), 0
+            _leave_off_nvidia(self.info)
             result = create([e for e in exts if e not in nv])
         check(result, "vkCreateDevice")
         self.device = out[0]
@@ -636,6 +634,43 @@ def _bf16_features(k: Keep, enable: bool = False) -> Any:
     return ffi.cast("void*", raw)
 
 
+def _leave_off_nvidia(info: DeviceInfo) -> None:
+    """Clear what the NVIDIA extensions laid out by hand (cooperative_matrix2, cooperative_vector) put on info."""
+    info.cooperative_matrix_flexible, info.cooperative_matrix_tensor_addressing = (), False
+    info.cooperative_vector, info.cooperative_vector_max_components = (), 0
+
+
+def _features(physical: Any, k: Keep, feats: Any) -> Any:
+    """A feature structure laid out by hand (sType set), filled by the driver: its 32-bit words."""
+    lib.vkGetPhysicalDeviceFeatures2(physical, k.struct("VkPhysicalDeviceFeatures2", pNext=feats))
+    return ffi.cast("uint32_t*", feats)
+
+
+def _properties(physical: Any, k: Keep, stype: int, words: int) -> list[int]:
+    """The `words` 32-bit fields after sType and pNext of a property structure laid out by hand."""
+    raw = k.new("uint32_t[]", 4 + words + words % 2)  # the structure's size: whole 8-byte words (its pNext)
+    raw[0] = stype
+    lib.vkGetPhysicalDeviceProperties2(physical, k.struct("VkPhysicalDeviceProperties2", pNext=ffi.cast("void*", raw)))
+    return [int(raw[4 + i]) for i in range(words)]
+
+
+def _enumerate(physical: Any, instance: Any, k: Keep, what: str, stype: int, words: int) -> list[list[int]] | None:
+    """The entries of a list of structures laid out by hand (sType, pNext, then `words` 32-bit fields each) that
+    the physical-device query `what` fills, or None where the loader lacks the function."""
+    addr = lib.vkGetInstanceProcAddr(instance, k.cstr(what))
+    if addr == NULL:
+        return None
+    fn = ffi.cast("VkResult(*)(VkPhysicalDevice, uint32_t*, void*)", addr)
+    count = ffi.new("uint32_t*")
+    check(fn(physical, count, NULL), what)
+    stride = 4 + words + words % 2  # each structure whole 8-byte words (its pNext)
+    raw = ffi.new("uint32_t[]", max(1, count[0]) * stride)
+    for i in range(count[0]):
+        raw[i * stride] = stype
+    check(fn(physical, count, raw), what)
+    return [[int(raw[i * stride + 4 + j]) for j in range(words)] for i in range(count[0])]
+
+
 def _coop2_features(k: Keep, enable: bool = False, tensor_addressing: bool = False) -> Any:
     """VkPhysicalDeviceCooperativeMatrix2FeaturesNV laid out by hand: sType, pNext, then seven VkBool32, of which
     vkgraph enables cooperativeMatrixWorkgroupScope, cooperativeMatrixFlexibleDimensions (the first two) and,
@@ -657,35 +692,23 @@ def _coop_flexible(physical: Any, instance: Any, exts: frozenset[str], bf16_ok: 
     if COOP2_EXT not in exts:
         return none
     k = Keep()
-    feats = _coop2_features(k)
-    lib.vkGetPhysicalDeviceFeatures2(physical, k.struct("VkPhysicalDeviceFeatures2", pNext=feats))
-    words = ffi.cast("uint32_t*", feats)
-    if not (words[4] and words[5]):
+    feats = _features(physical, k, _coop2_features(k))
+    if not (feats[4] and feats[5]):
         return none
-    props = k.new("uint32_t[8]")  # sType, pNext, workgroup-scope max invocations, max dimension, reserved shared
-    props[0] = _STYPE_COOP2_PROPERTIES
-    lib.vkGetPhysicalDeviceProperties2(physical, k.struct("VkPhysicalDeviceProperties2",
-                                                          pNext=ffi.cast("void*", props)))
-    what = "vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV"
-    addr = lib.vkGetInstanceProcAddr(instance, k.cstr(what))
-    if addr == NULL:
+    # workgroup-scope max invocations, max dimension, reserved shared memory
+    props = _properties(physical, k, _STYPE_COOP2_PROPERTIES, 3)
+    entries = _enumerate(physical, instance, k, "vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV",
+                         _STYPE_COOP_FLEXIBLE, 10)
+    if entries is None:
         return none
-    fn = ffi.cast("VkResult(*)(VkPhysicalDevice, uint32_t*, void*)", addr)
-    count = ffi.new("uint32_t*")
-    check(fn(physical, count, NULL), what)
-    stride = 14  # sType, pNext, M/N/K granularity, A/B/C/result types, saturating, scope, invocations (uint32s)
-    raw = ffi.new("uint32_t[]", max(1, count[0]) * stride)
-    for i in range(count[0]):
-        raw[i * stride] = _STYPE_COOP_FLEXIBLE
-    check(fn(physical, count, raw), what)
     shapes = []
-    for i in range(count[0]):
-        m, n, kk, ta, tb, tc, tr, sat, scope, inv = (raw[i * stride + 4 + j] for j in range(10))
+    # M/N/K granularity, A/B/C/result types, saturating, scope, invocations
+    for m, n, kk, ta, tb, tc, tr, sat, scope, inv in entries:
         types = [_COMPONENT_NAMES.get(t, f"type{t}") for t in (ta, tb, tc, tr)]
         if _SCOPE_NAMES.get(scope) != "workgroup" or ("bfloat16" in types[:2] and not bf16_ok):
             continue
         shapes.append(CoopFlexShape(m, n, kk, *types, invocations=inv, saturating=bool(sat)))
-    return tuple(shapes), int(props[5]), int(props[6]), bool(words[9])
+    return tuple(shapes), props[1], props[2], bool(feats[9])
 
 
 def _coopvec_features(k: Keep, enable: bool = False) -> Any:
@@ -702,30 +725,18 @@ def _cooperative_vector(physical: Any, instance: Any, exts: frozenset[str]) -> t
     if COOPVEC_EXT not in exts:
         return (), 0
     k = Keep()
-    feats = _coopvec_features(k)
-    lib.vkGetPhysicalDeviceFeatures2(physical, k.struct("VkPhysicalDeviceFeatures2", pNext=feats))
-    if not ffi.cast("uint32_t*", feats)[4]:
+    if not _features(physical, k, _coopvec_features(k))[4]:
         return (), 0
-    props = k.new("uint32_t[8]")  # sType, pNext, stages, two training flags, maxCooperativeVectorComponents
-    props[0] = _STYPE_COOPVEC_PROPERTIES
-    lib.vkGetPhysicalDeviceProperties2(physical, k.struct("VkPhysicalDeviceProperties2",
-                                                          pNext=ffi.cast("void*", props)))
-    what = "vkGetPhysicalDeviceCooperativeVectorPropertiesNV"
-    addr = lib.vkGetInstanceProcAddr(instance, k.cstr(what))
-    if addr == NULL or not props[4] & vk.VK_SHADER_STAGE_COMPUTE_BIT:
+    # stages, two training flags, maxCooperativeVectorComponents
+    stages, _, _, longest = _properties(physical, k, _STYPE_COOPVEC_PROPERTIES, 4)
+    entries = _enumerate(physical, instance, k, "vkGetPhysicalDeviceCooperativeVectorPropertiesNV",
+                         _STYPE_COOPVEC_COMBINATION, 6) if stages & vk.VK_SHADER_STAGE_COMPUTE_BIT else None
+    if entries is None:
         return (), 0
-    fn = ffi.cast("VkResult(*)(VkPhysicalDevice, uint32_t*, void*)", addr)
-    count = ffi.new("uint32_t*")
-    check(fn(physical, count, NULL), what)
-    stride = 10  # sType, pNext, input, interpretation, matrix, bias, result types, transpose (uint32s)
-    raw = ffi.new("uint32_t[]", max(1, count[0]) * stride)
-    for i in range(count[0]):
-        raw[i * stride] = _STYPE_COOPVEC_COMBINATION
-    check(fn(physical, count, raw), what)
-    names = [[raw[i * stride + 4 + j] for j in range(6)] for i in range(count[0])]
+    # input, interpretation, matrix, bias and result types, transpose
     combos = tuple(CoopVecTypes(*(_COMPONENT_NAMES.get(t, f"type{t}") for t in c[:5]), transpose=bool(c[5]))
-                   for c in names)
-    return (combos, int(props[7])) if combos else ((), 0)
+                   for c in entries)
+    return (combos, longest) if combos else ((), 0)
 
 
 def _device_extensions(physical: Any) -> frozenset[str]:
