@@ -207,7 +207,10 @@ def test_paged_decode_int8_needs_blocks_of_32():
 def test_paged_decode_auto_split_is_used():
     dev = device()
     assert pa.choose_partition(dev, 1, 8, 4096, 32) > 0
-    assert pa.choose_partition(dev, 1, 8, 128, 32) == 0  # short contexts
+    assert pa.choose_partition(dev, 1, 8, 32, 32) == 0  # a context of one tile
+    # B=1: one tile a partition up to 16 partitions, then longer ones (the finish combines 16 in one round)
+    assert pa.choose_partition(dev, 1, 8, 128, 32) == 32 and pa.choose_partition(dev, 1, 8, 512, 32) == 32
+    assert pa.choose_partition(dev, 1, 8, 1024, 32) == 64 and pa.choose_partition(dev, 1, 8, 2048, 32) == 128
     assert pa.choose_partition(dev, 64, 8, 4096, 32) == 0  # enough (sequence, KV head) pairs
     assert pa.choose_partition(dev, 32, 8, 2048, 32) == 0
     # equal partitions toward SPLIT_TARGET workgroups: two for 128 or 192 pairs, four for 64

@@ -227,20 +227,26 @@ def read_parts(dev: Device, buf: Any, size: int, count: int) -> list[bytes]:
 
 SPLIT_PAIRS = 256  # split below this many (sequence, KV head) pairs
 SPLIT_TARGET = 256  # workgroups a split aims for
-MIN_PART = 128  # tokens per partition: shorter ones cost more in partial outputs than they gain
+MIN_PART = 32  # tokens per partition: one tile of the default form
+MAX_PARTS = 16  # partitions per pair: what paged_decode.comp's finish combines in one round of loads (PARTS_AHEAD)
 
 
 def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_len: int, tile: int) -> int:
     """Tokens per split-K partition, or 0 for none: split when few (sequence, KV head) pairs run, into as many
-    equal partitions as bring the workgroups to SPLIT_TARGET (none shorter than MIN_PART).
+    equal partitions as bring the workgroups to SPLIT_TARGET, at most MAX_PARTS a pair and none shorter than
+    MIN_PART.
 
-    Measured on an H200 (32 q / 8 KV heads, head 128): B=1 L=4096 gains 3x from 128-token partitions; B=16 (128
-    pairs) 1.26x at L=2048 (two partitions: 66.7 against 84.1 us) and 1.13x at L=1024; at B=32 L=2048 (256 pairs)
-    partitions of 256-1024 tokens were 2-22% slower than none."""
+    Measured on an H200 (32 q / 8 KV heads, head 128, float16 cache; bench_decode_attn.py, us): at B=1 the best
+    partitions were 32 tokens up to L=512 (L=256: 9.7 against 12.3 for 128-token ones, L=512: 10.1 against 12.5),
+    64 at L=1024 (11.3 against 12.8), 128 at L=2048 and 4096 (14.3, 18.4; 64-token ones 15.1, 23.6): the finish's
+    loads of more than 16 partitions cost more than shorter partitions gain. B=2 and 4 the same up to L=256 and
+    within 2% of this rule beyond; B=16 (128 pairs) 1.26x at L=2048 from two partitions; at B=32 L=2048 (256
+    pairs) partitions of 256-1024 tokens were 2-22% slower than none."""
     pairs = num_seqs * num_kv_heads
     if pairs >= SPLIT_PAIRS:
         return 0
-    part = max(MIN_PART, -(-max_context_len // -(-SPLIT_TARGET // pairs)))
+    parts = min(MAX_PARTS, -(-SPLIT_TARGET // pairs))
+    part = max(MIN_PART, -(-max_context_len // parts))
     part = -(-part // tile) * tile
     return 0 if part >= max_context_len else part
 
