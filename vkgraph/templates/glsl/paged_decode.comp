@@ -11,9 +11,10 @@
 // division). block_tables[seq, i] is the physical block of the sequence's tokens i*block_size...; any block
 // may be shared or in any order. Optional sliding window: only the last `window` positions are visible.
 // Split-K: with part_tokens > 0, partition p covers positions [p*part_tokens, (p+1)*part_tokens) and writes
-// its unnormalised output and (max, sum) to the partial buffers; the last of a (sequence, KV head)'s max_parts
-// workgroups to finish (an arrival counter per pair, zero before the dispatch and set back to zero by that
-// workgroup) combines them into the output, so no second kernel and no dependent launch is paid for the split.
+// its unnormalised output and (max, sum) to the partial buffers; the last of a (sequence, KV head)'s partitions
+// to finish (an arrival counter per pair, zero before the dispatch and set back to zero by that workgroup)
+// combines them into the output, so no second kernel and no dependent launch is paid for the split. Partitions
+// past the sequence's context do nothing; where only one holds positions, it writes the output as unsplit.
 //
 // -DNEW_KV: the decode step's new token (the last of each context, position ctx - 1) is written here instead of by
 // kv_write.comp. `q` is then the rows [B, src_stride] of the fused q/k/v product: queries from column q_off, the
@@ -160,14 +161,14 @@ vec4 q_at(uint row, uint e) {
 
 shared uint sLast;
 
-// Whether this workgroup is the last of its pair's partitions to finish, once its partial output is written; that
-// one sets the pair's counter back to zero (every partition has arrived) and sees the others' partial outputs.
-bool last_arrival() {
+// Whether this workgroup is the last of its pair's `parts` partitions to finish, once its partial output is written;
+// that one sets the pair's counter back to zero (every partition has arrived) and sees the others' partial outputs.
+bool last_arrival(uint parts) {
     memoryBarrierBuffer();
     barrier();
     if (gl_LocalInvocationID.x == 0) {
         const uint pair = seq_id() * pc.num_kv_heads + kv_head();
-        const bool last = atomicAdd(arrivals[pair], 1u) == pc.max_parts - 1u;
+        const bool last = atomicAdd(arrivals[pair], 1u) == parts - 1u;
         if (last) arrivals[pair] = 0u;
         sLast = last ? 1u : 0u;
     }
@@ -213,6 +214,12 @@ vec4 combine_parts(uint row, uint q, uint parts) {
 void main() {
     const uint ctx = uint(context_lens[seq_id()]);
     const uint part = gl_WorkGroupID.x;
+    // The partitions that hold positions of this sequence (one at least, so that an empty context writes its
+    // zeros): a graph captured for a long context splits it in max_parts, and a short one leaves the partitions
+    // past its end out (no partial output, no arrival); one live partition writes the output itself, with no
+    // arrival and no combining, as an unsplit dispatch does.
+    const uint parts = pc.part_tokens > 0 ? clamp((ctx + pc.part_tokens - 1) / pc.part_tokens, 1u, pc.max_parts) : 1u;
+    if (part >= parts) return;   // the whole workgroup, before any barrier
     uint begin = 0, end = ctx;
     if (pc.part_tokens > 0) {
         begin = min(part * pc.part_tokens, ctx);
@@ -226,7 +233,7 @@ void main() {
 
     const uint tid = gl_LocalInvocationID.x;
     const uint head0 = (seq_id() * pc.num_kv_heads + kv_head()) * GROUP;
-    if (pc.part_tokens > 0) {   // uniform: a push constant
+    if (parts > 1) {   // uniform in the workgroup: its sequence's context
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
             if (i < PAIRS) {
@@ -235,8 +242,7 @@ void main() {
             }
         }
         for (uint r = tid; r < ROWS; r += WG) part_ml[(head0 + r) * pc.max_parts + part] = vec2(sM[r], sL[r]);
-        if (!last_arrival()) return;
-        const uint parts = min((ctx + pc.part_tokens - 1) / pc.part_tokens, pc.max_parts);
+        if (!last_arrival(parts)) return;
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
             if (i < PAIRS) {
