@@ -159,6 +159,15 @@ def test_paged_decode_softcap_and_window(part):
     _decode_case(np.random.default_rng(3), [150, 7, 90], 2, 2, 64, 16, "f16", 40, part, softcap=1.5)
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_paged_decode_contexts_shorter_than_the_split(form):
+    """A split sized for 200 tokens over contexts that fill one, two (which partition 0 then walks alone) or more of
+    its partitions of 32, and none, in one dispatch, twice (the arrival counters back at zero in between)."""
+    for seed in (5, 6):
+        _decode_case(np.random.default_rng(seed), [200, 32, 33, 64, 65, 97, 1, 0], 2, 2, 64, 16, "f16", 0, 32,
+                     form=form)
+
+
 @pytest.mark.parametrize("part", [None, 0, 32])
 @pytest.mark.parametrize("form", FORMS)
 def test_paged_decode_long_context(part, form):

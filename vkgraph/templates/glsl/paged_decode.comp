@@ -14,17 +14,18 @@
 // its unnormalised output and (max, sum) to the partial buffers; the last of a (sequence, KV head)'s partitions
 // to finish (an arrival counter per pair, zero before the dispatch and set back to zero by that workgroup)
 // combines them into the output, so no second kernel and no dependent launch is paid for the split. Partitions
-// past the sequence's context do nothing; where only one holds positions, it writes the output as unsplit.
+// past the sequence's context do nothing; where one or two hold positions, partition 0 attends the whole context
+// and writes the output as unsplit (live_parts).
 //
 // -DNEW_KV: the decode step's new token (the last of each context, position ctx - 1) is written here instead of by
 // kv_write.comp. `q` is then the rows [B, src_stride] of the fused q/k/v product: queries from column q_off, the
 // new key from k_off, its value from v_off; -DROPE rotates queries and key as kv_write.comp does (rotate-half,
 // cos/sin [B, HEAD_SIZE / 2] per sequence). The new key and value, as the cache will hold them (float16 rounded
 // to nearest even, or float32), are attended at position ctx - 1 from registers, never read back from the cache,
-// and the workgroup of the partition that covers ctx - 1 (partition 0 where ctx is 0) writes them at block
-// slot_mapping[seq] / block_size, offset slot_mapping[seq] % block_size: one writer per cache word. A negative
-// slot (padding) writes nothing and attends the cache as it is. The slot must be the one the block
-// table gives position ctx - 1, and no other sequence of the dispatch may read it.
+// and the workgroup of the partition that covers ctx - 1 (partition 0 where it walks the whole context) writes
+// them at block slot_mapping[seq] / block_size, offset slot_mapping[seq] % block_size: one writer per cache word.
+// A negative slot (padding) writes nothing and attends the cache as it is. The slot must be the one the block table
+// gives position ctx - 1, and no other sequence of the dispatch may read it.
 #define ROWS GROUP
 layout(set = 0, binding = 0) readonly buffer Q { float q[]; };  // [B, Hq, D] float32; -DNEW_KV: [B, src_stride]
 layout(set = 0, binding = 1) readonly buffer KC { uvec4 kc[]; };
@@ -83,6 +84,18 @@ uint kv_at(uint block, uint pos) {
 
 uint kv_word(uint pos) { return kv_at(kv_block(pos), pos); }
 
+// The partitions that hold positions of a context of ctx tokens: a graph captured for a long context splits it in
+// max_parts, and a shorter one leaves those past its end out (no partial output, no arrival). Two are one: partition
+// 0 then walks the whole context, since two partitions and their combining cost more than the second one's tiles
+// (H200: a context of two tiles 9.5 us unsplit, 11.2 in two partitions). One live partition writes the output
+// itself, with no arrival and no combining, as an unsplit dispatch does. One at least, so that an empty context
+// writes its zeros.
+uint live_parts(uint ctx) {
+    if (pc.part_tokens == 0) return 1u;
+    const uint parts = clamp((ctx + pc.part_tokens - 1) / pc.part_tokens, 1u, pc.max_parts);
+    return parts <= 2u ? 1u : parts;
+}
+
 bool visible(uint row, uint pos) { return true; }   // the window is applied through the range
 
 #ifdef NEW_KV
@@ -115,7 +128,7 @@ uvec4 cache_word(uint base, uint e, bool rope) {   // dimensions e... of the hea
 
 // Word w of the new token's key and value as the cache will hold them, false where the slot is negative (padding:
 // nothing written, the cache's words at position ctx - 1 attended). With `writer`, this invocation writes the word
-// into the cache if this workgroup's partition covers ctx - 1 (partition 0 where ctx is 0): one writer per word.
+// into the cache if this workgroup's partition covers ctx - 1 (see main): one writer per word.
 bool new_words(uint w, bool writer, out uvec4 k, out uvec4 v) {
     k = uvec4(0);
     v = uvec4(0);
@@ -124,7 +137,7 @@ bool new_words(uint w, bool writer, out uvec4 k, out uvec4 v) {
     const uint row = seq_id() * pc.src_stride, ctx = new_pos + 1;   // new_pos is ctx - 1 (0xFFFFFFFF where ctx is 0)
     k = cache_word(row + pc.k_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, true);
     v = cache_word(row + pc.v_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, false);
-    const uint owner = pc.part_tokens > 0 && ctx > 0 ? min(new_pos / pc.part_tokens, pc.max_parts - 1) : 0;
+    const uint owner = ctx > 0 && live_parts(ctx) > 1 ? min(new_pos / pc.part_tokens, pc.max_parts - 1) : 0;
     if (writer && gl_WorkGroupID.x == owner) {
         const uint dst = ((uint(slot) / BLOCK_SIZE * pc.num_kv_heads + kv_head()) * BLOCK_SIZE
                           + uint(slot) % BLOCK_SIZE) * WORDS_PER_TOKEN + w;
@@ -214,14 +227,10 @@ vec4 combine_parts(uint row, uint q, uint parts) {
 void main() {
     const uint ctx = uint(context_lens[seq_id()]);
     const uint part = gl_WorkGroupID.x;
-    // The partitions that hold positions of this sequence (one at least, so that an empty context writes its
-    // zeros): a graph captured for a long context splits it in max_parts, and a short one leaves the partitions
-    // past its end out (no partial output, no arrival); one live partition writes the output itself, with no
-    // arrival and no combining, as an unsplit dispatch does.
-    const uint parts = pc.part_tokens > 0 ? clamp((ctx + pc.part_tokens - 1) / pc.part_tokens, 1u, pc.max_parts) : 1u;
+    const uint parts = live_parts(ctx);
     if (part >= parts) return;   // the whole workgroup, before any barrier
     uint begin = 0, end = ctx;
-    if (pc.part_tokens > 0) {
+    if (parts > 1) {
         begin = min(part * pc.part_tokens, ctx);
         end = min(begin + pc.part_tokens, ctx);
     }
