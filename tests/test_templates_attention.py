@@ -49,11 +49,14 @@ def _block_tables(rng, lens, bs, num_blocks, shared_prefix):
 
 
 def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, shared_prefix=False, softcap=0.0,
-                 form=None):
+                 form=None, max_context_len=None):
     dev = device()
     need = sum(-(-n // bs) for n in lens) + 1
     kc, vc = _random_cache(rng, need, hkv, bs, d, dtype)
     tables = _block_tables(rng, lens, bs, need, shared_prefix)
+    max_context_len = max_context_len or max(lens)
+    if max_context_len > tables.shape[1] * bs:  # room in the table rows for the longer capacity
+        tables = np.pad(tables, ((0, 0), (0, -(-max_context_len // bs) - tables.shape[1])))
     q = rng.standard_normal((len(lens), hkv * group, d)).astype(np.float32)
     cache = pa.PagedKVCache.create(dev, need, hkv, d, bs, dtype)
     dev.upload(cache.key, kc)
@@ -62,8 +65,8 @@ def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, share
     lens_buf = upload(dev, np.array(lens, np.int32))
     out = pa.paged_decode(dev, cache, upload(dev, q), upload(dev, tables), lens_buf,
                           num_seqs=len(lens), num_heads=hkv * group, max_blocks_per_seq=tables.shape[1],
-                          max_context_len=max(lens), window=window, part_tokens=part_tokens, softcap=softcap,
-                          form=form)
+                          max_context_len=max_context_len, window=window, part_tokens=part_tokens,
+                          softcap=softcap, form=form)
     got = dev.download(out, np.float32, q.shape)
     # a split's last workgroup of each (sequence, KV head) sets its arrival counter back to zero for the next dispatch
     pairs = len(lens) * hkv
@@ -215,16 +218,23 @@ def test_paged_decode_int8_needs_blocks_of_32():
 
 def test_paged_decode_auto_split_is_used():
     dev = device()
-    assert pa.choose_partition(dev, 1, 8, 4096, 32) > 0
-    assert pa.choose_partition(dev, 1, 8, 32, 32) == 0  # a context of one tile
-    # B=1: one tile a partition up to 16 partitions, then longer ones (the finish combines 16 in one round)
-    assert pa.choose_partition(dev, 1, 8, 128, 32) == 32 and pa.choose_partition(dev, 1, 8, 512, 32) == 32
-    assert pa.choose_partition(dev, 1, 8, 1024, 32) == 64 and pa.choose_partition(dev, 1, 8, 2048, 32) == 128
-    assert pa.choose_partition(dev, 64, 8, 4096, 32) == 0  # enough (sequence, KV head) pairs
-    assert pa.choose_partition(dev, 32, 8, 2048, 32) == 0
-    # equal partitions toward SPLIT_TARGET workgroups: two for 128 or 192 pairs, four for 64
-    assert pa.choose_partition(dev, 16, 8, 2048, 32) == pa.choose_partition(dev, 24, 8, 2048, 32) == 1024
-    assert pa.choose_partition(dev, 8, 8, 2048, 32) == 512 and pa.choose_partition(dev, 16, 8, 1000, 32) == 512
+    assert pa.choose_split(dev, 1, 8, 4096, 32) == (32, 16)  # at most 16 partitions (the finish's one round)
+    assert pa.choose_split(dev, 1, 8, 32, 32) == (0, 1)  # a context of one tile
+    assert pa.choose_split(dev, 1, 8, 128, 32) == (32, 4)
+    assert pa.choose_split(dev, 1, 8, 100, 64) == (64, 2)  # the least partition a whole tile of the form
+    assert pa.choose_split(dev, 64, 8, 4096, 32) == (0, 1)  # enough (sequence, KV head) pairs
+    assert pa.choose_split(dev, 32, 8, 2048, 32) == (0, 1)
+    # partitions toward SPLIT_TARGET workgroups: two for 128 or 192 pairs, four for 64
+    assert pa.choose_split(dev, 16, 8, 2048, 32) == pa.choose_split(dev, 24, 8, 2048, 32) == (32, 2)
+    assert pa.choose_split(dev, 8, 8, 2048, 32) == (32, 4)
+
+
+def test_paged_decode_sizes_each_split_by_its_own_context():
+    """A dispatch sized for 2048 tokens (as a captured decode step is, for its capacity) over contexts of 1000, 300,
+    100, 40 and 0 tokens, each split by its own length (the kernel's part_len), with the split chosen and given."""
+    for part in (None, 32):
+        _decode_case(np.random.default_rng(9), [1000, 300, 100, 40, 0], 2, 2, 64, 16, "f16", 0, part,
+                     max_context_len=2048)
 
 
 @pytest.mark.slow

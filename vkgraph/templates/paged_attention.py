@@ -227,14 +227,16 @@ def read_parts(dev: Device, buf: Any, size: int, count: int) -> list[bytes]:
 
 SPLIT_PAIRS = 256  # split below this many (sequence, KV head) pairs
 SPLIT_TARGET = 256  # workgroups a split aims for
-MIN_PART = 32  # tokens per partition: one tile of the default form
+MIN_PART = 32  # tokens per partition at least: one tile of the default form
 MAX_PARTS = 16  # partitions per pair: what paged_decode.comp's finish combines in one round of loads (PARTS_AHEAD)
 
 
-def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_len: int, tile: int) -> int:
-    """Tokens per split-K partition, or 0 for none: split when few (sequence, KV head) pairs run, into as many
-    equal partitions as bring the workgroups to SPLIT_TARGET, at most MAX_PARTS a pair and none shorter than
-    MIN_PART.
+def choose_split(dev: Device, num_seqs: int, num_kv_heads: int, max_context_len: int, step: int) -> tuple[int, int]:
+    """The split-K of a decode dispatch: (least tokens per partition, partitions per (sequence, KV head) pair), or
+    (0, 1) for none. Split when few pairs run, into as many partitions as bring the workgroups to SPLIT_TARGET, at
+    most MAX_PARTS and none shorter than MIN_PART (rounded up to `step`, the form's tile). The kernel sizes each
+    sequence's partitions by its own context (paged_decode.comp's part_len: the fewest tokens, a multiple of the
+    least, that cover it in the partitions), so a graph captured for a long context splits a short one as finely.
 
     Measured on an H200 (32 q / 8 KV heads, head 128, float16 cache; bench_decode_attn.py, us): at B=1 the best
     partitions were 32 tokens up to L=512 (L=256: 9.7 against 12.3 for 128-token ones, L=512: 10.1 against 12.5),
@@ -243,12 +245,9 @@ def choose_partition(dev: Device, num_seqs: int, num_kv_heads: int, max_context_
     within 2% of this rule beyond; B=16 (128 pairs) 1.26x at L=2048 from two partitions; at B=32 L=2048 (256
     pairs) partitions of 256-1024 tokens were 2-22% slower than none."""
     pairs = num_seqs * num_kv_heads
-    if pairs >= SPLIT_PAIRS:
-        return 0
-    parts = min(MAX_PARTS, -(-SPLIT_TARGET // pairs))
-    part = max(MIN_PART, -(-max_context_len // parts))
-    part = -(-part // tile) * tile
-    return 0 if part >= max_context_len else part
+    least = -(-MIN_PART // step) * step
+    parts = min(MAX_PARTS, -(-SPLIT_TARGET // pairs), -(-max_context_len // least))
+    return (least, parts) if pairs < SPLIT_PAIRS and parts > 1 else (0, 1)
 
 
 @dataclass(frozen=True)
@@ -394,10 +393,11 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
         core = {"TILE": tile, **({"ROW_LANES": 1} if form.row_lanes else {})}
     if part_tokens is None:  # stream: partitions of whole chunks (a multiple of the tile too)
         step = math.lcm(tile, wg // core["LANES"] * core["UNROLL"]) if "STREAM" in core else tile
-        part_tokens = choose_partition(dev, num_seqs, hkv, max_context_len, step)
-    if part_tokens < 0 or part_tokens % tile:
+        part_tokens, parts = choose_split(dev, num_seqs, hkv, max_context_len, step)
+    elif part_tokens < 0 or part_tokens % tile:
         raise ValueError(f"part_tokens must be 0 or a positive multiple of the tile {tile}, got {part_tokens}")
-    parts = max(1, -(-max_context_len // part_tokens)) if part_tokens else 1
+    else:
+        parts = max(1, -(-max_context_len // part_tokens)) if part_tokens else 1
     if part_tokens:
         part_o = dev.alloc(num_seqs * num_heads * parts * d * 4)
         part_ml = dev.alloc(num_seqs * num_heads * parts * 8)

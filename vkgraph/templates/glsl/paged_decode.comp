@@ -10,12 +10,12 @@
 // float32, block_size = -DBLOCK_SIZE (a constant, so that positions split into block and offset without a
 // division). block_tables[seq, i] is the physical block of the sequence's tokens i*block_size...; any block
 // may be shared or in any order. Optional sliding window: only the last `window` positions are visible.
-// Split-K: with part_tokens > 0, partition p covers positions [p*part_tokens, (p+1)*part_tokens) and writes
+// Split-K: with part_tokens > 0, partition p covers positions [p*pt, (p+1)*pt), pt = part_len(ctx), and writes
 // its unnormalised output and (max, sum) to the partial buffers; the last of a (sequence, KV head)'s partitions
 // to finish (an arrival counter per pair, zero before the dispatch and set back to zero by that workgroup)
 // combines them into the output, so no second kernel and no dependent launch is paid for the split. Partitions
-// past the sequence's context do nothing; where one or two hold positions, partition 0 attends the whole context
-// and writes the output as unsplit (live_parts).
+// past the sequence's context do nothing; where one holds positions (or two of a short context), partition 0
+// attends the whole context and writes the output as unsplit (live_parts).
 //
 // -DNEW_KV: the decode step's new token (the last of each context, position ctx - 1) is written here instead of by
 // kv_write.comp. `q` is then the rows [B, src_stride] of the fused q/k/v product: queries from column q_off, the
@@ -84,16 +84,26 @@ uint kv_at(uint block, uint pos) {
 
 uint kv_word(uint pos) { return kv_at(kv_block(pos), pos); }
 
-// The partitions that hold positions of a context of ctx tokens: a graph captured for a long context splits it in
-// max_parts, and a shorter one leaves those past its end out (no partial output, no arrival). Two are one: partition
-// 0 then walks the whole context, since two partitions and their combining cost more than the second one's tiles
-// (H200: a context of two tiles 9.5 us unsplit, 11.2 in two partitions). One live partition writes the output
-// itself, with no arrival and no combining, as an unsplit dispatch does. One at least, so that an empty context
-// writes its zeros.
-uint live_parts(uint ctx) {
+// A sequence's split is sized by its own context, not the longest one the dispatch was recorded for (a captured
+// decode step serves every length up to its capacity): partitions of the fewest tokens, a multiple of part_tokens
+// (the host's least), that cover ctx in max_parts (the grid's partitions). For a context up to max_parts *
+// part_tokens that is part_tokens itself.
+uint part_len(uint ctx) {
+    const uint per = (ctx + pc.max_parts - 1) / pc.max_parts;
+    return max(1u, (per + pc.part_tokens - 1) / pc.part_tokens) * pc.part_tokens;
+}
+
+// The partitions that hold positions of a context of ctx tokens in partitions of pt: those past it do nothing (no
+// partial output, no arrival). Two of a context of at most UNSPLIT_MAX tokens are one: partition 0 then walks the
+// whole context, since two partitions and their combining cost more there than the second one's tiles (H200: a
+// context of two tiles 9.5 us unsplit, 11.2 in two partitions; of four, 10.0 against 10.2). One live partition
+// writes the output itself, with no arrival and no combining, as an unsplit dispatch does. One at least, so that an
+// empty context writes its zeros.
+const uint UNSPLIT_MAX = 128u;
+uint live_parts(uint ctx, uint pt) {
     if (pc.part_tokens == 0) return 1u;
-    const uint parts = clamp((ctx + pc.part_tokens - 1) / pc.part_tokens, 1u, pc.max_parts);
-    return parts <= 2u ? 1u : parts;
+    const uint parts = clamp((ctx + pt - 1) / pt, 1u, pc.max_parts);
+    return parts <= 2u && ctx <= UNSPLIT_MAX ? 1u : parts;
 }
 
 bool visible(uint row, uint pos) { return true; }   // the window is applied through the range
@@ -137,7 +147,8 @@ bool new_words(uint w, bool writer, out uvec4 k, out uvec4 v) {
     const uint row = seq_id() * pc.src_stride, ctx = new_pos + 1;   // new_pos is ctx - 1 (0xFFFFFFFF where ctx is 0)
     k = cache_word(row + pc.k_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, true);
     v = cache_word(row + pc.v_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, false);
-    const uint owner = ctx > 0 && live_parts(ctx) > 1 ? min(new_pos / pc.part_tokens, pc.max_parts - 1) : 0;
+    const uint pt = part_len(ctx);
+    const uint owner = ctx > 0 && live_parts(ctx, pt) > 1 ? min(new_pos / pt, pc.max_parts - 1) : 0;
     if (writer && gl_WorkGroupID.x == owner) {
         const uint dst = ((uint(slot) / BLOCK_SIZE * pc.num_kv_heads + kv_head()) * BLOCK_SIZE
                           + uint(slot) % BLOCK_SIZE) * WORDS_PER_TOKEN + w;
@@ -227,12 +238,12 @@ vec4 combine_parts(uint row, uint q, uint parts) {
 void main() {
     const uint ctx = uint(context_lens[seq_id()]);
     const uint part = gl_WorkGroupID.x;
-    const uint parts = live_parts(ctx);
+    const uint pt = part_len(ctx), parts = live_parts(ctx, pt);
     if (part >= parts) return;   // the whole workgroup, before any barrier
     uint begin = 0, end = ctx;
     if (parts > 1) {
-        begin = min(part * pc.part_tokens, ctx);
-        end = min(begin + pc.part_tokens, ctx);
+        begin = min(part * pt, ctx);
+        end = min(begin + pt, ctx);
     }
     if (pc.window > 0 && ctx > pc.window) begin = max(begin, ctx - pc.window);
 #ifdef NEW_KV
