@@ -89,6 +89,7 @@ uint kv_word(uint pos) { return kv_at(kv_block(pos), pos); }
 // (the host's least), that cover ctx in max_parts (the grid's partitions). For a context up to max_parts *
 // part_tokens that is part_tokens itself.
 uint part_len(uint ctx) {
+    if (pc.part_tokens == 0) return ctx;   // unsplit (and no division by zero)
     const uint per = (ctx + pc.max_parts - 1) / pc.max_parts;
     return max(1u, (per + pc.part_tokens - 1) / pc.part_tokens) * pc.part_tokens;
 }
