@@ -3,9 +3,11 @@ shape with random weights in Q4_0 / Q8_0, beside an eager PyTorch float16 implem
 on the same GPU (when PyTorch with CUDA is present).
 
     python benchmarks/bench_llm.py [--shape llama3-8b|llama3.2-1b|smollm2-135m|small] [--formats Q4_0,Q8_0,Q4_K]
-                                   [--batches 1,8,32]
+                                   [--batches 1,8,32] [--context 16]
     python benchmarks/bench_llm.py --gguf model-q4_0.gguf [--gguf model-q8_0.gguf]   # same files as llama.cpp
 
+Decode: the median step of --steps after the requests' prompts of --context tokens (the context each step attends,
+plus the tokens decoded so far; PyTorch's decode attends a cache of the same length).
 Prefill: the median of three prompts of --prompt tokens (each new, so no cached prefix), the first token included.
 Without --gguf, random weights are valid GGUF blocks of any quantized format built directly (small finite
 float16 scales, random quants and bits: vkgraph.quant.random_blocks), so no file is written; a shape with tied
@@ -69,26 +71,26 @@ def weight_bytes(w: ModelWeights) -> int:
     return total
 
 
-def warm_engine(model: LlamaModel, vocab: int, batch: int, max_tokens: int) -> Engine:
-    """An engine of `batch` requests of 16 prompt tokens each, past its warm-up: the prefill, then the JIT's eager
-    call, capture and first replay of the decode step (four steps), the device idle."""
+def warm_engine(model: LlamaModel, vocab: int, batch: int, max_tokens: int, context: int = 16) -> Engine:
+    """An engine of `batch` requests of `context` prompt tokens each, past its warm-up: the prefill, then the JIT's
+    eager call, capture and first replay of the decode step (four steps), the device idle."""
     engine = Engine(model, max_batch=batch)
     for i in range(batch):
-        engine.add_request([(i * 7 + j) % vocab for j in range(16)], max_tokens=max_tokens, stop_token_ids=[])
+        engine.add_request([(i * 7 + j) % vocab for j in range(context)], max_tokens=max_tokens, stop_token_ids=[])
     for _ in range(4):
         engine.step()
     get_device().synchronize()
     return engine
 
 
-def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt_len: int) -> dict:
+def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt_len: int, context: int = 16) -> dict:
     block = 16
-    decode_blocks = -(-(16 + decode_steps + 16) // block)
+    decode_blocks = -(-(context + decode_steps + 16) // block)
     per_seq = max(decode_blocks, -(-(prompt_len + 2) // block))
     model = LlamaModel(w, num_blocks=max(batches) * decode_blocks + 2 * per_seq + 16, max_blocks_per_seq=per_seq)
     out = {}
     for b in batches:
-        engine = warm_engine(model, w.config.vocab_size, b, decode_steps + 8)
+        engine = warm_engine(model, w.config.vocab_size, b, decode_steps + 8, context)
         raise_clocks()  # an idle H200 sits at 345 MHz: short timed runs after loading read 2-4x slow
         times = []
         for _ in range(decode_steps):
@@ -115,7 +117,8 @@ def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt
     return out
 
 
-def bench_torch(cfg: ModelConfig, batches: list[int], decode_steps: int, prompt_len: int) -> dict | None:
+def bench_torch(cfg: ModelConfig, batches: list[int], decode_steps: int, prompt_len: int,
+                context: int = 16) -> dict | None:
     torch = cuda_torch()
     if torch is None:
         return None
@@ -127,7 +130,7 @@ def bench_torch(cfg: ModelConfig, batches: list[int], decode_steps: int, prompt_
     layers = [dict(wqkv=r((h + 2 * hkv) * hd, d), wo=r(d, h * hd), wgu=r(2 * f, d), wd=r(d, f))
               for _ in range(cfg.n_layers)]
     emb, head = r(cfg.vocab_size, d), r(cfg.vocab_size, d)
-    max_len = prompt_len + decode_steps + 32
+    max_len = max(prompt_len, context) + decode_steps + 32
 
     def norm(x):
         return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(dt)
@@ -156,12 +159,12 @@ def bench_torch(cfg: ModelConfig, batches: list[int], decode_steps: int, prompt_
                        torch.zeros(b, hkv, max_len, hd, device=dev, dtype=dt)) for _ in layers]
             tok = torch.zeros(b, 1, dtype=torch.long, device=dev)
             for i in range(3):
-                forward(tok, caches, 16 + i)
+                forward(tok, caches, context + i)
             raise_torch_clocks(torch)
             times = []
             for i in range(decode_steps):
                 t = time.perf_counter()
-                tok = forward(tok, caches, 19 + i).argmax(-1, keepdim=True)
+                tok = forward(tok, caches, context + 3 + i).argmax(-1, keepdim=True)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
             out[b] = b / statistics.median(times)
@@ -206,6 +209,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--context", type=int, default=16, help="prompt tokens of each decoding request")
     ap.add_argument("--copy-gbs", type=float, default=4100.0,
                     help="measured copy bandwidth, GB/s (bytes read + written per second)")
     ap.add_argument("--gguf", action="append", default=[], help="a GGUF file to load in vkgraph and llama.cpp")
@@ -232,13 +236,13 @@ def main() -> None:
         else:
             w, label = random_model(cfg, fmt), fmt
         bound = a.copy_gbs * 1e9 / weight_bytes(w)  # decode reads every weight once per step
-        row(f"vkgraph {label}", bench_vkgraph(w, batches, a.steps, a.prompt), bound)
+        row(f"vkgraph {label}", bench_vkgraph(w, batches, a.steps, a.prompt, a.context), bound)
         del w
         if path is not None and not a.no_peers:
             lc = bench_llama_cpp(path, a.steps * 5, a.prompt)
             if lc is not None:
                 row(f"llama.cpp {label}", lc)
-    t = None if a.no_peers else bench_torch(cfg, batches, a.steps, a.prompt)
+    t = None if a.no_peers else bench_torch(cfg, batches, a.steps, a.prompt, a.context)
     if t is not None:
         row("PyTorch eager f16", t)
 

@@ -2,13 +2,13 @@
 
     python benchmarks/profile_decode.py [--shape llama3-8b|llama3.2-1b|small] [--format Q4_0] [--batches 1,8]
                                         [--fusion 0,1] [--glu 1,0] [--launch workgroup,subgroup] [--mm 8,0]
-                                        [--steps 5]
+                                        [--steps 5] [--context 16]
                                         [--matvec-sg "/8:128,4,2,0,1,1"] [--norm 0,8]
                                         [--norm-sg "/1:1024,1,4,32,1"]
                                         [--copy-mib 1024] [--kernels]
 
 Per batch size (and per VKGRAPH_DECODE_FUSION setting, on the same model: 0 is the unfused layers), runs the
-engine's decode step captured (JIT, timed by wall clock) and then without the JIT (the same kernels, recorded
+engine's decode step of requests of --context prompt tokens captured (JIT, timed by wall clock) and then without the JIT (the same kernels, recorded
 one by one) under VKGRAPH_PROFILE (and per VKGRAPH_GLU_EPILOGUE setting in --glu: the MLP's gated unit in the
 gate/up product's epilogue, or a kernel of its own; per VKGRAPH_MATVEC_LAUNCH setting in --launch: the matvec
 launches; per VKGRAPH_DECODE_MM_ROWS setting in --mm: from how many rows the products take matmul_quant's
@@ -83,9 +83,10 @@ def barrier_us(dev, reps: int = 7) -> float:
     return max(long - short, 0.0) / (CHAIN - 1) * 1e6
 
 
-def profile(dev, model, vocab: int, batch: int, steps: int) -> tuple[float, float, dict]:
-    """(median JIT step seconds, dispatches per step, {kernel: [dispatches, GPU us]} over the eager steps)."""
-    engine = warm_engine(model, vocab, batch, 2 * steps + 8)
+def profile(dev, model, vocab: int, batch: int, steps: int, context: int) -> tuple[float, float, dict]:
+    """(median JIT step seconds, dispatches per step, {kernel: [dispatches, GPU us]} over the eager steps) of
+    requests of `context` prompt tokens."""
+    engine = warm_engine(model, vocab, batch, 2 * steps + 8, context)
     raise_clocks()  # loading and capture left the GPU idle, its clocks low: short timed runs read 2-4x slow
     walls = []
     for _ in range(steps):
@@ -133,6 +134,7 @@ def main() -> None:
                     help="VKGRAPH_NORM_PROLOGUE_SG settings separated by '/', e.g. '/1:1024,1,4,32,1' (empty: the "
                          "table's)")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--context", type=int, default=16, help="prompt tokens of each decoding request")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the copy-bandwidth probe")
     ap.add_argument("--kernels", action="store_true", help="also print the per-kernel table of each run")
     a = ap.parse_args()
@@ -141,7 +143,8 @@ def main() -> None:
     dev = get_device()
     weights = random_model(cfg, a.format)
     nbytes = weight_bytes(weights)
-    model = LlamaModel(weights, num_blocks=max(batches) * 8 + 16, max_blocks_per_seq=8)
+    per_seq = max(8, -(-(a.context + 2 * a.steps + 24) // 16))  # blocks of 16 tokens: the prompt and the steps
+    model = LlamaModel(weights, num_blocks=max(batches) * per_seq + 16, max_blocks_per_seq=per_seq)
     del weights
     gbs = bench_copy_kernel(dev, a.copy_mib << 20, 256, [256, 1024, 4096, 16384])["GB/s"]
     barrier = barrier_us(dev)
@@ -170,7 +173,7 @@ def main() -> None:
         os.environ["VKGRAPH_MATVEC_LAUNCH"] = launch  # read when a matvec is recorded
         os.environ["VKGRAPH_DECODE_MM_ROWS"] = mm  # read when the step's graph is built
         for b in batches:
-            wall, dispatches, per = profile(dev, model, cfg.vocab_size, b, a.steps)
+            wall, dispatches, per = profile(dev, model, cfg.vocab_size, b, a.steps, a.context)
             busy = sum(v[1] for v in per.values()) / a.steps
             floor_ms = bytes_ms + dispatches * barrier / 1e3
             jit_ms = wall * 1e3
