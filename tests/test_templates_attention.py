@@ -89,9 +89,11 @@ def test_paged_decode_fuzz(data, d, dtype, hkv, group, bs, seed):
     lens = data.draw(st.lists(st.integers(1, 300), min_size=1, max_size=4))
     window = data.draw(st.sampled_from([0, 0, 1, 40]))
     part = data.draw(st.sampled_from([None, 0, 32, 64]))
+    # the dispatch sized for the lengths, or for more (as a captured step is, for its capacity)
+    capacity = max(lens) + data.draw(st.sampled_from([0, 0, 100, 1000]))
     _decode_case(np.random.default_rng(seed), lens, hkv, group, d, bs, dtype, window, part,
                  shared_prefix=data.draw(st.booleans()), softcap=data.draw(st.sampled_from([0.0, 0.0, 1.5])),
-                 form=data.draw(st.sampled_from(FORMS)))
+                 form=data.draw(st.sampled_from(FORMS)), max_context_len=capacity)
 
 
 # the kernel's walks of the context (DecodeForm): tiles through shared memory, and keys and values streamed into
@@ -397,7 +399,7 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int8=False, stale=(), moved=(),
-                    form=None):
+                    form=None, max_context_len=None):
     """paged_decode writing each sequence's new token itself (NewTokens) against write_kv then paged_decode (the
     two-kernel route), on two copies of one cache, and against numpy. lens: context lengths with the new token;
     0 is a padding row (slot -1, nothing attended), and rows in `stale` also get slot -1 but attend their context
@@ -415,6 +417,9 @@ def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int
     spare = sorted(set(range(need)) - {tables[i, j] for i, n in enumerate(lens) for j in range(-(-n // bs))})[0]
     for j, i in enumerate(moved):
         slots[i] = spare * bs + j
+    max_context_len = max_context_len or max(lens)
+    if max_context_len > tables.shape[1] * bs:  # room in the table rows for the longer capacity
+        tables = np.pad(tables, ((0, 0), (0, -(-max_context_len // bs) - tables.shape[1])))
     q_off = int(rng.integers(0, 3)) * 4
     k_off, v_off = q_off + heads * d, q_off + heads * d + hkv * d
     stride = v_off + hkv * d + int(rng.integers(0, 3)) * 4
@@ -429,7 +434,7 @@ def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int
         caches.append(cache)
     rbuf, sbuf, tbuf, lbuf = (upload(dev, a) for a in (rows, slots, tables, np.array(lens, np.int32)))
     tabs = (upload(dev, cos), upload(dev, sin)) if rope else None
-    kw = dict(num_seqs=b, num_heads=heads, max_blocks_per_seq=tables.shape[1], max_context_len=max(lens),
+    kw = dict(num_seqs=b, num_heads=heads, max_blocks_per_seq=tables.shape[1], max_context_len=max_context_len,
               window=window, part_tokens=part, int8=int8)
     since = snapshot()
     if rope:  # the two-kernel route: write_kv rotates the queries into a buffer of their own
@@ -505,8 +510,17 @@ def test_paged_decode_writes_new_tokens(data, d, dtype, hkv, group, bs, seed):
     moved = [i for i in range(len(lens)) if i not in stale and data.draw(st.integers(0, 4)) == 0]
     window = data.draw(st.sampled_from([0, 0, 1, 40]))
     part = data.draw(st.sampled_from([None, 0, 32, 64]))
+    capacity = max(max(lens), 1) + data.draw(st.sampled_from([0, 0, 100, 1000]))  # as in test_paged_decode_fuzz
     _new_token_case(np.random.default_rng(seed), lens, hkv, group, d, bs, dtype, window, part,
-                    rope=data.draw(st.booleans()), stale=stale, moved=moved[:bs])
+                    rope=data.draw(st.booleans()), stale=stale, moved=moved[:bs], max_context_len=capacity)
+
+
+def test_paged_decode_writes_new_tokens_in_partitions_sized_by_context():
+    """New tokens written by the partition that covers them where a sequence's partitions are longer than the
+    least (a context of 700 in a dispatch sized for 2048, split automatically: 64-token partitions), beside short
+    contexts and a padding row."""
+    _new_token_case(np.random.default_rng(12), [700, 40, 130, 0], 2, 2, 64, 16, "f16", 0, None, rope=True,
+                    max_context_len=2048)
 
 
 @pytest.mark.parametrize("part", [0, 32])
