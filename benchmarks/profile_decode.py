@@ -8,13 +8,13 @@
                                         [--copy-mib 1024] [--kernels]
 
 Per batch size (and per VKGRAPH_DECODE_FUSION setting, on the same model: 0 is the unfused layers), runs the
-engine's decode step of requests of --context prompt tokens captured (JIT, timed by wall clock) and then without the JIT (the same kernels, recorded
-one by one) under VKGRAPH_PROFILE (and per VKGRAPH_GLU_EPILOGUE setting in --glu: the MLP's gated unit in the
-gate/up product's epilogue, or a kernel of its own; per VKGRAPH_MATVEC_LAUNCH setting in --launch: the matvec
-launches; per VKGRAPH_DECODE_MM_ROWS setting in --mm: from how many rows the products take matmul_quant's
-small-row tiles, 0 never; per VKGRAPH_MATVEC_SG setting in --matvec-sg, separated by '/', an empty one for the
-tables' parameters; per VKGRAPH_NORM_PROLOGUE setting in --norm: the most activation rows at which the norms
-before the products of up to matvec.NORM_MAX_ROWS rows (q/k/v) run in their prologue, 0 never; per
+engine's decode step of requests of --context prompt tokens captured (JIT, timed by wall clock) and then without the
+JIT (the same kernels, recorded one by one) under VKGRAPH_PROFILE (and per VKGRAPH_GLU_EPILOGUE setting in --glu:
+the MLP's gated unit in the gate/up product's epilogue, or a kernel of its own; per VKGRAPH_MATVEC_LAUNCH setting in
+--launch: the matvec launches; per VKGRAPH_DECODE_MM_ROWS setting in --mm: from how many rows the products take
+matmul_quant's small-row tiles, 0 never; per VKGRAPH_MATVEC_SG setting in --matvec-sg, separated by '/', an empty
+one for the tables' parameters; per VKGRAPH_NORM_PROLOGUE setting in --norm: the most activation rows at which the
+norms before the products of up to matvec.NORM_MAX_ROWS rows (q/k/v) run in their prologue, 0 never; per
 VKGRAPH_NORM_PROLOGUE_SG setting in --norm-sg, as --matvec-sg), and prints the dispatches per step and the GPU time
 inside them; with --kernels also per kernel name: dispatches per step, GPU microseconds per step, and the share of
 the step.
