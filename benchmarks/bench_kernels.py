@@ -160,9 +160,9 @@ def bench_decode(dev, rng, reps: int) -> None:
                             max_blocks_per_seq=ctx // 16, max_context_len=ctx, out=out)
 
         tile = pa._choose_tile(dev, HQ // HKV, HEAD, "f16")
-        split = pa.choose_split(dev, b, HKV, ctx, tile)[1]
+        parts = pa.choose_split(dev, b, HKV, ctx, tile)[1]
         us = replay_us(dev, run, reps)
-        print(f"  B={b:<3d} L={ctx:<5d} parts={split if split > 1 else 'off':>4}  {kv_bytes / us / 1e3:7.0f} GB/s  "
+        print(f"  B={b:<3d} L={ctx:<5d} parts={parts if parts > 1 else 'off':>4}  {kv_bytes / us / 1e3:7.0f} GB/s  "
               f"({us:.1f} us)   torch sdpa: {_torch_sdpa(b, ctx, TORCH_REPS)}")
 
 

@@ -48,6 +48,13 @@ def _block_tables(rng, lens, bs, num_blocks, shared_prefix):
     return tables
 
 
+def _with_capacity(tables, bs, max_context_len):
+    """Block tables with room in their rows for a dispatch sized past the contexts (as a captured step is, for its
+    capacity): the extra entries point at block 0, never attended."""
+    extra = -(-max_context_len // bs) - tables.shape[1]
+    return np.pad(tables, ((0, 0), (0, extra))) if extra > 0 else tables
+
+
 def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, shared_prefix=False, softcap=0.0,
                  form=None, max_context_len=None):
     dev = device()
@@ -55,8 +62,7 @@ def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, share
     kc, vc = _random_cache(rng, need, hkv, bs, d, dtype)
     tables = _block_tables(rng, lens, bs, need, shared_prefix)
     max_context_len = max_context_len or max(lens)
-    if max_context_len > tables.shape[1] * bs:  # room in the table rows for the longer capacity
-        tables = np.pad(tables, ((0, 0), (0, -(-max_context_len // bs) - tables.shape[1])))
+    tables = _with_capacity(tables, bs, max_context_len)
     q = rng.standard_normal((len(lens), hkv * group, d)).astype(np.float32)
     cache = pa.PagedKVCache.create(dev, need, hkv, d, bs, dtype)
     dev.upload(cache.key, kc)
@@ -418,8 +424,7 @@ def _new_token_case(rng, lens, hkv, group, d, bs, dtype, window, part, rope, int
     for j, i in enumerate(moved):
         slots[i] = spare * bs + j
     max_context_len = max_context_len or max(lens)
-    if max_context_len > tables.shape[1] * bs:  # room in the table rows for the longer capacity
-        tables = np.pad(tables, ((0, 0), (0, -(-max_context_len // bs) - tables.shape[1])))
+    tables = _with_capacity(tables, bs, max_context_len)
     q_off = int(rng.integers(0, 3)) * 4
     k_off, v_off = q_off + heads * d, q_off + heads * d + hkv * d
     stride = v_off + hkv * d + int(rng.integers(0, 3)) * 4

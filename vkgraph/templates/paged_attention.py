@@ -228,7 +228,7 @@ def read_parts(dev: Device, buf: Any, size: int, count: int) -> list[bytes]:
 SPLIT_PAIRS = 256  # split below this many (sequence, KV head) pairs
 SPLIT_TARGET = 256  # workgroups a split aims for
 MIN_PART = 32  # tokens per partition at least: one tile of the default form
-MAX_PARTS = 16  # partitions per pair: what paged_decode.comp's finish combines in one round of loads (PARTS_AHEAD)
+MAX_PARTS = 16  # partitions per pair: what paged_decode.comp's finish combines in one round of loads (its PARTS_AHEAD)
 
 
 def choose_split(dev: Device, num_seqs: int, num_kv_heads: int, max_context_len: int, step: int) -> tuple[int, int]:
@@ -421,7 +421,7 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
         push.update(src_stride=new.src_stride, q_off=new.q_off, k_off=new.k_off, v_off=new.v_off)
     kern = catalog.compile(dev, "paged_decode", spec={"WG": wg},
                            defines=_defines(dev, d, cache.dtype, wg, GROUP=group, **core, BLOCK_SIZE=cache.block_size,
-                                            **flags))
+                                            PARTS_AHEAD=MAX_PARTS, **flags))
     catalog.dispatch(dev, kern, [q, cache.key, cache.value, block_tables, context_lens, out, part_o, part_ml,
                                  acts.xq, acts.xd, acts.xs, *extra, arrivals], (parts, hkv, num_seqs), push=push)
     return out

@@ -109,6 +109,9 @@ uint live_parts(uint ctx, uint pt) {
 
 bool visible(uint row, uint pos) { return true; }   // the window is applied through the range
 
+// this workgroup's sequence's partitions (set first in main): their tokens and how many hold positions
+uint seq_part_len = 0, seq_parts = 1;
+
 #ifdef NEW_KV
 // element e of the head at q[base], with rope rotated as kv_write.comp rotates it (-DROPE)
 float element(uint base, uint e, bool rope) {
@@ -148,8 +151,7 @@ bool new_words(uint w, bool writer, out uvec4 k, out uvec4 v) {
     const uint row = seq_id() * pc.src_stride, ctx = new_pos + 1;   // new_pos is ctx - 1 (0xFFFFFFFF where ctx is 0)
     k = cache_word(row + pc.k_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, true);
     v = cache_word(row + pc.v_off + kv_head() * HEAD_SIZE, w * KV_PER_WORD, false);
-    const uint pt = part_len(ctx);
-    const uint owner = ctx > 0 && live_parts(ctx, pt) > 1 ? min(new_pos / pt, pc.max_parts - 1) : 0;
+    const uint owner = seq_parts > 1 ? new_pos / seq_part_len : 0;   // < seq_parts where they are several
     if (writer && gl_WorkGroupID.x == owner) {
         const uint dst = ((uint(slot) / BLOCK_SIZE * pc.num_kv_heads + kv_head()) * BLOCK_SIZE
                           + uint(slot) % BLOCK_SIZE) * WORDS_PER_TOKEN + w;
@@ -202,7 +204,7 @@ bool last_arrival(uint parts) {
     return sLast != 0u;
 }
 
-#define PARTS_AHEAD 16   // partitions whose loads are issued together: one memory round trip for all of them
+// PARTS_AHEAD (the host's MAX_PARTS): partitions whose loads are issued together, one memory round trip for all
 
 // Dimensions 4q... of the query row whose partitions start at entry `row` of part_ml (and row * HEAD_SIZE / 4 of
 // part_o), combined over the partitions that hold tokens: sum_p w_p o_p / sum_p w_p l_p with
@@ -239,12 +241,13 @@ vec4 combine_parts(uint row, uint q, uint parts) {
 void main() {
     const uint ctx = uint(context_lens[seq_id()]);
     const uint part = gl_WorkGroupID.x;
-    const uint pt = part_len(ctx), parts = live_parts(ctx, pt);
-    if (part >= parts) return;   // the whole workgroup, before any barrier
+    seq_part_len = part_len(ctx);
+    seq_parts = live_parts(ctx, seq_part_len);
+    if (part >= seq_parts) return;   // the whole workgroup, before any barrier
     uint begin = 0, end = ctx;
-    if (parts > 1) {
-        begin = min(part * pt, ctx);
-        end = min(begin + pt, ctx);
+    if (seq_parts > 1) {
+        begin = min(part * seq_part_len, ctx);
+        end = min(begin + seq_part_len, ctx);
     }
     if (pc.window > 0 && ctx > pc.window) begin = max(begin, ctx - pc.window);
 #ifdef NEW_KV
@@ -254,7 +257,7 @@ void main() {
 
     const uint tid = gl_LocalInvocationID.x;
     const uint head0 = (seq_id() * pc.num_kv_heads + kv_head()) * GROUP;
-    if (parts > 1) {   // uniform in the workgroup: its sequence's context
+    if (seq_parts > 1) {   // uniform in the workgroup: its sequence's context
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
             if (i < PAIRS) {
@@ -263,11 +266,11 @@ void main() {
             }
         }
         for (uint r = tid; r < ROWS; r += WG) part_ml[(head0 + r) * pc.max_parts + part] = vec2(sM[r], sL[r]);
-        if (!last_arrival(parts)) return;
+        if (!last_arrival(seq_parts)) return;
         [[unroll]] for (uint j = 0; j < ACC_N; j++) {
             const uint i = tid + j * WG;
             if (i < PAIRS) {
-                acc[j] = combine_parts((head0 + PAIR_ROW(i)) * pc.max_parts, PAIR_QUAD(i), parts);
+                acc[j] = combine_parts((head0 + PAIR_ROW(i)) * pc.max_parts, PAIR_QUAD(i), seq_parts);
             }
         }
     } else {
