@@ -29,7 +29,7 @@ import numpy as np
 from common import cuda_torch, raise_clocks, raise_torch_clocks
 
 from vkgraph.nn.config import ModelConfig, RopeScaling
-from vkgraph.nn.engine import Engine
+from vkgraph.nn.engine import MAX_PREFILL_TOKENS, Engine
 from vkgraph.nn.llama import LlamaModel
 from vkgraph.nn.weights import LayerWeights, ModelWeights
 from vkgraph.quant import dequantize, random_blocks
@@ -71,13 +71,23 @@ def weight_bytes(w: ModelWeights) -> int:
     return total
 
 
+def admission_passes(batch: int, context: int, max_prefill_tokens: int) -> int:
+    """The most admission passes (engine steps) that prefilling `batch` prompts of `context` tokens takes."""
+    return -(-batch // max(1, max_prefill_tokens // context))
+
+
 def warm_engine(model: LlamaModel, vocab: int, batch: int, max_tokens: int, context: int = 16) -> Engine:
-    """An engine of `batch` requests of `context` prompt tokens each, past its warm-up: the prefill, then the JIT's
-    eager call, capture and first replay of the decode step (four steps), the device idle."""
+    """An engine of `batch` requests of `context` prompt tokens each, past its warm-up: every prefill (one admission
+    pass takes up to the engine's max_prefill_tokens, so long prompts take several steps), then the JIT's eager
+    call, capture and first replay of the decode step (three steps), the device idle."""
     engine = Engine(model, max_batch=batch)
+    passes = admission_passes(batch, context, engine.max_prefill_tokens)  # the first admitted decode meanwhile
     for i in range(batch):
-        engine.add_request([(i * 7 + j) % vocab for j in range(context)], max_tokens=max_tokens, stop_token_ids=[])
-    for _ in range(4):
+        engine.add_request([(i * 7 + j) % vocab for j in range(context)], max_tokens=max_tokens + passes,
+                           stop_token_ids=[])
+    while engine.waiting:
+        engine.step()
+    for _ in range(3):
         engine.step()
     get_device().synchronize()
     return engine
@@ -85,7 +95,9 @@ def warm_engine(model: LlamaModel, vocab: int, batch: int, max_tokens: int, cont
 
 def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt_len: int, context: int = 16) -> dict:
     block = 16
-    decode_blocks = -(-(context + decode_steps + 16) // block)
+    # a request's tokens: its prompt, those decoded while later requests are admitted, the warm-up's and the timed
+    tokens = context + admission_passes(max(batches), context, MAX_PREFILL_TOKENS) + decode_steps + 16
+    decode_blocks = -(-tokens // block)
     per_seq = max(decode_blocks, -(-(prompt_len + 2) // block))
     model = LlamaModel(w, num_blocks=max(batches) * decode_blocks + 2 * per_seq + 16, max_blocks_per_seq=per_seq)
     out = {}

@@ -80,6 +80,7 @@ _PLACEHOLDER = -1  # the token of a KV slot reserved for a token still on the de
 # top-k widths a step computes (the smallest that covers every request's), so a handful of captures serve all
 _TOP_BUCKETS = (1, 5, 20)
 MAX_TOP_LOGPROBS = _TOP_BUCKETS[-1]
+MAX_PREFILL_TOKENS = 4096  # prompt tokens an engine computes in one admission pass, by default
 
 
 @dataclass
@@ -143,7 +144,7 @@ class Engine:
     flight."""
 
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None = None, *, max_batch: int = 32,
-                 prefix_caching: bool = True, seed: int = 0, max_prefill_tokens: int = 4096,
+                 prefix_caching: bool = True, seed: int = 0, max_prefill_tokens: int = MAX_PREFILL_TOKENS,
                  prefix_store: PrefixStore | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
