@@ -104,7 +104,7 @@ def test_paged_decode_fuzz(data, d, dtype, hkv, group, bs, seed):
 
 def _coop_suits(d: int = 128, rows: int = 4) -> bool:
     """Whether this device runs the "coop" form (cooperative matrices) for a float16 cache."""
-    return pa._coop_defines(device(), pa.DecodeForm("coop"), rows, d, "f16") is not None
+    return pa._coop_defines(device(), pa.DecodeForm("coop", 0), rows, d, "f16") is not None
 
 
 HAS_COOP = _coop_suits()
@@ -113,7 +113,7 @@ needs_coop = pytest.mark.skipif(not HAS_COOP, reason="no float16 16x16x16 cooper
 # the kernel's walks of the context (DecodeForm): tiles through shared memory, keys and values streamed into
 # registers, and (where the device has them) cooperative matrices; STREAM_FORMS: a workgroup of 64 with an odd
 # unroll, and groups of 4 invocations a token (several to a subgroup, a token's words several to an invocation)
-FORMS = [pa.DecodeForm(), pa.DecodeForm("stream")] + ([pa.DecodeForm("coop")] if HAS_COOP else [])
+FORMS = [pa.DecodeForm(), pa.DecodeForm("stream")] + ([pa.DecodeForm("coop", 0)] if HAS_COOP else [])
 STREAM_FORMS = [pa.DecodeForm("stream", 64, 3), pa.DecodeForm("stream", 256, 2, lanes=4)]
 
 
@@ -152,7 +152,7 @@ def test_paged_decode_tile_forms(form):
 
 
 # "coop" forms: one, two and three subgroups a workgroup (each walking its own tiles, combined at the end)
-COOP_FORMS = [pa.DecodeForm("coop"), pa.DecodeForm("coop", 32), pa.DecodeForm("coop", 96)]
+COOP_FORMS = [pa.DecodeForm("coop", 0), pa.DecodeForm("coop", 32), pa.DecodeForm("coop", 96)]
 COOP_TOL = 2e-5  # the queries and weights carried as two float16 parts: float16 ones alone miss this by 10x
 
 
@@ -177,7 +177,7 @@ def test_paged_decode_coop(form):
 def test_paged_decode_coop_writes_new_tokens(part):
     """The new tokens written and attended by the cooperative walk: padding rows, a stale slot, a moved one, RoPE,
     split or not, float and int8 output."""
-    form = pa.DecodeForm("coop")
+    form = pa.DecodeForm("coop", 0)
     rng = np.random.default_rng(21)
     _new_token_case(rng, [70, 1, 16, 17, 0, 300], 2, 4, 128, 16, "f16", 0, part, rope=True, stale=(1,), moved=(4,),
                     form=form, max_context_len=1024)
@@ -194,17 +194,17 @@ def test_paged_decode_coop_falls_back_to_the_tiles():
     assert pa._coop_defines(device(), pa.DecodeForm("coop"), 17, 64, "f16") is None  # rows past one fragment
 
 
-@pytest.mark.slow  # lavapipe compiles the emulated program for minutes
-@pytest.mark.skipif(pa._coop_defines(device(), pa.DecodeForm("coop", emulate=True), 4, 32, "f16") is None,
+@pytest.mark.slow  # lavapipe compiles each emulated program for about five minutes (two here)
+@pytest.mark.skipif(pa._coop_defines(device(), pa.DecodeForm("coop", 0, emulate=True), 4, 32, "f16") is None,
                     reason="emulating the cooperative walk needs a fixed subgroup size of 8, 16 or 32")
 def test_paged_decode_coop_emulated():
     """The cooperative walk's program with its matrix operations emulated (any device): split and not, GQA, a
     window with soft-capped scores, new tokens written and attended."""
-    form = pa.DecodeForm("coop", emulate=True)
+    form = pa.DecodeForm("coop", 0, emulate=True)
     rng = np.random.default_rng(5)
-    _decode_case(rng, [40, 7, 16, 17], 1, 4, 32, 16, "f16", 0, 0, form=form, tol=COOP_TOL)
-    _decode_case(rng, [150, 7, 90], 2, 2, 32, 16, "f16", 0, 32, form=form, tol=COOP_TOL)
-    _decode_case(rng, [100, 1, 33], 1, 2, 32, 8, "f16", 40, None, softcap=1.5, form=form, tol=COOP_TOL)
+    _decode_case(rng, [40, 7, 16, 17, 150], 1, 4, 32, 16, "f16", 0, 0, form=form, tol=COOP_TOL)
+    _decode_case(rng, [150, 7, 90], 1, 4, 32, 16, "f16", 0, 32, form=form, tol=COOP_TOL)
+    _decode_case(rng, [100, 1, 33], 1, 4, 32, 16, "f16", 40, None, softcap=1.5, form=form, tol=COOP_TOL)
     _new_token_case(rng, [40, 0, 19, 33], 1, 4, 32, 16, "f16", 0, 32, rope=True, stale=(2,), moved=(3,), form=form)
 
 
