@@ -56,7 +56,7 @@ def _with_capacity(tables, bs, max_context_len):
 
 
 def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, shared_prefix=False, softcap=0.0,
-                 form=None, max_context_len=None, tol=TOL):
+                 form=None, max_context_len=None):
     dev = device()
     need = sum(-(-n // bs) for n in lens) + 1
     kc, vc = _random_cache(rng, need, hkv, bs, d, dtype)
@@ -84,7 +84,7 @@ def _decode_case(rng, lens, hkv, group, d, bs, dtype, window, part_tokens, share
         k = np.repeat(kc[blk, :, off].astype(np.float64), group, axis=1)  # [T, Hq, D]
         v = np.repeat(vc[blk, :, off].astype(np.float64), group, axis=1)
         ref[b] = _softmax_attend(q[b].astype(np.float64), k, v, 1 / math.sqrt(d), softcap)
-    check(got, ref, since, tol)
+    check(got, ref, since)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -102,18 +102,10 @@ def test_paged_decode_fuzz(data, d, dtype, hkv, group, bs, seed):
                  form=data.draw(st.sampled_from(FORMS)), max_context_len=capacity)
 
 
-def _coop_suits(d: int = 128, rows: int = 4) -> bool:
-    """Whether this device runs the "coop" form (cooperative matrices) for a float16 cache."""
-    return pa._coop_defines(device(), pa.DecodeForm("coop", 0), rows, d, "f16") is not None
-
-
-HAS_COOP = _coop_suits()
-needs_coop = pytest.mark.skipif(not HAS_COOP, reason="no float16 16x16x16 cooperative matrices with float32 "
-                                "accumulation at a fixed subgroup size of 16 or 32 on this device")
-# the kernel's walks of the context (DecodeForm): tiles through shared memory, keys and values streamed into
-# registers, and (where the device has them) cooperative matrices; STREAM_FORMS: a workgroup of 64 with an odd
-# unroll, and groups of 4 invocations a token (several to a subgroup, a token's words several to an invocation)
-FORMS = [pa.DecodeForm(), pa.DecodeForm("stream")] + ([pa.DecodeForm("coop", 0)] if HAS_COOP else [])
+# the kernel's walks of the context (DecodeForm): tiles through shared memory, and keys and values streamed into
+# registers; STREAM_FORMS: a workgroup of 64 with an odd unroll, and groups of 4 invocations a token (several to a
+# subgroup, a token's words several to an invocation)
+FORMS = [pa.DecodeForm(), pa.DecodeForm("stream")]
 STREAM_FORMS = [pa.DecodeForm("stream", 64, 3), pa.DecodeForm("stream", 256, 2, lanes=4)]
 
 
@@ -151,63 +143,6 @@ def test_paged_decode_tile_forms(form):
                     form=form)
 
 
-# "coop" forms: one, two and three subgroups a workgroup (each walking its own tiles, combined at the end)
-COOP_FORMS = [pa.DecodeForm("coop", 0), pa.DecodeForm("coop", 32), pa.DecodeForm("coop", 96)]
-COOP_TOL = 2e-5  # the queries and weights carried as two float16 parts: float16 ones alone miss this by 10x
-
-
-@needs_coop
-@pytest.mark.parametrize("form", COOP_FORMS)
-def test_paged_decode_coop(form):
-    """The cooperative-matrix walk against float64 numpy over GQA of 1 to 16 rows a KV head, heads of 64 to 256,
-    block sizes 8 to 32, contexts around a tile (1, 15, 16, 17) and long ones, split and not, a sliding window and
-    soft-capped scores, dispatches sized past their contexts; a float32 cache takes the tiles instead."""
-    rng = np.random.default_rng(form.wg)
-    _decode_case(rng, [1, 15, 16, 17, 300], 2, 4, 128, 16, "f16", 0, 0, form=form, tol=COOP_TOL)
-    _decode_case(rng, [150, 7, 90], 2, 4, 128, 16, "f16", 0, 32, form=form, tol=COOP_TOL)
-    _decode_case(rng, [300, 1, 33], 1, 2, 96, 8, "f16", 40, None, softcap=1.5, form=form, tol=COOP_TOL)
-    _decode_case(rng, [200, 129], 1, 8, 64, 32, "f16", 0, None, max_context_len=2048, form=form, tol=COOP_TOL)
-    _decode_case(rng, [77, 513], 1, 16, 80, 16, "f16", 0, 64, shared_prefix=True, form=form, tol=COOP_TOL)
-    _decode_case(rng, [33, 260], 2, 1, 256, 16, "f16", 0, None, form=form, tol=COOP_TOL)
-    _decode_case(rng, [200, 129], 1, 8, 64, 32, "f32", 0, 32, form=form)
-
-
-@needs_coop
-@pytest.mark.parametrize("part", [0, None])
-def test_paged_decode_coop_writes_new_tokens(part):
-    """The new tokens written and attended by the cooperative walk: padding rows, a stale slot, a moved one, RoPE,
-    split or not, float and int8 output."""
-    form = pa.DecodeForm("coop", 0)
-    rng = np.random.default_rng(21)
-    _new_token_case(rng, [70, 1, 16, 17, 0, 300], 2, 4, 128, 16, "f16", 0, part, rope=True, stale=(1,), moved=(4,),
-                    form=form, max_context_len=1024)
-    _new_token_case(rng, [70, 1, 33, 0, 0], 2, 2, 64, 16, "f16", 0, part, rope=True, int8=True, stale=(1,),
-                    moved=(4,), form=form)
-
-
-def test_paged_decode_coop_falls_back_to_the_tiles():
-    """A "coop" form where it cannot run (a float32 cache anywhere; any cache on a device without cooperative
-    matrices) runs the tiles, and gives their result."""
-    rng = np.random.default_rng(4)
-    _decode_case(rng, [150, 7], 1, 4, 64, 16, "f32", 0, 32, form=pa.DecodeForm("coop"))
-    assert pa._coop_defines(device(), pa.DecodeForm("coop"), 4, 64, "f32") is None
-    assert pa._coop_defines(device(), pa.DecodeForm("coop"), 17, 64, "f16") is None  # rows past one fragment
-
-
-@pytest.mark.slow  # lavapipe compiles each emulated program for about five minutes (two here)
-@pytest.mark.skipif(pa._coop_defines(device(), pa.DecodeForm("coop", 0, emulate=True), 4, 32, "f16") is None,
-                    reason="emulating the cooperative walk needs a fixed subgroup size of 8, 16 or 32")
-def test_paged_decode_coop_emulated():
-    """The cooperative walk's program with its matrix operations emulated (any device): split and not, GQA, a
-    window with soft-capped scores, new tokens written and attended."""
-    form = pa.DecodeForm("coop", 0, emulate=True)
-    rng = np.random.default_rng(5)
-    _decode_case(rng, [40, 7, 16, 17, 150], 1, 4, 32, 16, "f16", 0, 0, form=form, tol=COOP_TOL)
-    _decode_case(rng, [150, 7, 90], 1, 4, 32, 16, "f16", 0, 32, form=form, tol=COOP_TOL)
-    _decode_case(rng, [100, 1, 33], 1, 4, 32, 16, "f16", 40, None, softcap=1.5, form=form, tol=COOP_TOL)
-    _new_token_case(rng, [40, 0, 19, 33], 1, 4, 32, 16, "f16", 0, 32, rope=True, stale=(2,), moved=(3,), form=form)
-
-
 def test_decode_forms_parsed_and_refused():
     assert pa.DecodeForm.parse("tiles") == pa.DecodeForm()
     assert pa.DecodeForm.parse("tiles:64x256") == pa.DecodeForm("tiles", 256, tile=64)
@@ -215,9 +150,7 @@ def test_decode_forms_parsed_and_refused():
     assert pa.DecodeForm.parse("stream:256x8") == pa.DecodeForm("stream", 256, 8)
     assert pa.DecodeForm.parse("tiles/rows") == pa.DecodeForm(row_lanes=True)
     assert pa.DecodeForm.parse("tiles:16x64/rows") == pa.DecodeForm("tiles", 64, tile=16, row_lanes=True)
-    assert pa.DecodeForm.parse("coop") == pa.DecodeForm("coop", 0)
-    assert pa.DecodeForm.parse("coop:96") == pa.DecodeForm("coop", 96)
-    for text in ("tiles:a", "tiles:8x64x2", "cols", "stream:1x2x3x4", "coop:32x2", "coop:b"):
+    for text in ("tiles:a", "tiles:8x64x2", "cols", "stream:1x2x3x4"):
         with pytest.raises(ValueError, match="decode form"):
             pa.DecodeForm.parse(text)
     dev = device()

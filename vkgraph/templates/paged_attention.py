@@ -256,11 +256,7 @@ class DecodeForm:
     through shared memory, the workgroup's invocations split over the query rows. "stream" (decode_stream.glsl):
     keys and values straight into registers, each 16-byte word loaded and converted once for all the query rows of
     its KV head, groups of `lanes` invocations a token (at most; 0: up to 16), `unroll` tokens a group in each chunk
-    of one softmax step; `wg` invocations a workgroup. "coop" (decode_coop.glsl): the query rows against tiles of 16
-    keys and values on cooperative matrices, each of the workgroup's `wg` / subgroup-size subgroups walking its own
-    tiles (0: COOP_SUBGROUPS of them); a float16 cache on a device with float16 16 x 16 x 16 fragments and a
-    fixed subgroup size of 16 or 32, else "tiles". `emulate` (the tests): "coop" with its matrix operations written
-    as loops, on any device with a fixed subgroup size of 8, 16 or 32."""
+    of one softmax step; `wg` invocations a workgroup."""
 
     kind: str = "tiles"
     wg: int = ATTN_WG
@@ -268,13 +264,11 @@ class DecodeForm:
     lanes: int = 0
     tile: int = 0   # tiles: tokens a tile (0: the largest of TILES that fits the shared memory)
     row_lanes: bool = False   # tiles: the query rows interleaved in the lanes (-DROW_LANES, kv_words.glsl)
-    emulate: bool = False
 
     @classmethod
     def parse(cls, text: str) -> DecodeForm:
         """"tiles", "tiles:TILE[xWG]" (e.g. tiles:64x256), either followed by "/rows" (the rows interleaved),
-        "stream", "stream:WGxUNROLL[xLANES]" (e.g. stream:256x8), "coop" or "coop:WG", as the benchmark takes
-        them."""
+        "stream" or "stream:WGxUNROLL[xLANES]" (e.g. stream:256x8), as the benchmark takes them."""
         if text.startswith("tiles") and text.endswith("/rows"):
             return replace(cls.parse(text[:-len("/rows")]), row_lanes=True)
         kind, _, rest = text.partition(":")
@@ -285,11 +279,8 @@ class DecodeForm:
         if kind == "tiles" and nums is not None and len(nums) <= 2:
             tile, wg = (nums + [0, ATTN_WG][len(nums):])[:2]
             return cls(kind, wg, tile=tile)
-        if kind == "coop" and nums is not None and len(nums) <= 1:
-            return cls(kind, nums[0] if nums else 0)
         if kind != "stream" or nums is None or len(nums) > 3:
-            raise ValueError(f"decode form {text!r}: tiles, tiles:TILE[xWG], stream, stream:WGxUNROLL[xLANES], "
-                             "coop or coop:WG")
+            raise ValueError(f"decode form {text!r}: tiles, tiles:TILE[xWG], stream or stream:WGxUNROLL[xLANES]")
         if not nums:
             return cls(kind)
         wg, unroll, lanes = (nums + [4, 0][len(nums) - 1:])[:3]
@@ -324,43 +315,6 @@ def _stream_defines(dev: Device, form: DecodeForm, rows: int, head_size: int, dt
     if base + nslot * rows * head_size * 4 > info.max_shared_memory:
         return None
     return {"STREAM": 1, "LANES": lanes, "UNROLL": form.unroll, "SG": sg, "NSLOT": nslot, "RP": rp}
-
-
-COOP_TILE = 16  # tokens a tile of the "coop" form (decode_coop.glsl's TT)
-COOP_SUBGROUPS = 2  # subgroups a workgroup of the "coop" form, by default
-
-
-def _coop_shared_bytes(rows: int, head_size: int, nsg: int) -> int:
-    """decode_coop.glsl's shared memory: the queries' two float16 parts and each subgroup's keys, values, scores,
-    weights and factors (16-byte words), the scaled queries, the rows' max and sum, the new token's words."""
-    ds = head_size // 8 + 1
-    per = 2 * COOP_TILE * ds + 16 * 5 + 2 * 16 * 3 + 64
-    return 16 * (32 * ds + nsg * per) + rows * head_size * 4 + rows * 8 + nsg * 16 * 8 + 2 * (head_size // 8) * 16 + 4
-
-
-def _coop_defines(dev: Device, form: DecodeForm, rows: int, head_size: int, dtype: str) -> dict[str, int] | None:
-    """The "coop" form's defines (decode_coop.glsl) and its workgroup, or None where the device or the shape does
-    not suit it: a float16 cache, at most 16 query rows a KV head, heads of a multiple of 16, a fixed subgroup size
-    of 16 or 32 with shuffles, float16 16 x 16 x 16 fragments with float32 accumulation (unless emulated), a
-    workgroup of whole subgroups and the shared memory it takes."""
-    from ..codegen.lower import Limits  # the codegen's view of the device's fragments
-
-    info = dev.info
-    sg = info.max_subgroup_size
-    if (dtype != "f16" or rows > 16 or head_size % 16 or info.min_subgroup_size != sg
-            or sg not in ((8, 16, 32) if form.emulate else (16, 32))
-            or not {"basic", "shuffle"} <= info.subgroup_ops or COOP_TILE * head_size // 8 % sg):
-        return None
-    if not form.emulate and (16, 16, 16, "float16", "float16", "float32", "float32") not in Limits.from_info(info).coop:
-        return None
-    nsg = form.wg // sg if form.wg else COOP_SUBGROUPS
-    while not form.wg and nsg > 1 and _coop_shared_bytes(rows, head_size, nsg) > info.max_shared_memory:
-        nsg -= 1  # the default: as many subgroups as fit
-    wg = nsg * sg
-    if (form.wg % sg or not 0 < wg <= info.max_workgroup_invocations or wg < head_size // 8
-            or _coop_shared_bytes(rows, head_size, nsg) > info.max_shared_memory):
-        return None
-    return {"COOP": 1, "SG": sg, "NSG": nsg, "WG_COOP": wg, **({"EMULATE": 1} if form.emulate else {})}
 
 
 def _tiles_form(dev: Device, form: DecodeForm, rows: int, head_size: int, dtype: str) -> int:
@@ -433,15 +387,9 @@ def paged_decode(dev: Device, cache: PagedKVCache, q: Any, block_tables: Any, co
     form = form or DEFAULT_FORM
     named = form.kind == "tiles" and form != DEFAULT_FORM   # a tile or workgroup of its own, checked
     tile = _tiles_form(dev, form, group, d, cache.dtype) if named else _choose_tile(dev, group, d, cache.dtype)
-    core, wg = None, form.wg
-    if form.kind == "stream":
-        core = _stream_defines(dev, form, group, d, cache.dtype)
-    elif form.kind == "coop":
-        core = _coop_defines(dev, form, group, d, cache.dtype)
-        if core is not None:
-            wg, tile = core.pop("WG_COOP"), COOP_TILE
-    if core is None:  # the tiles, asked for or where the form asked for does not suit the device or the shape
-        wg = form.wg if form.kind == "tiles" else ATTN_WG
+    core = _stream_defines(dev, form, group, d, cache.dtype) if form.kind == "stream" else None
+    wg = form.wg if core or form.kind == "tiles" else ATTN_WG
+    if core is None:
         core = {"TILE": tile, **({"ROW_LANES": 1} if form.row_lanes else {})}
     if part_tokens is None:  # stream: partitions of whole chunks (a multiple of the tile too)
         step = math.lcm(tile, wg // core["LANES"] * core["UNROLL"]) if "STREAM" in core else tile

@@ -1,21 +1,10 @@
 #version 450
-#ifdef COOP
-#extension GL_KHR_shader_subgroup_basic : enable
-#extension GL_KHR_shader_subgroup_shuffle : enable
-#ifndef EMULATE
-#extension GL_KHR_cooperative_matrix : require
-#extension GL_KHR_memory_scope_semantics : require
-#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
-#endif
-#endif
 // Decode attention over a paged KV cache: one new query token per sequence, sequences of different lengths.
 // A workgroup serves one (partition, KV head, sequence) and all GROUP query heads that share the KV head
-// (grouped-query attention), so each key and value is read once per KV head. Three walks of the context: tiles
-// of keys and values through shared memory, the invocations split over the query rows (attention_common.glsl);
-// with -DSTREAM keys and values straight into registers, each word loaded and converted once for all the rows, in
-// chunks with one softmax step each (decode_stream.glsl); with -DCOOP (a float16 cache, devices with cooperative
-// matrices) the rows against tiles of keys and values as matrix products (decode_coop.glsl). The epilogue below
-// takes any one's result.
+// (grouped-query attention), so each key and value is read once per KV head. Two walks of the context: tiles of
+// keys and values through shared memory, the invocations split over the query rows (attention_common.glsl), or
+// with -DSTREAM keys and values straight into registers, each word loaded and converted once for all the rows,
+// in chunks with one softmax step each (decode_stream.glsl); the epilogue below takes either's result.
 //
 // Cache layout (k and v alike): [num_blocks, num_kv_heads, block_size, HEAD_SIZE], float16 (-DKV_F16) or
 // float32, block_size = -DBLOCK_SIZE (a constant, so that positions split into block and offset without a
@@ -78,8 +67,6 @@ layout(push_constant) uniform Push {
 
 #ifdef STREAM
 #include "decode_stream.glsl"
-#elif defined(COOP)
-#include "decode_coop.glsl"
 #else
 #define KV_BLOCKS   // kv_block and kv_at below: the block-table entries loaded a tile ahead
 #include "attention_common.glsl"
@@ -174,7 +161,7 @@ bool new_words(uint w, bool writer, out uvec4 k, out uvec4 v) {
     return true;
 }
 
-#if !defined(STREAM) && !defined(COOP)
+#ifndef STREAM
 // new_k/new_v (attention_common.glsl): word w (this invocation) of the new token's key and value, as new_words
 // makes them; where the slot is negative, the cache's own words at position ctx - 1.
 void new_token() {
