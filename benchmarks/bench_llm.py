@@ -81,7 +81,8 @@ def warm_engine(model: LlamaModel, vocab: int, batch: int, max_tokens: int, cont
     pass takes up to the engine's max_prefill_tokens, so long prompts take several steps), then the JIT's eager
     call, capture and first replay of the decode step (three steps), the device idle."""
     engine = Engine(model, max_batch=batch)
-    passes = admission_passes(batch, context, engine.max_prefill_tokens)  # the first admitted decode meanwhile
+    # a request admitted early decodes a token in each later admission pass: its budget covers them
+    passes = admission_passes(batch, context, engine.max_prefill_tokens)
     for i in range(batch):
         engine.add_request([(i * 7 + j) % vocab for j in range(context)], max_tokens=max_tokens + passes,
                            stop_token_ids=[])
@@ -95,7 +96,7 @@ def warm_engine(model: LlamaModel, vocab: int, batch: int, max_tokens: int, cont
 
 def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt_len: int, context: int = 16) -> dict:
     block = 16
-    # a request's tokens: its prompt, those decoded while later requests are admitted, the warm-up's and the timed
+    # a request's tokens: its prompt, those decoded while later requests are admitted, the warm-up's, the timed steps'
     tokens = context + admission_passes(max(batches), context, MAX_PREFILL_TOKENS) + decode_steps + 16
     decode_blocks = -(-tokens // block)
     per_seq = max(decode_blocks, -(-(prompt_len + 2) // block))
