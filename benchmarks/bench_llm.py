@@ -76,6 +76,12 @@ def admission_passes(batch: int, context: int, max_prefill_tokens: int) -> int:
     return -(-batch // max(1, max_prefill_tokens // context))
 
 
+def request_blocks(batch: int, context: int, tokens: int, block: int = 16) -> int:
+    """KV blocks one of warm_engine's `batch` requests of `context` prompt tokens reaches: its prompt, a token for
+    each admission pass that prefills later requests, and `tokens` more (the warm-up's and the timed steps')."""
+    return -(-(context + admission_passes(batch, context, MAX_PREFILL_TOKENS) + tokens) // block)
+
+
 def warm_engine(model: LlamaModel, vocab: int, batch: int, max_tokens: int, context: int = 16) -> Engine:
     """An engine of `batch` requests of `context` prompt tokens each, past its warm-up: every prefill (one admission
     pass takes up to the engine's max_prefill_tokens, so long prompts take several steps), then the JIT's eager
@@ -96,9 +102,7 @@ def warm_engine(model: LlamaModel, vocab: int, batch: int, max_tokens: int, cont
 
 def bench_vkgraph(w: ModelWeights, batches: list[int], decode_steps: int, prompt_len: int, context: int = 16) -> dict:
     block = 16
-    # a request's tokens: its prompt, those decoded while later requests are admitted, the warm-up's, the timed steps'
-    tokens = context + admission_passes(max(batches), context, MAX_PREFILL_TOKENS) + decode_steps + 16
-    decode_blocks = -(-tokens // block)
+    decode_blocks = request_blocks(max(batches), context, decode_steps + 16, block)
     per_seq = max(decode_blocks, -(-(prompt_len + 2) // block))
     model = LlamaModel(w, num_blocks=max(batches) * decode_blocks + 2 * per_seq + 16, max_blocks_per_seq=per_seq)
     out = {}

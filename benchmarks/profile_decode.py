@@ -38,13 +38,12 @@ from collections import defaultdict
 os.environ["VKGRAPH_PROFILE"] = "1"
 os.environ.setdefault("VKGRAPH_PROFILE_FILE", os.devnull)
 
-from bench_llm import SHAPES, admission_passes, random_model, warm_engine, weight_bytes  # noqa: E402
+from bench_llm import SHAPES, random_model, request_blocks, warm_engine, weight_bytes  # noqa: E402
 from bench_runtime import bench_copy_kernel  # noqa: E402
 from common import raise_clocks  # noqa: E402
 
 from vkgraph.flags import flag  # noqa: E402
 from vkgraph.nn.config import ModelConfig  # noqa: E402
-from vkgraph.nn.engine import MAX_PREFILL_TOKENS  # noqa: E402
 from vkgraph.nn.llama import LlamaModel  # noqa: E402
 from vkgraph.runtime import get_device  # noqa: E402
 
@@ -144,9 +143,7 @@ def main() -> None:
     dev = get_device()
     weights = random_model(cfg, a.format)
     nbytes = weight_bytes(weights)
-    # blocks of 16 tokens: the prompt, the tokens decoded while later prompts are admitted, the steps
-    passes = admission_passes(max(batches), a.context, MAX_PREFILL_TOKENS)
-    per_seq = max(8, -(-(a.context + passes + 2 * a.steps + 24) // 16))
+    per_seq = max(8, request_blocks(max(batches), a.context, 2 * a.steps + 24))
     model = LlamaModel(weights, num_blocks=max(batches) * per_seq + 16, max_blocks_per_seq=per_seq)
     del weights
     gbs = bench_copy_kernel(dev, a.copy_mib << 20, 256, [256, 1024, 4096, 16384])["GB/s"]
