@@ -111,31 +111,6 @@ class Config:
                 and self.stages in (1, 2) and self.pf in (1, 2) and self.ks >= 1 and (self.ks == 1 or itemsize == 2))
 
 
-@dataclass(frozen=True)
-class Loaders(Config):
-    """A tile whose slices are read by LD subgroups of their own (loaders) while the WM x WN subgroups multiply:
-    the loaders keep PF slices in flight in their registers (PF up to 4) and store each into the stage the
-    multiplying subgroups are not reading, so the multiplies never wait on a global read or a shared-memory store,
-    and one barrier separates slices (two stages, always)."""
-
-    ld: int = 4
-
-    def key(self) -> list[int]:
-        return [*super().key(), self.ld]
-
-    def label(self) -> str:
-        return f"{super().label()}/l{self.ld}"
-
-    def fits(self, frag: tuple[int, int, int], lim: Limits, itemsize: int = 2) -> bool:
-        base = Config(self.bm, self.bn, self.bk, self.wm, self.wn, self.stages, min(self.pf, 2), self.ks)
-        vw, nl = 16 // itemsize, self.ld * lim.subgroup
-        per = math.ceil(self.bm * self.bk // vw / nl) + math.ceil(self.bk * self.bn // vw / nl)  # chunks a set
-        held = self.bm * self.bn // (self.wm * self.wn * lim.subgroup)  # accumulator elements an invocation
-        return (base.fits(frag, lim, itemsize) and self.stages == 2 and 1 <= self.pf <= 4 and self.ks == 1
-                and self.ld >= 1 and (self.wm * self.wn + self.ld) * lim.subgroup <= lim.max_invocations
-                and (frag[0] * frag[1] // lim.subgroup) % 4 == 0 and 4 * self.pf * per <= held)
-
-
 CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 128, 32, 4, 4),
            Config(128, 128, 32, 2, 2), Config(64, 128, 32, 2, 4), Config(128, 64, 32, 4, 2),
            Config(64, 128, 32, 2, 2), Config(64, 64, 32, 2, 2), Config(128, 256, 16, 2, 4),
@@ -156,14 +131,7 @@ CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 1
            Config(256, 128, 32, 4, 2, 1, 1, 2),
            # the fastest on an H200 at 4096^3 (2026-12-02: 128 x 256 x 32, one stage, 64 x 64 per subgroup) split,
            # and subgroups of 128 x 32
-           Config(128, 256, 32, 2, 4, 1, 1, 2), Config(128, 256, 32, 2, 4, 1, 1, 4), Config(256, 128, 32, 2, 4, 1),
-           # 4 subgroups of 64 x 64 and two slices in flight: 240 registers or so, two workgroups a multiprocessor
-           Config(128, 128, 32, 2, 2, 2, 2), Config(128, 128, 16, 2, 2, 2, 2),
-           # the same multiplying subgroups fed by 4 loaders (Loaders)
-           Loaders(128, 128, 32, 2, 2, 2, 2, 1, 4), Loaders(128, 128, 32, 2, 2, 2, 3, 1, 4),
-           Loaders(128, 128, 32, 2, 2, 2, 4, 1, 4), Loaders(128, 128, 16, 2, 2, 2, 4, 1, 4),
-           Loaders(128, 128, 32, 4, 2, 2, 2, 1, 4), Loaders(128, 128, 32, 2, 4, 2, 2, 1, 4),
-           Loaders(128, 128, 16, 4, 2, 2, 4, 1, 4))
+           Config(128, 256, 32, 2, 4, 1, 1, 2), Config(128, 256, 32, 2, 4, 1, 1, 4), Config(256, 128, 32, 2, 4, 1))
 # int8 slices go deeper for the same shared memory (a fragment is 32 deep)
 INT8_CONFIGS = (Config(128, 128, 64, 2, 4), Config(128, 128, 64, 4, 2), Config(128, 128, 64, 4, 4),
                 Config(128, 128, 64, 2, 2), Config(64, 128, 64, 2, 4), Config(128, 64, 64, 4, 2),
@@ -439,11 +407,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     sh = vw.bit_length() - 1
     bm, bn, bk, wm, wn = cfg.bm, cfg.bn, cfg.bk, cfg.wm, cfg.wn
     sg = lim.subgroup
-    nt = wm * wn * sg  # the multiplying invocations
-    ld = getattr(cfg, "ld", 0)  # loader subgroups (Loaders), after the multiplying ones
-    nl = ld * sg
-    # the invocations that read and stage the slices, and their index among them
-    stagers, sid = (nl, "(lid - " + str(nt) + ")") if ld else (nt, "lid")
+    nt = wm * wn * sg
     tm_, tn_ = bm // wm, bn // wn  # a subgroup's block
     ffm, ffn = tm_ // fm, tn_ // fn  # its fragments along M and N
     tiles_m, tiles_n = math.ceil(m_ / bm), math.ceil(n_ / bn)
@@ -515,7 +479,7 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
 
     chunks_a = a_outer * (a_inner // vw)
     chunks_b = b_outer * (b_inner // vw)
-    per_a, per_b = math.ceil(chunks_a / stagers), math.ceil(chunks_b / stagers)
+    per_a, per_b = math.ceil(chunks_a / nt), math.ceil(chunks_b / nt)
 
     def base_index(op: _Operand, which: str) -> str:
         """The operand's start, in 16-byte units, for this workgroup's batch entry (vector operands)."""
@@ -534,21 +498,16 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
         the operand's rows (columns) are a whole number of tiles, so that no read of a chunk needs their check."""
         chunks = outer * (inner // vw)
         for c in range(per):
-            held = kept(regs, c)
-            if held:  # read into a temporary, then kept in the accumulators' elements
-                r.emit("{")
-                r.emit(f"uvec4 {regs}{c} = uvec4(0u);")
-            else:
-                r.emit(f"{regs}{c} = uvec4(0u);")
+            r.emit(f"{regs}{c} = uvec4(0u);")
             with r.block("if (true)"):
-                r.emit(f"int e = {sid} + {c * stagers};")
+                r.emit(f"int e = lid + {c * nt};")
                 # shared row `so` and chunk `si` of the tile; (gr, gc): the chunk's first element
                 row, col = spread("e", inner // vw, outer)
                 r.emit(f"int so = {row};")
                 r.emit(f"int si = ({col}) * {vw};")
                 r.emit(f"int gr = {tile_r0} + {'si' if op.col_major else 'so'};")
                 r.emit(f"int gc = {tile_c0} + {'so' if op.col_major else 'si'};")
-                guard = ([] if (c + 1) * stagers <= chunks else [f"e < {chunks}"]) + \
+                guard = ([] if (c + 1) * nt <= chunks else [f"e < {chunks}"]) + \
                     [g for g, w in ((f"gr < {op.rows}", whole[0]), (f"gc < {op.cols}", whole[1])) if not w]
                 with r.block(f"if ({' && '.join(guard) or 'true'})"):
                     if op.vec is not None:
@@ -576,46 +535,22 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
                                 r.emit(f"{x} = {glsl.cast(val, node.dtype, xt, r.need)};")
                             vals.append(x)
                         r.emit(f"{regs}{c} = {_pack(compute, vals)};")
-            if held:
-                for w, el in enumerate(held):
-                    r.emit(f"{el} = uintBitsToFloat({regs}{c}.{'xyzw'[w]});")
-                r.emit("}")
 
     def put(regs: str, per: int, chunks: int, inner: int, stride: int, at: str) -> None:
         outer = chunks // (inner // vw)
         for c in range(per):
-            e = f"({sid} + {c * stagers})"
-            cond = "" if (c + 1) * stagers <= chunks else f"if ({e} < {chunks}) "
+            e = f"(lid + {c * nt})"
+            cond = "" if (c + 1) * nt <= chunks else f"if ({e} < {chunks}) "
             row, col = spread(e, inner // vw, outer)
-            held = kept(regs, c)
-            val = f"uvec4({', '.join(f'floatBitsToUint({el})' for el in held)})" if held else f"{regs}{c}"
-            r.emit(f"{cond}sm[{at} + ({row}) * {stride} + ({col})] = {val};")
+            r.emit(f"{cond}sm[{at} + ({row}) * {stride} + ({col})] = {regs}{c};")
 
     base_a = base_index(opa, "a") if opa.vec else None
     base_b = base_index(opb, "b") if opb.vec else None
     pf = cfg.pf
-    sets = ("r", "q", "p", "o")[:pf]  # register sets: with pf > 1 the slices in flight take turns
-    # A loader's slices in flight are kept in its accumulators' elements (as float bit patterns), which it does not
-    # otherwise use: a compiler cannot tell that the loaders' registers and the multiplying subgroups' accumulators
-    # are never live in one invocation, and would hold both. A subgroup's fm x fn accumulator gives each
-    # invocation at least fm * fn / sg elements (the matrix is spread over the subgroup), whatever the layout.
-    per_el = fm * fn // sg
-    if ld and (per_el % 4 or pf * (per_a + per_b) * 4 > ffm * ffn * per_el):
-        raise ValueError(f"matmul tile {cfg.label()}: the loaders' {pf} slices in flight do not fit the "
-                         "accumulators' elements")
-
-    def kept(regs: str, c: int) -> list[str]:
-        """The accumulator elements that hold chunk c of register set `regs` ("a" or "b", then the set's letter)
-        in a loader; empty where sets are registers of their own."""
-        if not ld:
-            return []
-        f = sets.index(regs[1:]) * (per_a + per_b) + (c if regs[0] == "a" else per_a + c)
-        return [f"{acc[e // per_el // ffn][e // per_el % ffn]}[{e % per_el}]" for e in range(4 * f, 4 * f + 4)]
-
-    if not ld:
-        for s_ in sets:
-            r.emit(f"uvec4 {', '.join(f'a{s_}{c}' for c in range(per_a))};")
-            r.emit(f"uvec4 {', '.join(f'b{s_}{c}' for c in range(per_b))};")
+    sets = ("r", "q")[:pf]  # register sets: with pf 2 the slices in flight alternate between two
+    for s_ in sets:
+        r.emit(f"uvec4 {', '.join(f'a{s_}{c}' for c in range(per_a))};")
+        r.emit(f"uvec4 {', '.join(f'b{s_}{c}' for c in range(per_b))};")
     # (rows, columns) whole tiles: A is M x K, B is K x N
     whole_k = kspan % bk == 0
     whole_a, whole_b = (m_ % bm == 0, whole_k), (whole_k, n_ % bn == 0)
@@ -629,19 +564,10 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
         put(f"a{s_}", per_a, chunks_a, a_inner, a_stride, at)
         put(f"b{s_}", per_b, chunks_b, b_inner, b_stride, f"{at} + {a_size}")
 
-    if ld:
-        r.emit(f"bool loader = sgid >= {wm * wn};")  # uniform in each subgroup
-        with r.block("if (loader)"):
-            load_slice("0", sets[0])
-            store_slice("0", sets[0])
-            for j in range(1, pf + 1):  # slice j in set j % pf
-                with r.block(f"if ({j} < {nk})"):
-                    load_slice(f"{j * bk}", sets[j % pf])
-    else:
-        load_slice("0", sets[0])
-        store_slice("0", sets[0])
-        if pf == 2 and nk > 1:
-            load_slice(f"{bk}", sets[1])
+    load_slice("0", sets[0])
+    store_slice("0", sets[0])
+    if pf == 2 and nk > 1:
+        load_slice(f"{bk}", sets[1])
     r.emit("barrier();")
     a_t = f"coopmat<{ct_a}, gl_ScopeSubgroup, {fm}, {fk}, gl_MatrixUseA>"
     b_t = f"coopmat<{ct_b}, gl_ScopeSubgroup, {fk}, {fn}, gl_MatrixUseB>"
@@ -650,8 +576,12 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     r.emit(f"int arow = wr * {tm_};")
     r.emit(f"int bcol = wc * {tn_};")
 
-    def multiply() -> None:
-        """The products of the slice at `cur` in shared memory into the accumulators."""
+    def step(kt: str, load_set: str, store_set: str) -> None:
+        """Slice kt multiplied from shared memory while slice kt + pf is read into registers load_set; then slice
+        kt + 1 (read pf - 1 steps earlier, into store_set) is stored for the next step."""
+        r.emit(f"int cur = (({kt}) & 1) * {stage};" if cfg.stages == 2 else "int cur = 0;")
+        with r.block(f"if ({kt} + {pf} < {nk})"):  # the reads are in flight during the multiplies
+            load_slice(f"({kt} + {pf}) * {bk}", load_set)
         # fragments are declared in the step's block, so none is carried from one step to the next, as arrays
         # (indexed by constants): NVIDIA's 580 driver crashed creating the pipeline when they were declared as
         # several variables of one statement
@@ -671,38 +601,13 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
             for i in range(ffm):
                 for j in range(ffn):
                     r.emit(f"{acc[i][j]} = coopMatMulAdd(fa[{i}], fb[{j}], {acc[i][j]});")
-
-    def step(kt: str, load_set: str, store_set: str) -> None:
-        """Slice kt multiplied from shared memory while slice kt + pf is read into registers load_set; then slice
-        kt + 1 (read pf - 1 steps earlier, into store_set) is stored for the next step."""
-        r.emit(f"int cur = (({kt}) & 1) * {stage};" if cfg.stages == 2 else "int cur = 0;")
-        with r.block(f"if ({kt} + {pf} < {nk})"):  # the reads are in flight during the multiplies
-            load_slice(f"({kt} + {pf}) * {bk}", load_set)
-        multiply()
         if cfg.stages == 1:
             r.emit("barrier();")  # every subgroup is done with the slice before it is overwritten
         with r.block(f"if ({kt} + 1 < {nk})"):
             store_slice(f"{stage} - cur" if cfg.stages == 2 else "0", store_set)
         r.emit("barrier();")
 
-    def loader_step(kt: str, s_: str) -> None:
-        """Slice kt multiplied by the multiplying subgroups while the loaders store slice kt + 1 (read pf steps
-        earlier into set s_) into the other stage and read slice kt + 1 + pf into s_."""
-        with r.block("if (!loader)"):
-            r.emit(f"int cur = (({kt}) & 1) * {stage};")
-            multiply()
-        with r.block(f"else if ({kt} + 1 < {nk})"):
-            store_slice(f"((({kt}) + 1) & 1) * {stage}", s_)
-            with r.block(f"if ({kt} + {1 + pf} < {nk})"):
-                load_slice(f"({kt} + {1 + pf}) * {bk}", s_)
-        r.emit("barrier();")
-
-    if ld:  # pf steps a trip, so each names its register set: step j stores and reads set (j + 1) % pf
-        with r.block(f"for (int kt = 0; kt < {nk}; kt += {pf})"):
-            for j in range(pf):
-                with r.block(f"if (kt + {j} < {nk})"):
-                    loader_step(f"(kt + {j})", sets[(j + 1) % pf])
-    elif pf == 1:
+    if pf == 1:
         with r.block(f"for (int kt = 0; kt < {nk}; kt++)"):
             step("kt", sets[0], sets[0])
     else:  # two steps a trip, so each names its register sets: even steps read into the first, odd the second
@@ -719,8 +624,6 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
     scratch = BufferRef(dtypes.float32, ks * nb * m_ * n_) if ks > 1 else None
     if scratch is not None:
         r.emit(f"int kb = kz * {nb} + bt;")
-    if ld:
-        r.emit("if (loader) return;")  # after the last barrier: the rest is the multiplying subgroups'
     cbase = r.define("int", f"sgid * {fm * c_stride}", "cb")
     r.emit("int lane = int(gl_SubgroupInvocationID);")
     for i in range(ffm):
@@ -749,8 +652,8 @@ def lower_coop(k: Kernel, mm: Node, lim: Limits, params: dict[int, int], cfg: Co
                                           if i not in r.block_types):
         return None
     name = (f"MC_{nb}_{m_}_{n_}_{k_}_{bm}x{bn}x{bk}_{wm}x{wn}_s{cfg.stages}{f'_p{pf}' if pf > 1 else ''}"
-            f"{f'_k{ks}' if ks > 1 else ''}{f'_l{ld}' if ld else ''}{'_i8' if int8 else ''}")
-    prog = _finish(r, name, nt + nl, groups, lim, shared)
+            f"{f'_k{ks}' if ks > 1 else ''}{'_i8' if int8 else ''}")
+    prog = _finish(r, name, nt, groups, lim, shared)
     prog.groups = _groups2d(groups, lim)
     if scratch is None:
         return Lowered([prog], [])
@@ -784,8 +687,6 @@ def choose(m: int, n: int, k: int, batch: int, lim: Limits, frag: tuple[int, int
     """The measured configuration for this shape class on this device (Limits.tuned), else the default."""
     cls = shape_class(m, n, k, batch, compute)
     for c, v in lim.tuned:
-        if c == cls:
-            cfg = Loaders(*v) if len(v) == 9 else Config(*v[:8])
-            if cfg.fits(frag, lim, compute.itemsize):
-                return cfg
+        if c == cls and Config(*v).fits(frag, lim, compute.itemsize):
+            return Config(*v)
     return default_config(m, n, k, batch, lim, frag, compute)
