@@ -178,11 +178,11 @@ def test_matvec_int_dot_one_row_table(monkeypatch):
     dev = device()
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "auto")
     q40, q4k = quant.FORMATS["Q4_0"], quant.FORMATS["Q4_K"]
-    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_0", [((1, 4096), (1, 4096), mv.ShapeLaunch(64, 4, 2, True)),
-                                                     ((1, 8192), (1, 16384), mv.ShapeLaunch(128, 8, 4, False)),
+    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_0", [((1, 4096), (1, 4096), mv.OneRow(64, 4, 2, True)),
+                                                     ((1, 8192), (1, 16384), mv.OneRow(128, 8, 4, False)),
                                                      ((8193, 9000), (4096, 4096),
-                                                      mv.ShapeLaunch(128, 1, 2, True, subgroup=True))])
-    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_K", [((1, 4096), (1, 4096), mv.ShapeLaunch(64, 4, 2, True))])
+                                                      mv.OneRow(128, 1, 2, True, subgroup=True))])
+    monkeypatch.setitem(mv.INT_DOT_ONE_ROW, "Q4_K", [((1, 4096), (1, 4096), mv.OneRow(64, 4, 2, True))])
     sg = dev.info.subgroup_size
     pick = mv.choose_config(dev, q40, 4096, 4096, 1, int_dot=True)
     assert (pick.wg, pick.rows, pick.unroll, pick.fold, pick.tpr) == (max(64, sg), 4, 2 if sg <= 64 else 1, True, 0)
@@ -209,39 +209,16 @@ def test_matvec_int_dot_one_row_table(monkeypatch):
         assert mv.choose_config(dev, q40, 8200, 4096, 1, int_dot=True).tpr == 0
 
 
-def test_matvec_int_dot_rows_table(monkeypatch):
-    """Past one activation row INT_DOT_ROWS' first entry for the rows' power of two whose ranges hold the shape sets
-    the launch; other shapes, other rows and a forced launch keep the defaults."""
-    _needs_shuffle()
-    dev = device()
-    monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "auto")
-    q40 = quant.FORMATS["Q4_0"]
-    monkeypatch.setitem(mv.INT_DOT_ROWS, "Q4_0", {8: [((16384, 32768), (4096, 4096),
-                                                        mv.ShapeLaunch(128, 4, 1, False, subgroup=True))]})
-    for batch in (5, 8):
-        pick = mv.choose_config(dev, q40, 28672, 4096, batch, int_dot=True)
-        assert (pick.tpr > 0, pick.rows, pick.unroll) == (True, 4, 1)
-    default = mv.SG_PREFERRED[8][1]
-    assert mv.choose_config(dev, q40, 6144, 4096, 8, int_dot=True).rows == default  # no entry for the shape
-    assert mv.choose_config(dev, q40, 28672, 4096, 16, int_dot=True).rows == mv.SG_PREFERRED[16][1]
-    assert mv.choose_config(dev, q40, 28672, 4096, 4, int_dot=True).tpr == 0  # 4 rows: AUTO_WORKGROUP_ROWS
-    forced = mv.choose_config(dev, q40, 28672, 4096, 8, int_dot=True, subgroup_rows=False)
-    assert (forced.tpr, forced.rows) == (0, mv.INT_DOT_PREFERRED["Q4_0"][8][2])
-
-
 def test_matvec_int_dot_one_row_entries():
-    """Each of INT_DOT_ONE_ROW's and INT_DOT_ROWS' entries as choose_config makes it on this device at its smallest
-    shape and its rows, on 37 rows of that K (rows past the last group or workgroup) against numpy: the
-    configurations decode runs."""
+    """Each of INT_DOT_ONE_ROW's entries as choose_config makes it on this device at its smallest shape, on 37 rows
+    of that K (rows past the last group or workgroup) against numpy: the configurations one-row decode runs."""
     _needs_int_dot()
     dev = device()
     rng = np.random.default_rng(11)
-    tables = [(fmt, 1, entries) for fmt, entries in mv.INT_DOT_ONE_ROW.items()] + \
-        [(fmt, rows, entries) for fmt, by_rows in mv.INT_DOT_ROWS.items() for rows, entries in by_rows.items()]
-    for fmt, rows, entries in tables:
+    for fmt, entries in mv.INT_DOT_ONE_ROW.items():
         f = quant.FORMATS[fmt]
         for (n_lo, _), (k_lo, _), _ in entries:
-            _int_dot_case(rng, fmt, 37, k_lo, rows, mv.choose_config(dev, f, n_lo, k_lo, rows, int_dot=True), 11)
+            _int_dot_case(rng, fmt, 37, k_lo, 1, mv.choose_config(dev, f, n_lo, k_lo, 1, int_dot=True), 11)
 
 
 def test_matvec_auto_launch_by_rows(monkeypatch):
@@ -254,7 +231,6 @@ def test_matvec_auto_launch_by_rows(monkeypatch):
     monkeypatch.setitem(mv.AUTO_WORKGROUP_ROWS, "Q4_0", 4)
     monkeypatch.setitem(mv.AUTO_WORKGROUP_ROWS, "Q4_K", 1)
     monkeypatch.setattr(mv, "INT_DOT_ONE_ROW", {})  # one row by shape: test_matvec_int_dot_one_row_table
-    monkeypatch.setattr(mv, "INT_DOT_ROWS", {})  # more rows by shape: test_matvec_int_dot_rows_table
     monkeypatch.setenv("VKGRAPH_MATVEC_LAUNCH", "auto")
     for fmt, k, batch, int_dot, wide in ((q40, 4096, 3, True, False), (q40, 4096, 4, True, False),
                                          (q40, 4096, 5, True, True), (q40, 14336, 8, True, False),
@@ -752,7 +728,7 @@ def test_glu_config_from_the_product_launch(monkeypatch):
         cfg = mv.glu_config(h200, q40, 14336, 4096, batch, int_dot=True, **kw)
         return cfg.wg, cfg.rows, cfg.tpr, cfg.unroll, cfg.rows_per_workgroup
 
-    entry = mv.shape_entry(q40, 28672, 4096)
+    entry = mv.one_row_entry(q40, 28672, 4096)
     assert entry is not None and not entry.subgroup  # the table's launch at one row: a workgroup of one subgroup
     assert launch(1) == (64 // entry.rows * 32, entry.rows, 32, entry.unroll, 64)
     # groups of 32 lanes with 2 rows would make 1024 invocations: at 8 activation rows narrower groups (4 rows

@@ -151,11 +151,11 @@ for _f, _like in (("Q4_1", "Q4_0"), ("Q5_0", "Q4_0"), ("Q5_1", "Q4_0"), ("IQ4_NL
 
 
 @dataclass(frozen=True)
-class ShapeLaunch:
-    """The integer path's launch for a class of product shapes at a number of activation rows (INT_DOT_ONE_ROW,
-    INT_DOT_ROWS): the workgroup launch (`subgroup` False: `wg` invocations own `rows` rows, `unroll` rounds of
-    units in flight) or the subgroup-rows one (`wg` invocations in groups as wide as choose_config makes them,
-    `rows` per group, `unroll` units in flight), with fold or not."""
+class OneRow:
+    """One activation row's launch on the integer path for a class of product shapes (INT_DOT_ONE_ROW): the
+    workgroup launch (`subgroup` False: `wg` invocations own `rows` rows, `unroll` rounds of units in flight) or
+    the subgroup-rows one (`wg` invocations in groups as wide as choose_config makes them, `rows` per group,
+    `unroll` units in flight), with fold or not."""
 
     wg: int
     rows: int
@@ -165,7 +165,7 @@ class ShapeLaunch:
 
 
 # The integer path at one activation row by product shape, where other launch parameters measured faster than
-# INT_DOT_PREFERRED's: by format, entries ((smallest N, largest N), (smallest K, largest K), ShapeLaunch), the first
+# INT_DOT_PREFERRED's: by format, entries ((smallest N, largest N), (smallest K, largest K), OneRow), the first
 # entry whose ranges hold the product's N and K taken; each range spans the measured shapes and less than twice
 # them, so shapes not measured (the 1B model's K = 2048; the head, where no entry names it) keep
 # INT_DOT_PREFERRED's. Measured on an H200 (2026-12-02, `bench_matvec_launch.py --wg-sweep`, Q4_0 at the 8B products,
@@ -175,52 +175,41 @@ class ShapeLaunch:
 # (2048x8192; 2026-12-03, the same sweep at --shapes 1b, finals): 1393 against 1192 with 128 invocations on one row,
 # two rounds in flight, fold. (Its q/k/v and gate/up products run fused, with launches of their own; its o product's
 # best was the default.)
-INT_DOT_ONE_ROW: dict[str, list[tuple[tuple[int, int], tuple[int, int], ShapeLaunch]]] = {
-    "Q4_0": [((4096, 8192), (4096, 4096), ShapeLaunch(128, 1, 4, True, subgroup=True)),
-             ((16384, 32768), (4096, 4096), ShapeLaunch(32, 4, 1, False)),
-             ((4096, 8192), (8192, 16384), ShapeLaunch(64, 1, 1, True)),
-             ((2048, 4095), (8192, 16383), ShapeLaunch(128, 1, 2, True))],
+INT_DOT_ONE_ROW: dict[str, list[tuple[tuple[int, int], tuple[int, int], OneRow]]] = {
+    "Q4_0": [((4096, 8192), (4096, 4096), OneRow(128, 1, 4, True, subgroup=True)),
+             ((16384, 32768), (4096, 4096), OneRow(32, 4, 1, False)),
+             ((4096, 8192), (8192, 16384), OneRow(64, 1, 1, True)),
+             ((2048, 4095), (8192, 16383), OneRow(128, 1, 2, True))],
     # Q4_K (2026-12-02, bench_matvec_launch.py --wg-sweep, the one-word unit with both runs' scales unpacked at once,
     # GB/s in the finals against INT_DOT_PREFERRED's 128 invocations and 4 rows, and the earlier subgroup-rows entry
     # for qkv, in the same run): two rows per workgroup won on every product. qkv 1442 (first pass 1504) against 1300
     # (sg) and 1484; o 1180 (1161) against 1137; gate_up 2756 (2745) against 2410, one round in flight (four read
     # 2779, but glu_config takes the product's rounds and rows, 4 rows a group there: 16 Q4_K units in flight an
     # invocation); down 2258 (2134) against 1848; the head one subgroup of 4 rows, 3763 (3713) against 3106.
-    "Q4_K": [((6144, 8192), (4096, 4096), ShapeLaunch(32, 2, 4, False)),
-             ((4096, 5120), (4096, 4096), ShapeLaunch(64, 2, 2, False)),
-             ((16384, 32768), (4096, 4096), ShapeLaunch(32, 2, 1, False)),
-             ((4096, 8192), (8192, 16384), ShapeLaunch(128, 2, 4, False)),
-             ((65536, 200000), (4096, 4096), ShapeLaunch(32, 4, 1, False))]}
+    "Q4_K": [((6144, 8192), (4096, 4096), OneRow(32, 2, 4, False)),
+             ((4096, 5120), (4096, 4096), OneRow(64, 2, 2, False)),
+             ((16384, 32768), (4096, 4096), OneRow(32, 2, 1, False)),
+             ((4096, 8192), (8192, 16384), OneRow(128, 2, 4, False)),
+             ((65536, 200000), (4096, 4096), OneRow(32, 4, 1, False))]}
 
 
-# The same past one activation row, by format and rows (rounded up to a power of two), where a product's fastest
-# launch differs from the rows' default. Measured on an H200 (2026-12-02, `bench_matvec_launch.py --nb-sweep`, Q4_0
-# at the 8B products, int8 activations, GB/s): at 8 rows gate_up's groups of 4 rows with one unit in flight 1236
-# against 1138 for SG_PREFERRED's 2 rows and 2 units (qkv and o lost as much with them: 732 against 807, ~550
-# against 660, so they keep the default; down keeps the workgroup launch, the sweep's fastest).
-INT_DOT_ROWS: dict[str, dict[int, list[tuple[tuple[int, int], tuple[int, int], ShapeLaunch]]]] = {
-    "Q4_0": {8: [((16384, 32768), (4096, 4096), ShapeLaunch(128, 4, 1, False, subgroup=True))]}}
-
-
-def shape_entry(fmt: QuantFormat, n: int, k: int, batch: int = 1) -> ShapeLaunch | None:
-    """INT_DOT_ONE_ROW's entry (one activation row) or INT_DOT_ROWS' (more) for a product of this format, shape
-    and rows (None: none holds it)."""
-    entries = INT_DOT_ONE_ROW.get(fmt.name, ()) if batch == 1 else \
-        INT_DOT_ROWS.get(fmt.name, {}).get(1 << (batch - 1).bit_length(), ())
-    return next((e for (n_lo, n_hi), (k_lo, k_hi), e in entries if n_lo <= n <= n_hi and k_lo <= k <= k_hi), None)
+def one_row_entry(fmt: QuantFormat, n: int, k: int) -> OneRow | None:
+    """INT_DOT_ONE_ROW's entry for a product of this format and shape (None: none holds it)."""
+    return next((e for (n_lo, n_hi), (k_lo, k_hi), e in INT_DOT_ONE_ROW.get(fmt.name, ())
+                 if n_lo <= n <= n_hi and k_lo <= k <= k_hi), None)
 
 
 def choose_config(dev: Device, fmt: QuantFormat, n: int, k: int, batch: int, *,
                   int_dot: bool | None = None, subgroup_rows: bool | None = None) -> MatvecConfig:
-    """Launch parameters from the device and the shape (see PREFERRED, INT_DOT_PREFERRED, INT_DOT_ONE_ROW,
-    INT_DOT_ROWS and SG_PREFERRED).
+    """Launch parameters from the device and the shape (see PREFERRED, INT_DOT_PREFERRED, INT_DOT_ONE_ROW and
+    SG_PREFERRED).
     `int_dot`: take the integer dot-product path or not; None leaves it to `int_dot_default`. `subgroup_rows`:
     the subgroup-rows launch or the workgroup one; None leaves it to `subgroup_rows_default`."""
     info = dev.info
     sg = info.subgroup_size
     if int_dot is None:
         int_dot = int_dot_default(dev, fmt)
-    entry = shape_entry(fmt, n, k, batch) if int_dot else None
+    entry = one_row_entry(fmt, n, k) if int_dot and batch == 1 else None
     if subgroup_rows is None:
         subgroup_rows = subgroup_rows_default(dev, batch, fmt, k, int_dot)
         if entry is not None and flag("VKGRAPH_MATVEC_LAUNCH") == "auto":  # the entry's launch, where it runs
@@ -280,7 +269,7 @@ def group_width(dev: Device, units: int, unroll: int) -> int:
 
 
 def _subgroup_rows_config(dev: Device, fmt: QuantFormat, n: int, units: int, bucket: int,
-                          int_dot: bool, entry: ShapeLaunch | None = None) -> MatvecConfig:
+                          int_dot: bool, entry: OneRow | None = None) -> MatvecConfig:
     """SG_PREFERRED with the group as wide as the row's units allow (`unroll` units per invocation at least),
     within the device's smallest subgroup; the workgroup a whole number of the largest subgroups. On the integer
     path, SG_INT_DOT_PREFERRED with fold and stage where the format and the device's shared memory take them."""
