@@ -436,7 +436,7 @@ _EMULATION = """
 float h_sm(int i) { return unpackHalf2x16(sm[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }
 float f_at(ivec4 f, int r, int c) {
     int i = f.z != 0 ? (f.x + c * f.y) * 8 + r : (f.x + r * f.y) * 8 + c;
-    return READ;
+    return h_sm(i);
 }
 void m_zero(out float m[AR * FN]) { for (int i = 0; i < AR * FN; i++) m[i] = 0.0; }
 void m_store(float m[AR * FN], int off, int stride) {
@@ -446,46 +446,38 @@ void m_store(float m[AR * FN], int off, int stride) {
 }
 void m_mma(ivec4 a, ivec4 b, inout float m[AR * FN]) {
     int l = int(gl_SubgroupInvocationID);
-    ROLLED for (int i = 0; i < AR; i++) ROLLED for (int c = 0; c < FN; c++) {
+    for (int i = 0; i < AR; i++) for (int c = 0; c < FN; c++) {
         float t = m[i * FN + c];
-        ROLLED for (int k = 0; k < FK; k++) t += f_at(a, l + i * SG, k) * f_at(b, k, c);
+        for (int k = 0; k < FK; k++) t += f_at(a, l + i * SG, k) * f_at(b, k, c);
         m[i * FN + c] = t;
     }
 }
 """
-# fragments read straight from the float16 rows of a buffer x (matmul_skinny's B operand)
-_EMULATION_X = "float h_x(int i) { return unpackHalf2x16(x[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }"
 _COOPMAT = r"coopmat<[^>]*>"
 
 
-def emulated(src: str, sg: int, rolled: bool = False) -> str:
-    """A float16 program of matmul_coop, matmul_quant or matmul_skinny with its cooperative matrices emulated (any
-    device with a fixed subgroup size sg that divides the fragments' rows), of the fragment shape its types name:
-    an A or B fragment is (offset, stride, column-major, in x) where it lies in shared memory or in the buffer x,
-    read when multiplied, which holds since the programs store no staged slice between a fragment's load and its
-    products; lane l of a subgroup holds rows l, l + sg, .. of each accumulator. Everything but the matrix
-    operations (staging, pipelining, K split, epilogue) is the program's own. rolled: the matrix operations'
-    loops kept rolled (matmul_skinny's emulated programs otherwise take lavapipe tens of seconds to build; with them
-    rolled, matmul_quant's two-stage 64x64x32 prefill tile with two slices in flight gave garbage at K = 512 in every
-    decoding order (0, 1 and 2) and was right at K = 96 and 256, and unrolled at all four, as on an H200: so the
-    others' are unrolled)."""
+def emulated(src: str, sg: int) -> str:
+    """A float16 program of matmul_coop or matmul_quant with its cooperative matrices emulated (any device with a
+    fixed subgroup size sg that divides the fragments' rows), of the fragment shape its types name: an A or B
+    fragment is (offset, stride, column-major) where it lies in shared memory, read when multiplied, which holds
+    since the programs store no staged slice between a fragment's load and its products; lane l of a subgroup holds
+    rows l, l + sg, .. of each accumulator. Everything but the matrix operations (staging, pipelining, K split,
+    epilogue) is the program's own. The matrix operations' loops are left for the compiler to unroll: kept rolled
+    (`[[dont_unroll]]`), matmul_quant's two-stage 64x64x32 prefill tile with two slices in flight gave garbage on
+    lavapipe at K = 512 in every decoding order (0, 1 and 2) and was right at K = 96 and 256, and unrolled at all
+    four, as on an H200."""
     fm, fn, fk = _dims(src)
-    from_x = re.search(r"coopMatLoad\([^,]+, x, ", src) is not None
-    src = src.replace("#extension GL_KHR_cooperative_matrix : require\n",
-                      "#extension GL_EXT_control_flow_attributes : require\n" if rolled else "")
+    src = src.replace("#extension GL_KHR_cooperative_matrix : require\n", "")
     src = re.sub(rf"{_COOPMAT} (\w+) = {_COOPMAT}\(0\.0\);", r"float \1[AR * FN]; m_zero(\1);", src)
     src = re.sub(rf"{_COOPMAT} (\w+)\[(\d+)\];", r"ivec4 \1[\2];", src)
-    src = re.sub(r"coopMatLoad\(([^,]+), (sm|x), (.+), (\d+), gl_CooperativeMatrixLayout(Row|Column)Major\);",
-                 lambda m: f"{m[1]} = ivec4({m[3]}, {m[4]}, {int(m[5] == 'Column')}, {int(m[2] == 'x')});", src)
+    src = re.sub(r"coopMatLoad\(([^,]+), sm, (.+), (\d+), gl_CooperativeMatrixLayout(Row|Column)Major\);",
+                 lambda m: f"{m[1]} = ivec4({m[2]}, {m[3]}, {int(m[4] == 'Column')}, 0);", src)
     src = re.sub(r"(\w+) = coopMatMulAdd\(([^,]+), ([^,]+), \1\);", r"m_mma(\2, \3, \1);", src)
     src = re.sub(r"coopMatStore\((\w+), sm, (.+), (\d+), gl_CooperativeMatrixLayoutRowMajor\);",
                  r"m_store(\1, \2, \3);", src)
     assert "coopMat" not in src and "coopmat" not in src
-    emulation = (_EMULATION_X if from_x else "") + _EMULATION.replace(
-        "READ", "f.w != 0 ? h_x(i) : h_sm(i)" if from_x else "h_sm(i)").replace(
-        "ROLLED ", "[[dont_unroll]] " if rolled else "")
     consts = f"const int SG = {sg}, FM = {fm}, FN = {fn}, FK = {fk}, AR = {fm // sg};"
-    return re.sub(r"(shared uvec4 sm\[\d+\];)", lambda m: m[1] + "\n" + consts + "\n" + emulation, src)
+    return re.sub(r"(shared uvec4 sm\[\d+\];)", lambda m: m[1] + "\n" + consts + "\n" + _EMULATION, src)
 
 
 def _dims(src: str) -> tuple[int, int, int]:
@@ -543,17 +535,17 @@ def _emulated_product(m: int, n: int, k: int, tb: bool, cfgs: list) -> None:
         _run_poisoned(dev, lowered, out, a, b)
 
 
-def emulate_coop(monkeypatch, coop=COOP, rolled: bool = False) -> Limits:
+def emulate_coop(monkeypatch, coop=COOP) -> Limits:
     """Let a device without cooperative matrices run the float16 programs that need them, emulated (`emulated`),
-    for the rest of a test: the limits say it has `coop` and every pipeline built from coopMat source is emulated
-    (`rolled` as there). Returns those limits. Skips where the device's subgroup size is not fixed or does not
+    for the rest of a test: the limits say it has `coop` and every pipeline built from coopMat source is emulated.
+    Returns those limits. Skips where the device's subgroup size is not fixed or does not
     divide 16."""
     dev = get_device()
     lim = _emulation_limits(coop)
     monkeypatch.setitem(realize_mod._limits, dev, lim)
     get = dev.pipelines.get
     monkeypatch.setattr(dev.pipelines, "get",
-                        lambda src, **kw: get(emulated(src, lim.subgroup, rolled) if "coopMat" in src else src, **kw))
+                        lambda src, **kw: get(emulated(src, lim.subgroup) if "coopMat" in src else src, **kw))
     return lim
 
 

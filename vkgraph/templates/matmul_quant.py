@@ -71,7 +71,7 @@ void scaled16(uvec4 v, f16vec2 off, f16vec2 d, out uvec4 lo, out uvec4 hi) {  //
     hi = uvec4(packFloat2x16((unpackFloat2x16(p2.x) - off) * d), packFloat2x16((unpackFloat2x16(p2.y) - off) * d),
                packFloat2x16((unpackFloat2x16(p3.x) - off) * d), packFloat2x16((unpackFloat2x16(p3.y) - off) * d));
 }"""
-FORM = 0  # the form of `levels` where a tile names none (decode tiles, matmul_skinny, the staging checks)
+FORM = 0  # the form of `levels` where a tile names none (decode tiles, the staging checks)
 # Per format: GLSL of load_q(row, e0, r0, r1, r2, sc), which reads the raw words of W[row, e0 .. e0 + 16) (e0 % 16
 # == 0) and the bits of its float16 scale (where it has one apart), and decode_q(e0, r0, r1, r2, sc, lo, hi), which
 # turns them into the 16 values as float16 pairs. WS and SS are W's row strides in 16-byte words and in float16
