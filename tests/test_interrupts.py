@@ -64,10 +64,12 @@ k = d.pipeline(SPIN)
 groups, iters = 64, 16
 while True:  # about 6 s of GPU work (a loaded machine may run it twice as fast as it was timed)
     b = d.alloc(groups * 64 * 4)
-    t = time.perf_counter()
-    d.dispatch(k, [b], (groups, 1, 1), (iters,))
-    d.synchronize()
-    dt = time.perf_counter() - t
+    dt = float("inf")
+    for _ in range(3):  # the fastest of three: a GPU shared with other processes reads some runs slow
+        t = time.perf_counter()
+        d.dispatch(k, [b], (groups, 1, 1), (iters,))
+        d.synchronize()
+        dt = min(dt, time.perf_counter() - t)
     if dt > 0.1:
         scale = 6.0 / dt
         grown = min(int(groups * scale), 65535)
@@ -100,8 +102,8 @@ def test_ctrl_c_during_a_long_wait_stops_at_once_and_the_work_can_be_waited_for(
     r = subprocess.run([sys.executable, "-c", LONG_WAIT], capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stdout + r.stderr
     stopped, waited = map(float, r.stdout.split())
-    assert stopped < 0.3 + 0.5, f"KeyboardInterrupt after {stopped:.2f} s"
-    assert waited > 0.6  # the dispatch outlasted the interrupt by far
+    assert stopped < 0.3 + 0.5, f"KeyboardInterrupt after {stopped:.2f} s (the work done after {waited:.2f} s)"
+    assert waited > 0.6, f"the work was done after {waited:.2f} s: it did not outlast the interrupt by far"
 
 
 def test_ctrl_c_stops_the_command_line_within_a_second_with_one_line(tmp_path):
