@@ -22,6 +22,7 @@ import argparse
 import numpy as np
 from common import raise_clocks, replay_us
 
+from vkgraph.quant import dequantize, random_blocks
 from vkgraph.runtime import get_device
 
 SRC = r"""#version 450
@@ -98,17 +99,17 @@ CONFIGS = [(4, 4, 1), (4, 4, 2), (4, 4, 4), (2, 4, 4), (4, 2, 4), (4, 8, 2), (8,
 
 
 def _operands(rng: np.random.Generator, n: int, k: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """Random Q4_0 rows (nibbles [n, K/2], float16 scales) and 8 int8 rows (scales stored [K/32, 8]), and the
-    product and its magnitude in float64."""
+    """Random Q4_0 rows (quant.random_blocks) split into the kernel's nibbles [n, K/2] and float16 scales, 8 int8
+    rows (scales stored [K/32, 8]), and the product and its magnitude in float64."""
     nblk = k // 32
-    q = rng.integers(0, 16, (n, nblk, 32), dtype=np.uint8)
-    d = (rng.random((n, nblk)) * 0.01 + 0.001).astype(np.float16)
-    packed = q[:, :, :16] | (q[:, :, 16:] << 4)
+    qt = random_blocks(rng, "Q4_0", n, k)
+    blocks = qt.data.reshape(n, nblk, 18)  # per block: the float16 scale, then 16 bytes of nibbles
     xq = rng.integers(-127, 128, (8, k), dtype=np.int8)
     xd = (rng.random((8, nblk)) * 0.02 + 0.001).astype(np.float32)
-    w = ((q.astype(np.float64) - 8) * d.astype(np.float64)[:, :, None]).reshape(n, k)
+    w = dequantize(qt).astype(np.float64)
     x = (xq.astype(np.float64).reshape(8, nblk, 32) * xd.astype(np.float64)[:, :, None]).reshape(8, k)
-    return [packed, d, xq, np.ascontiguousarray(xd.T)], x @ w.T, np.abs(x) @ np.abs(w).T
+    weights = [np.ascontiguousarray(blocks[:, :, 2:]), np.ascontiguousarray(blocks[:, :, :2])]
+    return [*weights, xq, np.ascontiguousarray(xd.T)], x @ w.T, np.abs(x) @ np.abs(w).T
 
 
 def main() -> None:

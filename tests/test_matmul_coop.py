@@ -434,7 +434,7 @@ def test_int8_products_on_the_tiled_path_match_numpy(m, n, k):
 
 _EMULATION = """
 float h_sm(int i) { return unpackHalf2x16(sm[i >> 3][(i >> 1) & 3] >> (16u * uint(i & 1))).x; }
-float f_at(ivec4 f, int r, int c) {
+float f_at(ivec3 f, int r, int c) {
     int i = f.z != 0 ? (f.x + c * f.y) * 8 + r : (f.x + r * f.y) * 8 + c;
     return h_sm(i);
 }
@@ -444,7 +444,7 @@ void m_store(float m[AR * FN], int off, int stride) {
     for (int i = 0; i < AR; i++) for (int c = 0; c < FN; c++)
         sm[off + (l + i * SG) * stride + (c >> 2)][c & 3] = floatBitsToUint(m[i * FN + c]);
 }
-void m_mma(ivec4 a, ivec4 b, inout float m[AR * FN]) {
+void m_mma(ivec3 a, ivec3 b, inout float m[AR * FN]) {
     int l = int(gl_SubgroupInvocationID);
     for (int i = 0; i < AR; i++) for (int c = 0; c < FN; c++) {
         float t = m[i * FN + c];
@@ -469,9 +469,9 @@ def emulated(src: str, sg: int) -> str:
     fm, fn, fk = _dims(src)
     src = src.replace("#extension GL_KHR_cooperative_matrix : require\n", "")
     src = re.sub(rf"{_COOPMAT} (\w+) = {_COOPMAT}\(0\.0\);", r"float \1[AR * FN]; m_zero(\1);", src)
-    src = re.sub(rf"{_COOPMAT} (\w+)\[(\d+)\];", r"ivec4 \1[\2];", src)
+    src = re.sub(rf"{_COOPMAT} (\w+)\[(\d+)\];", r"ivec3 \1[\2];", src)
     src = re.sub(r"coopMatLoad\(([^,]+), sm, (.+), (\d+), gl_CooperativeMatrixLayout(Row|Column)Major\);",
-                 lambda m: f"{m[1]} = ivec4({m[2]}, {m[3]}, {int(m[4] == 'Column')}, 0);", src)
+                 lambda m: f"{m[1]} = ivec3({m[2]}, {m[3]}, {int(m[4] == 'Column')});", src)
     src = re.sub(r"(\w+) = coopMatMulAdd\(([^,]+), ([^,]+), \1\);", r"m_mma(\2, \3, \1);", src)
     src = re.sub(r"coopMatStore\((\w+), sm, (.+), (\d+), gl_CooperativeMatrixLayoutRowMajor\);",
                  r"m_store(\1, \2, \3);", src)
@@ -538,8 +538,7 @@ def _emulated_product(m: int, n: int, k: int, tb: bool, cfgs: list) -> None:
 def emulate_coop(monkeypatch, coop=COOP) -> Limits:
     """Let a device without cooperative matrices run the float16 programs that need them, emulated (`emulated`),
     for the rest of a test: the limits say it has `coop` and every pipeline built from coopMat source is emulated.
-    Returns those limits. Skips where the device's subgroup size is not fixed or does not
-    divide 16."""
+    Returns those limits. Skips where the device's subgroup size is not fixed or does not divide 16."""
     dev = get_device()
     lim = _emulation_limits(coop)
     monkeypatch.setitem(realize_mod._limits, dev, lim)
