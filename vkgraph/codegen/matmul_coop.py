@@ -131,11 +131,7 @@ CONFIGS = (Config(128, 128, 32, 2, 4), Config(128, 128, 32, 4, 2), Config(128, 1
            Config(256, 128, 32, 4, 2, 1, 1, 2),
            # the fastest on an H200 at 4096^3 (2026-12-02: 128 x 256 x 32, one stage, 64 x 64 per subgroup) split,
            # and subgroups of 128 x 32
-           Config(128, 256, 32, 2, 4, 1, 1, 2), Config(128, 256, 32, 2, 4, 1, 1, 4), Config(256, 128, 32, 2, 4, 1),
-           # 4 subgroups of 64 x 64 on 16-deep slices: 16 staging registers an invocation where 32-deep ones spilled
-           # (255 registers, RESULTS.md, nineteenth session), so that two workgroups might share a multiprocessor
-           # and cover each other's barriers
-           Config(128, 128, 16, 2, 2, 2, 1), Config(128, 128, 16, 2, 2, 1, 1))
+           Config(128, 256, 32, 2, 4, 1, 1, 2), Config(128, 256, 32, 2, 4, 1, 1, 4), Config(256, 128, 32, 2, 4, 1))
 # int8 slices go deeper for the same shared memory (a fragment is 32 deep)
 INT8_CONFIGS = (Config(128, 128, 64, 2, 4), Config(128, 128, 64, 4, 2), Config(128, 128, 64, 4, 4),
                 Config(128, 128, 64, 2, 2), Config(64, 128, 64, 2, 4), Config(128, 64, 64, 4, 2),
