@@ -828,7 +828,7 @@ def test_tiled_integer_product_is_exact():
 def test_an_older_validation_layer_leaves_off_what_it_cannot_check(layer):
     from types import SimpleNamespace
 
-    from vkgraph.runtime.device import CoopFlexShape, CoopVecTypes, Device, vk
+    from vkgraph.runtime.device import CoopFlexShape, CoopVecTypes, Device, layer_knows_hand_laid, vk
 
     shapes = tuple(CoopShape(*c[:3], *c[3:], scope="subgroup") for c in COOP)
     flexible = tuple(CoopFlexShape(32, 32, 16, t, t, "float32", "float32", invocations=256)
@@ -843,9 +843,12 @@ def test_an_older_validation_layer_leaves_off_what_it_cannot_check(layer):
     kept = {s.a for s in stub.info.cooperative_matrix}
     assert kept == {(1, 3, 239): set(), (1, 3, 280): {"float16"}, (1, 3, 301): {"float16"},
                     (1, 4, 320): {"float16", "bfloat16"}}[layer]
-    # VK_NV_cooperative_matrix2 (workgroup scope) is known to layers from 1.3.300
-    assert {s.a for s in stub.info.cooperative_matrix_flexible} == (kept if layer >= (1, 3, 300) else set())
-    assert stub.info.cooperative_matrix_tensor_addressing == (layer >= (1, 3, 300))
-    assert len(stub.info.cooperative_vector) == (layer >= (1, 3, 300))
-    assert stub.info.cooperative_vector_max_components == (64 if layer >= (1, 3, 300) else 0)
+    # VK_NV_cooperative_matrix2 (workgroup scope) and VK_NV_cooperative_vector are known to layers from 1.3.300:
+    # older ones never see them queried (their property structures would be reported), newer ones keep them
+    assert layer_knows_hand_laid(stub.validation_version) == (layer >= (1, 3, 300))
+    assert layer_knows_hand_laid(None)
+    if layer >= (1, 3, 300):
+        assert {s.a for s in stub.info.cooperative_matrix_flexible} == kept
+        assert stub.info.cooperative_matrix_tensor_addressing
+        assert len(stub.info.cooperative_vector) == 1 and stub.info.cooperative_vector_max_components == 64
     assert stub.info.bfloat16_cooperative_matrix == (layer >= (1, 4, 311))

@@ -304,12 +304,11 @@ class Device:
     def _within_validation(self) -> None:
         """Leave off the extensions an older validation layer does not know: it reports their structures as
         errors (VUID-VkDeviceCreateInfo-pNext-pNext) and cannot check their use, so a validated run tests the
-        paths it can check; cooperative matrices then read as absent."""
+        paths it can check; cooperative matrices then read as absent. (The hand-laid NVIDIA extensions are not
+        even queried then: layer_knows_hand_laid.)"""
         v = self.validation_version
         if v is None:
             return
-        if v < _COOP2_LAYER_VERSION:
-            _leave_off_nvidia(self.info)
         if v < _COOP_LAYER_VERSION:
             self.info.cooperative_matrix, self.info.bfloat16_cooperative_matrix = (), False
         elif v < _BF16_LAYER_VERSION and self.info.bfloat16_cooperative_matrix:
@@ -346,7 +345,8 @@ class Device:
             raise DeviceError("Vulkan found no physical device (install mesa-vulkan-drivers for lavapipe)")
         handles = ffi.new("VkPhysicalDevice[]", count[0])
         check(lib.vkEnumeratePhysicalDevices(self.instance, count, handles), "vkEnumeratePhysicalDevices")
-        return [(handles[i], _query_info(handles[i], self.instance)) for i in range(count[0])]
+        hand_laid = layer_knows_hand_laid(self.validation_version)
+        return [(handles[i], _query_info(handles[i], self.instance, hand_laid)) for i in range(count[0])]
 
     def physical_devices(self) -> list[tuple[str, bool]]:
         """Every physical device Vulkan lists, in its order (what VKGRAPH_DEVICE's index counts): (name, whether it
@@ -634,6 +634,12 @@ def _bf16_features(k: Keep, enable: bool = False) -> Any:
     return ffi.cast("void*", raw)
 
 
+def layer_knows_hand_laid(validation_version: int | None) -> bool:
+    """Whether the NVIDIA extensions laid out by hand may be queried and enabled: no validation layer, or one that
+    knows their structures (an older one reports each query of their properties as an error)."""
+    return validation_version is None or validation_version >= _COOP2_LAYER_VERSION
+
+
 def _leave_off_nvidia(info: DeviceInfo) -> None:
     """Clear what the NVIDIA extensions laid out by hand (cooperative_matrix2, cooperative_vector) put on info."""
     info.cooperative_matrix_flexible, info.cooperative_matrix_tensor_addressing = (), False
@@ -783,7 +789,10 @@ def _cooperative_matrix(physical: Any, instance: Any, exts: frozenset[str]) -> t
     return tuple(shapes), bf16_ok
 
 
-def _query_info(physical: Any, instance: Any) -> DeviceInfo:
+def _query_info(physical: Any, instance: Any, hand_laid: bool = True) -> DeviceInfo:
+    """What vkgraph needs to know of a physical device. `hand_laid`: also query the NVIDIA extensions whose
+    structures vkgraph lays out by hand (cooperative_matrix2, cooperative_vector); a validation layer older than
+    them reports their property structures as errors, so a validated run leaves them unqueried."""
     k = Keep()
     base = k.new("VkPhysicalDeviceProperties*")
     lib.vkGetPhysicalDeviceProperties(physical, base)
@@ -816,9 +825,9 @@ def _query_info(physical: Any, instance: Any) -> DeviceInfo:
     dot_accel = has13 and bool(dot.integerDotProduct4x8BitPackedSignedAccelerated)
     exts = _device_extensions(physical)
     coop, bf16_coop = _cooperative_matrix(physical, instance, exts)
-    coopvec, coopvec_max = _cooperative_vector(physical, instance, exts)
-    flexible, max_dim, reserved, tensor_addressing = (_coop_flexible(physical, instance, exts, bf16_coop) if coop
-                                                      else ((), 0, 0, False))
+    coopvec, coopvec_max = _cooperative_vector(physical, instance, exts) if hand_laid else ((), 0)
+    flexible, max_dim, reserved, tensor_addressing = (_coop_flexible(physical, instance, exts, bf16_coop)
+                                                      if coop and hand_laid else ((), 0, 0, False))
     stats = False
     if STATS_EXT in exts:
         sf = k.struct("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR")
