@@ -1,3 +1,6 @@
+import gc
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -84,6 +87,32 @@ def test_released_buffer_is_returned_on_gc(dev):
     assert pool.stats.live_buffers == live + 1
     del b
     assert pool.stats.live_buffers == live
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 0])  # kept idle, or freed (through the manager's books) on return
+def test_a_buffer_collected_inside_a_held_section_is_returned_when_it_ends(dev, budget):
+    """A garbage collection runs finalizers at any allocation, also while this thread holds the pool's lock: a
+    Buffer freed by it (in a reference cycle, as an exception's traceback makes) must not wait for that lock."""
+    pool = BufferPool(dev.memory, "device")  # a pool of its own: a regression hangs it alone
+    pool.stats.budget_bytes = budget
+
+    def collect_inside_the_section():
+        cycle = [pool.alloc(4096)]
+        cycle.append(cycle)  # only the cyclic collector frees it
+        del cycle
+        with pool.lock:
+            gc.collect()  # the finalizer runs here, on the thread inside the section
+            inside.append(pool.stats.live_buffers)
+
+    inside: list[int] = []
+    t = threading.Thread(target=collect_inside_the_section, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the buffer's finalizer waited for the lock its own thread held"
+    assert inside == [1]  # still counted live inside the section
+    assert pool.stats.live_buffers == 0 and pool.stats.idle_buffers == (1 if budget else 0)
+    assert pool.stats.freed == (0 if budget else 1)
+    pool.trim(0)
 
 
 DTYPES = [np.float32, np.float16, np.float64, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32,

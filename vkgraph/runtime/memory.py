@@ -10,7 +10,8 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +90,9 @@ class Buffer:
         self.size = size
         self.pool = pool
         self.key = (alloc.handle, 0, size)  # what a descriptor binds: (VkBuffer, offset, range)
-        self._finalizer = weakref.finalize(self, pool._put, alloc)
+        # no destroy from a finalizer (collect=False): it may run in the middle of recording, where destroying an
+        # allocation would edit the queue's books under their user; the next collect does it
+        self._finalizer = weakref.finalize(self, outside_books, pool._put, alloc, False)
 
     @property
     def capacity(self) -> int:
@@ -104,7 +107,8 @@ class Buffer:
     @critical
     def release(self) -> None:
         """Return the memory to the pool now. The GPU may still be using it: the queue orders reuse after it."""
-        self._finalizer()
+        if self._finalizer.detach() is not None:  # not released before
+            self.pool._put(self.alloc)
         self.alloc = RELEASED
 
     @property
@@ -148,6 +152,54 @@ class BoundRange:
         self.key = (alloc.handle, offset, size)
 
 
+class BooksLock:
+    """The lock of the memory books (a pool's, the manager's). Finalizers reach them (a dropped Buffer returns its
+    allocation, a dropped command graph its adopted ones), and a garbage collection runs finalizers at any
+    allocation of Python objects, inside a held section too (a Buffer in a reference cycle, as an exception's
+    traceback makes, is freed that way): there a finalizer would wait forever for a lock its own thread holds. So
+    what reaches the books through `outside_books` while its thread is inside a section waits in a queue, and runs
+    once that thread's outermost section ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        _held.depth = getattr(_held, "depth", 0) + 1  # first: a collection before the lock is taken defers too
+        try:
+            self._lock.acquire()
+        except BaseException:  # interrupted while waiting
+            _held.depth -= 1
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        _held.depth -= 1
+        if not _held.depth:
+            _run_later()
+
+
+_held = threading.local()  # .depth: how many of the books' sections this thread is inside
+_later: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()  # what reached the books inside a section
+
+
+def outside_books(fn: Callable[..., None], *args: Any) -> None:
+    """fn(*args) now, or where this thread is inside a section of the books, once it has left the last one."""
+    if getattr(_held, "depth", 0):
+        _later.append((fn, args))
+    else:
+        fn(*args)
+
+
+def _run_later() -> None:
+    """Run what was queued (any thread's: this one is inside no section now)."""
+    while _later:
+        try:
+            fn, args = _later.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        fn(*args)
+
+
 @dataclass
 class PoolStats:
     live_bytes: int = 0
@@ -176,7 +228,7 @@ class BufferPool:
         self.lru: OrderedDict[int, Allocation] = OrderedDict()  # every idle allocation, least recently returned first
         self.stats = PoolStats(budget_bytes=flag("VKGRAPH_POOL_BUDGET_MB") << 20)
         self.bucket_cap = flag("VKGRAPH_POOL_BUCKET_CAP")
-        self.lock = threading.Lock()
+        self.lock = BooksLock()
         self.closed = False
         self.keep_all = 0  # while > 0 (a capture is open) released allocations are kept, never freed
         self.adopted_bytes = 0
@@ -228,9 +280,10 @@ class BufferPool:
                     f"buffers; pool: {self.stats.as_dict()}", nbytes, self.stats.as_dict()) from e
 
     @critical
-    def _put(self, alloc: Allocation) -> None:
+    def _put(self, alloc: Allocation, collect: bool = True) -> None:
         """Keep a returned allocation idle, making room by freeing the least recently returned ones (within
-        its bucket for the cap, anywhere for the budget); free it instead if it alone exceeds the budget."""
+        its bucket for the cap, anywhere for the budget); free it instead if it alone exceeds the budget.
+        `collect`: destroy what is freed now where the GPU is done with it (else at the next collect)."""
         victims = []
         with self.lock:
             self.stats.live_bytes -= alloc.capacity
@@ -252,7 +305,7 @@ class BufferPool:
                 victims.append(alloc)
             self.stats.freed += len(victims)
         for a in victims:
-            self.memory.free_later(a)
+            self.memory.free_later(a, collect)
 
     @critical
     def _take(self, alloc: Allocation) -> Allocation:
@@ -275,9 +328,13 @@ class BufferPool:
                     taken.append(a)
         return taken
 
-    @critical
     def release_adopted(self, allocs: list[Allocation]) -> None:
-        """Give a destroyed command graph's allocations back, as idle (or freed over the budget)."""
+        """Give a destroyed command graph's allocations back, as idle (or freed over the budget); from the graph's
+        finalizer too, so through outside_books."""
+        outside_books(self._release_adopted, allocs)
+
+    @critical
+    def _release_adopted(self, allocs: list[Allocation]) -> None:
         for a in allocs:
             with self.lock:
                 self.adopted_bytes -= a.capacity
@@ -305,8 +362,8 @@ class _Unpooled:
     def __init__(self, memory: MemoryManager) -> None:
         self.memory = memory
 
-    def _put(self, alloc: Allocation) -> None:
-        self.memory.free_later(alloc)
+    def _put(self, alloc: Allocation, collect: bool = True) -> None:
+        self.memory.free_later(alloc, collect)
 
 
 class MemoryManager:
@@ -322,7 +379,7 @@ class MemoryManager:
         self.heap_sizes = [props.memoryHeaps[i].size for i in range(props.memoryHeapCount)]
         self.unified = device.info.unified_memory
         self.pending_free: list[Allocation] = []
-        self.lock = threading.Lock()
+        self.lock = BooksLock()
         self.pool = BufferPool(self, "device")
         self.staging = BufferPool(self, "upload")
         self.readback = BufferPool(self, "download")
@@ -441,17 +498,23 @@ class MemoryManager:
         return Buffer(self._track(alloc), host.nbytes, _Unpooled(self))
 
     @critical
-    def free_later(self, alloc: Allocation) -> None:
-        """Destroy once the GPU has finished every submission that used it."""
+    def free_later(self, alloc: Allocation, collect: bool = True) -> None:
+        """Destroy once the GPU has finished every submission that used it (`collect`: look now; else the next
+        collect does, after a wait at the latest)."""
         if self.destroyed:
             return
         with self.lock:
             self.pending_free.append(alloc)
-        self.collect()
+        if collect:
+            self.collect()
+
+    def collect(self) -> None:
+        """Destroy pending allocations whose last use has completed (from a queue's wait, which a command graph's
+        finalizer makes, too: so through outside_books)."""
+        outside_books(self._collect)
 
     @critical
-    def collect(self) -> None:
-        """Destroy pending allocations whose last use has completed."""
+    def _collect(self) -> None:
         queue = getattr(self.device, "queue", None)
         done = queue.completed if queue is not None else float("inf")
         with self.lock:
