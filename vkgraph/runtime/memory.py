@@ -92,7 +92,7 @@ class Buffer:
         self.key = (alloc.handle, 0, size)  # what a descriptor binds: (VkBuffer, offset, range)
         # no destroy from a finalizer (collect=False): it may run in the middle of recording, where destroying an
         # allocation would edit the queue's books under their user; the next collect does it
-        self._finalizer = weakref.finalize(self, outside_books, pool._put, alloc, False)
+        self._finalizer = weakref.finalize(self, outside_books, pool.books, pool._put, alloc, False)
 
     @property
     def capacity(self) -> int:
@@ -152,52 +152,31 @@ class BoundRange:
         self.key = (alloc.handle, offset, size)
 
 
-class BooksLock:
-    """The lock of the memory books (a pool's, the manager's). Finalizers reach them (a dropped Buffer returns its
-    allocation, a dropped command graph its adopted ones), and a garbage collection runs finalizers at any
-    allocation of Python objects, inside a held section too (a Buffer in a reference cycle, as an exception's
-    traceback makes, is freed that way): there a finalizer would wait forever for a lock its own thread holds. So
-    what reaches the books through `outside_books` while its thread is inside a section waits in a queue, and runs
-    once that thread's outermost section ends."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def __enter__(self) -> None:
-        _held.depth = getattr(_held, "depth", 0) + 1  # first: a collection before the lock is taken defers too
-        try:
-            self._lock.acquire()
-        except BaseException:  # interrupted while waiting
-            _held.depth -= 1
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-        _held.depth -= 1
-        if not _held.depth:
-            _run_later()
+# Finalizers reach the memory books (a dropped Buffer returns its allocation, a dropped command graph its adopted
+# ones and collects), and a garbage collection runs finalizers at any allocation of Python objects, also inside a
+# section that holds one of the books' locks (a Buffer in a reference cycle, as an exception's traceback makes, is
+# freed by the collector). There a finalizer must neither wait for the lock its own thread holds nor edit the books
+# under their user, so the books' locks are reentrant only for `_is_owned` (what threading.Condition asks of a lock)
+# to tell the case, and what a finalizer brings is then queued until a pool's next allocation or the next collect.
+_later: deque[tuple[tuple[Any, ...], Callable[..., None], tuple[Any, ...]]] = deque()
 
 
-_held = threading.local()  # .depth: how many of the books' sections this thread is inside
-_later: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()  # what reached the books inside a section
-
-
-def outside_books(fn: Callable[..., None], *args: Any) -> None:
-    """fn(*args) now, or where this thread is inside a section of the books, once it has left the last one."""
-    if getattr(_held, "depth", 0):
-        _later.append((fn, args))
+def outside_books(locks: tuple[Any, ...], fn: Callable[..., None], *args: Any) -> None:
+    """fn(*args) now, or queued where this thread holds one of `locks` (the books' locks fn takes)."""
+    if any(lk._is_owned() for lk in locks):
+        _later.append((locks, fn, args))
     else:
         fn(*args)
 
 
 def _run_later() -> None:
-    """Run what was queued (any thread's: this one is inside no section now)."""
-    while _later:
+    """Run what finalizers queued (any thread's), each where its locks are free of this thread (else it stays)."""
+    for _ in range(len(_later)):
         try:
-            fn, args = _later.popleft()
+            locks, fn, args = _later.popleft()
         except IndexError:  # another thread took the last one
             return
-        fn(*args)
+        outside_books(locks, fn, *args)
 
 
 @dataclass
@@ -228,7 +207,8 @@ class BufferPool:
         self.lru: OrderedDict[int, Allocation] = OrderedDict()  # every idle allocation, least recently returned first
         self.stats = PoolStats(budget_bytes=flag("VKGRAPH_POOL_BUDGET_MB") << 20)
         self.bucket_cap = flag("VKGRAPH_POOL_BUCKET_CAP")
-        self.lock = BooksLock()
+        self.lock = threading.RLock()  # see outside_books
+        self.books = (self.lock, memory.lock)  # what a return takes
         self.closed = False
         self.keep_all = 0  # while > 0 (a capture is open) released allocations are kept, never freed
         self.adopted_bytes = 0
@@ -264,6 +244,8 @@ class BufferPool:
         with self.lock:
             self.stats.live_bytes += cap
             self.stats.live_buffers += 1
+        if _later:  # returns a collection inside this call's sections queued (outside_books)
+            _run_later()
         return Buffer(alloc, nbytes, self)
 
     def _allocate(self, cap: int, nbytes: int) -> Allocation:
@@ -331,7 +313,7 @@ class BufferPool:
     def release_adopted(self, allocs: list[Allocation]) -> None:
         """Give a destroyed command graph's allocations back, as idle (or freed over the budget); from the graph's
         finalizer too, so through outside_books."""
-        outside_books(self._release_adopted, allocs)
+        outside_books(self.books, self._release_adopted, allocs)
 
     @critical
     def _release_adopted(self, allocs: list[Allocation]) -> None:
@@ -361,6 +343,7 @@ class _Unpooled:
 
     def __init__(self, memory: MemoryManager) -> None:
         self.memory = memory
+        self.books = (memory.lock,)  # what a return takes
 
     def _put(self, alloc: Allocation, collect: bool = True) -> None:
         self.memory.free_later(alloc, collect)
@@ -379,7 +362,7 @@ class MemoryManager:
         self.heap_sizes = [props.memoryHeaps[i].size for i in range(props.memoryHeapCount)]
         self.unified = device.info.unified_memory
         self.pending_free: list[Allocation] = []
-        self.lock = BooksLock()
+        self.lock = threading.RLock()  # see outside_books
         self.pool = BufferPool(self, "device")
         self.staging = BufferPool(self, "upload")
         self.readback = BufferPool(self, "download")
@@ -511,7 +494,9 @@ class MemoryManager:
     def collect(self) -> None:
         """Destroy pending allocations whose last use has completed (from a queue's wait, which a command graph's
         finalizer makes, too: so through outside_books)."""
-        outside_books(self._collect)
+        if _later:
+            _run_later()
+        outside_books((self.lock,), self._collect)
 
     @critical
     def _collect(self) -> None:
