@@ -90,9 +90,7 @@ class Buffer:
         self.size = size
         self.pool = pool
         self.key = (alloc.handle, 0, size)  # what a descriptor binds: (VkBuffer, offset, range)
-        # no destroy from a finalizer (collect=False): it may run in the middle of recording, where destroying an
-        # allocation would edit the queue's books under their user; the next collect does it
-        self._finalizer = weakref.finalize(self, outside_books, pool.books, pool._put, alloc, False)
+        self._finalizer = weakref.finalize(self, outside_books, pool.books, pool._put, alloc)
 
     @property
     def capacity(self) -> int:
@@ -107,8 +105,7 @@ class Buffer:
     @critical
     def release(self) -> None:
         """Return the memory to the pool now. The GPU may still be using it: the queue orders reuse after it."""
-        if self._finalizer.detach() is not None:  # not released before
-            self.pool._put(self.alloc)
+        self._finalizer()
         self.alloc = RELEASED
 
     @property
@@ -262,10 +259,9 @@ class BufferPool:
                     f"buffers; pool: {self.stats.as_dict()}", nbytes, self.stats.as_dict()) from e
 
     @critical
-    def _put(self, alloc: Allocation, collect: bool = True) -> None:
+    def _put(self, alloc: Allocation) -> None:
         """Keep a returned allocation idle, making room by freeing the least recently returned ones (within
-        its bucket for the cap, anywhere for the budget); free it instead if it alone exceeds the budget.
-        `collect`: destroy what is freed now where the GPU is done with it (else at the next collect)."""
+        its bucket for the cap, anywhere for the budget); free it instead if it alone exceeds the budget."""
         victims = []
         with self.lock:
             self.stats.live_bytes -= alloc.capacity
@@ -287,7 +283,7 @@ class BufferPool:
                 victims.append(alloc)
             self.stats.freed += len(victims)
         for a in victims:
-            self.memory.free_later(a, collect)
+            self.memory.free_later(a)
 
     @critical
     def _take(self, alloc: Allocation) -> Allocation:
@@ -345,8 +341,8 @@ class _Unpooled:
         self.memory = memory
         self.books = (memory.lock,)  # what a return takes
 
-    def _put(self, alloc: Allocation, collect: bool = True) -> None:
-        self.memory.free_later(alloc, collect)
+    def _put(self, alloc: Allocation) -> None:
+        self.memory.free_later(alloc)
 
 
 class MemoryManager:
@@ -481,15 +477,13 @@ class MemoryManager:
         return Buffer(self._track(alloc), host.nbytes, _Unpooled(self))
 
     @critical
-    def free_later(self, alloc: Allocation, collect: bool = True) -> None:
-        """Destroy once the GPU has finished every submission that used it (`collect`: look now; else the next
-        collect does, after a wait at the latest)."""
+    def free_later(self, alloc: Allocation) -> None:
+        """Destroy once the GPU has finished every submission that used it."""
         if self.destroyed:
             return
         with self.lock:
             self.pending_free.append(alloc)
-        if collect:
-            self.collect()
+        self.collect()
 
     def collect(self) -> None:
         """Destroy pending allocations whose last use has completed (from a queue's wait, which a command graph's
