@@ -152,22 +152,25 @@ class BoundRange:
 # Finalizers reach the memory books (a dropped Buffer returns its allocation, a dropped command graph its adopted
 # ones and collects), and a garbage collection runs finalizers at any allocation of Python objects, also inside a
 # section that holds one of the books' locks (a Buffer in a reference cycle, as an exception's traceback makes, is
-# freed by the collector). There a finalizer must neither wait for the lock its own thread holds nor edit the books
-# under their user, so the books' locks are reentrant only for `_is_owned` (what threading.Condition asks of a lock)
-# to tell the case, and what a finalizer brings is then queued until a pool's next allocation or the next collect.
+# freed by the collector): there a finalizer would wait forever for the lock its own thread holds. So what a
+# finalizer brings goes through outside_books, and waits in a queue for a pool's next allocation or the next
+# collect wherever a lock it needs is taken.
 _later: deque[tuple[tuple[Any, ...], Callable[..., None], tuple[Any, ...]]] = deque()
 
 
 def outside_books(locks: tuple[Any, ...], fn: Callable[..., None], *args: Any) -> None:
-    """fn(*args) now, or queued where this thread holds one of `locks` (the books' locks fn takes)."""
-    if any(lk._is_owned() for lk in locks):
-        _later.append((locks, fn, args))
-    else:
-        fn(*args)
+    """fn(*args) now if every one of `locks` (the books' locks fn takes) is free, else queued: taken by this thread
+    fn would never get it, and taken by another, a later point serves as well."""
+    for lk in locks:
+        if not lk.acquire(blocking=False):
+            _later.append((locks, fn, args))
+            return
+        lk.release()
+    fn(*args)
 
 
 def _run_later() -> None:
-    """Run what finalizers queued (any thread's), each where its locks are free of this thread (else it stays)."""
+    """Run what finalizers queued (any thread's), each where its locks are free (else it stays queued)."""
     for _ in range(len(_later)):
         try:
             locks, fn, args = _later.popleft()
@@ -204,7 +207,7 @@ class BufferPool:
         self.lru: OrderedDict[int, Allocation] = OrderedDict()  # every idle allocation, least recently returned first
         self.stats = PoolStats(budget_bytes=flag("VKGRAPH_POOL_BUDGET_MB") << 20)
         self.bucket_cap = flag("VKGRAPH_POOL_BUCKET_CAP")
-        self.lock = threading.RLock()  # see outside_books
+        self.lock = threading.Lock()
         self.books = (self.lock, memory.lock)  # what a return takes
         self.closed = False
         self.keep_all = 0  # while > 0 (a capture is open) released allocations are kept, never freed
@@ -358,7 +361,7 @@ class MemoryManager:
         self.heap_sizes = [props.memoryHeaps[i].size for i in range(props.memoryHeapCount)]
         self.unified = device.info.unified_memory
         self.pending_free: list[Allocation] = []
-        self.lock = threading.RLock()  # see outside_books
+        self.lock = threading.Lock()
         self.pool = BufferPool(self, "device")
         self.staging = BufferPool(self, "upload")
         self.readback = BufferPool(self, "download")
