@@ -253,7 +253,7 @@ class BufferPool:
             return self.memory.allocate(cap, self.kind)
         except OutOfDeviceMemory:
             self.trim(0)
-            self.memory.collect()
+            self.memory._collect()  # waiting for the books if another thread holds them: the retry needs it done
             try:
                 return self.memory.allocate(cap, self.kind)
             except OutOfDeviceMemory as e:
