@@ -158,6 +158,7 @@ class BoundRange:
 _later: deque[tuple[tuple[Any, ...], Callable[..., None], tuple[Any, ...]]] = deque()
 
 
+@critical
 def outside_books(locks: tuple[Any, ...], fn: Callable[..., None], *args: Any) -> None:
     """fn(*args) now if every one of `locks` (the books' locks fn takes) is free, else queued: taken by this thread
     fn would never get it, and taken by another, a later point serves as well."""
@@ -169,6 +170,7 @@ def outside_books(locks: tuple[Any, ...], fn: Callable[..., None], *args: Any) -
     fn(*args)
 
 
+@critical  # an interrupt between taking an item and running it would lose a returned allocation
 def _run_later() -> None:
     """Run what finalizers queued (any thread's), each where its locks are free (else it stays queued)."""
     for _ in range(len(_later)):
