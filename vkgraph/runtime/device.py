@@ -789,7 +789,7 @@ def _cooperative_matrix(physical: Any, instance: Any, exts: frozenset[str]) -> t
     return tuple(shapes), bf16_ok
 
 
-def _query_info(physical: Any, instance: Any, hand_laid: bool = True) -> DeviceInfo:
+def _query_info(physical: Any, instance: Any, hand_laid: bool) -> DeviceInfo:
     """What vkgraph needs to know of a physical device. `hand_laid`: also query the NVIDIA extensions whose
     structures vkgraph lays out by hand (cooperative_matrix2, cooperative_vector); a validation layer older than
     them reports their property structures as errors, so a validated run leaves them unqueried."""
